@@ -1,0 +1,61 @@
+"""Environment defaults that let vLLM's CPU build start with nothing set by the user.
+
+vLLM reads these variables when the engine config is made and when workers start, so they are set
+in this process before either happens (workers inherit them). A value the user set is never
+changed. Each default applied is returned so the caller can log it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+
+__all__ = ["apply_cpu_defaults", "is_cpu_platform", "uses_mla"]
+
+_GIB = 1024**3
+
+
+def is_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def uses_mla(config_dict: dict) -> bool:
+    """True for DeepSeek-V2/V3-style attention (Kimi-K2 and K2.5 too), possibly nested."""
+    for candidate in (config_dict, config_dict.get("text_config") or {}):
+        if isinstance(candidate, dict) and candidate.get("kv_lora_rank"):
+            return True
+    return False
+
+
+def _thread_binding(world_size: int) -> str:
+    """Split the CPUs this process may use into one contiguous group per worker."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < world_size:
+        raise ValueError(
+            f"{world_size} CPU workers need at least {world_size} CPUs; this process has "
+            f"{len(cpus)}. Set VLLM_CPU_OMP_THREADS_BIND yourself to oversubscribe."
+        )
+    per_worker = len(cpus) // world_size
+    groups = [cpus[i * per_worker : (i + 1) * per_worker] for i in range(world_size)]
+    return "|".join(",".join(str(cpu) for cpu in group) for group in groups)
+
+
+def apply_cpu_defaults(world_size: int, config_dict: dict) -> dict[str, str]:
+    """Set sane CPU-build defaults for unset variables; return those that were set."""
+    chosen: dict[str, str] = {}
+    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        # vLLM's own default takes half the RAM per worker, which kills tensor-parallel runs.
+        total_gib = psutil.virtual_memory().total / _GIB
+        per_worker = max(1, min(8, int(total_gib * 0.1 / max(world_size, 1))))
+        chosen["VLLM_CPU_KVCACHE_SPACE"] = str(per_worker)
+    if world_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        # "auto" binding asserts on machines with fewer NUMA nodes than workers.
+        chosen["VLLM_CPU_OMP_THREADS_BIND"] = _thread_binding(world_size)
+    if uses_mla(config_dict) and "VLLM_MLA_DISABLE" not in os.environ:
+        # There is no MLA kernel on CPU; vLLM then runs plain attention on decompressed KV.
+        chosen["VLLM_MLA_DISABLE"] = "1"
+    os.environ.update(chosen)
+    return chosen

@@ -1,0 +1,245 @@
+"""Worker extension that captures the residual stream after chosen decoder layers.
+
+vLLM mixes this class into its worker (`ParallelConfig.worker_extension_cls`); the generator calls
+its `speculators_*` methods through `collective_rpc`. Capture works by forward hooks on the decoder
+layers, so it needs no per-architecture forward code and no `supports_eagle3` gate: any model whose
+layers sit in a module list and return a tensor or `(hidden_states, residual)` is covered, DeepSeek
+V2/V3 and Kimi-K2/K2.5 (layers nested in a multimodal wrapper) included.
+
+Rows go straight into the per-request shared-memory files made by the driver (see `transfer.py`):
+for every forward step, the model runner's own batch layout says which rows belong to which request
+and at which positions.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speculators_vllm016.data_generation.layer_capture import (
+    find_decoder_layers,
+    residual_scale,
+    residual_stream,
+)
+from speculators_vllm016.data_generation.transfer import map_shared
+
+__all__ = ["HiddenStatesWorkerExtension"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Segment:
+    """Rows `[row, row + count)` of this step's batch are positions `[start, start + count)`."""
+
+    request_id: str
+    buffer: torch.Tensor  # [num_layers, seq_len, hidden]
+    row: int
+    start: int
+    count: int
+
+
+@dataclass
+class _CaptureState:
+    layer_slots: dict[int, int]  # decoder layer index -> slot in the request's buffer
+    num_layers: int
+    hidden_size: int
+    dtype: torch.dtype
+    transfer_dir: Path
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    rows_written: dict[str, int] = field(default_factory=dict)
+    scheduler_output: Any = None  # the step being executed, None outside execute_model
+    segments: list[_Segment] | None = None
+    num_tokens: int = 0
+    hooks: list[Any] = field(default_factory=list)
+
+
+class HiddenStatesWorkerExtension:
+    """Methods mixed into vLLM's worker for hidden-state capture."""
+
+    _speculators_state: _CaptureState | None = None
+
+    def speculators_setup_capture(
+        self,
+        layer_ids: list[int],
+        num_hidden_layers: int,
+        hidden_size: int,
+        dtype: str,
+        transfer_dir: str,
+    ) -> dict[str, Any]:
+        """Hook the requested layers this rank holds; report which ones that is.
+
+        With tensor parallelism every rank holds the full residual stream, so only TP rank 0
+        captures. With pipeline parallelism each stage captures the layers it owns.
+        """
+        from vllm.distributed import get_tp_group
+
+        self.speculators_teardown()
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        layers = find_decoder_layers(model, num_hidden_layers)
+        tp_rank = get_tp_group().rank_in_group
+        torch_dtype = getattr(torch, dtype)
+        state = _CaptureState(
+            layer_slots={layer: slot for slot, layer in enumerate(layer_ids)},
+            num_layers=len(layer_ids),
+            hidden_size=hidden_size,
+            dtype=torch_dtype,
+            transfer_dir=Path(transfer_dir),
+        )
+        captured = [i for i in layer_ids if i in layers.owned] if tp_rank == 0 else []
+        for layer_index in captured:
+            layer = layers.layers[layer_index]
+            scale = residual_scale(layer, torch_dtype)
+            state.hooks.append(
+                layer.register_forward_hook(self._speculators_make_hook(layer_index, scale))
+            )
+        self._speculators_state = state
+        self._speculators_wrap_runner()
+        logger.info(
+            "hidden-state capture: %s layers %s on tp rank %d (layer list %s)",
+            type(model).__name__,
+            captured,
+            tp_rank,
+            layers.path,
+        )
+        return {
+            "tp_rank": tp_rank,
+            "captured_layers": captured,
+            "layer_path": layers.path,
+            "model_class": type(model).__name__,
+        }
+
+    def speculators_collect(self, request_ids: list[str]) -> dict[str, int]:
+        """Release the finished requests' buffers; return how many rows each received."""
+        state = self._speculators_state
+        if state is None:
+            return {}
+        written = {}
+        for request_id in request_ids:
+            state.buffers.pop(request_id, None)
+            written[request_id] = state.rows_written.pop(request_id, 0)
+        return written
+
+    def speculators_reset(self) -> None:
+        """Forget every open buffer (after a failed call on the driver)."""
+        state = self._speculators_state
+        if state is not None:
+            state.buffers.clear()
+            state.rows_written.clear()
+            state.scheduler_output = None
+            state.segments = None
+
+    def speculators_teardown(self) -> None:
+        state = self._speculators_state
+        if state is None:
+            return
+        for handle in state.hooks:
+            handle.remove()
+        self._speculators_state = None
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _speculators_wrap_runner(self) -> None:
+        runner = self.model_runner  # type: ignore[attr-defined]
+        if getattr(runner, "_speculators_wrapped", False):
+            return
+        original = runner.execute_model
+        extension = self
+
+        def execute_model(scheduler_output, *args, **kwargs):
+            state = extension._speculators_state
+            if state is not None:
+                state.scheduler_output = scheduler_output
+                state.segments = None
+            try:
+                return original(scheduler_output, *args, **kwargs)
+            finally:
+                if state is not None:
+                    state.scheduler_output = None
+                    state.segments = None
+
+        runner.execute_model = execute_model
+        runner._speculators_wrapped = True
+
+    def _speculators_make_hook(self, layer_index: int, scale: float):
+        def hook(module, args, output):
+            state = self._speculators_state
+            if state is None or state.scheduler_output is None:
+                return  # a profiling or dummy forward, not a scheduled step
+            segments = self._speculators_segments(state)
+            if not segments:
+                return
+            stream = residual_stream(output)[: state.num_tokens]
+            if scale != 1.0:
+                stream = stream * scale
+            if stream.device.type != "cpu":
+                stream = stream.to("cpu")
+            slot = state.layer_slots[layer_index]
+            for segment in segments:
+                segment.buffer[slot, segment.start : segment.start + segment.count].copy_(
+                    stream[segment.row : segment.row + segment.count]
+                )
+                state.rows_written[segment.request_id] = (
+                    state.rows_written.get(segment.request_id, 0) + segment.count
+                )
+
+        return hook
+
+    def _speculators_segments(self, state: _CaptureState) -> list[_Segment]:
+        """This step's row layout, built once per forward from the runner's batch order."""
+        if state.segments is not None:
+            return state.segments
+        out = state.scheduler_output
+        runner = self.model_runner  # type: ignore[attr-defined]
+        starts: dict[str, int] = {}
+        for new_request in out.scheduled_new_reqs:
+            starts[new_request.req_id] = new_request.num_computed_tokens
+        cached = out.scheduled_cached_reqs
+        for request_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
+            starts[request_id] = computed
+        batch = runner.input_batch
+        order = [rid for rid in batch.req_ids[: batch.num_reqs] if rid is not None]
+        if sorted(order) != sorted(out.num_scheduled_tokens):
+            raise RuntimeError(
+                "hidden-state capture: the runner's batch does not match the scheduled requests"
+            )
+        segments: list[_Segment] = []
+        row = 0
+        for request_id in order:
+            count = out.num_scheduled_tokens[request_id]
+            buffer = state.buffers.get(request_id)
+            if buffer is None:
+                buffer = self._speculators_open(state, request_id)
+                state.buffers[request_id] = buffer
+            start = starts[request_id]
+            if start + count > buffer.shape[1]:
+                raise RuntimeError(
+                    f"hidden-state capture: request {request_id} scheduled positions "
+                    f"{start}..{start + count} beyond its {buffer.shape[1]} prompt tokens"
+                )
+            segments.append(
+                _Segment(request_id=request_id, buffer=buffer, row=row, start=start, count=count)
+            )
+            row += count
+        if row != out.total_num_scheduled_tokens:
+            raise RuntimeError(
+                f"hidden-state capture: {row} rows laid out, "
+                f"{out.total_num_scheduled_tokens} tokens scheduled"
+            )
+        state.num_tokens = row
+        state.segments = segments
+        return segments
+
+    def _speculators_open(self, state: _CaptureState, request_id: str) -> torch.Tensor:
+        path = state.transfer_dir / f"{request_id}.bin"
+        item = torch.empty((), dtype=state.dtype).element_size()
+        per_token = state.num_layers * state.hidden_size * item
+        size = path.stat().st_size
+        if size % per_token:
+            raise RuntimeError(f"hidden-state capture: {path} has an unexpected size {size}")
+        shape = (state.num_layers, size // per_token, state.hidden_size)
+        return map_shared(path, shape, state.dtype)

@@ -1,0 +1,75 @@
+"""Shared-memory files that carry captured hidden states from the workers to the driver.
+
+Each request gets one file `[num_layers, seq_len, hidden_size]` in the model dtype, created by the
+driver before the request is scheduled. The worker maps it and writes rows as the prefill chunks
+run; the driver maps it when the request has finished and unlinks it at once, so the tensors it
+returns are backed by memory that disappears with them. Nothing bulky crosses vLLM's RPC queue.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+import torch
+
+__all__ = ["TransferDir", "map_shared", "default_transfer_root"]
+
+_SHM = Path("/dev/shm")
+
+
+def default_transfer_root() -> Path:
+    """RAM-backed /dev/shm where it exists and is writable, else the temp dir (page cache)."""
+    if _SHM.is_dir() and os.access(_SHM, os.W_OK):
+        return _SHM
+    return Path(tempfile.gettempdir())
+
+
+def map_shared(path: str | os.PathLike, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Map an existing transfer file as a writable tensor shared with every other mapping."""
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    return torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
+
+
+class TransferDir:
+    """A private directory of per-request transfer files, removed on `cleanup()`."""
+
+    def __init__(self, root: str | os.PathLike | None = None) -> None:
+        base = Path(root) if root is not None else default_transfer_root()
+        self.path = base / f"speculators-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.path.mkdir(mode=0o700, parents=True)
+
+    def file_for(self, request_id: str) -> Path:
+        return self.path / f"{request_id}.bin"
+
+    def free_bytes(self) -> int:
+        return shutil.disk_usage(self.path).free
+
+    def allocate(self, request_id: str, nbytes: int) -> None:
+        """Create the request's file at its full size (sparse until written)."""
+        with open(self.file_for(request_id), "wb") as handle:
+            handle.truncate(nbytes)
+
+    def take(self, request_id: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Map the finished request's file for the caller and unlink it.
+
+        The private mapping stays valid after the unlink; its memory is freed with the tensor.
+        """
+        path = self.file_for(request_id)
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        tensor = torch.from_file(str(path), shared=False, size=numel, dtype=dtype).view(shape)
+        path.unlink()
+        return tensor
+
+    def discard(self, request_id: str) -> None:
+        self.file_for(request_id).unlink(missing_ok=True)
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)

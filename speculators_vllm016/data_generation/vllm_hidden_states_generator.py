@@ -1,0 +1,480 @@
+"""Hidden states of a target model for every prompt token, computed by vLLM 0.16's engine.
+
+The generator drives vLLM's engine pieces itself, the way `EngineCore` does: a multiprocess
+executor whose workers carry `HiddenStatesWorkerExtension`, KV caches sized from the workers' own
+memory profile, a `Scheduler`, and a step loop of `schedule` -> `execute_model` -> `sample_tokens`
+-> `update_from_output`. Each prompt becomes one request with `max_tokens=1`: its prefill (chunked
+when long) computes every prompt token, the worker copies the residual stream of the requested
+layers into a shared-memory file per request, and the request finishes normally.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from speculators_vllm016.data_generation.cpu_defaults import apply_cpu_defaults, is_cpu_platform
+from speculators_vllm016.data_generation.transfer import TransferDir
+
+__all__ = ["VllmHiddenStatesGenerator"]
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "speculators_vllm016.data_generation.custom_worker.HiddenStatesWorkerExtension"
+DEFAULT_MAX_NUM_SEQS = 32
+MIN_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """0.3.0's choice: three auxiliary layers for EAGLE-3 fusion, then the last layer."""
+    return [2, num_layers // 2, num_layers - 3, num_layers - 1]
+
+
+def normalize_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
+    """Resolve negative ids from the end; refuse ids out of range and repeats."""
+    if len(layer_ids) == 0:
+        raise ValueError("layer_ids is empty: name at least one decoder layer to capture")
+    resolved: list[int] = []
+    for layer_id in layer_ids:
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int):
+            raise ValueError(f"layer id {layer_id!r} is not an integer")
+        index = layer_id + num_layers if layer_id < 0 else layer_id
+        if not 0 <= index < num_layers:
+            raise ValueError(
+                f"layer id {layer_id} is out of range for a model with {num_layers} decoder "
+                f"layers (valid: {-num_layers}..{num_layers - 1})"
+            )
+        if index in resolved:
+            raise ValueError(f"layer id {layer_id} names decoder layer {index} twice")
+        resolved.append(index)
+    return resolved
+
+
+def _shutdown(executor: Any, transfer: TransferDir | None) -> None:
+    if executor is not None:
+        try:
+            executor.shutdown()
+        except Exception:  # noqa: BLE001 - shutdown must not raise at interpreter exit
+            logger.exception("error while shutting down the vLLM executor")
+    if transfer is not None:
+        transfer.cleanup()
+
+
+class VllmHiddenStatesGenerator:
+    """Extracts the residual stream after chosen decoder layers for every prompt token.
+
+    Example:
+        with VllmHiddenStatesGenerator("meta-llama/Llama-3.1-8B-Instruct") as generator:
+            results = generator.generate([[1, 2, 3], [4, 5]])
+        results[0]["hidden_states"]  # list of [3, hidden_size] tensors, one per layer id
+
+    Result `i` always belongs to input `i`. Sequences longer than `max_model_len` are refused with
+    a `ValueError` (0.3.0 truncated them silently); nothing is ever truncated.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        layer_ids: list[int] | None = None,
+        max_model_len: int = 2048,
+        gpu_memory_utilization: float = 0.8,
+        tensor_parallel_size: int = 1,
+        *,
+        dtype: str = "auto",
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+        max_num_batched_tokens: int | None = None,
+        pipeline_parallel_size: int = 1,
+        trust_remote_code: bool = True,
+        enforce_eager: bool = True,
+        enable_prefix_caching: bool = False,
+        transfer_root: str | os.PathLike | None = None,
+    ) -> None:
+        self.model_path = model_path
+        self.tensor_parallel_size = tensor_parallel_size
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self._executor: Any = None
+        self._transfer: TransferDir | None = None
+        self._calls = itertools.count()
+        self._finalizer: weakref.finalize | None = None
+        if not enforce_eager:
+            raise ValueError(
+                "enforce_eager=False is not supported: hidden states are captured by forward "
+                "hooks on the decoder layers, which compiled graphs do not run"
+            )
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(MIN_MAX_NUM_BATCHED_TOKENS, max_model_len)
+        try:
+            self._start(
+                layer_ids=layer_ids,
+                max_model_len=max_model_len,
+                gpu_memory_utilization=gpu_memory_utilization,
+                dtype=dtype,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                trust_remote_code=trust_remote_code,
+                enable_prefix_caching=enable_prefix_caching,
+                transfer_root=transfer_root,
+            )
+        except BaseException:
+            self.close()
+            raise
+
+    # -- start-up --------------------------------------------------------------------------------
+
+    def _start(
+        self,
+        *,
+        layer_ids: list[int] | None,
+        max_model_len: int,
+        gpu_memory_utilization: float,
+        dtype: str,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        trust_remote_code: bool,
+        enable_prefix_caching: bool,
+        transfer_root: str | os.PathLike | None,
+    ) -> None:
+        from transformers import PretrainedConfig
+        from vllm.engine.arg_utils import EngineArgs
+
+        config_dict, _ = PretrainedConfig.get_config_dict(
+            self.model_path, trust_remote_code=trust_remote_code
+        )
+        world_size = self.tensor_parallel_size * self.pipeline_parallel_size
+        if is_cpu_platform():
+            for name, value in apply_cpu_defaults(world_size, config_dict).items():
+                logger.info("vLLM CPU build: %s=%s (set it yourself to override)", name, value)
+
+        engine_args = EngineArgs(
+            model=self.model_path,
+            skip_tokenizer_init=True,
+            trust_remote_code=trust_remote_code,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            distributed_executor_backend="mp",
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=True,
+            enable_prefix_caching=enable_prefix_caching,
+            async_scheduling=False,
+            enforce_eager=True,
+            worker_extension_cls=WORKER_EXTENSION,
+            disable_log_stats=True,
+        )
+        self.vllm_config = vllm_config = engine_args.create_engine_config()
+        model_config = vllm_config.model_config
+        self.num_hidden_layers = int(model_config.hf_text_config.num_hidden_layers)
+        self.hidden_size = int(model_config.get_hidden_size())
+        self.vocab_size = int(model_config.get_vocab_size())
+        self.max_model_len = int(model_config.max_model_len)
+        # The scheduler never computes position max_model_len - 1 of a prompt (it is kept for the
+        # sampled token), so a prompt of max_model_len tokens would never finish.
+        self.max_sequence_length = self.max_model_len - 1
+        self.dtype: torch.dtype = model_config.dtype
+        self.layer_ids = normalize_layer_ids(
+            default_layer_ids(self.num_hidden_layers) if layer_ids is None else layer_ids,
+            self.num_hidden_layers,
+        )
+        self._transfer = TransferDir(transfer_root)
+        self._executor = self._make_executor()
+        self._finalizer = weakref.finalize(self, _shutdown, self._executor, self._transfer)
+        self._init_scheduler()
+        self._setup_capture()
+        logger.info(
+            "hidden-state generator ready: %s, layers %s of %d, hidden %d, %s, tp=%d pp=%d",
+            self.model_path,
+            self.layer_ids,
+            self.num_hidden_layers,
+            self.hidden_size,
+            self.dtype,
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+        )
+
+    def _make_executor(self) -> Any:
+        from vllm.v1.executor import Executor
+
+        executor_class = Executor.get_class(self.vllm_config)
+        return executor_class(self.vllm_config)
+
+    def _init_scheduler(self) -> None:
+        """KV caches, scheduler and block hasher, exactly as `EngineCore.__init__` makes them."""
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import (
+            generate_scheduler_kv_cache_config,
+            get_kv_cache_configs,
+            get_request_block_hasher,
+            init_none_hash,
+        )
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        config = self.vllm_config
+        executor = self._executor
+        kv_cache_specs = executor.get_kv_cache_specs()
+        if any(kv_cache_specs):
+            available = executor.determine_available_memory()
+        else:
+            available = [0] * len(kv_cache_specs)
+        kv_cache_configs = get_kv_cache_configs(config, kv_cache_specs, available)
+        scheduler_kv_cache_config = generate_scheduler_kv_cache_config(kv_cache_configs)
+        executor.initialize_from_config(kv_cache_configs)
+        config.cache_config.num_gpu_blocks = scheduler_kv_cache_config.num_blocks
+        config.cache_config.num_cpu_blocks = 0
+        executor.collective_rpc("initialize_cache", args=(scheduler_kv_cache_config.num_blocks, 0))
+
+        parallel = config.parallel_config
+        block_size = (
+            config.cache_config.block_size
+            * parallel.decode_context_parallel_size
+            * parallel.prefill_context_parallel_size
+        )
+        self._scheduler = Scheduler(
+            vllm_config=config,
+            kv_cache_config=scheduler_kv_cache_config,
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=block_size,
+            include_finished_set=False,
+            log_stats=False,
+        )
+        self._block_hasher = None
+        if config.cache_config.enable_prefix_caching or config.kv_transfer_config is not None:
+            hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+            init_none_hash(hash_fn)
+            self._block_hasher = get_request_block_hasher(block_size, hash_fn)
+        self.num_kv_blocks = scheduler_kv_cache_config.num_blocks
+        self.kv_block_size = block_size
+
+    def _setup_capture(self) -> None:
+        assert self._transfer is not None
+        replies = self._executor.collective_rpc(
+            "speculators_setup_capture",
+            args=(
+                self.layer_ids,
+                self.num_hidden_layers,
+                self.hidden_size,
+                str(self.dtype).removeprefix("torch."),
+                str(self._transfer.path),
+            ),
+        )
+        owners: dict[int, int] = {}
+        for reply in replies:
+            for layer in reply["captured_layers"]:
+                owners[layer] = owners.get(layer, 0) + 1
+        wrong = [layer for layer in self.layer_ids if owners.get(layer) != 1]
+        if wrong:
+            raise RuntimeError(
+                f"layers {wrong} of {replies[0]['model_class']} were not captured by exactly one "
+                f"worker (captures per layer: {owners})"
+            )
+        self.layer_path = replies[0]["layer_path"]
+        self.model_class = replies[0]["model_class"]
+
+    # -- generation -------------------------------------------------------------------------------
+
+    def _validate(self, token_ids: list[list[int]] | torch.Tensor) -> list[list[int]]:
+        if isinstance(token_ids, torch.Tensor):
+            if token_ids.dim() != 2:
+                raise ValueError(
+                    f"token_ids tensor must be 2-D [batch, seq_len], got shape "
+                    f"{tuple(token_ids.shape)}"
+                )
+            sequences = token_ids.tolist()
+        else:
+            sequences = [
+                ids.tolist() if isinstance(ids, torch.Tensor) else list(ids) for ids in token_ids
+            ]
+        if not sequences:
+            raise ValueError("token_ids is empty: pass at least one sequence")
+        for index, ids in enumerate(sequences):
+            if not ids:
+                raise ValueError(f"sequence {index} is empty")
+            if len(ids) > self.max_sequence_length:
+                raise ValueError(
+                    f"sequence {index} has {len(ids)} tokens; at most max_model_len - 1 = "
+                    f"{self.max_sequence_length} fit (vLLM keeps one position for the sampled "
+                    "token). Truncate it yourself or raise max_model_len"
+                )
+            for position, token in enumerate(ids):
+                if isinstance(token, bool) or not isinstance(token, int):
+                    raise ValueError(
+                        f"sequence {index} position {position}: token {token!r} is not an int"
+                    )
+                if not 0 <= token < self.vocab_size:
+                    raise ValueError(
+                        f"sequence {index} position {position}: token id {token} is outside the "
+                        f"vocabulary [0, {self.vocab_size})"
+                    )
+        return sequences
+
+    def generate(self, token_ids: list[list[int]] | torch.Tensor) -> list[dict]:
+        """Hidden states for every token of every sequence, in input order.
+
+        Returns one dict per input sequence: `input_ids` (LongTensor `[seq_len]`),
+        `hidden_states` (list of `[seq_len, hidden_size]` tensors in `layer_ids` order, model
+        dtype) and `loss_mask` (None; the data pipeline fills it).
+        """
+        if self._executor is None:
+            raise RuntimeError("this generator is closed")
+        sequences = self._validate(token_ids)
+        assert self._transfer is not None
+        call = next(self._calls)
+        request_ids = [f"c{call}-{index}" for index in range(len(sequences))]
+        item = torch.empty((), dtype=self.dtype).element_size()
+        per_token = len(self.layer_ids) * self.hidden_size * item
+        needed = per_token * sum(len(ids) for ids in sequences)
+        free = self._transfer.free_bytes()
+        if needed > free:
+            raise ValueError(
+                f"this batch needs {needed / 2**30:.2f} GiB of transfer space in "
+                f"{self._transfer.path.parent} but only {free / 2**30:.2f} GiB is free; pass "
+                "fewer sequences per call or choose transfer_root"
+            )
+        try:
+            for request_id, ids in zip(request_ids, sequences):
+                self._transfer.allocate(request_id, per_token * len(ids))
+                self._scheduler.add_request(self._make_request(request_id, ids))
+            self._run(set(request_ids))
+            self._check_rows(request_ids, sequences)
+            results = []
+            for request_id, ids in zip(request_ids, sequences):
+                shape = (len(self.layer_ids), len(ids), self.hidden_size)
+                states = self._transfer.take(request_id, shape, self.dtype)
+                results.append(
+                    {
+                        "input_ids": torch.tensor(ids, dtype=torch.long),
+                        "hidden_states": list(states.unbind(0)),
+                        "loss_mask": None,
+                    }
+                )
+            return results
+        except BaseException:
+            self._recover(request_ids)
+            raise
+
+    def _make_request(self, request_id: str, ids: list[int]) -> Any:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        params = SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            detokenize=False,
+            # Never serve a prompt token from the prefix cache: its hidden states would be lost.
+            skip_reading_prefix_cache=True,
+        )
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            sampling_params=params,
+            pooling_params=None,
+            eos_token_id=None,
+            arrival_time=time.time(),
+            block_hasher=self._block_hasher,
+        )
+
+    def _step(self) -> list[Any]:
+        """One engine step, as `EngineCore.step`; returns the outputs of finished requests."""
+        scheduler = self._scheduler
+        scheduler_output = scheduler.schedule()
+        self._last_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
+        future = self._executor.execute_model(scheduler_output, non_block=True)
+        grammar_output = scheduler.get_grammar_bitmask(scheduler_output)
+        model_output = future.result()
+        if model_output is None:
+            model_output = self._executor.sample_tokens(grammar_output)
+        engine_outputs = scheduler.update_from_output(scheduler_output, model_output)
+        return [
+            output
+            for outputs in engine_outputs.values()
+            for output in outputs.outputs
+            if output.finish_reason is not None
+        ]
+
+    def _run(self, pending: set[str]) -> None:
+        from vllm.v1.engine import FinishReason
+
+        idle_steps = 0
+        while pending or self._scheduler.has_requests():
+            finished = self._step()
+            if self._last_scheduled_tokens == 0 and not finished:
+                idle_steps += 1
+                if idle_steps > 2 and pending:
+                    raise RuntimeError(
+                        f"the scheduler stopped making progress with {len(pending)} requests "
+                        "unfinished (KV cache too small for one sequence?)"
+                    )
+            else:
+                idle_steps = 0
+            for output in finished:
+                if output.request_id not in pending:
+                    continue
+                if output.finish_reason != FinishReason.LENGTH:
+                    raise RuntimeError(
+                        f"request {output.request_id} ended with {output.finish_reason!s} "
+                        "instead of completing its prefill"
+                    )
+                pending.discard(output.request_id)
+
+    def _check_rows(self, request_ids: list[str], sequences: list[list[int]]) -> None:
+        replies = self._executor.collective_rpc("speculators_collect", args=(request_ids,))
+        for request_id, ids in zip(request_ids, sequences):
+            rows = sum(reply.get(request_id, 0) for reply in replies)
+            expected = len(ids) * len(self.layer_ids)
+            if rows != expected:
+                raise RuntimeError(
+                    f"request {request_id}: captured {rows} rows, expected {expected} "
+                    f"({len(ids)} tokens x {len(self.layer_ids)} layers)"
+                )
+
+    def _recover(self, request_ids: list[str]) -> None:
+        """Abort what is left of a failed call so the next call starts clean."""
+        from vllm.v1.request import RequestStatus
+
+        try:
+            self._scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+            while self._scheduler.has_requests():
+                self._step()
+            self._executor.collective_rpc("speculators_reset")
+        except Exception:  # noqa: BLE001 - the original error is the one to report
+            logger.exception("could not clean up after a failed generate() call")
+        finally:
+            if self._transfer is not None:
+                for request_id in request_ids:
+                    self._transfer.discard(request_id)
+
+    # -- lifetime ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the worker processes and remove the transfer files; safe to call twice."""
+        if self._finalizer is not None:
+            self._finalizer()
+        else:
+            _shutdown(self._executor, self._transfer)
+        self._executor = None
+        self._transfer = None
+
+    def __enter__(self) -> VllmHiddenStatesGenerator:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a destructor
+            pass
+
