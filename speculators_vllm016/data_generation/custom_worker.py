@@ -45,7 +45,7 @@ class _Segment:
 
 @dataclass
 class _CaptureState:
-    layer_slots: dict[int, int]  # decoder layer index -> slot in the request's buffer
+    layer_slots: dict[int, list[int]]  # decoder layer index -> its slots in a request's buffer
     num_layers: int
     hidden_size: int
     dtype: torch.dtype
@@ -83,14 +83,17 @@ class HiddenStatesWorkerExtension:
         layers = find_decoder_layers(model, num_hidden_layers)
         tp_rank = get_tp_group().rank_in_group
         torch_dtype = getattr(torch, dtype)
+        slots: dict[int, list[int]] = {}
+        for slot, layer in enumerate(layer_ids):
+            slots.setdefault(layer, []).append(slot)
         state = _CaptureState(
-            layer_slots={layer: slot for slot, layer in enumerate(layer_ids)},
+            layer_slots=slots,
             num_layers=len(layer_ids),
             hidden_size=hidden_size,
             dtype=torch_dtype,
             transfer_dir=Path(transfer_dir),
         )
-        captured = [i for i in layer_ids if i in layers.owned] if tp_rank == 0 else []
+        captured = [i for i in slots if i in layers.owned] if tp_rank == 0 else []
         for layer_index in captured:
             layer = layers.layers[layer_index]
             scale = residual_scale(layer, torch_dtype)
@@ -178,13 +181,13 @@ class HiddenStatesWorkerExtension:
                 stream = stream * scale
             if stream.device.type != "cpu":
                 stream = stream.to("cpu")
-            slot = state.layer_slots[layer_index]
+            layer_slots = state.layer_slots[layer_index]
             for segment in segments:
-                segment.buffer[slot, segment.start : segment.start + segment.count].copy_(
-                    stream[segment.row : segment.row + segment.count]
-                )
+                rows = stream[segment.row : segment.row + segment.count]
+                for slot in layer_slots:
+                    segment.buffer[slot, segment.start : segment.start + segment.count].copy_(rows)
                 state.rows_written[segment.request_id] = (
-                    state.rows_written.get(segment.request_id, 0) + segment.count
+                    state.rows_written.get(segment.request_id, 0) + segment.count * len(layer_slots)
                 )
 
         return hook

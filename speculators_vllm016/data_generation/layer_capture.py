@@ -50,8 +50,9 @@ def find_decoder_layers(model: nn.Module, num_hidden_layers: int) -> DecoderLaye
     Works through wrappers (a multimodal model keeping its language model one level deeper, as
     Kimi-K2.5 does) by searching the module tree rather than assuming `model.model.layers`.
     """
+    modules = dict(model.named_modules())
     candidates: list[tuple[str, nn.ModuleList]] = []
-    for name, module in model.named_modules():
+    for name, module in modules.items():
         if not isinstance(module, nn.ModuleList) or len(module) != num_hidden_layers:
             continue
         if name.rsplit(".", 1)[-1] in _LAYER_LIST_NAMES:
@@ -59,7 +60,7 @@ def find_decoder_layers(model: nn.Module, num_hidden_layers: int) -> DecoderLaye
     if not candidates:
         lists = [
             f"{name} ({len(module)})"
-            for name, module in model.named_modules()
+            for name, module in modules.items()
             if isinstance(module, nn.ModuleList)
         ]
         raise UnsupportedModelError(
@@ -67,9 +68,20 @@ def find_decoder_layers(model: nn.Module, num_hidden_layers: int) -> DecoderLaye
             f"{'/'.join(_LAYER_LIST_NAMES)} holds its {num_hidden_layers} decoder layers "
             f"(module lists found: {', '.join(lists) or 'none'})."
         )
-    # The shallowest list is the language model's own stack; deeper matches belong to towers
-    # nested inside (vision encoders, MTP heads).
-    path, layers = min(candidates, key=lambda item: item[0].count("."))
+
+    def rank(candidate: tuple[str, nn.ModuleList]) -> tuple[int, int, int]:
+        # The language model's stack sits beside its token embedding; towers nested elsewhere
+        # (vision encoders, MTP heads) do not. Then prefer "layers", then the shallowest.
+        name = candidate[0]
+        parent = modules.get(name.rsplit(".", 1)[0] if "." in name else "")
+        beside_embedding = parent is not None and hasattr(parent, "embed_tokens")
+        return (
+            0 if beside_embedding else 1,
+            _LAYER_LIST_NAMES.index(name.rsplit(".", 1)[-1]),
+            name.count("."),
+        )
+
+    path, layers = min(candidates, key=rank)
     owned = tuple(i for i, layer in enumerate(layers) if not _is_placeholder(layer))
     return DecoderLayers(path=path, layers=layers, owned=owned)
 

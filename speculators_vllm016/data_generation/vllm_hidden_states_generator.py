@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 WORKER_EXTENSION = "speculators_vllm016.data_generation.custom_worker.HiddenStatesWorkerExtension"
 DEFAULT_MAX_NUM_SEQS = 32
 MIN_MAX_NUM_BATCHED_TOKENS = 8192
+TEXT_ONLY_MODALITIES = ("image", "video", "audio", "vision_chunk")
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -38,7 +39,11 @@ def default_layer_ids(num_layers: int) -> list[int]:
 
 
 def normalize_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
-    """Resolve negative ids from the end; refuse ids out of range and repeats."""
+    """Resolve negative ids from the end and refuse ids out of range.
+
+    A layer may appear twice (0.3.0's defaults repeat one on models of fewer than 6 layers); each
+    occurrence gets its own copy in the output.
+    """
     if len(layer_ids) == 0:
         raise ValueError("layer_ids is empty: name at least one decoder layer to capture")
     resolved: list[int] = []
@@ -51,8 +56,6 @@ def normalize_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
                 f"layer id {layer_id} is out of range for a model with {num_layers} decoder "
                 f"layers (valid: {-num_layers}..{num_layers - 1})"
             )
-        if index in resolved:
-            raise ValueError(f"layer id {layer_id} names decoder layer {index} twice")
         resolved.append(index)
     return resolved
 
@@ -146,9 +149,7 @@ class VllmHiddenStatesGenerator:
         from transformers import PretrainedConfig
         from vllm.engine.arg_utils import EngineArgs
 
-        config_dict, _ = PretrainedConfig.get_config_dict(
-            self.model_path, trust_remote_code=trust_remote_code
-        )
+        config_dict, _ = PretrainedConfig.get_config_dict(self.model_path)
         world_size = self.tensor_parallel_size * self.pipeline_parallel_size
         if is_cpu_platform():
             for name, value in apply_cpu_defaults(world_size, config_dict).items():
@@ -156,7 +157,12 @@ class VllmHiddenStatesGenerator:
 
         engine_args = EngineArgs(
             model=self.model_path,
-            skip_tokenizer_init=True,
+            # Multimodal wrappers (Kimi-K2.5) build their processing info from the tokenizer at
+            # start-up, so it is loaded even though requests arrive as token ids.
+            skip_tokenizer_init=False,
+            # Text-only: a multimodal model's encoders are never built (keys a model does not
+            # have are ignored).
+            limit_mm_per_prompt=dict.fromkeys(TEXT_ONLY_MODALITIES, 0),
             trust_remote_code=trust_remote_code,
             dtype=dtype,
             max_model_len=max_model_len,
@@ -273,7 +279,7 @@ class VllmHiddenStatesGenerator:
         for reply in replies:
             for layer in reply["captured_layers"]:
                 owners[layer] = owners.get(layer, 0) + 1
-        wrong = [layer for layer in self.layer_ids if owners.get(layer) != 1]
+        wrong = sorted({layer for layer in self.layer_ids if owners.get(layer) != 1})
         if wrong:
             raise RuntimeError(
                 f"layers {wrong} of {replies[0]['model_class']} were not captured by exactly one "

@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny local checkpoints, an offline Hugging Face home, engine-friendly env."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Everything runs offline on models the tests build; keep Hugging Face's caches (remote-code
+# modules included) inside the pytest temp area rather than the user's home.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# vLLM's CPU build would take half the RAM per worker for KV cache; the tests need very little.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _hf_home(tmp_path_factory: pytest.TempPathFactory) -> None:
+    home = tmp_path_factory.mktemp("hf_home")
+    os.environ["HF_HOME"] = str(home)
+    os.environ["HF_MODULES_CACHE"] = str(home / "modules")
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(models_dir: Path) -> Path:
+    from speculators_vllm016.tiny_models import build_tiny_llama
+
+    return build_tiny_llama(models_dir / "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(models_dir: Path) -> Path:
+    from speculators_vllm016.tiny_models import build_tiny_qwen3
+
+    return build_tiny_qwen3(models_dir / "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3(models_dir: Path) -> Path:
+    from speculators_vllm016.tiny_models import build_tiny_deepseek_v3
+
+    return build_tiny_deepseek_v3(models_dir / "deepseek_v3")
+
+
+@pytest.fixture(scope="session")
+def tiny_kimi_k25(models_dir: Path, tiny_deepseek_v3: Path) -> Path:
+    from speculators_vllm016.tiny_models import build_tiny_kimi_k25
+
+    return build_tiny_kimi_k25(models_dir / "kimi_k25", language_model=tiny_deepseek_v3)

@@ -1,0 +1,36 @@
+"""CPU-build environment defaults (pure logic on os.environ)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from speculators_vllm016.data_generation import cpu_defaults
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_MLA_DISABLE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(cpu_defaults.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+
+
+def test_defaults_for_tensor_parallel_deepseek(clean_env):
+    chosen = cpu_defaults.apply_cpu_defaults(2, {"text_config": {"kv_lora_rank": 512}})
+    assert chosen["VLLM_CPU_OMP_THREADS_BIND"] == "0,1|2,3"
+    assert chosen["VLLM_MLA_DISABLE"] == "1"
+    assert int(chosen["VLLM_CPU_KVCACHE_SPACE"]) >= 1
+    assert all(os.environ[name] == value for name, value in chosen.items())
+
+
+def test_user_values_are_kept(clean_env, monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    chosen = cpu_defaults.apply_cpu_defaults(1, {"num_hidden_layers": 2})
+    assert chosen == {}
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "3"
+
+
+def test_too_few_cpus_for_the_workers(clean_env):
+    with pytest.raises(ValueError, match="8 CPU workers need at least 8 CPUs"):
+        cpu_defaults.apply_cpu_defaults(8, {})

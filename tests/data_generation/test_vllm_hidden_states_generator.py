@@ -1,0 +1,352 @@
+"""The generator on the real vLLM 0.16 engine (CPU build), checked against transformers.
+
+Each class shares one engine between its tests (class-scoped fixture), so engines start once and
+are gone before the next class starts.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+import torch
+
+from speculators_vllm016.data_generation.vllm_hidden_states_generator import (
+    VllmHiddenStatesGenerator,
+)
+from tests.hf_reference import HFReference, mixed_batch, relative_error
+
+pytestmark = pytest.mark.engine
+
+VOCAB = 512
+TOLERANCE = 1e-4
+
+
+def assert_matches_reference(results, batch, reference, layer_ids, tolerance=TOLERANCE):
+    assert len(results) == len(batch)
+    for index, (result, ids) in enumerate(zip(results, batch)):
+        assert result["input_ids"].dtype == torch.long
+        assert result["input_ids"].tolist() == ids, f"sample {index} came back out of order"
+        assert result["loss_mask"] is None
+        expected = reference.streams(ids, layer_ids)
+        assert len(result["hidden_states"]) == len(layer_ids)
+        for layer, got, want in zip(layer_ids, result["hidden_states"], expected):
+            assert got.shape == want.shape, f"sample {index} layer {layer}"
+            error = relative_error(got, want)
+            assert error <= tolerance, f"sample {index} layer {layer}: relative error {error:.2e}"
+
+
+def live_children() -> list[psutil.Process]:
+    children = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            # multiprocessing's resource tracker lives as long as this process, by design.
+            if any("resource_tracker" in part for part in child.cmdline()):
+                continue
+            children.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return children
+
+
+def wait_for_no_children(timeout: float = 20.0) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    while (children := live_children()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return children
+
+
+# -- Llama, tensor parallel 1, heavy batching -----------------------------------------------------
+
+LLAMA_LAYERS = [0, 1, 2, 3]  # every layer of the 4-layer model, the last one included
+LLAMA_MAX_MODEL_LEN = 512
+
+
+@pytest.fixture(scope="class")
+def llama_generator(tiny_llama):
+    with VllmHiddenStatesGenerator(
+        str(tiny_llama),
+        layer_ids=LLAMA_LAYERS,
+        max_model_len=LLAMA_MAX_MODEL_LEN,
+        dtype="float32",
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+    ) as generator:
+        yield generator
+
+
+@pytest.fixture(scope="module")
+def llama_reference(tiny_llama):
+    return HFReference(tiny_llama)
+
+
+class TestLlama:
+    def test_heavy_batch_matches_transformers(self, llama_generator, llama_reference):
+        # 44 sequences (> max_num_seqs=8), many longer than the 128-token step budget (chunked
+        # prefill), from 1 token to max_model_len - 1.
+        lengths = [1, LLAMA_MAX_MODEL_LEN - 1, 2, 300, 17, 129, 128, 127, 64, 5]
+        lengths += [3 + (37 * i) % 250 for i in range(34)]
+        batch = mixed_batch(VOCAB, lengths, seed=0)
+        results = llama_generator.generate(batch)
+        assert_matches_reference(results, batch, llama_reference, LLAMA_LAYERS)
+
+    def test_repeated_calls_are_independent(self, llama_generator, llama_reference):
+        first = mixed_batch(VOCAB, [40, 3, 200, 90], seed=1)
+        second = mixed_batch(VOCAB, [7, 150, 150], seed=2)
+        results_first = llama_generator.generate(first)
+        results_second = llama_generator.generate(second)
+        results_again = llama_generator.generate(first)
+        assert_matches_reference(results_second, second, llama_reference, LLAMA_LAYERS)
+        for a, b in zip(results_first, results_again):
+            for layer_a, layer_b in zip(a["hidden_states"], b["hidden_states"]):
+                assert torch.equal(layer_a, layer_b)
+        assert_matches_reference(results_again, first, llama_reference, LLAMA_LAYERS)
+
+    def test_shared_prefixes_and_duplicates(self, llama_generator, llama_reference):
+        system = mixed_batch(VOCAB, [96], seed=3)[0]  # six full KV blocks shared by all
+        tails = mixed_batch(VOCAB, [5, 40, 1, 70, 33], seed=4)
+        batch = [system + tail for tail in tails]
+        batch += [batch[1], batch[1], system, system]  # exact duplicates in one call
+        results = llama_generator.generate(batch)
+        assert_matches_reference(results, batch, llama_reference, LLAMA_LAYERS)
+        assert torch.equal(results[1]["hidden_states"][2], results[5]["hidden_states"][2])
+
+    def test_single_token_and_tensor_input(self, llama_generator, llama_reference):
+        batch = torch.tensor([[17], [400]])
+        results = llama_generator.generate(batch)
+        assert_matches_reference(results, batch.tolist(), llama_reference, LLAMA_LAYERS)
+
+    @pytest.mark.parametrize(
+        ("bad_input", "message"),
+        [
+            ([], "empty"),
+            ([[1, 2], []], "sequence 1 is empty"),
+            ([[1, 2, VOCAB]], f"token id {VOCAB} is outside the vocabulary"),
+            ([[1, -1]], "token id -1 is outside the vocabulary"),
+            ([[1] * LLAMA_MAX_MODEL_LEN], f"at most max_model_len - 1 = {LLAMA_MAX_MODEL_LEN - 1}"),
+            ([[1, 2.5]], "is not an int"),
+            (torch.tensor([1, 2, 3]), "must be 2-D"),
+        ],
+    )
+    def test_bad_input_raises_and_generator_stays_usable(
+        self, llama_generator, llama_reference, bad_input, message
+    ):
+        with pytest.raises(ValueError, match=message):
+            llama_generator.generate(bad_input)
+        batch = [[5, 6, 7]]
+        assert_matches_reference(
+            llama_generator.generate(batch), batch, llama_reference, LLAMA_LAYERS
+        )
+
+    def test_transfer_files_are_removed(self, llama_generator):
+        llama_generator.generate([[1, 2, 3], [4, 5]])
+        assert list(llama_generator._transfer.path.iterdir()) == []
+
+
+# -- Qwen3 with prefix caching on, negative layer ids ----------------------------------------------
+
+QWEN_LAYERS = [1, -2, -1]
+
+
+@pytest.fixture(scope="class")
+def qwen_generator(tiny_qwen3):
+    with VllmHiddenStatesGenerator(
+        str(tiny_qwen3),
+        layer_ids=QWEN_LAYERS,
+        max_model_len=512,
+        dtype="float32",
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+        enable_prefix_caching=True,
+    ) as generator:
+        yield generator
+
+
+class TestQwen3PrefixCaching:
+    def test_negative_layer_ids_count_from_the_end(self, qwen_generator):
+        assert qwen_generator.layer_ids == [1, 2, 3]
+        assert qwen_generator._block_hasher is not None  # prefix caching on: hasher built
+
+    def test_heavy_batch_with_cached_prefixes_matches_transformers(self, qwen_generator, tiny_qwen3):
+        reference = HFReference(tiny_qwen3)
+        system = mixed_batch(VOCAB, [160], seed=5)[0]
+        tails = mixed_batch(VOCAB, [3 + (29 * i) % 200 for i in range(36)], seed=6)
+        batch = [system + tail for tail in tails] + [system, system + tails[0]]
+        batch += mixed_batch(VOCAB, [1, 511, 77, 128], seed=7)
+        # Run twice: the second call finds every block of the first already in the cache.
+        first = qwen_generator.generate(batch)
+        second = qwen_generator.generate(batch)
+        assert_matches_reference(second, batch, reference, [1, 2, 3])
+        for a, b in zip(first, second):
+            for layer_a, layer_b in zip(a["hidden_states"], b["hidden_states"]):
+                assert torch.equal(layer_a, layer_b)
+
+
+# -- Llama, tensor parallel 2 -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="class")
+def llama_tp2_generator(tiny_llama):
+    # No thread binding given: the generator must choose one that lets two CPU workers start.
+    saved = os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    try:
+        generator = VllmHiddenStatesGenerator(
+            str(tiny_llama),
+            layer_ids=[1, 3],
+            max_model_len=LLAMA_MAX_MODEL_LEN,
+            dtype="float32",
+            tensor_parallel_size=2,
+            max_num_seqs=8,
+            max_num_batched_tokens=128,
+        )
+    finally:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        if saved is not None:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
+    yield generator
+    generator.close()
+
+
+class TestLlamaTensorParallel:
+    def test_matches_transformers(self, llama_tp2_generator, llama_reference):
+        batch = mixed_batch(VOCAB, [1, 511, 130, 20, 20, 300, 9, 64, 65, 250, 2, 100], seed=8)
+        results = llama_tp2_generator.generate(batch)
+        assert_matches_reference(results, batch, llama_reference, [1, 3])
+
+    def test_close_stops_every_worker(self, llama_tp2_generator):
+        assert len(live_children()) >= 2
+        llama_tp2_generator.close()
+        assert wait_for_no_children() == []
+        llama_tp2_generator.close()  # a second close is harmless
+        with pytest.raises(RuntimeError, match="closed"):
+            llama_tp2_generator.generate([[1, 2]])
+
+
+# -- DeepSeek-V3 (the Kimi-K2 architecture) and Kimi-K2.5 ---------------------------------------
+
+
+DEEPSEEK_LAYERS = [0, 1, 2]  # dense layer 0, MoE layers 1 and 2 (the last)
+
+
+@pytest.fixture(scope="class")
+def deepseek_generator(tiny_deepseek_v3):
+    with VllmHiddenStatesGenerator(
+        str(tiny_deepseek_v3),
+        layer_ids=DEEPSEEK_LAYERS,
+        max_model_len=512,
+        dtype="float32",
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+    ) as generator:
+        yield generator
+
+
+@pytest.fixture(scope="module")
+def deepseek_reference(tiny_deepseek_v3):
+    return HFReference(tiny_deepseek_v3)
+
+
+DEEPSEEK_BATCH_LENGTHS = [1, 511, 2, 300, 17, 129, 128, 64] + [3 + (41 * i) % 240 for i in range(34)]
+
+
+class TestDeepseekV3:
+    def test_every_layer_captured_and_batching_changes_nothing(self, deepseek_generator):
+        batch = mixed_batch(VOCAB, DEEPSEEK_BATCH_LENGTHS, seed=9)
+        batched = deepseek_generator.generate(batch)
+        for index in range(0, len(batch), 5):
+            alone = deepseek_generator.generate([batch[index]])[0]
+            for layer, got, want in zip(
+                DEEPSEEK_LAYERS, batched[index]["hidden_states"], alone["hidden_states"]
+            ):
+                error = relative_error(got, want)
+                assert error <= TOLERANCE, f"sample {index} layer {layer}: {error:.2e}"
+
+    def test_matches_transformers(self, deepseek_generator, deepseek_reference):
+        batch = mixed_batch(VOCAB, DEEPSEEK_BATCH_LENGTHS[:12], seed=10)
+        results = deepseek_generator.generate(batch)
+        assert_matches_reference(results, batch, deepseek_reference, DEEPSEEK_LAYERS)
+
+
+class TestKimiK25:
+    def test_layers_found_inside_the_multimodal_wrapper(self, tiny_kimi_k25, deepseek_reference):
+        with VllmHiddenStatesGenerator(
+            str(tiny_kimi_k25),
+            layer_ids=DEEPSEEK_LAYERS,
+            max_model_len=512,
+            dtype="float32",
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+        ) as generator:
+            assert generator.model_class == "KimiK25ForConditionalGeneration"
+            assert generator.layer_path == "language_model.model.layers"
+            batch = mixed_batch(VOCAB, [1, 200, 31, 90, 5, 140], seed=11)
+            results = generator.generate(batch)
+        # Its language model is the tiny DeepSeek-V3: transformers on those weights is the truth.
+        assert_matches_reference(results, batch, deepseek_reference, DEEPSEEK_LAYERS)
+
+
+# -- start-up and shutdown ------------------------------------------------------------------------
+
+
+def test_layer_ids_out_of_range_refused_before_any_worker_starts(tiny_llama):
+    with pytest.raises(ValueError, match="layer id 4 is out of range"):
+        VllmHiddenStatesGenerator(str(tiny_llama), layer_ids=[0, 4], max_model_len=64)
+    with pytest.raises(ValueError, match="layer id -5 is out of range"):
+        VllmHiddenStatesGenerator(str(tiny_llama), layer_ids=[-5], max_model_len=64)
+    assert live_children() == []
+
+
+def test_failure_during_startup_leaves_no_worker(tiny_llama, monkeypatch):
+    def broken_setup(self):
+        assert len(live_children()) >= 1  # the workers were running
+        raise RuntimeError("injected start-up failure")
+
+    monkeypatch.setattr(VllmHiddenStatesGenerator, "_setup_capture", broken_setup)
+    with pytest.raises(RuntimeError, match="injected start-up failure"):
+        VllmHiddenStatesGenerator(str(tiny_llama), max_model_len=64, dtype="float32")
+    assert wait_for_no_children() == []
+
+
+def test_workers_do_not_outlive_the_interpreter(tiny_llama, tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import psutil
+        from speculators_vllm016.data_generation import VllmHiddenStatesGenerator
+
+        if __name__ == "__main__":
+            generator = VllmHiddenStatesGenerator({str(tiny_llama)!r}, max_model_len=64,
+                                                  dtype="float32")
+            states = generator.generate([[1, 2, 3]])[0]["hidden_states"]
+            # 0.3.0's default layers for 4 layers are [2, 2, 1, 3]: layer 2 comes twice.
+            assert generator.layer_ids == [2, 2, 1, 3], generator.layer_ids
+            assert len(states) == 4 and (states[0] == states[1]).all()
+            pids = [
+                p.pid
+                for p in psutil.Process().children(recursive=True)
+                if not any("resource_tracker" in part for part in p.cmdline())
+            ]
+            print("PIDS", *pids, flush=True)
+            # exit without close()
+        """
+    )
+    path = tmp_path / "leave_open.py"
+    path.write_text(script)
+    completed = subprocess.run(
+        [sys.executable, str(path)], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    line = next(x for x in completed.stdout.splitlines() if x.startswith("PIDS"))
+    pids = [int(pid) for pid in line.split()[1:]]
+    assert pids, "the generator started no worker process"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(psutil.pid_exists(pid) for pid in pids):
+        time.sleep(0.2)
+    survivors = [pid for pid in pids if psutil.pid_exists(pid)]
+    assert survivors == [], f"worker processes {survivors} outlived the interpreter"
