@@ -28,11 +28,7 @@ LLAMA3_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
     "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}"
-    "{% if message['role'] == 'assistant' %}{% generation %}"
     "{{ message['content'] | trim + '<|eot_id|>' }}"
-    "{% endgeneration %}{% else %}"
-    "{{ message['content'] | trim + '<|eot_id|>' }}"
-    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
     "{% endif %}"
@@ -42,11 +38,7 @@ LLAMA3_TEMPLATE = (
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' }}"
-    "{% if message['role'] == 'assistant' %}{% generation %}"
-    "{{ message['content'] + '<|im_end|>' }}"
-    "{% endgeneration %}{{ '\n' }}{% else %}"
     "{{ message['content'] + '<|im_end|>\n' }}"
-    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -115,7 +107,7 @@ def _save(model, path: Path, tokenizer_style: str | None, corpus: Iterable[str] 
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path), safe_serialization=True)
     if tokenizer_style is not None:
-        build_tokenizer(path, tokenizer_style, corpus, vocab_size=min(model.config.vocab_size, 512))
+        build_tokenizer(path, tokenizer_style, corpus, vocab_size=model.config.vocab_size)
     return path
 
 

@@ -1,0 +1,56 @@
+"""The `speculators` command line (also `python -m speculators_vllm016`)."""
+
+from __future__ import annotations
+
+import typer
+
+__all__ = ["app"]
+
+app = typer.Typer(
+    name="speculators",
+    help="Train EAGLE-style speculative-decoding drafts; data generation on vLLM 0.16.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+# Subcommands whose flags 0.3.0's scripts defined with argparse (e.g. `--layer-ids 2 16 29`)
+# keep argparse: typer hands them the raw arguments.
+_PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
+def version_callback(value: bool) -> None:
+    if value:
+        from speculators_vllm016.version import __version__
+
+        typer.echo(f"speculators-vllm016 {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def speculators(
+    ctx: typer.Context,
+    version: bool = typer.Option(
+        False, "--version", callback=version_callback, is_eager=True, help="Print the version."
+    ),
+) -> None:
+    """Train EAGLE-style speculative-decoding drafts; data generation on vLLM 0.16."""
+
+
+@app.command(context_settings=_PASSTHROUGH, add_help_option=False)
+def datagen(ctx: typer.Context) -> None:
+    """Generate EAGLE-3 training data (hidden states) from chat data. See `datagen --help`."""
+    from speculators_vllm016.cli.datagen import main
+
+    raise typer.Exit(main(ctx.args))
+
+
+@app.command(context_settings=_PASSTHROUGH, add_help_option=False)
+def demo(ctx: typer.Context) -> None:
+    """Run datagen on a tiny local model and shipped conversations (offline). See `demo --help`."""
+    from speculators_vllm016.cli.demo import main
+
+    raise typer.Exit(main(ctx.args))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,58 @@
+"""`speculators demo`: datagen on the embedded default, end to end, offline."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def build_parser(prog: str = "speculators demo") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=(
+            "Build a tiny Llama locally and run datagen on the conversations shipped with the "
+            "package (fully offline). Prints where the data went and the throughput."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--output-dir", default="output/demo", help="model, data and token_freq.pt")
+    parser.add_argument("--max-samples", type=int, default=None, help="default: all conversations")
+    parser.add_argument("--seq-length", type=int, default=1024)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--output-format", choices=["pt", "safetensors"], default="pt")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "speculators demo") -> int:
+    from speculators_vllm016.data_generation.offline import DatagenOptions, run_datagen, summary_json
+    from speculators_vllm016.demo import build_demo_model, demo_conversations_path
+
+    args = build_parser(prog).parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    root = Path(args.output_dir)
+    model = build_demo_model(root / "model")
+    options = DatagenOptions(
+        target_model_path=str(model),
+        train_data_path=str(demo_conversations_path()),
+        output_dir=str(root / "data"),
+        seq_length=args.seq_length,
+        max_samples=args.max_samples,
+        token_freq_path=str(root / "token_freq.pt"),
+        hf_cache_dir=str(root / "hf-datasets-cache"),
+        batch_size=args.batch_size,
+        output_format=args.output_format,
+        num_preprocessing_workers=2,
+        show_progress=not args.no_progress,
+    )
+    summary = run_datagen(options)
+    print(f"Demo model: {model}")
+    print(f"Done: {summary.describe()}")
+    print(f"SUMMARY {summary_json(summary)}")
+    return 0

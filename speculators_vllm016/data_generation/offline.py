@@ -1,0 +1,338 @@
+"""The offline data-generation pipeline: chat data -> hidden-state sample files.
+
+dataset -> preprocessing -> this shard's samples -> generator (vLLM) -> writer threads -> files.
+Extraction of batch k+1 overlaps the writing of batch k. A run resumes where a crash left it:
+batches whose files all exist are skipped; a batch missing any file is recomputed whole (so every
+file is bit-identical to an uninterrupted run's) and only the missing files are written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from speculators_vllm016.data_generation.sample_io import (
+    SAMPLE_PATTERNS,
+    existing_sample_indices,
+    remove_partial_files,
+    sample_path,
+    write_sample,
+)
+
+__all__ = ["DatagenOptions", "DatagenSummary", "run_datagen", "shard_positions"]
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = ".datagen_state.json"
+CONFIG_FILE = "data_config.json"
+
+
+@dataclass
+class DatagenOptions:
+    """Every setting of a datagen run; names follow 0.3.0's command-line flags."""
+
+    target_model_path: str
+    train_data_path: str
+    output_dir: str
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    max_model_len: int | None = None  # default: seq_length + 1
+    gpu_memory_utilization: float = 0.8
+    seq_length: int = 2048
+    max_samples: int | None = None
+    token_freq_path: str = "./token_freq.pt"
+    hf_cache_dir: str | None = None
+    assistant_pattern: str | None = None
+    turn_dropout: bool = False
+    layer_ids: list[int] | None = None
+    batch_size: int = 8
+    seed: int = 0
+    start_idx: int = 0
+    num_preprocessing_workers: int = 8
+    num_shards: int = 1
+    shard_index: int = 0
+    output_format: str = "pt"
+    dtype: str = "auto"
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    num_writer_threads: int = 4
+    show_progress: bool = True
+
+    def validate(self) -> None:
+        if self.num_shards < 1:
+            raise ValueError(f"--num-shards must be at least 1, got {self.num_shards}")
+        if not 0 <= self.shard_index < self.num_shards:
+            raise ValueError(
+                f"--shard-index must be in [0, {self.num_shards}), got {self.shard_index}"
+            )
+        if self.output_format not in SAMPLE_PATTERNS:
+            raise ValueError(f"--output-format must be one of {sorted(SAMPLE_PATTERNS)}")
+        if self.batch_size < 1:
+            raise ValueError(f"--batch-size must be at least 1, got {self.batch_size}")
+        if self.seq_length < 1:
+            raise ValueError(f"--seq-length must be at least 1, got {self.seq_length}")
+        if self.start_idx < 0:
+            raise ValueError(f"--start-idx must be non-negative, got {self.start_idx}")
+        if self.max_model_len is not None and self.max_model_len <= self.seq_length:
+            raise ValueError(
+                f"--max-model-len {self.max_model_len} must exceed --seq-length "
+                f"{self.seq_length} (vLLM keeps one position for the sampled token)"
+            )
+
+    @property
+    def resolved_max_model_len(self) -> int:
+        return self.max_model_len if self.max_model_len is not None else self.seq_length + 1
+
+
+@dataclass
+class DatagenSummary:
+    output_dir: str
+    samples_total: int  # in this shard
+    samples_written: int
+    samples_already_present: int
+    tokens_extracted: int
+    seconds: float  # the whole run: preprocessing, engine start, extraction, writing
+    extraction_seconds: float  # from the first generate() call to the last file written
+    skipped_rows: int = 0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Extraction throughput, files written included (engine start-up excluded)."""
+        if self.extraction_seconds <= 0:
+            return 0.0
+        return self.tokens_extracted / self.extraction_seconds
+
+    def describe(self) -> str:
+        return (
+            f"{self.samples_written} samples written ({self.samples_already_present} already "
+            f"present) of {self.samples_total} in this shard; {self.tokens_extracted} tokens "
+            f"extracted in {self.extraction_seconds:.1f} s = {self.tokens_per_second:.0f} "
+            f"tokens/s ({self.seconds:.1f} s in all); data in {self.output_dir}"
+        )
+
+
+def shard_positions(num_rows: int, num_shards: int, shard_index: int) -> list[int]:
+    """Rows of one shard: every `num_shards`-th row from `shard_index` (lengths stay balanced)."""
+    return list(range(shard_index, num_rows, num_shards))
+
+
+def dataset_digest(dataset) -> str:
+    """Digest of every token id, so a resume can tell it is looking at the same data."""
+    digest = hashlib.sha256()
+    for ids in dataset["input_ids"]:
+        digest.update(torch.as_tensor(ids, dtype=torch.int64).numpy().tobytes())
+        digest.update(b"|")
+    return digest.hexdigest()
+
+
+def _run_identity(options: DatagenOptions, digest: str) -> dict:
+    return {
+        "target_model_path": options.target_model_path,
+        "train_data_path": options.train_data_path,
+        "seq_length": options.seq_length,
+        "max_samples": options.max_samples,
+        "seed": options.seed,
+        "layer_ids": options.layer_ids,
+        "start_idx": options.start_idx,
+        "num_shards": options.num_shards,
+        "output_format": options.output_format,
+        "dtype": options.dtype,
+        "dataset_sha256": digest,
+    }
+
+
+def _check_or_record_identity(output_dir: Path, identity: dict) -> None:
+    state = output_dir / STATE_FILE
+    if state.exists():
+        recorded = json.loads(state.read_text())
+        differing = {
+            key: (recorded.get(key), value)
+            for key, value in identity.items()
+            if recorded.get(key) != value
+        }
+        if differing:
+            details = "; ".join(f"{key}: was {old!r}, now {new!r}" for key, (old, new) in differing.items())
+            raise ValueError(
+                f"{output_dir} holds samples of a different run ({details}); use another "
+                "--output-dir or remove it"
+            )
+        return
+    temp = state.with_name(state.name + f".{os.getpid()}")
+    temp.write_text(json.dumps(identity, indent=2, sort_keys=True))
+    os.replace(temp, state)
+
+
+def _write_json_atomic(path: Path, payload: dict) -> None:
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temp.write_text(json.dumps(payload, indent=2))
+    os.replace(temp, path)
+
+
+def run_datagen(options: DatagenOptions) -> DatagenSummary:
+    """Run (or resume) one shard of a datagen job; returns what was done."""
+    from speculators_vllm016.data_generation.preprocessing import load_and_preprocess_dataset
+    from speculators_vllm016.data_generation.vllm_hidden_states_generator import (
+        VllmHiddenStatesGenerator,
+    )
+
+    options.validate()
+    started = time.perf_counter()
+    output_dir = Path(options.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    removed = remove_partial_files(output_dir)
+    if removed:
+        logger.info("removed %d partial files left by an interrupted run", removed)
+
+    dataset, _ = load_and_preprocess_dataset(
+        target_model_path=options.target_model_path,
+        train_data_path=options.train_data_path,
+        seq_length=options.seq_length,
+        build_dataset_num_proc=options.num_preprocessing_workers,
+        seed=options.seed,
+        max_samples=options.max_samples,
+        token_freq_path=options.token_freq_path,
+        cache_dir=options.hf_cache_dir,
+        assistant_pattern=options.assistant_pattern,
+        turn_dropout=options.turn_dropout,
+    )
+    skipped_rows = int((dataset.info.description or "skipped_rows=0").split("=")[-1] or 0)
+    _check_or_record_identity(output_dir, _run_identity(options, dataset_digest(dataset)))
+
+    positions = shard_positions(len(dataset), options.num_shards, options.shard_index)
+    present = existing_sample_indices(output_dir, options.output_format)
+    batches = [
+        positions[i : i + options.batch_size] for i in range(0, len(positions), options.batch_size)
+    ]
+    todo = [
+        batch
+        for batch in batches
+        if any(options.start_idx + position not in present for position in batch)
+    ]
+    already = sum(1 for position in positions if options.start_idx + position in present)
+    logger.info(
+        "shard %d/%d: %d samples, %d already on disk, %d batches to run",
+        options.shard_index, options.num_shards, len(positions), already, len(todo),
+    )
+
+    written = 0
+    tokens = 0
+    extraction_seconds = 0.0
+    generator = None
+    try:
+        if todo:
+            generator = VllmHiddenStatesGenerator(
+                model_path=options.target_model_path,
+                layer_ids=options.layer_ids,
+                max_model_len=options.resolved_max_model_len,
+                gpu_memory_utilization=options.gpu_memory_utilization,
+                tensor_parallel_size=options.tensor_parallel_size,
+                pipeline_parallel_size=options.pipeline_parallel_size,
+                dtype=options.dtype,
+                max_num_seqs=options.max_num_seqs or max(32, options.batch_size),
+                max_num_batched_tokens=options.max_num_batched_tokens,
+            )
+            extraction_started = time.perf_counter()
+            written, tokens = _extract_and_write(generator, dataset, todo, present, options)
+            extraction_seconds = time.perf_counter() - extraction_started
+        config = _data_config(generator, options, len(dataset))
+        if config is not None:
+            _write_json_atomic(output_dir / CONFIG_FILE, config)
+    finally:
+        if generator is not None:
+            generator.close()
+    return DatagenSummary(
+        output_dir=str(output_dir),
+        samples_total=len(positions),
+        samples_written=written,
+        samples_already_present=already,
+        tokens_extracted=tokens,
+        seconds=time.perf_counter() - started,
+        extraction_seconds=extraction_seconds,
+        skipped_rows=skipped_rows,
+    )
+
+
+def _data_config(generator, options: DatagenOptions, num_samples: int) -> dict | None:
+    from datasets import config as datasets_config
+
+    from speculators_vllm016.data_generation.config_generator import DataGenerationConfig
+
+    if generator is None:
+        return None  # nothing ran: the config written by the run that made the files stands
+    config = DataGenerationConfig.from_generator(
+        generator=generator,
+        train_data_path=options.train_data_path,
+        seq_length=options.seq_length,
+        cache_dir=str(options.hf_cache_dir or datasets_config.HF_DATASETS_CACHE),
+        num_samples=num_samples,
+        max_samples=options.max_samples,
+        seed=options.seed,
+        file_pattern=SAMPLE_PATTERNS[options.output_format],
+    )
+    return config.to_dict()
+
+
+def _extract_and_write(generator, dataset, todo, present, options) -> tuple[int, int]:
+    output_dir = Path(options.output_dir)
+    total_samples = sum(len(batch) for batch in todo)
+    progress = tqdm(
+        total=total_samples, unit="sample", desc="Extracting", disable=not options.show_progress
+    )
+    in_flight: deque[tuple[list[Future], int]] = deque()
+    written = 0
+    tokens = 0
+    clock = time.perf_counter()
+
+    def drain(limit: int) -> None:
+        nonlocal written, tokens
+        while len(in_flight) > limit:
+            futures, batch_tokens = in_flight.popleft()
+            for future in futures:
+                future.result()
+            written += len(futures)
+            tokens += batch_tokens
+            elapsed = max(time.perf_counter() - clock, 1e-9)
+            progress.set_postfix(tokens_per_s=f"{tokens / elapsed:.0f}", refresh=False)
+
+    with ThreadPoolExecutor(max_workers=options.num_writer_threads) as writers:
+        for batch in todo:
+            rows = dataset.select(batch)
+            input_ids = [torch.as_tensor(ids).tolist() for ids in rows["input_ids"]]
+            masks = rows["loss_mask"]
+            results = generator.generate(input_ids)
+            futures = []
+            for position, result, mask in zip(batch, results, masks):
+                index = options.start_idx + position
+                if index in present:
+                    continue
+                sample = {
+                    "input_ids": result["input_ids"],
+                    "hidden_states": result["hidden_states"],
+                    "loss_mask": torch.as_tensor(mask, dtype=torch.long),
+                }
+                path = sample_path(output_dir, index, options.output_format)
+                futures.append(writers.submit(write_sample, path, sample, options.output_format))
+            batch_tokens = sum(len(ids) for ids in input_ids)
+            in_flight.append((futures, batch_tokens))
+            progress.update(len(batch))
+            drain(limit=2)  # bounded: at most two batches wait for their writers
+        drain(limit=0)
+    progress.close()
+    return written, tokens
+
+
+def summary_json(summary: DatagenSummary) -> str:
+    payload = asdict(summary)
+    payload["tokens_per_second"] = round(summary.tokens_per_second, 1)
+    return json.dumps(payload)
+

@@ -1,0 +1,355 @@
+"""Chat data -> token ids and loss masks for EAGLE-3 training.
+
+Conversations in ShareGPT shape (`{"from": "human"|"gpt", "value": ...}`) or UltraChat/OpenAI shape
+(`{"role": ..., "content": ...}`) are rendered with the target tokenizer's chat template. The loss
+mask is 1 exactly on the tokens each assistant turn adds: its content and the end-of-turn marker the
+template writes after it, found by rendering the conversation turn by turn (or, with
+`assistant_pattern`, by a regex whose first group is the assistant text). Rows that cannot be used
+are skipped, counted, and named in a warning.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import os
+import random
+import re
+from collections import Counter
+from typing import Any
+
+import torch
+from datasets import Dataset as HFDataset
+from transformers import PreTrainedTokenizer
+
+from speculators_vllm016.data_generation.configs import DATASET_CONFIGS
+
+__all__ = ["build_eagle3_dataset", "load_and_preprocess_dataset", "load_raw_dataset"]
+
+logger = logging.getLogger(__name__)
+
+ROW_COLUMN = "source_row"
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+          "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
+_MAX_NAMED_ROWS = 20
+
+
+class MalformedRowError(ValueError):
+    """A conversation that cannot be turned into a training sample."""
+
+
+def normalize_conversation(turns: Any) -> list[dict[str, str]]:
+    """Bring one conversation to `[{"role", "content"}]`; raise `MalformedRowError` if unusable.
+
+    `turns` is a list of turn mappings, or that list JSON-encoded (how rows of mixed shapes are
+    kept, see `load_raw_dataset`).
+    """
+    if isinstance(turns, str):
+        try:
+            turns = json.loads(turns)
+        except json.JSONDecodeError as exc:
+            raise MalformedRowError(f"conversation is not valid JSON ({exc.msg})") from None
+    if not isinstance(turns, list) or not turns:
+        raise MalformedRowError("no turns")
+    messages = []
+    for position, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise MalformedRowError(f"turn {position} is a {type(turn).__name__}, not a mapping")
+        raw_role = turn.get("role", turn.get("from"))
+        if raw_role is None:
+            raise MalformedRowError(f"turn {position} has no role")
+        role = _ROLES.get(str(raw_role).lower())
+        if role is None:
+            raise MalformedRowError(f"turn {position} has unknown role {raw_role!r}")
+        content = turn.get("content", turn.get("value"))
+        if not isinstance(content, str):
+            raise MalformedRowError(
+                f"turn {position} content is {type(content).__name__}, not text"
+            )
+        if not content.strip():
+            raise MalformedRowError(f"turn {position} is empty")
+        messages.append({"role": role, "content": content})
+    if not any(message["role"] == "assistant" for message in messages):
+        raise MalformedRowError("no assistant turn")
+    return messages
+
+
+def drop_turns(messages: list[dict[str, str]], rng: random.Random) -> list[dict[str, str]]:
+    """Turn dropout: keep the first N turns, N random, ending on an assistant turn."""
+    ends = [index + 1 for index, message in enumerate(messages) if message["role"] == "assistant"]
+    return messages[: rng.choice(ends)]
+
+
+def _render(tokenizer: PreTrainedTokenizer, messages: list[dict], generation_prompt: bool) -> str:
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation_prompt
+    )
+    assert isinstance(text, str)
+    return text
+
+
+def assistant_spans_from_template(
+    tokenizer: PreTrainedTokenizer, messages: list[dict[str, str]]
+) -> tuple[str, list[tuple[int, int]]]:
+    """Render the conversation; return the text and the character spans of assistant turns.
+
+    Each assistant turn's span runs from the end of the prompt rendered with the generation prompt
+    (`messages[:k]`) to the end of `messages[:k+1]`, without the whitespace the template puts
+    between turns. This needs a template whose renderings of shorter prefixes are prefixes of the
+    full text, which holds for the common templates; one that is not raises `MalformedRowError`.
+    """
+    text = _render(tokenizer, messages, generation_prompt=False)
+    spans = []
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:index], True) if index else ""
+        through = _render(tokenizer, messages[: index + 1], False)
+        if not (text.startswith(through) and through.startswith(before)):
+            raise MalformedRowError(
+                "the chat template does not render this conversation prefix-stably; pass "
+                "assistant_pattern to mark assistant text"
+            )
+        end = len(through.rstrip())
+        spans.append((len(before), max(end, len(before))))
+    return text, spans
+
+
+def assistant_spans_from_pattern(
+    tokenizer: PreTrainedTokenizer, messages: list[dict[str, str]], pattern: re.Pattern
+) -> tuple[str, list[tuple[int, int]]]:
+    """Render the conversation; the pattern's first group (or whole match) is assistant text."""
+    text = _render(tokenizer, messages, generation_prompt=False)
+    group = 1 if pattern.groups else 0
+    spans = [match.span(group) for match in pattern.finditer(text)]
+    return text, spans
+
+
+def tokens_in_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """1 for every token whose characters overlap an assistant span, else 0."""
+    mask = [0] * len(offsets)
+    starts = [start for start, _ in offsets]
+    for span_start, span_end in spans:
+        first = max(0, bisect.bisect_right(starts, span_start) - 1)
+        for index in range(first, len(offsets)):
+            token_start, token_end = offsets[index]
+            if token_start >= span_end:
+                break
+            if token_end > span_start and token_end > token_start:
+                mask[index] = 1
+    return mask
+
+
+def tokenize_conversation(
+    tokenizer: PreTrainedTokenizer,
+    messages: list[dict[str, str]],
+    max_length: int,
+    pattern: re.Pattern | None = None,
+) -> tuple[list[int], list[int]]:
+    """Token ids and loss mask of one conversation, truncated to `max_length` tokens."""
+    if pattern is None:
+        text, spans = assistant_spans_from_template(tokenizer, messages)
+    else:
+        text, spans = assistant_spans_from_pattern(tokenizer, messages, pattern)
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids = list(encoding["input_ids"])[:max_length]
+    mask = tokens_in_spans(list(encoding["offset_mapping"]), spans)[:max_length]
+    if not any(mask):
+        raise MalformedRowError(
+            "no assistant token left" + (" after truncation" if spans else " (pattern matched nothing)")
+        )
+    return input_ids, mask
+
+
+def _preprocess_rows(
+    batch: dict[str, list],
+    tokenizer: PreTrainedTokenizer,
+    max_length: int,
+    pattern: str | None,
+    turn_dropout: bool,
+    seed: int,
+) -> dict[str, list]:
+    compiled = re.compile(pattern, re.DOTALL) if pattern else None
+    out: dict[str, list] = {"input_ids": [], "loss_mask": [], ROW_COLUMN: [], "error": []}
+    for row, turns in zip(batch[ROW_COLUMN], batch["conversations"]):
+        try:
+            messages = normalize_conversation(turns)
+            if turn_dropout:
+                messages = drop_turns(messages, random.Random(f"{seed}:{row}"))
+            input_ids, mask = tokenize_conversation(tokenizer, messages, max_length, compiled)
+            error = ""
+        except MalformedRowError as exc:
+            input_ids, mask, error = [], [], str(exc)
+        except Exception as exc:  # noqa: BLE001 - a template error in one row must not stop a run
+            input_ids, mask, error = [], [], f"{type(exc).__name__}: {exc}"
+        out["input_ids"].append(input_ids)
+        out["loss_mask"].append(mask)
+        out[ROW_COLUMN].append(row)
+        out["error"].append(error)
+    return out
+
+
+def _ensure_conversations(dataset: HFDataset) -> HFDataset:
+    if "conversations" in dataset.column_names:
+        return dataset
+    if "messages" in dataset.column_names:
+        return dataset.rename_column("messages", "conversations")
+    raise ValueError(
+        f"the dataset has no 'conversations' or 'messages' column (columns: "
+        f"{dataset.column_names})"
+    )
+
+
+def build_eagle3_dataset(
+    dataset: HFDataset,
+    tokenizer: PreTrainedTokenizer,
+    max_length: int = 2048,
+    num_proc: int = 8,
+    assistant_pattern: str | None = None,
+    turn_dropout: bool = False,
+    *,
+    seed: int = 0,
+) -> HFDataset:
+    """Tokenize conversations into `input_ids` and `loss_mask` (torch format).
+
+    Malformed rows are dropped with a warning naming them (by `source_row`, the row's index in
+    the raw dataset); a `ValueError` is raised only when no row is usable.
+    """
+    if tokenizer.chat_template is None:
+        raise ValueError("the tokenizer has no chat template; one is needed to render chats")
+    if assistant_pattern is not None:
+        re.compile(assistant_pattern)  # a bad pattern fails here, not in every worker
+    dataset = _ensure_conversations(dataset)
+    if ROW_COLUMN not in dataset.column_names:
+        dataset = dataset.add_column(ROW_COLUMN, list(range(len(dataset))))
+    workers = max(1, min(num_proc, os.cpu_count() or 1, len(dataset) // 256 or 1))
+    processed = dataset.map(
+        _preprocess_rows,
+        batched=True,
+        batch_size=256,
+        num_proc=workers if workers > 1 else None,
+        remove_columns=dataset.column_names,
+        fn_kwargs={
+            "tokenizer": tokenizer,
+            "max_length": max_length,
+            "pattern": assistant_pattern,
+            "turn_dropout": turn_dropout,
+            "seed": seed,
+        },
+        desc="Tokenizing conversations",
+    )
+    errors = [(row, error) for row, error in zip(processed[ROW_COLUMN], processed["error"]) if error]
+    if errors:
+        reasons = Counter(re.sub(r"^turn \d+ ", "", error) for _, error in errors)
+        named = "; ".join(f"row {row}: {error}" for row, error in errors[:_MAX_NAMED_ROWS])
+        more = f" (and {len(errors) - _MAX_NAMED_ROWS} more)" if len(errors) > _MAX_NAMED_ROWS else ""
+        logger.warning(
+            "skipped %d of %d conversations as malformed: %s%s. Reasons: %s",
+            len(errors), len(processed), named, more, dict(reasons),
+        )
+    if len(errors) == len(processed):
+        raise ValueError(
+            f"none of the {len(processed)} conversations is usable; first problems: "
+            + "; ".join(f"row {row}: {error}" for row, error in errors[:5])
+        )
+    good = processed.filter(lambda error: not error, input_columns="error")
+    good = good.remove_columns("error")
+    good.info.description = f"skipped_rows={len(errors)}"
+    good.set_format(type="torch", columns=["input_ids", "loss_mask"], output_all_columns=True)
+    return good
+
+
+def _load_json_rows(path: str) -> HFDataset:
+    """Rows of a json/jsonl file with each conversation JSON-encoded, whatever its shape."""
+    if path.endswith(".jsonl"):
+        rows = []
+        with open(path) as handle:
+            for line in handle:
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        rows.append({"conversations": line})  # kept, then reported as malformed
+    else:
+        with open(path) as handle:
+            rows = json.load(handle)
+    conversations = []
+    for row in rows:
+        turns = row.get("conversations", row.get("messages")) if isinstance(row, dict) else row
+        conversations.append(turns if isinstance(turns, str) else json.dumps(turns))
+    return HFDataset.from_dict({"conversations": conversations})
+
+
+def load_raw_dataset(
+    train_data_path: str, num_proc: int = 8, cache_dir: str | None = None
+) -> HFDataset:
+    """A local .json/.jsonl file, or a named dataset from `DATASET_CONFIGS` (needs the hub)."""
+    from datasets import load_dataset
+
+    if train_data_path.endswith((".json", ".jsonl")):
+        if not os.path.exists(train_data_path):
+            raise FileNotFoundError(f"no such dataset file: {train_data_path}")
+        try:
+            return load_dataset(
+                "json", data_files=train_data_path, split="train", cache_dir=cache_dir
+            )
+        except Exception as exc:  # noqa: BLE001 - Arrow refuses rows of mixed shapes
+            logger.warning(
+                "%s does not load as one Arrow table (%s); reading it row by row",
+                train_data_path, type(exc).__name__,
+            )
+            return _load_json_rows(train_data_path)
+    config = DATASET_CONFIGS.get(train_data_path)
+    if config is None:
+        raise ValueError(
+            f"unknown dataset {train_data_path!r}: pass a local .json/.jsonl file or one of "
+            f"{sorted(DATASET_CONFIGS)}"
+        )
+    dataset = load_dataset(config.hf_path, split=config.split, cache_dir=cache_dir)
+    if config.normalize_fn is not None:
+        dataset = dataset.map(config.normalize_fn, num_proc=max(1, min(num_proc, os.cpu_count() or 1)))
+    return dataset
+
+
+def load_and_preprocess_dataset(
+    target_model_path: str,
+    train_data_path: str,
+    seq_length: int,
+    build_dataset_num_proc: int = 8,
+    seed: int = 0,
+    max_samples: int | None = None,
+    token_freq_path: str = "./token_freq.pt",
+    cache_dir: str | None = None,
+    assistant_pattern: str | None = None,
+    turn_dropout: bool = False,
+) -> tuple[HFDataset, PreTrainedTokenizer]:
+    """Load, shuffle (by `seed`), cap at `max_samples`, tokenize; save token frequencies."""
+    from transformers import AutoTokenizer
+
+    from speculators_vllm016.train.vocab_mapping import save_token_frequency_distribution
+
+    tokenizer = AutoTokenizer.from_pretrained(target_model_path, trust_remote_code=True)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.chat_template is None:
+        raise ValueError(
+            f"the tokenizer of {target_model_path} has no chat template; a chat model is needed"
+        )
+    raw = _ensure_conversations(load_raw_dataset(train_data_path, build_dataset_num_proc, cache_dir))
+    raw = raw.add_column(ROW_COLUMN, list(range(len(raw))))
+    raw = raw.shuffle(seed=seed)
+    if max_samples is not None and len(raw) > max_samples:
+        raw = raw.select(range(max_samples))
+    dataset = build_eagle3_dataset(
+        raw,
+        tokenizer,
+        max_length=seq_length,
+        num_proc=build_dataset_num_proc,
+        assistant_pattern=assistant_pattern,
+        turn_dropout=turn_dropout,
+        seed=seed,
+    )
+    save_token_frequency_distribution(dataset, token_freq_path)
+    return dataset, tokenizer
+

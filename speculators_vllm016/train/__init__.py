@@ -1,0 +1,1 @@
+"""Draft training: data loading, vocabulary mapping, trainer."""

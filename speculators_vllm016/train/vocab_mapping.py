@@ -1,0 +1,85 @@
+"""Token frequencies of the training data and the draft vocabulary built from them."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import torch
+from datasets import Dataset as HFDataset
+
+__all__ = ["build_vocab_mappings_from_distribution", "save_token_frequency_distribution"]
+
+
+def _atomic_torch_save(obj: object, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(obj, handle)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def count_trained_tokens(dataset: HFDataset) -> Counter[int]:
+    """How often each token id appears where `loss_mask` is 1."""
+    counts: Counter[int] = Counter()
+    for input_ids, loss_mask in zip(dataset["input_ids"], dataset["loss_mask"]):
+        ids = torch.as_tensor(input_ids)
+        mask = torch.as_tensor(loss_mask).bool()
+        unique, frequency = ids[mask].unique(return_counts=True)
+        counts.update(dict(zip(unique.tolist(), frequency.tolist())))
+    return counts
+
+
+def save_token_frequency_distribution(
+    dataset: HFDataset, output_path: str = "./token_freq.pt"
+) -> str:
+    """Write `{token_id: count}` over the trained tokens to `output_path` (atomically).
+
+    Always recomputed: a file left from another dataset is replaced, not reused.
+    """
+    _atomic_torch_save(dict(count_trained_tokens(dataset)), Path(output_path))
+    return output_path
+
+
+def combine_token_frequency_distributions(
+    token_freq_paths: list[str | Path], output_path: str | Path
+) -> None:
+    """Sum several `token_freq.pt` files (e.g. one per shard) into one."""
+    total: Counter[int] = Counter()
+    for path in token_freq_paths:
+        total.update(torch.load(path, weights_only=True))
+    _atomic_torch_save(dict(total), Path(output_path))
+
+
+def build_vocab_mappings_from_distribution(
+    token_freq_dict: dict[int, int], draft_vocab_size: int, target_vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(d2t, t2d)` for the `draft_vocab_size` most frequent tokens (ties: lower id first).
+
+    `t2d[target_id]` is True for kept tokens; `target_id = draft_id + d2t[draft_id]`. When the
+    data has fewer distinct tokens than the draft vocabulary, the lowest unused ids fill it.
+    """
+    if draft_vocab_size > target_vocab_size:
+        raise ValueError(
+            f"draft_vocab_size {draft_vocab_size} exceeds target_vocab_size {target_vocab_size}"
+        )
+    ranked = sorted(
+        (token for token in token_freq_dict if 0 <= int(token) < target_vocab_size),
+        key=lambda token: (-token_freq_dict[token], int(token)),
+    )
+    chosen = [int(token) for token in ranked[:draft_vocab_size]]
+    if len(chosen) < draft_vocab_size:
+        taken = set(chosen)
+        filler = (token for token in range(target_vocab_size) if token not in taken)
+        chosen += [next(filler) for _ in range(draft_vocab_size - len(chosen))]
+    kept = torch.tensor(sorted(chosen), dtype=torch.long)
+    d2t = kept - torch.arange(draft_vocab_size, dtype=torch.long)
+    t2d = torch.zeros(target_vocab_size, dtype=torch.bool)
+    t2d[kept] = True
+    return d2t, t2d

@@ -1,0 +1,75 @@
+"""Sample files: 0.3.0 layout, both formats, atomic writes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speculators_vllm016.data_generation.sample_io import (
+    existing_sample_indices,
+    load_sample,
+    remove_partial_files,
+    sample_path,
+    write_sample,
+)
+
+
+def make_sample(seq: int = 7, hidden: int = 16, layers: int = 4) -> dict:
+    generator = torch.Generator().manual_seed(0)
+    # Views of one storage, as the generator returns them.
+    stacked = torch.randn(layers, seq, hidden, generator=generator).to(torch.bfloat16)
+    return {
+        "input_ids": torch.arange(seq),
+        "hidden_states": list(stacked.unbind(0)),
+        "loss_mask": torch.tensor([0, 0, 1, 1, 1, 0, 1][:seq]),
+    }
+
+
+@pytest.mark.parametrize("output_format", ["pt", "safetensors"])
+def test_round_trip(tmp_path, output_format):
+    sample = make_sample()
+    path = sample_path(tmp_path, 3, output_format)
+    write_sample(path, sample, output_format)
+    loaded = load_sample(path)
+    assert torch.equal(loaded["input_ids"], sample["input_ids"])
+    assert loaded["input_ids"].dtype == torch.long and loaded["loss_mask"].dtype == torch.long
+    assert torch.equal(loaded["loss_mask"], sample["loss_mask"])
+    assert len(loaded["hidden_states"]) == 4
+    for got, want in zip(loaded["hidden_states"], sample["hidden_states"]):
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert existing_sample_indices(tmp_path, output_format) == {3}
+
+
+def test_pt_file_is_the_0_3_0_layout_readable_by_its_trainer(tmp_path):
+    path = sample_path(tmp_path, 0, "pt")
+    write_sample(path, make_sample(), "pt")
+    data = torch.load(path, weights_only=True, mmap=True)
+    assert set(data) == {"input_ids", "hidden_states", "loss_mask"}
+    assert isinstance(data["hidden_states"], list)
+    # Each layer is its own tensor (not a view of a shared stack), as 0.3.0 wrote them.
+    storages = {layer.untyped_storage().data_ptr() for layer in data["hidden_states"]}
+    assert len(storages) == 4
+    # The trainer's "v1" standardization: aux layers concatenated, the last one as verifier state.
+    fused = torch.cat(data["hidden_states"][:-1], dim=-1)
+    assert fused.shape == (7, 48)
+
+
+def test_a_failed_write_leaves_nothing_under_the_final_name(tmp_path):
+    class Exploding:
+        def contiguous(self):
+            raise RuntimeError("disk full")
+
+    sample = make_sample()
+    sample["hidden_states"][1] = Exploding()
+    path = sample_path(tmp_path, 0, "pt")
+    with pytest.raises(RuntimeError):
+        write_sample(path, sample, "pt")
+    assert not path.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_partial_files_are_removed(tmp_path):
+    (tmp_path / ".tmp-1234abcd-data_5.pt").write_bytes(b"half")
+    write_sample(sample_path(tmp_path, 4, "pt"), make_sample(), "pt")
+    assert remove_partial_files(tmp_path) == 1
+    assert existing_sample_indices(tmp_path, "pt") == {4}
