@@ -36,12 +36,32 @@ def map_shared(path: str | os.PathLike, shape: tuple[int, ...], dtype: torch.dty
     return torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
 
 
+_PREFIX = "speculators-"
+
+
+def _remove_orphans(base: Path) -> None:
+    """Delete transfer dirs of processes that died without cleaning up (killed with SIGKILL)."""
+    if not base.is_dir():
+        return
+    for entry in base.glob(f"{_PREFIX}*"):
+        pid_text = entry.name[len(_PREFIX) :].split("-", 1)[0]
+        if not pid_text.isdigit() or int(pid_text) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            shutil.rmtree(entry, ignore_errors=True)
+        except PermissionError:
+            continue  # alive, another user's
+
+
 class TransferDir:
     """A private directory of per-request transfer files, removed on `cleanup()`."""
 
     def __init__(self, root: str | os.PathLike | None = None) -> None:
         base = Path(root) if root is not None else default_transfer_root()
-        self.path = base / f"speculators-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        _remove_orphans(base)
+        self.path = base / f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.path.mkdir(mode=0o700, parents=True)
 
     def file_for(self, request_id: str) -> Path:
