@@ -1,0 +1,191 @@
+"""Configs of speculator checkpoints: the `config.json` that vLLM and this library read.
+
+`SpeculatorModelConfig` is both a pydantic model (validation, and the registry that picks the
+right subclass from `speculators_model_type`) and a transformers `PretrainedConfig` (so it loads
+and saves like any Hugging Face config). `speculators_config` describes the algorithm, the token
+proposal methods and the verifier the draft was trained for.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+from transformers import PretrainedConfig
+
+from speculators_vllm016.utils import PydanticClassRegistryMixin, ReloadableBaseModel
+
+__all__ = [
+    "SpeculatorModelConfig",
+    "SpeculatorsConfig",
+    "TokenProposalConfig",
+    "VerifierConfig",
+    "reload_and_populate_configs",
+]
+
+
+def _library_version() -> str:
+    try:
+        return version("speculators-vllm016")
+    except PackageNotFoundError:
+        return "0.0.0+unknown"
+
+
+class TokenProposalConfig(PydanticClassRegistryMixin):
+    """How the draft proposes tokens and how the verifier accepts them; subclasses per method."""
+
+    auto_package: ClassVar[str] = "speculators.proposals"
+    registry_auto_discovery: ClassVar[bool] = True
+    schema_discriminator: ClassVar[str] = "proposal_type"
+
+    proposal_type: str = Field(description="The registered name of the proposal method.")
+
+
+class VerifierConfig(BaseModel):
+    """The target model a draft was made for: where to load it and what architecture it has."""
+
+    name_or_path: str | None = Field(description="Hub id or local path of the verifier.")
+    architectures: list[str] = Field(description="The verifier's config.json architectures.")
+
+    @classmethod
+    def from_config(
+        cls, config: PretrainedConfig, name_or_path: str | None = "UNSET"
+    ) -> VerifierConfig:
+        """Build from the verifier's own config; `name_or_path` defaults to where it came from."""
+        as_dict = config.to_dict()
+        if name_or_path == "UNSET":
+            name_or_path = (
+                getattr(config, "name_or_path", None)
+                or as_dict.get("_name_or_path")
+                or as_dict.get("name_or_path")
+            )
+        return cls(name_or_path=name_or_path, architectures=as_dict.get("architectures") or [])
+
+
+class SpeculatorsConfig(ReloadableBaseModel):
+    """The algorithm a draft implements, its proposal methods and its verifier."""
+
+    algorithm: str = Field(description="The speculative decoding algorithm, e.g. 'eagle3'.")
+    proposal_methods: list[TokenProposalConfig] = Field(
+        description="Supported token proposal methods."
+    )
+    default_proposal_method: str = Field(
+        description="The proposal_type used when none is chosen."
+    )
+    verifier: VerifierConfig = Field(description="The verifier the draft was trained for.")
+
+
+# PretrainedConfig attributes that are class-level settings here and must not reach config.json.
+_CLASS_ONLY_KEYS = (
+    "model_config",
+    "auto_package",
+    "registry_auto_discovery",
+    "schema_discriminator",
+    "model_type",
+    "base_config_key",
+    "sub_configs",
+    "is_composition",
+    "attribute_map",
+    "base_model_tp_plan",
+    "base_model_pp_plan",
+    "base_model_ep_plan",
+    "has_no_defaults_at_init",
+    "_auto_class",
+)
+
+
+class SpeculatorModelConfig(PydanticClassRegistryMixin, PretrainedConfig):
+    """Base config of every speculator model; `config.json` of a saved draft.
+
+    Loading dispatches on `speculators_model_type` to the registered subclass, so
+    `SpeculatorModelConfig.from_pretrained(path)` returns e.g. an `Eagle3SpeculatorConfig`.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="allow")
+
+    auto_package: ClassVar[str] = "speculators.models"
+    registry_auto_discovery: ClassVar[bool] = True
+    schema_discriminator: ClassVar[str] = "speculators_model_type"
+
+    model_type: ClassVar[str] = "speculator_model"  # type: ignore[misc]
+    base_config_key: ClassVar[str] = ""  # type: ignore[misc]
+    sub_configs: ClassVar[dict[str, type[PretrainedConfig]]] = {}  # type: ignore[misc]
+    is_composition: ClassVar[bool] = False  # type: ignore[misc]
+    attribute_map: ClassVar[dict[str, str]] = {}  # type: ignore[misc]
+    base_model_tp_plan: ClassVar[dict[str, Any] | None] = None  # type: ignore[misc]
+    base_model_pp_plan: ClassVar[dict[str, tuple[list[str]]] | None] = None  # type: ignore[misc]
+    # None: save_pretrained must not write an `auto_map` pointing at remote code.
+    _auto_class: ClassVar[str | None] = None  # type: ignore[misc]
+
+    speculators_model_type: str = Field(default="", description="Registered model type.")
+    speculators_version: str = Field(
+        default_factory=_library_version, description="Library version that wrote the config."
+    )
+    speculators_config: SpeculatorsConfig = Field(  # type: ignore[assignment]
+        default=None, description="Algorithm, proposal methods and verifier."
+    )
+
+    def __init__(self, **kwargs: Any) -> None:
+        # Validate the declared fields first, then let PretrainedConfig set its own attributes
+        # (which pydantic keeps as extras); the declared fields are passed back so that
+        # PretrainedConfig does not reset them to its defaults.
+        PydanticClassRegistryMixin.__init__(self, **kwargs)
+        for name in type(self).model_fields:
+            kwargs[name] = getattr(self, name)
+        PretrainedConfig.__init__(self, **kwargs)
+        self.transformers_version = version("transformers")
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: str | os.PathLike,
+        cache_dir: str | os.PathLike | None = None,
+        force_download: bool = False,
+        local_files_only: bool = False,
+        token: str | bool | None = None,
+        revision: str = "main",
+        **kwargs: Any,
+    ) -> SpeculatorModelConfig:
+        config_dict, kwargs = cls.get_config_dict(
+            pretrained_model_name_or_path,
+            cache_dir=cache_dir,
+            force_download=force_download,
+            local_files_only=local_files_only,
+            token=token,
+            revision=revision,
+            **kwargs,
+        )
+        if "speculators_model_type" not in config_dict:
+            raise NotImplementedError(
+                f"{pretrained_model_name_or_path} is not a speculator checkpoint (its config "
+                "has no speculators_model_type); convert it with `speculators convert` first"
+            )
+        return cls.from_dict(config_dict, **kwargs)
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> SpeculatorModelConfig:
+        merged = {**config_dict, **kwargs}
+        if "speculators_model_type" not in merged:
+            raise ValueError("a speculator config needs 'speculators_model_type'")
+        if cls.registry_auto_discovery:
+            cls.auto_populate_registry()
+        return cls.model_validate(merged)
+
+    def to_dict(self) -> dict[str, Any]:
+        """PretrainedConfig's attributes and the pydantic fields, without class settings."""
+        merged = {**PretrainedConfig.to_dict(self), **self.model_dump()}
+        for key in _CLASS_ONLY_KEYS:
+            merged.pop(key, None)
+        return merged
+
+    def to_diff_dict(self) -> dict[str, Any]:
+        return super().to_diff_dict()
+
+
+def reload_and_populate_configs() -> None:
+    """Import every built-in config and rebuild the schemas that dispatch on the registries."""
+    TokenProposalConfig.auto_populate_registry()
+    SpeculatorModelConfig.auto_populate_registry()
+    SpeculatorsConfig.reload_schema()

@@ -1,0 +1,200 @@
+"""Base class of speculator (draft) models: Hugging Face loading/saving plus verifier handling.
+
+`SpeculatorModel.from_pretrained(path)` reads `config.json`, finds the registered model class for
+its `speculators_model_type` and loads that class, so user code need not know the algorithm. A
+verifier (the target model) can be attached for training ("train_only": only the parts the draft
+needs) or for generation ("full"); it is never part of the saved weights.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal, Optional
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+
+from speculators_vllm016.config import SpeculatorModelConfig
+from speculators_vllm016.utils import ClassRegistryMixin
+
+__all__ = ["SpeculatorModel", "reload_and_populate_models"]
+
+AttachmentMode = Literal["detached", "full", "train_only"]
+
+
+class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
+    """Common behaviour of all draft models; subclasses register under their model type."""
+
+    auto_package: ClassVar[str] = "speculators.models"
+    registry_auto_discovery: ClassVar[bool] = True
+    config_class: ClassVar[type[SpeculatorModelConfig]] = SpeculatorModelConfig  # type: ignore[misc]
+    base_model_prefix: ClassVar[str] = "model"  # type: ignore[misc]
+    main_input_name: ClassVar[str] = "input_ids"  # type: ignore[misc]
+    _keys_to_ignore_on_load_missing: ClassVar[list[str] | None] = None  # type: ignore[misc]
+
+    @classmethod
+    def registered_model_class_from_config(
+        cls, config: SpeculatorModelConfig
+    ) -> type[SpeculatorModel]:
+        """The model class registered for `config.speculators_model_type`."""
+        if not isinstance(config, SpeculatorModelConfig):
+            raise TypeError(f"expected a SpeculatorModelConfig, got {type(config).__name__}")
+        cls.registered_classes()  # imports the built-in models once
+        registry = SpeculatorModel.registry or {}
+        model_class = registry.get(config.speculators_model_type)
+        if model_class is None:
+            raise ValueError(
+                f"no speculator model is registered for {config.speculators_model_type!r}; "
+                f"known: {sorted(registry)}"
+            )
+        return model_class
+
+    @classmethod
+    def from_pretrained(
+        cls: type[SpeculatorModel],
+        pretrained_model_name_or_path: str | os.PathLike | None,
+        *model_args: Any,
+        verifier: str | os.PathLike | PreTrainedModel | None = None,
+        verifier_attachment_mode: AttachmentMode | None = None,
+        config: PretrainedConfig | str | os.PathLike | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        ignore_mismatched_sizes: bool = False,
+        force_download: bool = False,
+        local_files_only: bool = False,
+        token: str | bool | None = None,
+        revision: str = "main",
+        use_safetensors: bool | None = None,
+        weights_only: bool = True,
+        **kwargs: Any,
+    ) -> SpeculatorModel:
+        if not isinstance(config, PretrainedConfig):
+            source = config if config is not None else pretrained_model_name_or_path
+            if source is None:
+                raise ValueError("from_pretrained needs a checkpoint path or a config")
+            config = SpeculatorModelConfig.from_pretrained(
+                source,
+                cache_dir=cache_dir,
+                force_download=force_download,
+                local_files_only=local_files_only,
+                token=token,
+                revision=revision,
+            )
+        model_class = cls
+        if cls is SpeculatorModel:
+            model_class = cls.registered_model_class_from_config(config)  # type: ignore[arg-type]
+        model = PreTrainedModel.from_pretrained.__func__(  # type: ignore[attr-defined]
+            model_class,
+            pretrained_model_name_or_path,
+            *model_args,
+            config=config,
+            cache_dir=cache_dir,
+            ignore_mismatched_sizes=ignore_mismatched_sizes,
+            force_download=force_download,
+            local_files_only=local_files_only,
+            token=token,
+            revision=revision,
+            use_safetensors=use_safetensors,
+            weights_only=weights_only,
+            **kwargs,
+        )
+        if verifier is not None and verifier_attachment_mode != "detached":
+            model.attach_verifier(verifier, mode=verifier_attachment_mode)
+        return model
+
+    def __init__(
+        self,
+        config: SpeculatorModelConfig,
+        verifier: str | os.PathLike | PreTrainedModel | None = None,
+        verifier_attachment_mode: AttachmentMode | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(config, SpeculatorModelConfig):
+            raise TypeError(f"expected a SpeculatorModelConfig, got {type(config).__name__}")
+        super().__init__(config, **kwargs)
+        self.verifier: PreTrainedModel | None = None
+        self.verifier_attachment_mode: AttachmentMode = "detached"
+        if verifier is not None and verifier_attachment_mode != "detached":
+            self._pending_verifier = (verifier, verifier_attachment_mode)
+        else:
+            self._pending_verifier = None
+
+    def post_init(self) -> None:
+        super().post_init()
+        pending = getattr(self, "_pending_verifier", None)
+        if pending is not None:
+            self._pending_verifier = None
+            self.attach_verifier(pending[0], mode=pending[1])
+
+    def resolve_verifier(self, verifier: str | os.PathLike | PreTrainedModel) -> PreTrainedModel:
+        """A loaded verifier model from a model object, a hub id or a local path."""
+        if isinstance(verifier, PreTrainedModel):
+            return verifier
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(verifier)
+
+    def attach_verifier(
+        self,
+        verifier: str | os.PathLike | PreTrainedModel,
+        mode: Literal["full", "train_only"] | None = None,
+    ) -> PreTrainedModel:
+        """Keep a reference to the verifier ("full": usable for `generate`)."""
+        if mode not in (None, "full", "train_only"):
+            raise ValueError(f"attachment mode must be 'full' or 'train_only', got {mode!r}")
+        resolved = self.resolve_verifier(verifier)
+        # Stored outside the module tree so it is neither trained nor saved with the draft.
+        object.__setattr__(self, "verifier", resolved)
+        self.verifier_attachment_mode = mode or "full"
+        return resolved
+
+    def detach_verifier(self) -> None:
+        if self.verifier is None:
+            raise RuntimeError("no verifier is attached")
+        object.__setattr__(self, "verifier", None)
+        self.verifier_attachment_mode = "detached"
+
+    def state_dict(
+        self, *, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        """The draft's own weights (an attached verifier is not part of them)."""
+        state = nn.Module.state_dict(self, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        ignored = getattr(self, "_keys_to_ignore_on_save", None) or []
+        for key in [k for k in state if k.removeprefix(prefix) in ignored]:
+            state.pop(key)
+        return state
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} does not implement forward")
+
+    @torch.no_grad()
+    def generate(
+        self,
+        inputs: torch.Tensor | None = None,
+        generation_config: Any | None = None,
+        logits_processor: Any | None = None,
+        stopping_criteria: Any | None = None,
+        prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]] | None = None,
+        synced_gpus: bool | None = None,
+        assistant_model: Optional[PreTrainedModel] = None,  # noqa: UP045 - 0.3.0 signature
+        streamer: Any | None = None,
+        negative_prompt_ids: torch.Tensor | None = None,
+        negative_prompt_attention_mask: torch.Tensor | None = None,
+        use_model_defaults: bool | None = None,
+        custom_generate: str | Callable[..., Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Speculative generation with the attached verifier is not implemented yet.
+
+        Serve the draft with vLLM (`--speculative-config`) instead; vLLM reads these checkpoints.
+        """
+        raise NotImplementedError(
+            "SpeculatorModel.generate is not implemented in speculators-vllm016 yet; serve the "
+            "checkpoint with vLLM's speculative decoding"
+        )
+
+
+def reload_and_populate_models() -> None:
+    """Import every built-in model so the registry knows them all."""
+    SpeculatorModel.auto_populate_registry()

@@ -1,0 +1,60 @@
+"""Config of the EAGLE-3 draft: one decoder layer fed the fused target hidden states."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_serializer, field_validator
+from transformers import AutoConfig, LlamaConfig, PretrainedConfig
+
+from speculators_vllm016.config import SpeculatorModelConfig
+
+__all__ = ["Eagle3SpeculatorConfig"]
+
+
+def transformer_config_from(value: Any) -> PretrainedConfig:
+    """A config object from a dict (by its model_type; Llama when it has none)."""
+    if isinstance(value, PretrainedConfig):
+        return value
+    if isinstance(value, dict):
+        values = dict(value)
+        model_type = values.get("model_type")
+        if model_type:
+            return type(AutoConfig.for_model(model_type))(**values)
+        return LlamaConfig(**values)
+    raise TypeError(f"transformer_layer_config must be a config or a dict, got {type(value)}")
+
+
+@SpeculatorModelConfig.register("eagle3")
+class Eagle3SpeculatorConfig(SpeculatorModelConfig):
+    speculators_model_type: Literal["eagle3"] = "eagle3"
+    architectures: list[str] = Field(
+        default_factory=lambda: ["Eagle3Speculator"],
+        description="Classes that can load these weights.",
+    )
+    transformer_layer_config: PretrainedConfig = Field(
+        default_factory=LlamaConfig, description="Config of the draft's decoder layer(s)."
+    )
+    draft_vocab_size: int = Field(default=32000, description="Tokens the draft can propose.")
+    norm_before_residual: bool = Field(
+        default=False, description="Normalize the fused hidden state before the residual add."
+    )
+    target_hidden_size: int | None = Field(
+        default=None, description="Target model hidden size when it differs from the draft's."
+    )
+    eagle_aux_hidden_state_layer_ids: list[int] | None = Field(
+        default=None, description="Target layers whose hidden states the draft fuses."
+    )
+
+    @property
+    def target_vocab_size(self) -> int:
+        return self.transformer_layer_config.vocab_size
+
+    @field_serializer("transformer_layer_config")
+    def serialize_transformer_config(self, value: PretrainedConfig) -> dict:
+        return value.to_diff_dict()
+
+    @field_validator("transformer_layer_config", mode="before")
+    @classmethod
+    def validate_transformer_config(cls, value: Any) -> PretrainedConfig:
+        return transformer_config_from(value)

@@ -1,0 +1,310 @@
+"""The EAGLE-3 draft model and its training objective.
+
+The draft fuses three auxiliary hidden states of the target (`fc`), runs one decoder layer on
+`[token embedding ; fused state]`, and predicts over a reduced draft vocabulary (`d2t` maps draft
+ids back to target ids, `t2d` marks the kept target ids). Training unrolls `ttt_steps` test-time
+steps: each step feeds the draft's own previous prediction and hidden state back in, and is scored
+against the target's distribution `ttt_step` tokens further ahead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache
+
+from speculators_vllm016.model import SpeculatorModel
+from speculators_vllm016.models.eagle3.attention import (
+    block_mask_to_dense_attention_mask,
+    extend_mask_for_draft_tokens,
+    step_zero_mask,
+)
+from speculators_vllm016.models.eagle3.config import Eagle3SpeculatorConfig
+from speculators_vllm016.models.eagle3.model_definitions import model_classes
+
+__all__ = [
+    "Eagle3DraftModel",
+    "align_for_step",
+    "compute_accuracy",
+    "compute_metrics",
+    "loss_function",
+]
+
+
+def align_for_step(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    loss_mask: torch.Tensor | None,
+    prev_correct: torch.Tensor | None,
+    ttt_step: int,
+):
+    """Pair draft position i of step k with the target's position i + k (both `[1, seq, V]`)."""
+    if ttt_step > 0:
+        logits = logits[:, :-ttt_step]
+        if prev_correct is not None:
+            prev_correct = prev_correct[:, :-ttt_step]
+    targets = targets[:, ttt_step:]
+    if loss_mask is not None:
+        loss_mask = loss_mask[:, ttt_step:]
+    return logits, targets, loss_mask, prev_correct
+
+
+@torch.no_grad()
+def compute_accuracy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    loss_mask: torch.Tensor | None,
+    prev_correct: torch.Tensor | None,
+):
+    """`(full, conditional)` top-1 agreement with the target.
+
+    Full: over all (masked) positions. Conditional: over positions whose earlier steps were all
+    right. `prev_correct` is updated in place to "right at every step so far".
+    """
+    correct = logits.argmax(dim=-1) == targets.argmax(dim=-1)
+    conditional_denominator: torch.Tensor | int = correct.numel()
+    if prev_correct is not None:
+        conditional_denominator = prev_correct.sum()
+        correct = torch.logical_and(prev_correct, correct, out=prev_correct)
+    if loss_mask is not None:
+        correct = correct[loss_mask.to(torch.bool)]
+    hits = correct.float().sum()
+    return hits / (correct.numel() + 1e-5), hits / (conditional_denominator + 1e-5)
+
+
+def loss_function(
+    logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """KL(target || draft) per position, averaged over the trained positions of each row."""
+    log_draft = F.log_softmax(logits.float(), dim=-1)
+    target_probs = F.softmax(targets.float(), dim=-1)
+    per_token = F.kl_div(log_draft, target_probs, reduction="none", log_target=False).sum(-1)
+    if loss_mask is not None:
+        per_token = per_token * loss_mask
+        denominator: torch.Tensor | int = loss_mask.sum(dim=1) + 1e-5
+    else:
+        denominator = per_token.shape[1]
+    return (per_token.sum(dim=1) / denominator).mean()
+
+
+def compute_metrics(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    loss_mask: torch.Tensor | None,
+    prev_correct: torch.Tensor | None,
+    ttt_step: int,
+    ttt_step_loss_decay: float,
+) -> tuple[torch.Tensor, dict]:
+    """Weighted loss of one TTT step and its metrics `loss_k`, `full_acc_k`, `cond_acc_k`."""
+    step_logits, step_targets, step_mask, step_prev = align_for_step(
+        logits, targets, loss_mask, prev_correct, ttt_step
+    )
+    loss = (ttt_step_loss_decay**ttt_step) * loss_function(step_logits, step_targets, step_mask)
+    full, conditional = compute_accuracy(step_logits, step_targets, step_mask, step_prev)
+    metrics = {
+        f"loss_{ttt_step}": loss.detach().clone(),
+        f"full_acc_{ttt_step}": full,
+        f"cond_acc_{ttt_step}": conditional,
+    }
+    return loss, metrics
+
+
+@SpeculatorModel.register("eagle3")
+class Eagle3DraftModel(SpeculatorModel):
+    """EAGLE-3 draft for training and for export to vLLM.
+
+    `Eagle3DraftModel(config, t2d, d2t)` builds a draft for training: the token embeddings and the
+    LM head rows of the draft vocabulary are copied from the verifier named in the config (the
+    embeddings stay frozen; a frozen copy of the head scores the targets).
+    `Eagle3DraftModel(config)` (as `from_pretrained` does) builds the empty shell whose weights
+    come from a checkpoint.
+    """
+
+    config_class: ClassVar[type[Eagle3SpeculatorConfig]] = Eagle3SpeculatorConfig  # type: ignore[misc]
+    _keys_to_ignore_on_load_missing: ClassVar[list[str]] = [  # type: ignore[misc]
+        "verifier_lm_head.weight"
+    ]
+    _keys_to_ignore_on_save: ClassVar[list[str]] = ["verifier_lm_head.weight"]  # type: ignore[misc]
+
+    def __init__(
+        self,
+        config: Eagle3SpeculatorConfig,
+        t2d: torch.Tensor | None = None,
+        d2t: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__(config=config, verifier=None, verifier_attachment_mode="train_only")
+        layer_config = config.transformer_layer_config
+        if getattr(layer_config, "_attn_implementation", None) is None:
+            layer_config._attn_implementation = "sdpa"
+        if layer_config.model_type not in model_classes:
+            raise ValueError(
+                f"no EAGLE-3 layer for transformer type {layer_config.model_type!r}; "
+                f"supported: {sorted(model_classes)}"
+            )
+        components = model_classes[layer_config.model_type]
+        self.hidden_size = layer_config.hidden_size
+        self.target_hidden_size = config.target_hidden_size or self.hidden_size
+        self.draft_vocab_size = config.draft_vocab_size
+        target_vocab = layer_config.vocab_size
+        from_verifier = t2d is not None or d2t is not None
+        if from_verifier and (t2d is None or d2t is None):
+            raise ValueError("pass both t2d and d2t (or neither, to load from a checkpoint)")
+        if t2d is None:
+            t2d = torch.zeros(target_vocab, dtype=torch.bool)
+            d2t = torch.zeros(self.draft_vocab_size, dtype=torch.long)
+        self._check_vocab_maps(t2d, d2t, target_vocab, strict=from_verifier)
+        self.register_buffer("t2d", t2d.to(torch.bool))
+        self.register_buffer("d2t", d2t.to(torch.long))
+
+        self.fc = nn.Linear(3 * self.target_hidden_size, self.hidden_size, bias=False)
+        first = components.first_layer_class(
+            layer_config, layer_idx=0, norm_before_residual=config.norm_before_residual
+        )
+        rest = [
+            components.decoder_layer_class(layer_config, index)
+            for index in range(1, layer_config.num_hidden_layers)
+        ]
+        self.layers = nn.ModuleList([first, *rest])
+        self.norm = components.norm_class(self.hidden_size, eps=layer_config.rms_norm_eps)
+        self.rotary_emb = components.rotary_emb_class(config=layer_config)
+        self.embed_tokens = nn.Embedding(target_vocab, self.hidden_size)
+        self.lm_head = nn.Linear(self.hidden_size, self.draft_vocab_size, bias=False)
+        self.verifier_lm_head = nn.Linear(
+            self.target_hidden_size, self.draft_vocab_size, bias=False
+        )
+        self.post_init()
+        self.embed_tokens.weight.requires_grad_(False)
+        self.verifier_lm_head.weight.requires_grad_(False)
+        if from_verifier:
+            self.load_verifier_weights()
+
+    def tie_weights(self, *args: Any, **kwargs: Any) -> None:
+        """Never tie: the draft head covers the draft vocabulary, the embeddings the target's."""
+
+    def _check_vocab_maps(
+        self, t2d: torch.Tensor, d2t: torch.Tensor, target_vocab: int, strict: bool
+    ) -> None:
+        if t2d.shape != (target_vocab,):
+            raise ValueError(f"t2d has shape {tuple(t2d.shape)}, expected ({target_vocab},)")
+        if d2t.shape != (self.draft_vocab_size,):
+            raise ValueError(
+                f"d2t has shape {tuple(d2t.shape)}, expected ({self.draft_vocab_size},)"
+            )
+        if strict and int(t2d.sum()) != self.draft_vocab_size:
+            raise ValueError(
+                f"t2d marks {int(t2d.sum())} tokens, expected draft_vocab_size="
+                f"{self.draft_vocab_size}"
+            )
+
+    def load_verifier_weights(self, verifier_path: str | None = None) -> None:
+        """Copy embeddings and the draft-vocabulary rows of the LM head from the verifier."""
+        from speculators_vllm016.utils.loading import load_model_layers
+
+        verifier = self.config.speculators_config.verifier if self.config.speculators_config else None
+        path = verifier_path or (verifier.name_or_path if verifier else None)
+        if not path:
+            raise ValueError("the config names no verifier (speculators_config.verifier.name_or_path)")
+        weights = load_model_layers(["model.embed_tokens.weight", "lm_head.weight"], path)
+        if "model.embed_tokens.weight" not in weights:
+            raise ValueError(f"{path} has no model.embed_tokens.weight")
+        embeddings = weights["model.embed_tokens.weight"]
+        head = weights.get("lm_head.weight", embeddings)  # tied embeddings
+        if embeddings.shape != self.embed_tokens.weight.shape:
+            raise ValueError(
+                f"verifier embeddings {tuple(embeddings.shape)} do not fit the draft's "
+                f"{tuple(self.embed_tokens.weight.shape)} (vocab size and hidden size must match)"
+            )
+        rows = head[self.t2d.to(head.device)]
+        dtype = self.lm_head.weight.dtype
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(embeddings.to(dtype))
+            self.lm_head.weight.copy_(rows.to(dtype))
+            self.verifier_lm_head.weight.copy_(rows.to(dtype))
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        input_ids: torch.Tensor,
+        lengths: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        verifier_last_hidden_states: torch.Tensor | None = None,
+        ttt_steps: int = 3,
+        ttt_step_loss_decay: float = 1.0,
+        use_off_policy_tokens: bool = False,
+        **kwargs: Any,
+    ):
+        """Unroll `ttt_steps` draft steps over a packed row `[1, total_seq_len]`.
+
+        `hidden_states` `[1, T, 3 * target_hidden]` are the fused auxiliary target states,
+        `input_ids` `[1, T]` the tokens paired with them. Returns the draft tokens of every step
+        (draft ids), and with `verifier_last_hidden_states` also the loss and metrics.
+        """
+        if hidden_states.dim() != 3 or hidden_states.shape[0] != 1:
+            raise ValueError(f"hidden_states must be [1, seq, 3*hidden], got {tuple(hidden_states.shape)}")
+        device = hidden_states.device
+        total = hidden_states.shape[1]
+        if input_ids.shape != (1, total):
+            raise ValueError(f"input_ids must be [1, {total}], got {tuple(input_ids.shape)}")
+        if lengths is None:
+            lengths = torch.tensor([total], device=device)
+        if position_ids is None:
+            position_ids = torch.arange(1, total + 1, device=device).unsqueeze(0)
+        allowed = step_zero_mask(lengths.to(device), total)
+        cache = DynamicCache()
+        hidden = self.fc(hidden_states)
+        original_ids = input_ids
+        scoring = verifier_last_hidden_states is not None
+        if scoring:
+            with torch.no_grad():
+                targets = self.verifier_lm_head(verifier_last_hidden_states.to(hidden.dtype))
+            loss = hidden.new_zeros((), dtype=torch.float32)
+            prev_correct = (
+                loss_mask.clone().to(torch.bool)
+                if loss_mask is not None
+                else torch.ones(1, total, dtype=torch.bool, device=device)
+            )
+            metrics: dict[str, torch.Tensor] = {}
+        draft_tokens = []
+        for step in range(ttt_steps):
+            with torch.no_grad():
+                embeds = self.embed_tokens(input_ids)
+            hidden = torch.cat([embeds.to(hidden.dtype), hidden], dim=-1)
+            position_embeddings = self.rotary_emb(hidden, position_ids)
+            mask = block_mask_to_dense_attention_mask(allowed, device, hidden.dtype)
+            cache_position = torch.arange(step * total, (step + 1) * total, device=device)
+            for layer in self.layers:
+                hidden = layer(
+                    hidden,
+                    attention_mask=mask,
+                    position_ids=position_ids,
+                    past_key_values=cache,
+                    use_cache=True,
+                    cache_position=cache_position,
+                    position_embeddings=position_embeddings,
+                    **kwargs,
+                )
+            logits = self.lm_head(self.norm(hidden))
+            if scoring:
+                step_loss, step_metrics = compute_metrics(
+                    logits, targets, loss_mask, prev_correct, step, ttt_step_loss_decay
+                )
+                loss = loss + step_loss
+                metrics.update(step_metrics)
+            predicted = logits.argmax(dim=-1)
+            draft_tokens.append(predicted.detach().clone())
+            if use_off_policy_tokens:
+                input_ids = torch.cat(
+                    [original_ids[:, 1 + step :], original_ids.new_zeros(1, 1 + step)], dim=-1
+                )
+            else:
+                input_ids = predicted + self.d2t[predicted]
+            allowed = extend_mask_for_draft_tokens(allowed)
+            position_ids = position_ids + 1
+        if scoring:
+            metrics["loss"] = loss.detach().clone()
+            return draft_tokens, loss, metrics
+        return draft_tokens

@@ -1,0 +1,79 @@
+"""Decoder-layer building blocks of the EAGLE-3 draft, per transformer family."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from transformers import Cache, LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaDecoderLayer,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
+
+__all__ = ["LlamaDecoderEagle3FirstLayer", "ModelComponents", "model_classes"]
+
+
+class LlamaDecoderEagle3FirstLayer(LlamaDecoderLayer):
+    """A Llama decoder layer whose attention reads `[token embedding ; fused hidden state]`.
+
+    The two halves are normalized separately (`input_layernorm` for the embedding, `hidden_norm`
+    for the hidden state); q/k/v project from twice the hidden size. The residual is the hidden
+    half, normalized first when `norm_before_residual`.
+    """
+
+    def __init__(self, config: LlamaConfig, layer_idx: int, norm_before_residual: bool = False):
+        super().__init__(config, layer_idx)
+        self.norm_before_residual = norm_before_residual
+        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        wide = 2 * config.hidden_size
+        bias = getattr(config, "attention_bias", False)
+        attention = self.self_attn
+        attention.q_proj = nn.Linear(wide, config.num_attention_heads * head_dim, bias=bias)
+        attention.k_proj = nn.Linear(wide, config.num_key_value_heads * head_dim, bias=bias)
+        attention.v_proj = nn.Linear(wide, config.num_key_value_heads * head_dim, bias=bias)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = False,
+        cache_position: torch.LongTensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        embeds, hidden = hidden_states.chunk(2, dim=-1)
+        normed_hidden = self.hidden_norm(hidden)
+        residual = normed_hidden if self.norm_before_residual else hidden
+        attention_input = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)
+        attended, _ = self.self_attn(
+            hidden_states=attention_input,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            cache_position=cache_position,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        hidden = residual + attended
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class ModelComponents(NamedTuple):
+    first_layer_class: type
+    decoder_layer_class: type
+    norm_class: type
+    rotary_emb_class: type
+
+
+model_classes: dict[str, ModelComponents] = {
+    "llama": ModelComponents(
+        LlamaDecoderEagle3FirstLayer, LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+    ),
+}

@@ -1,0 +1,41 @@
+"""Import every module of a package so that classes registering themselves at import appear."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+from typing import ClassVar
+
+__all__ = ["AutoImporterMixin"]
+
+
+class AutoImporterMixin:
+    """Classes naming `auto_package` can import all its modules on demand.
+
+    Used by registries: model and config classes register themselves when their module is
+    imported, so importing the package tree once makes every implementation discoverable.
+    """
+
+    auto_package: ClassVar[str | tuple[str, ...] | None] = None
+    auto_ignore_modules: ClassVar[tuple[str, ...] | None] = None
+    auto_imported_modules: ClassVar[list | None] = None
+
+    @classmethod
+    def auto_import_package_modules(cls) -> None:
+        if cls.auto_package is None:
+            raise ValueError(f"{cls.__name__}.auto_package must name the package to import from")
+        packages = cls.auto_package if isinstance(cls.auto_package, tuple) else (cls.auto_package,)
+        ignored = set(cls.auto_ignore_modules or ())
+        imported: list[str] = []
+        for package_name in packages:
+            package = importlib.import_module(package_name)
+            prefix = package.__name__ + "."
+            for info in pkgutil.walk_packages(package.__path__, prefix):
+                name = info.name
+                if info.ispkg or name in ignored or name in imported:
+                    continue
+                if name not in sys.modules:
+                    importlib.import_module(name)
+                imported.append(name)
+        cls.auto_imported_modules = imported
