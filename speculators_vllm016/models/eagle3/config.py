@@ -43,7 +43,12 @@ class Eagle3SpeculatorConfig(SpeculatorModelConfig):
         default=None, description="Target model hidden size when it differs from the draft's."
     )
     eagle_aux_hidden_state_layer_ids: list[int] | None = Field(
-        default=None, description="Target layers whose hidden states the draft fuses."
+        default=None,
+        description=(
+            "Target layers whose hidden states the draft fuses, as vLLM counts them: id i is the "
+            "input of decoder layer i, i.e. the output of layer i - 1 that datagen captures as "
+            "layer id i - 1."
+        ),
     )
 
     @property
@@ -52,7 +57,13 @@ class Eagle3SpeculatorConfig(SpeculatorModelConfig):
 
     @field_serializer("transformer_layer_config")
     def serialize_transformer_config(self, value: PretrainedConfig) -> dict:
-        return value.to_diff_dict()
+        layer = value.to_diff_dict()
+        # vLLM builds the draft's config from this dict alone: without a dtype in it, it asks the
+        # hub for one (and waits) before assuming float32.
+        outer = getattr(self, "torch_dtype", None) or getattr(self, "dtype", None)
+        if outer is not None and "torch_dtype" not in layer and "dtype" not in layer:
+            layer["torch_dtype"] = str(outer).removeprefix("torch.")
+        return layer
 
     @field_validator("transformer_layer_config", mode="before")
     @classmethod
