@@ -52,5 +52,13 @@ def demo(ctx: typer.Context) -> None:
     raise typer.Exit(main(ctx.args))
 
 
+def _register_convert() -> None:
+    from speculators_vllm016.cli.convert import convert
+
+    app.command(name="convert")(convert)
+
+
+_register_convert()
+
 if __name__ == "__main__":
     app()

@@ -123,7 +123,7 @@ class SpeculatorModelConfig(PydanticClassRegistryMixin, PretrainedConfig):
     speculators_version: str = Field(
         default_factory=_library_version, description="Library version that wrote the config."
     )
-    speculators_config: SpeculatorsConfig = Field(  # type: ignore[assignment]
+    speculators_config: SpeculatorsConfig | None = Field(
         default=None, description="Algorithm, proposal methods and verifier."
     )
 

@@ -1,0 +1,283 @@
+"""EAGLE-3 research checkpoints -> speculator folders loadable by `Eagle3DraftModel` and vLLM.
+
+Research layout (SafeAILab/EAGLE, EAGLE-3 releases): config.json with the draft layer's Llama
+fields plus `draft_vocab_size` (and sometimes `target_hidden_size`), weights `midlayer.*` (the
+single decoder layer; some exports already say `layers.0.*`), `fc.weight` [H, 3*H_target],
+`norm.weight`, `lm_head.weight` [draft_vocab, H], `d2t`, `t2d`, and optionally
+`embed_tokens.weight`. The output is written directly as config.json + model.safetensors with
+the names `Eagle3DraftModel` saves: `layers.0.*`, `fc`, `norm`, `lm_head`, `embed_tokens`,
+`d2t`, `t2d`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, PretrainedConfig
+
+from speculators_vllm016.config import SpeculatorsConfig
+from speculators_vllm016.convert.eagle.eagle_converter import verifier_config_for
+from speculators_vllm016.convert.eagle.utils import (
+    ensure_checkpoint_is_local,
+    find_vocab_size,
+    load_checkpoint_config,
+    load_checkpoint_weights,
+)
+from speculators_vllm016.proposals.greedy import GreedyTokenProposalConfig
+
+__all__ = ["Eagle3Converter"]
+
+logger = logging.getLogger(__name__)
+
+TOP_LEVEL = ("fc.weight", "norm.weight", "lm_head.weight", "embed_tokens.weight", "d2t", "t2d")
+LAYER_PREFIXES = ("midlayer.", "layers.0.")
+REQUIRED = ("fc.weight", "norm.weight", "lm_head.weight")
+
+
+def _verifier_config_dict(base_model: str) -> dict:
+    try:
+        config_dict, _ = PretrainedConfig.get_config_dict(base_model)
+    except Exception as err:
+        raise ValueError(f"cannot read the verifier config of {base_model!r}: {err}") from err
+    return config_dict
+
+
+def verifier_embeddings(base_model: str, cache_dir: str | Path | None = None) -> torch.Tensor:
+    """The verifier's input embedding matrix, read from its safetensors without loading it all."""
+    from safetensors import safe_open
+
+    folder = ensure_checkpoint_is_local(base_model, cache_dir)
+    index = folder / "model.safetensors.index.json"
+    names = ("model.embed_tokens.weight", "embed_tokens.weight",
+             "model.language_model.embed_tokens.weight")
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = {weight_map[n] for n in names if n in weight_map}
+    else:
+        files = {"model.safetensors"} if (folder / "model.safetensors").is_file() else set()
+    for file in files:
+        with safe_open(str(folder / file), framework="pt") as handle:
+            for name in names:
+                if name in handle.keys():  # noqa: SIM118 - safe_open has no __contains__
+                    return handle.get_tensor(name)
+    raise FileNotFoundError(
+        f"the checkpoint has no embed_tokens.weight and none was found in the verifier "
+        f"{base_model!r} (looked for {names} in its safetensors)"
+    )
+
+
+class Eagle3Converter:
+    """Convert an EAGLE-3 checkpoint; embeddings and vocab maps are filled in when missing."""
+
+    def convert(
+        self,
+        input_path: str | Path,
+        output_path: str | Path,
+        base_model: str,
+        validate: bool = True,
+        norm_before_residual: bool = False,
+        eagle_aux_hidden_state_layer_ids: list[int] | None = None,
+        cache_dir: str | Path | None = None,
+    ) -> None:
+        local = ensure_checkpoint_is_local(input_path, cache_dir)
+        research_config = load_checkpoint_config(local)
+        weights = load_checkpoint_weights(local)
+        verifier_dict = _verifier_config_dict(base_model)
+        renamed = self.rename_weights(weights)
+
+        if "t2d" in renamed:
+            target_vocab = int(renamed["t2d"].shape[0])
+        else:
+            target_vocab = find_vocab_size(verifier_dict)
+            if target_vocab is None:
+                raise ValueError(f"cannot find vocab_size in the config of {base_model!r}")
+        draft_vocab = int(renamed["lm_head.weight"].shape[0])
+        declared = research_config.get("draft_vocab_size")
+        if declared is not None and declared != draft_vocab:
+            raise ValueError(
+                f"config draft_vocab_size={declared} but lm_head.weight has {draft_vocab} rows"
+            )
+        self.fill_vocab_maps(renamed, draft_vocab, target_vocab)
+        if "embed_tokens.weight" not in renamed:
+            logger.info("taking embed_tokens from the verifier %s", base_model)
+            embed = verifier_embeddings(base_model, cache_dir)
+            renamed["embed_tokens.weight"] = embed.to(renamed["fc.weight"].dtype)
+
+        config = self.build_config(
+            research_config,
+            verifier_dict,
+            base_model,
+            target_vocab=target_vocab,
+            draft_vocab=draft_vocab,
+            norm_before_residual=norm_before_residual,
+            eagle_aux_hidden_state_layer_ids=eagle_aux_hidden_state_layer_ids,
+        )
+        self.check_shapes(config, renamed)
+        saved = self.save(config, renamed, output_path)
+        logger.info("saved EAGLE-3 speculator to %s", saved)
+        if validate:
+            self.validate(saved, renamed)
+
+    @staticmethod
+    def rename_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`midlayer.*` -> `layers.0.*`; refuses unknown names and missing essentials."""
+        renamed: dict[str, torch.Tensor] = {}
+        unknown: list[str] = []
+        for name, tensor in weights.items():
+            if name in TOP_LEVEL:
+                renamed[name] = tensor
+            elif name.startswith(LAYER_PREFIXES):
+                suffix = name.split(".", 2)[-1] if name.startswith("layers.0.") else name[9:]
+                renamed["layers.0." + suffix] = tensor
+            else:
+                unknown.append(name)
+        if unknown:
+            raise ValueError(f"not an EAGLE-3 checkpoint: unexpected weights {sorted(unknown)[:8]}")
+        missing = [name for name in REQUIRED if name not in renamed]
+        if missing or not any(k.startswith("layers.0.") for k in renamed):
+            raise ValueError(
+                f"not an EAGLE-3 checkpoint: missing {missing or ['midlayer.* / layers.0.*']}"
+            )
+        return renamed
+
+    @staticmethod
+    def fill_vocab_maps(
+        weights: dict[str, torch.Tensor], draft_vocab: int, target_vocab: int
+    ) -> None:
+        """Identity d2t/t2d when the draft predicts the whole target vocabulary."""
+        if ("d2t" in weights) != ("t2d" in weights):
+            raise ValueError("the checkpoint has only one of d2t/t2d; both are needed")
+        if "d2t" not in weights:
+            if draft_vocab != target_vocab:
+                raise ValueError(
+                    f"draft vocab ({draft_vocab}) differs from the target's ({target_vocab}) "
+                    "but the checkpoint has no d2t/t2d mapping"
+                )
+            weights["d2t"] = torch.zeros(draft_vocab, dtype=torch.long)
+            weights["t2d"] = torch.ones(target_vocab, dtype=torch.bool)
+        weights["d2t"] = weights["d2t"].to(torch.long)
+        weights["t2d"] = weights["t2d"].to(torch.bool)
+        if weights["d2t"].shape != (draft_vocab,) or weights["t2d"].shape != (target_vocab,):
+            raise ValueError(
+                f"d2t {tuple(weights['d2t'].shape)} / t2d {tuple(weights['t2d'].shape)} do not "
+                f"match draft vocab {draft_vocab} / target vocab {target_vocab}"
+            )
+
+    @staticmethod
+    def layer_config_from(
+        research_config: dict, verifier_dict: dict, target_vocab: int
+    ) -> LlamaConfig:
+        get = research_config.get
+        if "hidden_size" not in research_config:
+            raise ValueError("the checkpoint's config.json has no hidden_size")
+        dtype = get("torch_dtype") or get("dtype")
+        return LlamaConfig(
+            vocab_size=target_vocab,
+            hidden_size=get("hidden_size"),
+            intermediate_size=get("intermediate_size", 11008),
+            num_hidden_layers=get("num_hidden_layers", 1),
+            num_attention_heads=get("num_attention_heads", 32),
+            num_key_value_heads=get("num_key_value_heads", 8),
+            head_dim=get("head_dim"),
+            hidden_act=get("hidden_act", "silu"),
+            # vLLM checks the draft's context length against the target's.
+            max_position_embeddings=max(
+                get("max_position_embeddings", 4096),
+                verifier_dict.get("max_position_embeddings", 4096),
+            ),
+            initializer_range=get("initializer_range", 0.02),
+            rms_norm_eps=get("rms_norm_eps", 1e-6),
+            use_cache=True,
+            attention_bias=get("attention_bias", False),
+            rope_theta=get("rope_theta", 10000.0),
+            rope_scaling=get("rope_scaling"),
+            mlp_bias=get("mlp_bias", False),
+            tie_word_embeddings=False,
+            torch_dtype=dtype,
+        )
+
+    def build_config(
+        self,
+        research_config: dict,
+        verifier_dict: dict,
+        base_model: str,
+        *,
+        target_vocab: int,
+        draft_vocab: int,
+        norm_before_residual: bool,
+        eagle_aux_hidden_state_layer_ids: list[int] | None,
+    ):
+        from speculators_vllm016.models.eagle3.config import Eagle3SpeculatorConfig
+
+        if eagle_aux_hidden_state_layer_ids is not None and (
+            not isinstance(eagle_aux_hidden_state_layer_ids, list)
+            or not all(isinstance(i, int) for i in eagle_aux_hidden_state_layer_ids)
+        ):
+            raise ValueError("eagle_aux_hidden_state_layer_ids must be a list of ints")
+        speculators_config = SpeculatorsConfig(
+            algorithm="eagle3",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
+            default_proposal_method="greedy",
+            verifier=verifier_config_for(base_model),
+        )
+        return Eagle3SpeculatorConfig(
+            transformer_layer_config=self.layer_config_from(
+                research_config, verifier_dict, target_vocab
+            ),
+            speculators_config=speculators_config,
+            draft_vocab_size=draft_vocab,
+            norm_before_residual=norm_before_residual,
+            target_hidden_size=research_config.get("target_hidden_size"),
+            eagle_aux_hidden_state_layer_ids=eagle_aux_hidden_state_layer_ids,
+        )
+
+    @staticmethod
+    def check_shapes(config, weights: dict[str, torch.Tensor]) -> None:
+        """The shapes vLLM and Eagle3DraftModel will expect from this config."""
+        layer = config.transformer_layer_config
+        hidden = layer.hidden_size
+        target_hidden = config.target_hidden_size or hidden
+        expected = {
+            "fc.weight": (hidden, 3 * target_hidden),
+            "norm.weight": (hidden,),
+            "lm_head.weight": (config.draft_vocab_size, hidden),
+            "embed_tokens.weight": (layer.vocab_size, hidden),
+        }
+        head_dim = getattr(layer, "head_dim", None) or hidden // layer.num_attention_heads
+        expected["layers.0.self_attn.q_proj.weight"] = (
+            layer.num_attention_heads * head_dim,
+            2 * hidden,
+        )
+        wrong = {
+            name: (tuple(weights[name].shape), shape)
+            for name, shape in expected.items()
+            if name in weights and tuple(weights[name].shape) != shape
+        }
+        if wrong:
+            raise ValueError(f"weights do not match the config (got, expected): {wrong}")
+
+    @staticmethod
+    def save(config, weights: dict[str, torch.Tensor], output_dir: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        output_dir = Path(output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        config.save_pretrained(str(output_dir))
+        tensors = {name: t.detach().contiguous().cpu() for name, t in weights.items()}
+        save_file(tensors, str(output_dir / "model.safetensors"), metadata={"format": "pt"})
+        return output_dir
+
+    @staticmethod
+    def validate(checkpoint_path: Path, weights: dict[str, torch.Tensor]) -> None:
+        """Reload with the library's EAGLE-3 model and compare every tensor."""
+        from speculators_vllm016.model import SpeculatorModel
+
+        model = SpeculatorModel.from_pretrained(checkpoint_path)
+        state = model.state_dict()
+        bad = [k for k, v in weights.items() if k not in state or not torch.equal(state[k], v)]
+        if bad:
+            raise RuntimeError(f"converted EAGLE-3 checkpoint did not reload equal: {bad[:8]}")
+        logger.info("validated %s", checkpoint_path)
