@@ -6,9 +6,9 @@ layers, so it needs no per-architecture forward code and no `supports_eagle3` ga
 layers sit in a module list and return a tensor or `(hidden_states, residual)` is covered, DeepSeek
 V2/V3 and Kimi-K2/K2.5 (layers nested in a multimodal wrapper) included.
 
-Rows go straight into the per-request shared-memory files made by the driver (see `transfer.py`):
-for every forward step, the model runner's own batch layout says which rows belong to which request
-and at which positions.
+Rows go into the per-request shared-memory files made by the driver (see `transfer.py`); for every
+forward step, the model runner's own batch layout says which rows belong to which request and at
+which positions. On a GPU the copies are asynchronous (`device_transfer.RowWriter`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from speculators_vllm016.data_generation.device_transfer import RowTarget, RowWriter
 from speculators_vllm016.data_generation.layer_capture import (
     find_decoder_layers,
     residual_scale,
@@ -56,6 +57,7 @@ class _CaptureState:
     segments: list[_Segment] | None = None
     num_tokens: int = 0
     hooks: list[Any] = field(default_factory=list)
+    writer: RowWriter = field(default_factory=RowWriter)
 
 
 class HiddenStatesWorkerExtension:
@@ -121,6 +123,7 @@ class HiddenStatesWorkerExtension:
         state = self._speculators_state
         if state is None:
             return {}
+        state.writer.flush()  # every row enqueued for these requests is in shared memory now
         written = {}
         for request_id in request_ids:
             state.buffers.pop(request_id, None)
@@ -131,6 +134,10 @@ class HiddenStatesWorkerExtension:
         """Forget every open buffer (after a failed call on the driver)."""
         state = self._speculators_state
         if state is not None:
+            try:
+                state.writer.flush()
+            except RuntimeError:
+                logger.exception("discarding a failed hidden-state copy")
             state.buffers.clear()
             state.rows_written.clear()
             state.scheduler_output = None
@@ -142,6 +149,7 @@ class HiddenStatesWorkerExtension:
             return
         for handle in state.hooks:
             handle.remove()
+        state.writer.close()
         self._speculators_state = None
 
     # -- internals ---------------------------------------------------------------------------
@@ -179,16 +187,18 @@ class HiddenStatesWorkerExtension:
             stream = residual_stream(output)[: state.num_tokens]
             if scale != 1.0:
                 stream = stream * scale
-            if stream.device.type != "cpu":
-                stream = stream.to("cpu")
             layer_slots = state.layer_slots[layer_index]
+            targets = []
             for segment in segments:
-                rows = stream[segment.row : segment.row + segment.count]
+                end = segment.start + segment.count
                 for slot in layer_slots:
-                    segment.buffer[slot, segment.start : segment.start + segment.count].copy_(rows)
+                    destination = segment.buffer[slot, segment.start : end]
+                    targets.append(RowTarget(destination, segment.row, segment.count))
                 state.rows_written[segment.request_id] = (
                     state.rows_written.get(segment.request_id, 0) + segment.count * len(layer_slots)
                 )
+            # On a GPU this only enqueues an async copy; the forward pass goes on at once.
+            state.writer.write_rows(stream, targets)
 
         return hook
 
