@@ -21,6 +21,16 @@ def test_speculators_is_this_package():
         "data_generation.vllm_hidden_states_generator",
         "data_generation.custom_worker",
         "data_generation.logging_utils",
+        "data_generation.preprocessing",
+        "data_generation.config_generator",
+        "config",
+        "model",
+        "models.eagle3.core",
+        "models.eagle",
+        "convert.eagle.eagle3_converter",
+        "proposals.greedy",
+        "utils.registry",
+        "train.vocab_mapping",
     ],
 )
 def test_submodules_are_shared(module):
@@ -48,3 +58,13 @@ def test_generator_import_paths():
     from speculators_vllm016.data_generation import VllmHiddenStatesGenerator as c
 
     assert a is b is c
+
+
+def test_top_level_names_of_0_3_0():
+    import speculators
+
+    for name in speculators.__all__:
+        assert getattr(speculators, name) is not None, name
+    from speculators.models import Eagle3DraftModel, EagleSpeculator, MLPSpeculatorConfig  # noqa: F401
+    from speculators.proposals import GreedyTokenProposalConfig  # noqa: F401
+    from speculators.convert import convert_model  # noqa: F401

@@ -73,6 +73,11 @@ def build_parser(prog: str = "speculators datagen") -> argparse.ArgumentParser:
     output.add_argument("--num-shards", type=int, default=1)
     output.add_argument("--shard-index", type=int, default=0)
     output.add_argument("--num-writer-threads", type=int, default=4)
+    output.add_argument(
+        "--fsync",
+        action="store_true",
+        help="fsync every sample file (survives power loss; files are always whole after a crash)",
+    )
     output.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return parser
 

@@ -66,6 +66,7 @@ class DatagenOptions:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     num_writer_threads: int = 4
+    fsync: bool = False
     show_progress: bool = True
 
     def validate(self) -> None:
@@ -321,7 +322,9 @@ def _extract_and_write(generator, dataset, todo, present, options) -> tuple[int,
                     "loss_mask": torch.as_tensor(mask, dtype=torch.long),
                 }
                 path = sample_path(output_dir, index, options.output_format)
-                futures.append(writers.submit(write_sample, path, sample, options.output_format))
+                futures.append(
+                    writers.submit(write_sample, path, sample, options.output_format, options.fsync)
+                )
             batch_tokens = sum(len(ids) for ids in input_ids)
             in_flight.append((futures, batch_tokens))
             progress.update(len(batch))

@@ -26,37 +26,51 @@ def sample_path(output_dir: Path, index: int, output_format: str) -> Path:
     return output_dir / SAMPLE_PATTERNS[output_format].format(idx=index)
 
 
-def _fsync_write(path: Path, write) -> None:
+def _atomic_write(path: Path, write, fsync: bool) -> None:
     temp = path.with_name(f"{_TEMP_PREFIX}{uuid.uuid4().hex[:8]}-{path.name}")
     try:
         with open(temp, "wb") as handle:
             write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
+            if fsync:  # survive power loss too, not only a crash of this process
+                handle.flush()
+                os.fsync(handle.fileno())
         os.replace(temp, path)
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
 
 
-def write_sample(path: Path, sample: dict[str, Any], output_format: str = "pt") -> int:
+def _independent_layers(layers: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Layers as tensors with their own storage (copied only if they share one)."""
+    layers = [layer.contiguous() for layer in layers]
+    storages = {layer.untyped_storage().data_ptr() for layer in layers}
+    if len(storages) < len(layers):
+        layers = [layer.clone() for layer in layers]
+    return layers
+
+
+def write_sample(
+    path: Path, sample: dict[str, Any], output_format: str = "pt", fsync: bool = False
+) -> int:
     """Write one sample atomically in the 0.3.0 layout (or as safetensors); return its bytes.
 
-    `hidden_states` are stored as independent contiguous tensors, one per captured layer.
+    The file appears under its name only when whole (temporary file + rename), which holds
+    through a crash or SIGKILL of this process; `fsync=True` also makes it survive power loss.
+    `hidden_states` are stored as independent tensors, one per captured layer.
     """
     input_ids = torch.as_tensor(sample["input_ids"], dtype=torch.long).contiguous()
     loss_mask = torch.as_tensor(sample["loss_mask"], dtype=torch.long).contiguous()
-    hidden_states = [layer.contiguous().clone() for layer in sample["hidden_states"]]
+    hidden_states = _independent_layers(list(sample["hidden_states"]))
     if output_format == "pt":
         payload = {"input_ids": input_ids, "hidden_states": hidden_states, "loss_mask": loss_mask}
-        _fsync_write(path, lambda handle: torch.save(payload, handle))
+        _atomic_write(path, lambda handle: torch.save(payload, handle), fsync)
     elif output_format == "safetensors":
         from safetensors.torch import save
 
         tensors = {"input_ids": input_ids, "loss_mask": loss_mask}
         tensors.update({f"hidden_states.{i}": layer for i, layer in enumerate(hidden_states)})
         blob = save(tensors, metadata={"num_hidden_states": str(len(hidden_states))})
-        _fsync_write(path, lambda handle: handle.write(blob))
+        _atomic_write(path, lambda handle: handle.write(blob), fsync)
     else:
         raise ValueError(f"unknown output format {output_format!r}; use 'pt' or 'safetensors'")
     return path.stat().st_size

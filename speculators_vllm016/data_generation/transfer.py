@@ -8,6 +8,7 @@ returns are backed by memory that disappears with them. Nothing bulky crosses vL
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import tempfile
@@ -75,18 +76,30 @@ class TransferDir:
         with open(self.file_for(request_id), "wb") as handle:
             handle.truncate(nbytes)
 
-    def take(self, request_id: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def take(
+        self, request_id: str, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> list[torch.Tensor]:
         """Map the finished request's file for the caller and unlink it.
 
-        The private mapping stays valid after the unlink; its memory is freed with the tensor.
+        Returns one tensor per leading index (per captured layer), each with its own storage over
+        its part of a private copy-on-write mapping: no copy is made, and saving one layer saves
+        only that layer. The mapping outlives the unlink; memory is freed with the tensors.
         """
         path = self.file_for(request_id)
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        tensor = torch.from_file(str(path), shared=False, size=numel, dtype=dtype).view(shape)
+        item = torch.empty((), dtype=dtype).element_size()
+        per_part = item
+        for dim in shape[1:]:
+            per_part *= dim
+        with open(path, "r+b") as handle:
+            mapping = mmap.mmap(handle.fileno(), per_part * shape[0], access=mmap.ACCESS_COPY)
         path.unlink()
-        return tensor
+        parts = []
+        for index in range(shape[0]):
+            flat = torch.frombuffer(
+                mapping, dtype=dtype, count=per_part // item, offset=index * per_part
+            )
+            parts.append(flat.view(shape[1:]))
+        return parts
 
     def discard(self, request_id: str) -> None:
         self.file_for(request_id).unlink(missing_ok=True)

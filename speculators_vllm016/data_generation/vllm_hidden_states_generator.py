@@ -361,7 +361,7 @@ class VllmHiddenStatesGenerator:
                 results.append(
                     {
                         "input_ids": torch.tensor(ids, dtype=torch.long),
-                        "hidden_states": list(states.unbind(0)),
+                        "hidden_states": states,
                         "loss_mask": None,
                     }
                 )
