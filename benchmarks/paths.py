@@ -17,8 +17,6 @@ import os
 import shutil
 import tempfile
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,44 +106,6 @@ class BenchPath:
         return Path(tempfile.mkdtemp(prefix=f"{self.key}-", dir=self.samples_root))
 
 
-class _SampleWriter:
-    """datagen's writer: a thread pool, at most two batches waiting (see offline._extract_and_write)."""
-
-    def __init__(self, directory: Path, num_threads: int, output_format: str) -> None:
-        self.directory = directory
-        self.output_format = output_format
-        self._pool = ThreadPoolExecutor(max_workers=num_threads)
-        self._in_flight: deque[list[Future]] = deque()
-        self._index = 0
-
-    def submit_batch(self, results: list[dict]) -> None:
-        from speculators_vllm016.data_generation.sample_io import sample_path, write_sample
-
-        futures = []
-        for result in results:
-            sample = {
-                "input_ids": result["input_ids"],
-                "hidden_states": result["hidden_states"],
-                "loss_mask": torch.ones_like(result["input_ids"]),
-            }
-            path = sample_path(self.directory, self._index, self.output_format)
-            futures.append(self._pool.submit(write_sample, path, sample, self.output_format))
-            self._index += 1
-        self._in_flight.append(futures)
-        self._drain(limit=2)
-
-    def _drain(self, limit: int) -> None:
-        while len(self._in_flight) > limit:
-            for future in self._in_flight.popleft():
-                future.result()
-
-    def finish(self) -> None:
-        try:
-            self._drain(limit=0)
-        finally:
-            self._pool.shutdown(wait=True)
-
-
 class ExtractionPath(BenchPath):
     """(a) VllmHiddenStatesGenerator + datagen's sample writer."""
 
@@ -176,19 +136,28 @@ class ExtractionPath(BenchPath):
         self.generator.generate([sequence])
 
     def run(self, sequences: list[list[int]], repeat: int) -> Measurement:
+        from speculators_vllm016.data_generation.offline import SampleWriterPool
+        from speculators_vllm016.data_generation.sample_io import sample_path
+
         directory = self._fresh_samples_dir()
         batch_size = self.preset.batch_size
+        preset = self.preset
         try:
             with Stopwatch() as watch:
-                writer = _SampleWriter(
-                    directory, self.preset.num_writer_threads, self.preset.output_format
-                )
-                try:
+                # Exactly datagen's path: stream each call, write every sample as it finishes.
+                with SampleWriterPool(
+                    preset.num_writer_threads, preset.output_format, max_pending=2 * batch_size
+                ) as writers:
                     for first in range(0, len(sequences), batch_size):
                         batch = sequences[first : first + batch_size]
-                        writer.submit_batch(self.generator.generate(batch))
-                finally:
-                    writer.finish()
+                        for offset, result in self.generator.generate_stream(batch):
+                            sample = {
+                                "input_ids": result["input_ids"],
+                                "hidden_states": result["hidden_states"],
+                                "loss_mask": torch.ones_like(result["input_ids"]),
+                            }
+                            path = sample_path(directory, first + offset, preset.output_format)
+                            writers.submit(path, sample)
             written = len(os.listdir(directory))
         finally:
             shutil.rmtree(directory, ignore_errors=True)
@@ -312,27 +281,33 @@ class HFForwardPath(BenchPath):
         self.device = next(self.hf_model.parameters()).device
         self._forward(warmup)
 
-    def _forward(self, sequences: list[list[int]], writer: _SampleWriter | None = None) -> None:
-        for ids in sequences:
+    def _forward(self, sequences: list[list[int]], writer: Any = None, directory: Path | None = None) -> None:
+        from speculators_vllm016.data_generation.sample_io import sample_path
+
+        for index, ids in enumerate(sequences):
             input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
             with torch.inference_mode():
                 output = self.hf_model(input_ids=input_ids, output_hidden_states=True)
             # hidden_states[0] is the embedding output; [i + 1] follows decoder layer i.
             states = [output.hidden_states[i + 1][0].to("cpu") for i in self.layer_ids]
-            if writer is not None:
-                writer.submit_batch([{"input_ids": input_ids[0].cpu(), "hidden_states": states}])
+            if writer is not None and directory is not None:
+                sample = {
+                    "input_ids": input_ids[0].cpu(),
+                    "hidden_states": states,
+                    "loss_mask": torch.ones(len(ids), dtype=torch.long),
+                }
+                writer.submit(sample_path(directory, index, self.preset.output_format), sample)
 
     def run(self, sequences: list[list[int]], repeat: int) -> Measurement:
+        from speculators_vllm016.data_generation.offline import SampleWriterPool
+
         directory = self._fresh_samples_dir()
         try:
             with Stopwatch() as watch:
-                writer = _SampleWriter(
-                    directory, self.preset.num_writer_threads, self.preset.output_format
-                )
-                try:
-                    self._forward(sequences, writer)
-                finally:
-                    writer.finish()
+                with SampleWriterPool(
+                    self.preset.num_writer_threads, self.preset.output_format, max_pending=64
+                ) as writer:
+                    self._forward(sequences, writer, directory)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         return Measurement(

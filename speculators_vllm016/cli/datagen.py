@@ -69,7 +69,16 @@ def build_parser(prog: str = "speculators datagen") -> argparse.ArgumentParser:
     output.add_argument(
         "--layer-ids", type=int, nargs="+", default=None, help="default: [2, N/2, N-3, N-1]"
     )
-    output.add_argument("--batch-size", type=int, default=8, help="sequences per generate call")
+    output.add_argument(
+        "--batch-size",
+        type=int,
+        default=128,
+        help=(
+            "sequences per extraction call (0.3.0 used 8). The engine runs a call's sequences "
+            "continuously and samples are written as they finish, but each call ends with a "
+            "partly filled step, so larger is faster; a resumed run recomputes whole calls"
+        ),
+    )
     output.add_argument("--num-shards", type=int, default=1)
     output.add_argument("--shard-index", type=int, default=0)
     output.add_argument("--num-writer-threads", type=int, default=4)

@@ -55,7 +55,7 @@ class DatagenOptions:
     assistant_pattern: str | None = None
     turn_dropout: bool = False
     layer_ids: list[int] | None = None
-    batch_size: int = 8
+    batch_size: int = 128
     seed: int = 0
     start_idx: int = 0
     num_preprocessing_workers: int = 8
@@ -283,55 +283,86 @@ def _data_config(generator, options: DatagenOptions, num_samples: int) -> dict |
     return config.to_dict()
 
 
+class SampleWriterPool:
+    """Writes samples on worker threads while extraction goes on.
+
+    At most `max_pending` samples wait for a writer: beyond that, `submit` waits for the oldest,
+    so memory stays bounded when the disk is slower than the engine.
+    """
+
+    def __init__(
+        self, num_threads: int, output_format: str, fsync: bool = False, max_pending: int = 64
+    ) -> None:
+        self.output_format = output_format
+        self.fsync = fsync
+        self.max_pending = max(1, max_pending)
+        self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="sample-writer")
+        self._pending: deque[Future] = deque()
+        self.written = 0
+
+    def submit(self, path: Path, sample: dict) -> None:
+        self._pending.append(
+            self._pool.submit(write_sample, path, sample, self.output_format, self.fsync)
+        )
+        while len(self._pending) > self.max_pending:
+            self._collect_oldest()
+
+    def _collect_oldest(self) -> None:
+        self._pending.popleft().result()
+        self.written += 1
+
+    def finish(self) -> int:
+        """Wait for every write; re-raise the first failure. Returns samples written."""
+        try:
+            while self._pending:
+                self._collect_oldest()
+        finally:
+            self._pool.shutdown(wait=True)
+        return self.written
+
+    def __enter__(self) -> SampleWriterPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.finish()
+
+
 def _extract_and_write(generator, dataset, todo, present, options) -> tuple[int, int]:
+    """Stream each batch through the generator; write every finished sample at once."""
     output_dir = Path(options.output_dir)
-    total_samples = sum(len(batch) for batch in todo)
     progress = tqdm(
-        total=total_samples, unit="sample", desc="Extracting", disable=not options.show_progress
+        total=sum(len(batch) for batch in todo),
+        unit="sample",
+        desc="Extracting",
+        disable=not options.show_progress,
     )
-    in_flight: deque[tuple[list[Future], int]] = deque()
-    written = 0
     tokens = 0
     clock = time.perf_counter()
-
-    def drain(limit: int) -> None:
-        nonlocal written, tokens
-        while len(in_flight) > limit:
-            futures, batch_tokens = in_flight.popleft()
-            for future in futures:
-                future.result()
-            written += len(futures)
-            tokens += batch_tokens
-            elapsed = max(time.perf_counter() - clock, 1e-9)
-            progress.set_postfix(tokens_per_s=f"{tokens / elapsed:.0f}", refresh=False)
-
-    with ThreadPoolExecutor(max_workers=options.num_writer_threads) as writers:
+    with SampleWriterPool(
+        options.num_writer_threads,
+        options.output_format,
+        fsync=options.fsync,
+        max_pending=2 * options.batch_size,
+    ) as writers:
         for batch in todo:
             rows = dataset.select(batch)
             input_ids = [torch.as_tensor(ids).tolist() for ids in rows["input_ids"]]
             masks = rows["loss_mask"]
-            results = generator.generate(input_ids)
-            futures = []
-            for position, result, mask in zip(batch, results, masks):
-                index = options.start_idx + position
-                if index in present:
-                    continue
-                sample = {
-                    "input_ids": result["input_ids"],
-                    "hidden_states": result["hidden_states"],
-                    "loss_mask": torch.as_tensor(mask, dtype=torch.long),
-                }
-                path = sample_path(output_dir, index, options.output_format)
-                futures.append(
-                    writers.submit(write_sample, path, sample, options.output_format, options.fsync)
-                )
-            batch_tokens = sum(len(ids) for ids in input_ids)
-            in_flight.append((futures, batch_tokens))
-            progress.update(len(batch))
-            drain(limit=2)  # bounded: at most two batches wait for their writers
-        drain(limit=0)
+            for offset, result in generator.generate_stream(input_ids):
+                index = options.start_idx + batch[offset]
+                tokens += len(input_ids[offset])
+                progress.update(1)
+                if index not in present:
+                    sample = {
+                        "input_ids": result["input_ids"],
+                        "hidden_states": result["hidden_states"],
+                        "loss_mask": torch.as_tensor(masks[offset], dtype=torch.long),
+                    }
+                    writers.submit(sample_path(output_dir, index, options.output_format), sample)
+                elapsed = max(time.perf_counter() - clock, 1e-9)
+                progress.set_postfix(tokens_per_s=f"{tokens / elapsed:.0f}", refresh=False)
     progress.close()
-    return written, tokens
+    return writers.written, tokens
 
 
 def summary_json(summary: DatagenSummary) -> str:

@@ -19,7 +19,6 @@ import re
 from collections import Counter
 from typing import Any
 
-import torch
 from datasets import Dataset as HFDataset
 from transformers import PreTrainedTokenizer
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import os
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -291,6 +292,8 @@ class VllmHiddenStatesGenerator:
     # -- generation -------------------------------------------------------------------------------
 
     def _validate(self, token_ids: list[list[int]] | torch.Tensor) -> list[list[int]]:
+        if self._executor is None:
+            raise RuntimeError("this generator is closed")
         if isinstance(token_ids, torch.Tensor):
             if token_ids.dim() != 2:
                 raise ValueError(
@@ -313,16 +316,21 @@ class VllmHiddenStatesGenerator:
                     f"{self.max_sequence_length} fit (vLLM keeps one position for the sampled "
                     "token). Truncate it yourself or raise max_model_len"
                 )
-            for position, token in enumerate(ids):
-                if isinstance(token, bool) or not isinstance(token, int):
-                    raise ValueError(
-                        f"sequence {index} position {position}: token {token!r} is not an int"
-                    )
-                if not 0 <= token < self.vocab_size:
-                    raise ValueError(
-                        f"sequence {index} position {position}: token id {token} is outside the "
-                        f"vocabulary [0, {self.vocab_size})"
-                    )
+            if not all(type(token) is int for token in ids):  # fast path for plain ints
+                for position, token in enumerate(ids):
+                    if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+                        raise ValueError(
+                            f"sequence {index} position {position}: token {token!r} is not an int"
+                        )
+                ids = sequences[index] = [int(token) for token in ids]  # e.g. numpy integers
+            if min(ids) < 0 or max(ids) >= self.vocab_size:
+                position, token = next(
+                    (p, t) for p, t in enumerate(ids) if not 0 <= t < self.vocab_size
+                )
+                raise ValueError(
+                    f"sequence {index} position {position}: token id {token} is outside the "
+                    f"vocabulary [0, {self.vocab_size})"
+                )
         return sequences
 
     def generate(self, token_ids: list[list[int]] | torch.Tensor) -> list[dict]:
@@ -332,9 +340,24 @@ class VllmHiddenStatesGenerator:
         `hidden_states` (list of `[seq_len, hidden_size]` tensors in `layer_ids` order, model
         dtype) and `loss_mask` (None; the data pipeline fills it).
         """
-        if self._executor is None:
-            raise RuntimeError("this generator is closed")
         sequences = self._validate(token_ids)
+        results: list[dict | None] = [None] * len(sequences)
+        for index, result in self._stream(sequences):
+            results[index] = result
+        return results  # type: ignore[return-value]
+
+    def generate_stream(
+        self, token_ids: list[list[int]] | torch.Tensor
+    ) -> Iterator[tuple[int, dict]]:
+        """Like `generate`, but yields `(input index, result)` as each sequence finishes.
+
+        All sequences are scheduled at once, so the engine stays full until the last one; a
+        caller can write finished samples while the rest are still computing. Stopping the
+        iteration early aborts what is left; the generator stays usable.
+        """
+        return self._stream(self._validate(token_ids))
+
+    def _stream(self, sequences: list[list[int]]) -> Iterator[tuple[int, dict]]:
         assert self._transfer is not None
         call = next(self._calls)
         request_ids = [f"c{call}-{index}" for index in range(len(sequences))]
@@ -348,24 +371,22 @@ class VllmHiddenStatesGenerator:
                 f"{self._transfer.path.parent} but only {free / 2**30:.2f} GiB is free; pass "
                 "fewer sequences per call or choose transfer_root"
             )
+        index_of = {request_id: index for index, request_id in enumerate(request_ids)}
         try:
             for request_id, ids in zip(request_ids, sequences):
                 self._transfer.allocate(request_id, per_token * len(ids))
                 self._scheduler.add_request(self._make_request(request_id, ids))
-            self._run(set(request_ids))
-            self._check_rows(request_ids, sequences)
-            results = []
-            for request_id, ids in zip(request_ids, sequences):
-                shape = (len(self.layer_ids), len(ids), self.hidden_size)
-                states = self._transfer.take(request_id, shape, self.dtype)
-                results.append(
-                    {
+            for finished in self._run(set(request_ids)):
+                self._check_rows(finished, [sequences[index_of[rid]] for rid in finished])
+                for request_id in finished:
+                    ids = sequences[index_of[request_id]]
+                    shape = (len(self.layer_ids), len(ids), self.hidden_size)
+                    result = {
                         "input_ids": torch.tensor(ids, dtype=torch.long),
-                        "hidden_states": states,
+                        "hidden_states": self._transfer.take(request_id, shape, self.dtype),
                         "loss_mask": None,
                     }
-                )
-            return results
+                    yield index_of[request_id], result
         except BaseException:
             self._recover(request_ids)
             raise
@@ -409,7 +430,8 @@ class VllmHiddenStatesGenerator:
             if output.finish_reason is not None
         ]
 
-    def _run(self, pending: set[str]) -> None:
+    def _run(self, pending: set[str]) -> Iterator[list[str]]:
+        """Step the engine until every pending request finished; yield each step's finishers."""
         from vllm.v1.engine import FinishReason
 
         idle_steps = 0
@@ -424,6 +446,7 @@ class VllmHiddenStatesGenerator:
                     )
             else:
                 idle_steps = 0
+            done = []
             for output in finished:
                 if output.request_id not in pending:
                     continue
@@ -433,6 +456,9 @@ class VllmHiddenStatesGenerator:
                         "instead of completing its prefill"
                     )
                 pending.discard(output.request_id)
+                done.append(output.request_id)
+            if done:
+                yield done
 
     def _check_rows(self, request_ids: list[str], sequences: list[list[int]]) -> None:
         replies = self._executor.collective_rpc("speculators_collect", args=(request_ids,))

@@ -22,7 +22,6 @@ reached it, which reveals checkpoint tensors that vLLM silently drops.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import socket
 from collections.abc import Iterator
