@@ -145,6 +145,22 @@ class TestLlama:
             llama_generator.generate(batch), batch, llama_reference, LLAMA_LAYERS
         )
 
+    def test_stream_yields_every_input_once_and_can_stop_early(self, llama_generator, llama_reference):
+        batch = mixed_batch(VOCAB, [300, 5, 77, 1, 150, 40, 260, 9, 120, 33], seed=12)
+        seen = {}
+        for index, result in llama_generator.generate_stream(batch):
+            assert index not in seen
+            seen[index] = result
+        assert sorted(seen) == list(range(len(batch)))
+        assert_matches_reference([seen[i] for i in range(len(batch))], batch, llama_reference, LLAMA_LAYERS)
+        stream = llama_generator.generate_stream(batch)
+        next(stream)
+        stream.close()  # abandon the rest: they are aborted, nothing leaks
+        assert not llama_generator._scheduler.has_requests()
+        assert list(llama_generator._transfer.path.iterdir()) == []
+        small = [[3, 4, 5]]
+        assert_matches_reference(llama_generator.generate(small), small, llama_reference, LLAMA_LAYERS)
+
     def test_transfer_files_are_removed(self, llama_generator):
         llama_generator.generate([[1, 2, 3], [4, 5]])
         assert list(llama_generator._transfer.path.iterdir()) == []
