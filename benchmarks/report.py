@@ -135,7 +135,9 @@ def write_plot(result: dict[str, Any], path: Path) -> bool:
         values = [run["tokens_per_second"] for run in result["runs"][key]]
         axis.scatter([position] * len(values), values, color="black", s=12, zorder=3)
     axis.set_xticks(range(len(keys)))
-    axis.set_xticklabels([result["paths"][key].split(":")[0] + "\n" + key for key in keys])
+    # "(a) extraction: ..." -> "(a) extraction"; "(c) transformers forward, ..." -> its first part.
+    short = [result["paths"][key].split(":")[0].split(",")[0] for key in keys]
+    axis.set_xticklabels(short)
     axis.set_ylabel("tokens / s")
     ratios = ", ".join(f"{name} = {value:.3f}" for name, value in result["ratios"].items())
     axis.set_title(f"{result['preset']}: {ratios}")
