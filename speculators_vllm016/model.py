@@ -185,14 +185,82 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
         custom_generate: str | Callable[..., Any] | None = None,
         **kwargs: Any,
     ) -> Any:
-        """Speculative generation with the attached verifier is not implemented yet.
+        """Greedy speculative decoding: the draft proposes, the attached verifier decides.
 
-        Serve the draft with vLLM (`--speculative-config`) instead; vLLM reads these checkpoints.
+        A reference implementation for checking a draft (its output is the verifier's own greedy
+        output; `self.last_acceptance` reports how many proposals were accepted), not a fast one:
+        every round runs the verifier over the whole sequence without a KV cache. Serve drafts
+        with vLLM for speed. Supports batch size 1, greedy decoding, `max_new_tokens`,
+        `eos_token_id` and `num_speculative_tokens` (default: the config's proposal method).
         """
-        raise NotImplementedError(
-            "SpeculatorModel.generate is not implemented in speculators-vllm016 yet; serve the "
-            "checkpoint with vLLM's speculative decoding"
-        )
+        unsupported = {
+            "logits_processor": logits_processor,
+            "stopping_criteria": stopping_criteria,
+            "prefix_allowed_tokens_fn": prefix_allowed_tokens_fn,
+            "assistant_model": assistant_model,
+            "streamer": streamer,
+            "negative_prompt_ids": negative_prompt_ids,
+            "custom_generate": custom_generate,
+        }
+        given = [name for name, value in unsupported.items() if value is not None]
+        if given:
+            raise NotImplementedError(f"speculative generate does not support {given}")
+        if self.verifier is None or self.verifier_attachment_mode != "full":
+            raise RuntimeError("attach a verifier in 'full' mode to generate (attach_verifier)")
+        input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+        if input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError("generate takes input_ids of shape [1, seq_len] (batch size 1)")
+        settings = generation_config.to_dict() if generation_config is not None else {}
+        settings.update(kwargs)
+        if settings.get("do_sample"):
+            raise NotImplementedError("only greedy speculative decoding is implemented")
+        max_new_tokens = int(settings.get("max_new_tokens") or 20)
+        eos = settings.get("eos_token_id")
+        eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+        proposals = self._default_speculative_tokens()
+        k = int(settings.get("num_speculative_tokens") or proposals)
+
+        verifier = self.verifier
+        tokens = input_ids.to(next(verifier.parameters()).device)
+        prompt_length = tokens.shape[1]
+        proposed = accepted = 0
+        output = verifier(tokens, output_hidden_states=True, use_cache=False)
+        tokens = torch.cat([tokens, output.logits[:, -1:].argmax(-1)], dim=1)
+        while tokens.shape[1] - prompt_length < max_new_tokens and int(tokens[0, -1]) not in eos_ids:
+            # The draft sees the verifier's states for every position but the newest token.
+            draft = self.propose_tokens(output.hidden_states, tokens, k)
+            candidate = torch.cat([tokens, draft.view(1, -1).to(tokens.device)], dim=1)
+            output = verifier(candidate, output_hidden_states=True, use_cache=False)
+            choices = output.logits[0, tokens.shape[1] - 1 :].argmax(-1)  # k + 1 verdicts
+            matches = (choices[:-1] == draft.to(choices.device)).long()
+            taken = int(matches.cumprod(0).sum())
+            proposed += len(draft)
+            accepted += taken
+            new = choices[: taken + 1].view(1, -1)
+            tokens = torch.cat([tokens, new], dim=1)
+            # Keep only what was accepted: the states of rejected drafts are not the sequence's.
+            output.hidden_states = tuple(h[:, : tokens.shape[1] - 1] for h in output.hidden_states)
+        generated = tokens[:, : prompt_length + max_new_tokens]
+        if eos_ids:
+            produced = generated[0, prompt_length:].tolist()
+            for position, token in enumerate(produced):
+                if token in eos_ids:
+                    generated = generated[:, : prompt_length + position + 1]
+                    break
+        self.last_acceptance = {"proposed": proposed, "accepted": accepted}
+        return generated
+
+    def _default_speculative_tokens(self) -> int:
+        speculators = getattr(self.config, "speculators_config", None)
+        if speculators is not None and speculators.proposal_methods:
+            return int(getattr(speculators.proposal_methods[0], "speculative_tokens", 3))
+        return 3
+
+    def propose_tokens(
+        self, verifier_hidden_states: tuple[torch.Tensor, ...], tokens: torch.Tensor, count: int
+    ) -> torch.Tensor:
+        """`count` draft tokens (target ids) to follow `tokens`; models that can draft override."""
+        raise NotImplementedError(f"{type(self).__name__} cannot propose tokens for generate()")
 
 
 def reload_and_populate_models() -> None:

@@ -1,17 +1,20 @@
 """Environment defaults that let vLLM's CPU build start with nothing set by the user.
 
 vLLM reads these variables when the engine config is made and when workers start, so they are set
-in this process before either happens (workers inherit them). A value the user set is never
-changed. Each default applied is returned so the caller can log it.
+in this process for exactly that span (workers inherit them) and taken away afterwards, so that
+one engine's choice (say, a tensor-parallel thread binding) never leaks into the next. A value
+the user set is never changed. Each default applied is reported so the caller can log it.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psutil
 
-__all__ = ["apply_cpu_defaults", "is_cpu_platform", "uses_mla"]
+__all__ = ["apply_cpu_defaults", "cpu_defaults_applied", "is_cpu_platform", "uses_mla"]
 
 _GIB = 1024**3
 
@@ -59,3 +62,14 @@ def apply_cpu_defaults(world_size: int, config_dict: dict) -> dict[str, str]:
         chosen["VLLM_MLA_DISABLE"] = "1"
     os.environ.update(chosen)
     return chosen
+
+
+@contextmanager
+def cpu_defaults_applied(world_size: int, config_dict: dict) -> Iterator[dict[str, str]]:
+    """`apply_cpu_defaults` for the duration of the block; the variables it set are removed after."""
+    chosen = apply_cpu_defaults(world_size, config_dict)
+    try:
+        yield chosen
+    finally:
+        for name in chosen:
+            os.environ.pop(name, None)

@@ -17,11 +17,12 @@ import os
 import time
 import weakref
 from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
-from speculators_vllm016.data_generation.cpu_defaults import apply_cpu_defaults, is_cpu_platform
+from speculators_vllm016.data_generation.cpu_defaults import cpu_defaults_applied, is_cpu_platform
 from speculators_vllm016.data_generation.transfer import TransferDir
 
 __all__ = ["VllmHiddenStatesGenerator"]
@@ -152,10 +153,6 @@ class VllmHiddenStatesGenerator:
 
         config_dict, _ = PretrainedConfig.get_config_dict(self.model_path)
         world_size = self.tensor_parallel_size * self.pipeline_parallel_size
-        if is_cpu_platform():
-            for name, value in apply_cpu_defaults(world_size, config_dict).items():
-                logger.info("vLLM CPU build: %s=%s (set it yourself to override)", name, value)
-
         engine_args = EngineArgs(
             model=self.model_path,
             # Multimodal wrappers (Kimi-K2.5) build their processing info from the tokenizer at
@@ -180,6 +177,16 @@ class VllmHiddenStatesGenerator:
             worker_extension_cls=WORKER_EXTENSION,
             disable_log_stats=True,
         )
+        defaults = (
+            cpu_defaults_applied(world_size, config_dict) if is_cpu_platform() else nullcontext({})
+        )
+        with defaults as chosen:
+            for name, value in chosen.items():
+                logger.info("vLLM CPU build: %s=%s (set it yourself to override)", name, value)
+            self._start_engine(engine_args, layer_ids, transfer_root)
+
+    def _start_engine(self, engine_args: Any, layer_ids: list[int] | None, transfer_root: Any) -> None:
+        """Config, workers, KV caches, scheduler and capture hooks, in the order vLLM needs."""
         self.vllm_config = vllm_config = engine_args.create_engine_config()
         model_config = vllm_config.model_config
         self.num_hidden_layers = int(model_config.hf_text_config.num_hidden_layers)

@@ -34,3 +34,10 @@ def test_user_values_are_kept(clean_env, monkeypatch):
 def test_too_few_cpus_for_the_workers(clean_env):
     with pytest.raises(ValueError, match="8 CPU workers need at least 8 CPUs"):
         cpu_defaults.apply_cpu_defaults(8, {})
+
+
+def test_defaults_are_removed_after_the_engine_started(clean_env):
+    with cpu_defaults.cpu_defaults_applied(2, {}) as chosen:
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == chosen["VLLM_CPU_OMP_THREADS_BIND"]
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+    assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ

@@ -209,25 +209,28 @@ class TestQwen3PrefixCaching:
 
 
 @pytest.fixture(scope="class")
-def llama_tp2_generator(tiny_llama):
-    # No thread binding given: the generator must choose one that lets two CPU workers start.
-    saved = os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    try:
-        generator = VllmHiddenStatesGenerator(
-            str(tiny_llama),
-            layer_ids=[1, 3],
-            max_model_len=LLAMA_MAX_MODEL_LEN,
-            dtype="float32",
-            tensor_parallel_size=2,
-            max_num_seqs=8,
-            max_num_batched_tokens=128,
-        )
-    finally:
-        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-        if saved is not None:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
+def llama_tp2_generator(tiny_llama, monkeypatch_class):
+    # No thread binding given: the generator must choose one that lets two CPU workers start,
+    # and take it back afterwards so that later single-worker engines are not bound to one core.
+    monkeypatch_class.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    generator = VllmHiddenStatesGenerator(
+        str(tiny_llama),
+        layer_ids=[1, 3],
+        max_model_len=LLAMA_MAX_MODEL_LEN,
+        dtype="float32",
+        tensor_parallel_size=2,
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+    )
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
     yield generator
     generator.close()
+
+
+@pytest.fixture(scope="class")
+def monkeypatch_class():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
 
 
 class TestLlamaTensorParallel:
@@ -243,6 +246,38 @@ class TestLlamaTensorParallel:
         llama_tp2_generator.close()  # a second close is harmless
         with pytest.raises(RuntimeError, match="closed"):
             llama_tp2_generator.generate([[1, 2]])
+
+
+class TestQwen3TensorParallel:
+    def test_matches_transformers(self, tiny_qwen3):
+        batch = mixed_batch(VOCAB, [1, 511, 200, 64, 65, 17, 300, 128], seed=13)
+        with VllmHiddenStatesGenerator(
+            str(tiny_qwen3),
+            layer_ids=[0, 3],
+            max_model_len=512,
+            dtype="float32",
+            tensor_parallel_size=2,
+            max_num_seqs=4,
+            max_num_batched_tokens=128,
+        ) as generator:
+            results = generator.generate(batch)
+        assert_matches_reference(results, batch, HFReference(tiny_qwen3), [0, 3])
+
+
+class TestLlamaPipelineParallel:
+    def test_each_stage_captures_its_own_layers(self, tiny_llama, llama_reference):
+        batch = mixed_batch(VOCAB, [1, 511, 90, 130, 7, 300, 64, 65, 12, 250], seed=14)
+        with VllmHiddenStatesGenerator(
+            str(tiny_llama),
+            layer_ids=LLAMA_LAYERS,  # layers 0-1 live on stage 0, layers 2-3 on stage 1
+            max_model_len=LLAMA_MAX_MODEL_LEN,
+            dtype="float32",
+            pipeline_parallel_size=2,
+            max_num_seqs=4,
+            max_num_batched_tokens=128,
+        ) as generator:
+            results = generator.generate(batch)
+        assert_matches_reference(results, batch, llama_reference, LLAMA_LAYERS)
 
 
 # -- DeepSeek-V3 (the Kimi-K2 architecture) and Kimi-K2.5 ---------------------------------------

@@ -192,3 +192,54 @@ def test_bad_vocab_maps_are_refused(tiny_llama):
         Eagle3DraftModel(config, t2d=torch.zeros(512, dtype=torch.bool), d2t=torch.zeros(DRAFT_VOCAB, dtype=torch.long))
     with pytest.raises(ValueError, match="d2t has shape"):
         Eagle3DraftModel(config, t2d=torch.zeros(512, dtype=torch.bool), d2t=torch.zeros(5, dtype=torch.long))
+
+
+def test_speculative_generate_reproduces_the_verifiers_greedy_output(draft, tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    verifier = AutoModelForCausalLM.from_pretrained(str(tiny_llama), torch_dtype=torch.float32).eval()
+    prompt = torch.tensor([[0, 17, 250, 3, 99, 41, 7]])
+    with torch.no_grad():
+        greedy = verifier.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                   pad_token_id=1)
+    draft.attach_verifier(verifier, mode="full")
+    try:
+        speculative = draft.generate(prompt, max_new_tokens=12, num_speculative_tokens=3)
+    finally:
+        draft.detach_verifier()
+    assert torch.equal(speculative, greedy)
+    assert draft.last_acceptance["proposed"] >= 3
+    with pytest.raises(RuntimeError, match="attach a verifier"):
+        draft.generate(prompt, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("oracle", [True, False])
+def test_verification_accepts_right_and_rejects_wrong_proposals(draft, tiny_llama, monkeypatch, oracle):
+    """Proposals from an oracle (the verifier's own continuation) or always wrong ones."""
+    from transformers import AutoModelForCausalLM
+
+    verifier = AutoModelForCausalLM.from_pretrained(str(tiny_llama), torch_dtype=torch.float32).eval()
+    prompt = torch.tensor([[0, 5, 6, 7, 8]])
+    with torch.no_grad():
+        greedy = verifier.generate(prompt, max_new_tokens=13, do_sample=False, eos_token_id=None,
+                                   pad_token_id=1)
+
+    def propose(hidden_states, tokens, count):
+        start = tokens.shape[1]
+        truth = greedy[0, start : start + count]
+        truth = torch.cat([truth, truth.new_zeros(count - len(truth))])
+        return truth if oracle else (truth + 1) % 512
+
+    monkeypatch.setattr(draft, "propose_tokens", propose)
+    draft.attach_verifier(verifier, mode="full")
+    try:
+        speculative = draft.generate(prompt, max_new_tokens=13, num_speculative_tokens=4)
+    finally:
+        draft.detach_verifier()
+    assert torch.equal(speculative, greedy)
+    acceptance = draft.last_acceptance
+    if oracle:
+        assert acceptance["accepted"] >= acceptance["proposed"] - 4  # the last round may overshoot
+        assert acceptance["accepted"] >= 8
+    else:
+        assert acceptance["accepted"] == 0

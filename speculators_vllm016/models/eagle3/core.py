@@ -308,3 +308,24 @@ class Eagle3DraftModel(SpeculatorModel):
             metrics["loss"] = loss.detach().clone()
             return draft_tokens, loss, metrics
         return draft_tokens
+
+    @torch.no_grad()
+    def propose_tokens(
+        self, verifier_hidden_states: tuple[torch.Tensor, ...], tokens: torch.Tensor, count: int
+    ) -> torch.Tensor:
+        """Draft `count` tokens after `tokens` from the verifier's hidden states.
+
+        `verifier_hidden_states` are transformers' `output_hidden_states` (entry i is the input of
+        decoder layer i, as vLLM counts `eagle_aux_hidden_state_layer_ids`) for every position
+        but the last; position t pairs the states of token t with token t + 1.
+        """
+        layer_ids = self.config.eagle_aux_hidden_state_layer_ids
+        num_layers = len(verifier_hidden_states) - 1
+        if not layer_ids:
+            layer_ids = [2, num_layers // 2, num_layers - 3]  # vLLM's default for EAGLE-3
+        fused = torch.cat([verifier_hidden_states[i] for i in layer_ids], dim=-1)
+        length = fused.shape[1]
+        shifted = tokens[:, 1 : length + 1]
+        drafts = self(fused.to(self.fc.weight.dtype), shifted.to(fused.device), ttt_steps=count)
+        draft_ids = torch.stack([step[0, -1] for step in drafts])
+        return draft_ids + self.d2t[draft_ids]
