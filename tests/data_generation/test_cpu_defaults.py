@@ -9,11 +9,22 @@ import pytest
 from speculators_vllm016.data_generation import cpu_defaults
 
 
+NAMES = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_MLA_DISABLE")
+
+
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_MLA_DISABLE"):
+    saved = {name: os.environ.get(name) for name in NAMES}
+    for name in NAMES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(cpu_defaults.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    yield
+    # apply_cpu_defaults writes os.environ directly: put back exactly what was there.
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def test_defaults_for_tensor_parallel_deepseek(clean_env):
