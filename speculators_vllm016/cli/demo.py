@@ -23,7 +23,7 @@ def build_parser(prog: str = "speculators demo") -> argparse.ArgumentParser:
     parser.add_argument("--output-dir", default="output/demo", help="model, data and token_freq.pt")
     parser.add_argument("--max-samples", type=int, default=None, help="default: all conversations")
     parser.add_argument("--seq-length", type=int, default=1024)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--output-format", choices=["pt", "safetensors"], default="pt")
     parser.add_argument("--no-progress", action="store_true")
     return parser
