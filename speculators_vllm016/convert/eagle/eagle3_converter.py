@@ -11,12 +11,11 @@ the names `Eagle3DraftModel` saves: `layers.0.*`, `fc`, `norm`, `lm_head`, `embe
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, PretrainedConfig
+from transformers import LlamaConfig
 
 from speculators_vllm016.config import SpeculatorsConfig
 from speculators_vllm016.convert.eagle.eagle_converter import verifier_config_for
@@ -25,8 +24,10 @@ from speculators_vllm016.convert.eagle.utils import (
     find_vocab_size,
     load_checkpoint_config,
     load_checkpoint_weights,
+    load_verifier_config_dict,
 )
 from speculators_vllm016.proposals.greedy import GreedyTokenProposalConfig
+from speculators_vllm016.utils.loading import load_model_layers
 
 __all__ = ["Eagle3Converter"]
 
@@ -37,35 +38,21 @@ LAYER_PREFIXES = ("midlayer.", "layers.0.")
 REQUIRED = ("fc.weight", "norm.weight", "lm_head.weight")
 
 
-def _verifier_config_dict(base_model: str) -> dict:
-    try:
-        config_dict, _ = PretrainedConfig.get_config_dict(base_model)
-    except Exception as err:
-        raise ValueError(f"cannot read the verifier config of {base_model!r}: {err}") from err
-    return config_dict
-
-
 def verifier_embeddings(base_model: str, cache_dir: str | Path | None = None) -> torch.Tensor:
-    """The verifier's input embedding matrix, read from its safetensors without loading it all."""
-    from safetensors import safe_open
-
+    """The verifier's input embedding matrix, read without loading the whole model."""
     folder = ensure_checkpoint_is_local(base_model, cache_dir)
-    index = folder / "model.safetensors.index.json"
-    names = ("model.embed_tokens.weight", "embed_tokens.weight",
-             "model.language_model.embed_tokens.weight")
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = {weight_map[n] for n in names if n in weight_map}
-    else:
-        files = {"model.safetensors"} if (folder / "model.safetensors").is_file() else set()
-    for file in files:
-        with safe_open(str(folder / file), framework="pt") as handle:
-            for name in names:
-                if name in handle.keys():  # noqa: SIM118 - safe_open has no __contains__
-                    return handle.get_tensor(name)
+    names = (
+        "model.embed_tokens.weight",
+        "embed_tokens.weight",
+        "model.language_model.embed_tokens.weight",
+    )
+    found = load_model_layers(list(names), str(folder))
+    for name in names:
+        if name in found:
+            return found[name]
     raise FileNotFoundError(
         f"the checkpoint has no embed_tokens.weight and none was found in the verifier "
-        f"{base_model!r} (looked for {names} in its safetensors)"
+        f"{base_model!r} (looked for {names})"
     )
 
 
@@ -85,7 +72,7 @@ class Eagle3Converter:
         local = ensure_checkpoint_is_local(input_path, cache_dir)
         research_config = load_checkpoint_config(local)
         weights = load_checkpoint_weights(local)
-        verifier_dict = _verifier_config_dict(base_model)
+        verifier_dict = load_verifier_config_dict(base_model)
         renamed = self.rename_weights(weights)
 
         if "t2d" in renamed:

@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, PretrainedConfig
+from transformers import LlamaConfig
 
 from speculators_vllm016.config import SpeculatorsConfig, VerifierConfig
 from speculators_vllm016.convert.eagle.utils import (
@@ -20,6 +20,7 @@ from speculators_vllm016.convert.eagle.utils import (
     ensure_checkpoint_is_local,
     load_checkpoint_config,
     load_checkpoint_weights,
+    load_verifier_config_dict,
 )
 from speculators_vllm016.models.eagle import EagleSpeculator, EagleSpeculatorConfig
 from speculators_vllm016.proposals.greedy import GreedyTokenProposalConfig
@@ -41,10 +42,7 @@ VERIFIER_OWNED = ("embed_tokens.weight", "lm_head.weight", "lm_head.bias")
 
 def verifier_config_for(base_model: str) -> VerifierConfig:
     """The verifier block of speculators_config, read from the verifier's own config.json."""
-    try:
-        config_dict, _ = PretrainedConfig.get_config_dict(base_model)
-    except Exception as err:
-        raise ValueError(f"cannot read the verifier config of {base_model!r}: {err}") from err
+    config_dict = load_verifier_config_dict(base_model)
     return VerifierConfig(
         name_or_path=base_model,
         architectures=config_dict.get("architectures") or ["LlamaForCausalLM"],

@@ -123,3 +123,14 @@ def detect_fusion_bias_and_layernorms(weights: dict[str, torch.Tensor]) -> tuple
     if has_norms:
         logger.info("checkpoint has extra layernorms")
     return has_bias, has_norms
+
+
+def load_verifier_config_dict(base_model: str) -> dict:
+    """The verifier's config.json as a dict, with an error that names the verifier."""
+    from transformers import PretrainedConfig
+
+    try:
+        config_dict, _ = PretrainedConfig.get_config_dict(base_model)
+    except Exception as err:
+        raise ValueError(f"cannot read the verifier config of {base_model!r}: {err}") from err
+    return config_dict
