@@ -17,8 +17,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
-from speculators_vllm016.config import SpeculatorsConfig
-from speculators_vllm016.convert.eagle.eagle_converter import verifier_config_for
+from speculators_vllm016.convert.eagle.eagle_converter import greedy_speculators_config
 from speculators_vllm016.convert.eagle.utils import (
     ensure_checkpoint_is_local,
     find_vocab_size,
@@ -26,7 +25,6 @@ from speculators_vllm016.convert.eagle.utils import (
     load_checkpoint_weights,
     load_verifier_config_dict,
 )
-from speculators_vllm016.proposals.greedy import GreedyTokenProposalConfig
 from speculators_vllm016.utils.loading import load_model_layers
 
 __all__ = ["Eagle3Converter"]
@@ -204,12 +202,7 @@ class Eagle3Converter:
             or not all(isinstance(i, int) for i in eagle_aux_hidden_state_layer_ids)
         ):
             raise ValueError("eagle_aux_hidden_state_layer_ids must be a list of ints")
-        speculators_config = SpeculatorsConfig(
-            algorithm="eagle3",
-            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
-            default_proposal_method="greedy",
-            verifier=verifier_config_for(base_model),
-        )
+        speculators_config = greedy_speculators_config("eagle3", base_model)
         return Eagle3SpeculatorConfig(
             transformer_layer_config=self.layer_config_from(
                 research_config, verifier_dict, target_vocab

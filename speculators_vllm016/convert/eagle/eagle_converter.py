@@ -40,6 +40,16 @@ LAYERNORM_RENAMES = {
 VERIFIER_OWNED = ("embed_tokens.weight", "lm_head.weight", "lm_head.bias")
 
 
+def greedy_speculators_config(algorithm: str, base_model: str) -> SpeculatorsConfig:
+    """The speculators block of a converted draft: greedy proposals of 3 tokens, its verifier."""
+    return SpeculatorsConfig(
+        algorithm=algorithm,
+        proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
+        default_proposal_method="greedy",
+        verifier=verifier_config_for(base_model),
+    )
+
+
 def verifier_config_for(base_model: str) -> VerifierConfig:
     """The verifier block of speculators_config, read from the verifier's own config.json."""
     config_dict = load_verifier_config_dict(base_model)
@@ -109,12 +119,7 @@ class EagleConverter:
     def build_config(
         self, research_config: dict, base_model: str, fusion_bias: bool, layernorms: bool
     ) -> EagleSpeculatorConfig:
-        speculators_config = SpeculatorsConfig(
-            algorithm="eagle",
-            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
-            default_proposal_method="greedy",
-            verifier=verifier_config_for(base_model),
-        )
+        speculators_config = greedy_speculators_config("eagle", base_model)
         return EagleSpeculatorConfig(
             transformer_layer_config=self.layer_config_from(research_config),
             speculators_config=speculators_config,
