@@ -341,6 +341,8 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.trainable_parameters(), self.config.max_grad_norm
         )
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
+            grad_norm = grad_norm.full_tensor()
         lr = self.opt.param_groups[0]["lr"]
         self.opt.step()
         if self.scheduler is not None:

@@ -1,4 +1,4 @@
-"""Training fixtures: a tiny verifier and sample files made from its real hidden states."""
+"""Training test helpers: sample files from a tiny verifier's real hidden states, CLI runs."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 from speculators_vllm016.data_generation.sample_io import write_sample
@@ -49,16 +48,6 @@ def write_vocab_maps(data: Path, target_vocab: int, out: Path) -> tuple[Path, Pa
     np.save(out / "d2t.npy", d2t.numpy())
     np.save(out / "t2d.npy", t2d.numpy())
     return out / "d2t.npy", out / "t2d.npy"
-
-
-@pytest.fixture(scope="session")
-def training_data(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """24 samples of 20 to 90 tokens."""
-    lengths = [20 + (7 * i) % 71 for i in range(24)]
-    root = tmp_path_factory.mktemp("training_data")
-    data = write_dataset(tiny_llama, root / "data", lengths)
-    write_vocab_maps(data, 512, root)
-    return data
 
 
 def train_args(verifier: Path, data: Path, save: Path, *extra: str) -> list[str]:
