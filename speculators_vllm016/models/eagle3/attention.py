@@ -20,7 +20,8 @@ __all__ = [
 ]
 
 
-def _document_ids(lengths: torch.Tensor, total_seq_len: int) -> torch.Tensor:
+def document_ids(lengths: torch.Tensor, total_seq_len: int) -> torch.Tensor:
+    """`[total_seq_len]` sample index of every position; padding gets its own index."""
     lengths = lengths.to(torch.long)
     if int(lengths.sum()) > total_seq_len:
         raise ValueError(f"lengths sum to {int(lengths.sum())} > total_seq_len {total_seq_len}")
@@ -36,7 +37,7 @@ def create_combined_mask_mod(lengths: torch.Tensor, total_seq_len: int) -> Calla
     Key positions past `total_seq_len` belong to appended draft blocks: block `k` (from 1) at
     key `k * total_seq_len + j` is visible to query `q` only when `j == q`.
     """
-    documents = _document_ids(lengths, total_seq_len)
+    documents = document_ids(lengths, total_seq_len)
 
     def mask_mod(b, h, q_idx, kv_idx):
         block = kv_idx // total_seq_len

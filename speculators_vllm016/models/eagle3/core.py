@@ -5,10 +5,18 @@ The draft fuses three auxiliary hidden states of the target (`fc`), runs one dec
 ids back to target ids, `t2d` marks the kept target ids). Training unrolls `ttt_steps` test-time
 steps: each step feeds the draft's own previous prediction and hidden state back in, and is scored
 against the target's distribution `ttt_step` tokens further ahead.
+
+Alignment (after the trainer's `shift_batch`): position i holds the token x[i+1], the target's
+fused states of token i, and `verifier_last_hidden_states` of token i+1, so `target_logits[i]`
+is the target's distribution of x[i+2]. Step k at position i predicts x[i+k+2] and is scored
+against `target_logits[i+k]` (`align_for_step`); a pair whose two positions lie in different
+packed samples is not scored.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -19,6 +27,7 @@ from transformers import DynamicCache
 from speculators_vllm016.model import SpeculatorModel
 from speculators_vllm016.models.eagle3.attention import (
     block_mask_to_dense_attention_mask,
+    document_ids,
     extend_mask_for_draft_tokens,
     step_zero_mask,
 )
@@ -27,11 +36,75 @@ from speculators_vllm016.models.eagle3.model_definitions import model_classes
 
 __all__ = [
     "Eagle3DraftModel",
+    "Eagle3DraftOutput",
     "align_for_step",
     "compute_accuracy",
     "compute_metrics",
     "loss_function",
 ]
+
+
+# Where verifiers keep (embeddings, final norm, LM head): plain causal LMs, multimodal wrappers
+# (Llama-4 / Qwen-VL style), Kimi-K2.5 style wrappers, bare language models.
+VERIFIER_WEIGHT_LAYOUTS: tuple[tuple[str, str, str], ...] = (
+    ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"),
+    ("model.language_model.embed_tokens.weight", "model.language_model.norm.weight", "lm_head.weight"),
+    (
+        "language_model.model.embed_tokens.weight",
+        "language_model.model.norm.weight",
+        "language_model.lm_head.weight",
+    ),
+    ("embed_tokens.weight", "norm.weight", "lm_head.weight"),
+)
+
+
+@dataclass
+class Eagle3DraftOutput:
+    """What one `Eagle3DraftModel.forward` produced.
+
+    `draft_tokens[k]` `[1, T]` are step k's argmax (draft ids). `loss` and `metrics` are set when
+    `verifier_last_hidden_states` was given, else None. `logits[k]` are step k's draft logits,
+    kept only when asked for (`output_logits=True`).
+
+    It unpacks as 0.3.0's return value did: `draft_tokens, loss, metrics = out` when scored,
+    and as the list of draft tokens itself when not (`for tokens in out`, `out[0]`, `len(out)`).
+    """
+
+    draft_tokens: list[torch.Tensor]
+    loss: torch.Tensor | None = None
+    metrics: dict[str, torch.Tensor] | None = None
+    logits: list[torch.Tensor] | None = None
+
+    def as_tuple(self) -> tuple | list[torch.Tensor]:
+        """0.3.0's return value: `(draft_tokens, loss, metrics)` when scored, else `draft_tokens`."""
+        if self.loss is None:
+            return self.draft_tokens
+        return (self.draft_tokens, self.loss, self.metrics)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.as_tuple())
+
+    def __len__(self) -> int:
+        return len(self.as_tuple())
+
+    def __getitem__(self, index: int) -> Any:
+        return self.as_tuple()[index]
+
+
+def _rms_norm_eps(config_dict: dict) -> float | None:
+    """The verifier's `rms_norm_eps`, at the top of its config or in its text config."""
+    for candidate in (config_dict, config_dict.get("text_config"), config_dict.get("language_config")):
+        if isinstance(candidate, dict) and candidate.get("rms_norm_eps") is not None:
+            return float(candidate["rms_norm_eps"])
+    return None
+
+
+def same_sample_as_target(documents: torch.Tensor, ttt_step: int) -> torch.Tensor:
+    """`[T]` bool, indexed like the targets: True at j when position j - ttt_step (the draft
+    position scored against target j at this step) lies in the same packed sample as j."""
+    keep = torch.zeros_like(documents, dtype=torch.bool)
+    keep[ttt_step:] = documents[ttt_step:] == documents[: documents.numel() - ttt_step]
+    return keep
 
 
 def align_for_step(
@@ -116,24 +189,35 @@ def compute_metrics(
 class Eagle3DraftModel(SpeculatorModel):
     """EAGLE-3 draft for training and for export to vLLM.
 
-    `Eagle3DraftModel(config, t2d, d2t)` builds a draft for training: the token embeddings and the
-    LM head rows of the draft vocabulary are copied from the verifier named in the config (the
-    embeddings stay frozen; a frozen copy of the head scores the targets).
+    `Eagle3DraftModel(config, t2d, d2t)` builds a draft for training: the token embeddings, the
+    verifier's final norm and the LM head rows of the draft vocabulary are copied from the
+    verifier named in the config (embeddings, norm and a copy of the head stay frozen; the frozen
+    norm and head turn the verifier's last hidden states into the training targets).
     `Eagle3DraftModel(config)` (as `from_pretrained` does) builds the empty shell whose weights
-    come from a checkpoint.
+    come from a checkpoint. `use_verifier_norm=False` scores against the head without the norm,
+    as 0.3.0 did (its defect D1).
     """
 
     config_class: ClassVar[type[Eagle3SpeculatorConfig]] = Eagle3SpeculatorConfig  # type: ignore[misc]
     _keys_to_ignore_on_load_missing: ClassVar[list[str]] = [  # type: ignore[misc]
-        "verifier_lm_head.weight"
+        "verifier_lm_head.weight",
+        "verifier_norm.weight",
     ]
-    _keys_to_ignore_on_save: ClassVar[list[str]] = ["verifier_lm_head.weight"]  # type: ignore[misc]
+    _keys_to_ignore_on_load_unexpected: ClassVar[list[str]] = [  # type: ignore[misc]
+        "verifier_norm.weight",
+    ]
+    _keys_to_ignore_on_save: ClassVar[list[str]] = [  # type: ignore[misc]
+        "verifier_lm_head.weight",
+        "verifier_norm.weight",
+    ]
 
     def __init__(
         self,
         config: Eagle3SpeculatorConfig,
         t2d: torch.Tensor | None = None,
         d2t: torch.Tensor | None = None,
+        *,
+        use_verifier_norm: bool = True,
     ) -> None:
         super().__init__(config=config, verifier=None, verifier_attachment_mode="train_only")
         layer_config = config.transformer_layer_config
@@ -148,6 +232,7 @@ class Eagle3DraftModel(SpeculatorModel):
         self.hidden_size = layer_config.hidden_size
         self.target_hidden_size = config.target_hidden_size or self.hidden_size
         self.draft_vocab_size = config.draft_vocab_size
+        self.use_verifier_norm = use_verifier_norm
         target_vocab = layer_config.vocab_size
         from_verifier = t2d is not None or d2t is not None
         if from_verifier and (t2d is None or d2t is None):
@@ -172,12 +257,19 @@ class Eagle3DraftModel(SpeculatorModel):
         self.rotary_emb = components.rotary_emb_class(config=layer_config)
         self.embed_tokens = nn.Embedding(target_vocab, self.hidden_size)
         self.lm_head = nn.Linear(self.hidden_size, self.draft_vocab_size, bias=False)
+        self.verifier_norm: nn.Module | None = (
+            components.norm_class(self.target_hidden_size, eps=layer_config.rms_norm_eps)
+            if use_verifier_norm
+            else None
+        )
         self.verifier_lm_head = nn.Linear(
             self.target_hidden_size, self.draft_vocab_size, bias=False
         )
         self.post_init()
         self.embed_tokens.weight.requires_grad_(False)
         self.verifier_lm_head.weight.requires_grad_(False)
+        if self.verifier_norm is not None:
+            self.verifier_norm.weight.requires_grad_(False)
         if from_verifier:
             self.load_verifier_weights()
 
@@ -200,18 +292,26 @@ class Eagle3DraftModel(SpeculatorModel):
             )
 
     def load_verifier_weights(self, verifier_path: str | None = None) -> None:
-        """Copy embeddings and the draft-vocabulary rows of the LM head from the verifier."""
+        """Copy embeddings, the final norm (with its eps) and the draft-vocabulary rows of the
+        LM head from the verifier; all three stay frozen."""
+        from speculators_vllm016.convert.eagle.utils import load_verifier_config_dict
         from speculators_vllm016.utils.loading import load_model_layers
 
         verifier = self.config.speculators_config.verifier if self.config.speculators_config else None
         path = verifier_path or (verifier.name_or_path if verifier else None)
         if not path:
             raise ValueError("the config names no verifier (speculators_config.verifier.name_or_path)")
-        weights = load_model_layers(["model.embed_tokens.weight", "lm_head.weight"], path)
-        if "model.embed_tokens.weight" not in weights:
-            raise ValueError(f"{path} has no model.embed_tokens.weight")
-        embeddings = weights["model.embed_tokens.weight"]
-        head = weights.get("lm_head.weight", embeddings)  # tied embeddings
+        names = [name for layout in VERIFIER_WEIGHT_LAYOUTS for name in layout]
+        weights = load_model_layers(list(dict.fromkeys(names)), path)
+        layout = next((lay for lay in VERIFIER_WEIGHT_LAYOUTS if lay[0] in weights), None)
+        if layout is None:
+            raise ValueError(
+                f"{path} has no token embeddings (looked for "
+                f"{[lay[0] for lay in VERIFIER_WEIGHT_LAYOUTS]})"
+            )
+        embed_name, norm_name, head_name = layout
+        embeddings = weights[embed_name]
+        head = weights.get(head_name, embeddings)  # tied embeddings
         if embeddings.shape != self.embed_tokens.weight.shape:
             raise ValueError(
                 f"verifier embeddings {tuple(embeddings.shape)} do not fit the draft's "
@@ -219,10 +319,56 @@ class Eagle3DraftModel(SpeculatorModel):
             )
         rows = head[self.t2d.to(head.device)]
         dtype = self.lm_head.weight.dtype
+        self._materialize_frozen()
         with torch.no_grad():
             self.embed_tokens.weight.copy_(embeddings.to(dtype))
             self.lm_head.weight.copy_(rows.to(dtype))
             self.verifier_lm_head.weight.copy_(rows.to(dtype))
+        if self.verifier_norm is None:
+            return
+        if norm_name not in weights:
+            raise ValueError(
+                f"{path} has no final norm {norm_name!r}; pass use_verifier_norm=False to score "
+                "against the LM head alone (0.3.0's behaviour)"
+            )
+        norm = weights[norm_name]
+        if norm.shape != self.verifier_norm.weight.shape:
+            raise ValueError(
+                f"verifier norm {tuple(norm.shape)} does not fit target_hidden_size "
+                f"{self.target_hidden_size}"
+            )
+        eps = _rms_norm_eps(load_verifier_config_dict(path))
+        if eps is not None:
+            self.verifier_norm.variance_epsilon = eps
+        with torch.no_grad():
+            self.verifier_norm.weight.copy_(norm.to(self.verifier_norm.weight.dtype))
+
+    def _materialize_frozen(self) -> None:
+        """Give the frozen verifier copies real storage: `from_pretrained` leaves the ones a
+        checkpoint does not hold (never saved) on the meta device."""
+        device = self.lm_head.weight.device
+        dtype = self.lm_head.weight.dtype
+        for module in (self.verifier_lm_head, self.verifier_norm, self.embed_tokens):
+            if module is not None and module.weight.is_meta:
+                fresh = torch.ones(module.weight.shape, device=device, dtype=dtype)
+                module.weight = nn.Parameter(fresh, requires_grad=False)
+
+    @torch.no_grad()
+    def target_logits(self, verifier_last_hidden_states: torch.Tensor) -> torch.Tensor:
+        """The training targets over the draft vocabulary: the verifier's own logits.
+
+        `verifier_last_hidden_states` is the verifier's last decoder layer output before its
+        final norm (what datagen stores); the frozen norm and LM head rows turn it into logits.
+        """
+        if self.verifier_lm_head.weight.is_meta:
+            raise ValueError(
+                "the verifier's LM head is not loaded (checkpoints do not hold it); call "
+                "load_verifier_weights() before training or scoring"
+            )
+        hidden = verifier_last_hidden_states.to(self.verifier_lm_head.weight.dtype)
+        if self.verifier_norm is not None:
+            hidden = self.verifier_norm(hidden)
+        return self.verifier_lm_head(hidden)
 
     def forward(
         self,
@@ -235,13 +381,18 @@ class Eagle3DraftModel(SpeculatorModel):
         ttt_steps: int = 3,
         ttt_step_loss_decay: float = 1.0,
         use_off_policy_tokens: bool = False,
+        output_logits: bool = False,
         **kwargs: Any,
-    ):
+    ) -> Eagle3DraftOutput:
         """Unroll `ttt_steps` draft steps over a packed row `[1, total_seq_len]`.
 
         `hidden_states` `[1, T, 3 * target_hidden]` are the fused auxiliary target states,
-        `input_ids` `[1, T]` the tokens paired with them. Returns the draft tokens of every step
-        (draft ids), and with `verifier_last_hidden_states` also the loss and metrics.
+        `input_ids` `[1, T]` the tokens paired with them (the shifted batch: position i holds
+        token x[i+1] beside the states of token i). Step 0 feeds `input_ids`; step k > 0 feeds
+        the draft's own previous argmax (mapped through `d2t`), or with
+        `use_off_policy_tokens=True` the ground truth: `input_ids[i + k]` at position i, i.e. the
+        token x[i+k+1] that the chain started at i would have produced at step k - 1 had every
+        earlier step been right (exact teacher forcing; zeros past the row's end, never scored).
         """
         if hidden_states.dim() != 3 or hidden_states.shape[0] != 1:
             raise ValueError(f"hidden_states must be [1, seq, 3*hidden], got {tuple(hidden_states.shape)}")
@@ -253,22 +404,27 @@ class Eagle3DraftModel(SpeculatorModel):
             lengths = torch.tensor([total], device=device)
         if position_ids is None:
             position_ids = torch.arange(1, total + 1, device=device).unsqueeze(0)
-        allowed = step_zero_mask(lengths.to(device), total)
+        lengths = lengths.to(device)
+        documents = document_ids(lengths, total)
+        allowed = step_zero_mask(lengths, total)
         cache = DynamicCache()
         hidden = self.fc(hidden_states)
         original_ids = input_ids
         scoring = verifier_last_hidden_states is not None
+        loss = None
+        metrics: dict[str, torch.Tensor] | None = None
         if scoring:
-            with torch.no_grad():
-                targets = self.verifier_lm_head(verifier_last_hidden_states.to(hidden.dtype))
+            targets = self.target_logits(verifier_last_hidden_states)
             loss = hidden.new_zeros((), dtype=torch.float32)
-            prev_correct = (
-                loss_mask.clone().to(torch.bool)
+            base_mask = (
+                loss_mask.to(torch.bool)
                 if loss_mask is not None
                 else torch.ones(1, total, dtype=torch.bool, device=device)
             )
-            metrics: dict[str, torch.Tensor] = {}
+            prev_correct = base_mask.clone()
+            metrics = {}
         draft_tokens = []
+        all_logits = [] if output_logits else None
         for step in range(ttt_steps):
             with torch.no_grad():
                 embeds = self.embed_tokens(input_ids)
@@ -288,26 +444,29 @@ class Eagle3DraftModel(SpeculatorModel):
                     **kwargs,
                 )
             logits = self.lm_head(self.norm(hidden))
+            if all_logits is not None:
+                all_logits.append(logits)
             if scoring:
+                step_mask = base_mask & same_sample_as_target(documents, step)[None]
                 step_loss, step_metrics = compute_metrics(
-                    logits, targets, loss_mask, prev_correct, step, ttt_step_loss_decay
+                    logits, targets, step_mask, prev_correct, step, ttt_step_loss_decay
                 )
                 loss = loss + step_loss
                 metrics.update(step_metrics)
             predicted = logits.argmax(dim=-1)
             draft_tokens.append(predicted.detach().clone())
             if use_off_policy_tokens:
+                shift = step + 1
                 input_ids = torch.cat(
-                    [original_ids[:, 1 + step :], original_ids.new_zeros(1, 1 + step)], dim=-1
-                )
+                    [original_ids[:, shift:], original_ids.new_zeros(1, min(shift, total))], dim=-1
+                )[:, :total]
             else:
                 input_ids = predicted + self.d2t[predicted]
             allowed = extend_mask_for_draft_tokens(allowed)
             position_ids = position_ids + 1
         if scoring:
             metrics["loss"] = loss.detach().clone()
-            return draft_tokens, loss, metrics
-        return draft_tokens
+        return Eagle3DraftOutput(draft_tokens, loss, metrics, all_logits)
 
     @torch.no_grad()
     def propose_tokens(
@@ -326,6 +485,6 @@ class Eagle3DraftModel(SpeculatorModel):
         fused = torch.cat([verifier_hidden_states[i] for i in layer_ids], dim=-1)
         length = fused.shape[1]
         shifted = tokens[:, 1 : length + 1]
-        drafts = self(fused.to(self.fc.weight.dtype), shifted.to(fused.device), ttt_steps=count)
-        draft_ids = torch.stack([step[0, -1] for step in drafts])
+        output = self(fused.to(self.fc.weight.dtype), shifted.to(fused.device), ttt_steps=count)
+        draft_ids = torch.stack([step[0, -1] for step in output.draft_tokens])
         return draft_ids + self.d2t[draft_ids]
