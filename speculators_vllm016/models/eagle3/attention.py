@@ -13,6 +13,7 @@ block column per step without evaluating the mask again), or a dense boolean ten
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -80,9 +81,10 @@ def build_step_zero_mask(
                 f"flex masks need a row length that is a multiple of {FLEX_BLOCK_SIZE}, got "
                 f"{total_seq_len}; pad the row"
             )
+        # Compiled on accelerators: the dense [T, T] mask is then never materialised.
         return create_block_mask(
             mask_mod, B=None, H=None, Q_LEN=total_seq_len, KV_LEN=total_seq_len, device=device,
-            BLOCK_SIZE=FLEX_BLOCK_SIZE,
+            BLOCK_SIZE=FLEX_BLOCK_SIZE, _compile=torch.device(device).type == "cuda",
         )
     positions = torch.arange(total_seq_len, device=device)
     return mask_mod(0, 0, positions[:, None], positions[None, :]).view(
@@ -163,9 +165,12 @@ def _flex(query, key, value, block_mask, scale, enable_gqa):
     """Flex attention, compiled on accelerators (uncompiled it materialises all scores)."""
     global _compiled_flex
     if query.device.type == "cpu":
-        return flex_attention(
-            query, key, value, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa
-        )
+        with warnings.catch_warnings():
+            # Uncompiled on purpose: CPU runs are small (tests); compiling costs more there.
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            return flex_attention(
+                query, key, value, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa
+            )
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention)
     return _compiled_flex(

@@ -215,6 +215,13 @@ def _kl_chunk(logits: torch.Tensor, targets: torch.Tensor, row_weights: torch.Te
     return (per_row * weights).sum(), grad.to(logits.dtype), logits.argmax(dim=-1)
 
 
+def _accumulate_product(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """`total + left @ right` with `total` fp32: on CUDA one matmul accumulating into fp32."""
+    if total.device.type == "cuda" and left.dtype != torch.float32:
+        return torch.addmm(total, left, right, out_dtype=torch.float32)
+    return total.add_((left @ right).float())
+
+
 class _LinearKL(torch.autograd.Function):
     """`sum_i w_i KL(softmax(t_i) || softmax(h_i W^T))` without keeping `[rows, vocab]` tensors.
 
@@ -248,7 +255,7 @@ class _LinearKL(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[start:end] = grad_logits @ w
             if grad_weight is not None:
-                grad_weight += (grad_logits.T @ part).float()
+                grad_weight = _accumulate_product(grad_weight, grad_logits.T, part)
         ctx.weight_dtype = weight.dtype
         if grad_weight is not None and compute != torch.float32:
             grad_weight = grad_weight.to(compute)  # as autocast's own weight gradients
@@ -271,7 +278,7 @@ def linear_kl_loss(
     weight: torch.Tensor,
     target_logits: torch.Tensor,
     row_weights: torch.Tensor,
-    chunk_size: int = 2048,
+    chunk_size: int = 4096,
     compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(sum_i row_weights[i] * KL(softmax(target_logits[i]) || softmax(hidden[i] @ weight.T)),
@@ -300,7 +307,7 @@ def score_ttt_step(
     *,
     valid_rows: int | None = None,
     masked_denominator: bool = True,
-    chunk_size: int = 2048,
+    chunk_size: int = 4096,
     compiled: bool = False,
 ) -> StepScore:
     """Score TTT step k (`ttt_step`) of a row of `R` positions, as the forward does.
@@ -328,11 +335,16 @@ def score_ttt_step(
         hidden, head_weight, step_targets, row_weights, chunk_size, compiled
     )
     with torch.no_grad():
+        # As accuracy_from_ids, without boolean indexing (no host sync in the training step).
         target_ids = step_targets.argmax(dim=-1)
         valid = max(valid, 0)
-        full, conditional = accuracy_from_ids(
-            predicted[:valid], target_ids[:valid], aligned_mask[:valid], prev_correct[:valid]
-        )
+        prev = prev_correct[:valid]
+        conditional_denominator = prev.sum()
+        correct = (predicted[:valid] == target_ids[:valid]) & prev
+        prev.copy_(correct)
+        hits = (correct & aligned_mask[:valid]).sum().float()
+        full = hits / (aligned_mask[:valid].sum() + 1e-5)
+        conditional = hits / (conditional_denominator + 1e-5)
     return StepScore(loss, full, conditional, predicted)
 
 
@@ -411,7 +423,7 @@ class Eagle3DraftModel(SpeculatorModel):
             "flex" if requested in (ATTENTION_INTERFACE_NAME, "flex_attention") else "auto"
         )
         self.compile_blocks: bool | None = None
-        self.loss_chunk_size = 2048
+        self.loss_chunk_size = 4096
         if layer_config.model_type not in model_classes:
             raise ValueError(
                 f"no EAGLE-3 layer for transformer type {layer_config.model_type!r}; "

@@ -36,12 +36,21 @@ def _attention_inputs(layer: LlamaDecoderEagle3FirstLayer, hidden_states: torch.
     embeds, hidden = hidden_states.chunk(2, dim=-1)
     normed_hidden = layer.hidden_norm(hidden)
     residual = normed_hidden if layer.norm_before_residual else hidden
-    return torch.cat([layer.input_layernorm(embeds), normed_hidden], dim=-1), residual
+    attention_input = torch.cat([layer.input_layernorm(embeds), normed_hidden], dim=-1)
+    # fp32 norm weights promote their outputs to fp32 under autocast; hand the projections
+    # (which autocast would cast anyway) the step's own dtype and keep no fp32 copies.
+    dtype = hidden_states.dtype
+    return attention_input.to(dtype), residual.to(dtype)
 
 
-def _residual_mlp(layer: LlamaDecoderEagle3FirstLayer, residual: torch.Tensor, attended: torch.Tensor):
+def _residual_mlp(
+    layer: LlamaDecoderEagle3FirstLayer, residual: torch.Tensor, attended: torch.Tensor,
+    dtype: torch.dtype,
+):
     hidden = residual + attended
-    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    # Under autocast with fp32 norm weights the sum is promoted to fp32; the step's output
+    # keeps the dtype the step was fed, so every TTT step (and its saved state) is alike.
+    return (hidden + layer.mlp(layer.post_attention_layernorm(hidden))).to(dtype)
 
 
 class LlamaDecoderEagle3FirstLayer(LlamaDecoderLayer):
@@ -98,8 +107,10 @@ class LlamaDecoderEagle3FirstLayer(LlamaDecoderLayer):
         if self.recompute_mlp and torch.is_grad_enabled():
             from torch.utils.checkpoint import checkpoint
 
-            return checkpoint(finish, self, residual, attended, use_reentrant=False)
-        return finish(self, residual, attended)
+            return checkpoint(
+                finish, self, residual, attended, hidden_states.dtype, use_reentrant=False
+            )
+        return finish(self, residual, attended, hidden_states.dtype)
 
 
 class ModelComponents(NamedTuple):
