@@ -1,7 +1,8 @@
 """Base class of speculator (draft) models: Hugging Face loading/saving plus verifier handling.
 
-`SpeculatorModel.from_pretrained(path)` reads `config.json`, finds the registered model class for
-its `speculators_model_type` and loads that class, so user code need not know the algorithm. A
+`SpeculatorModel.from_pretrained(path)` reads `config.json` into its registered config class,
+finds the registered model class whose `config_class` that is, and loads it, so user code need
+not know the algorithm. A
 verifier (the target model) can be attached for training ("train_only": only the parts the draft
 needs) or for generation ("full"); it is never part of the saved weights.
 """
@@ -126,9 +127,25 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
             )
         if not pretrained_model_name_or_path and kwargs.get("state_dict") is None:
             raise ValueError("from_pretrained needs a checkpoint path or a state_dict")
-        model_class = cls
         if cls is SpeculatorModel:
-            model_class = cls.registered_model_class_from_config(config)
+            # The registered class loads itself, so its own from_pretrained (key renames) runs.
+            return cls.registered_model_class_from_config(config).from_pretrained(
+                pretrained_model_name_or_path,
+                *model_args,
+                verifier=verifier,
+                verifier_attachment_mode=verifier_attachment_mode,
+                config=config,
+                cache_dir=cache_dir,
+                ignore_mismatched_sizes=ignore_mismatched_sizes,
+                force_download=force_download,
+                local_files_only=local_files_only,
+                token=token,
+                revision=revision,
+                use_safetensors=use_safetensors,
+                weights_only=weights_only,
+                **kwargs,
+            )
+        model_class = cls
         return_loading_info = kwargs.pop("output_loading_info", False)
         loading = _LOADING.set(True)
         try:
