@@ -197,3 +197,22 @@ def test_from_pretrained_argument_errors(tmp_path: Path):
     state = ParityTestModel(config).state_dict()
     loaded = SpeculatorModel.from_pretrained(None, config=config, state_dict=state)
     assert torch.equal(loaded.proj.weight, state["proj.weight"])
+
+
+# ------------------------------------------------- item 11: EagleConverter's 0.3.0 table
+
+
+def test_eagle_converter_layernorm_mapping_of_0_3_0():
+    from speculators.convert.eagle import EagleConverter
+
+    assert EagleConverter.EAGLE_TO_SPECULATORS_LAYERNORM_MAPPINGS == {
+        "embed_layernorm.weight": "embedding_layernorm.weight",
+        "lm_head_layernorm.weight": "pre_lm_head_layernorm.weight",
+    }
+    renamed = EagleConverter.rename_weights(
+        {"embed_layernorm.weight": torch.ones(2), "lm_head_layernorm.weight": torch.ones(2),
+         "fc.weight": torch.ones(2, 4)},
+        layernorms=True,
+    )
+    assert set(renamed) == {"embedding_layernorm.weight", "pre_lm_head_layernorm.weight",
+                            "fusion_fc.weight"}

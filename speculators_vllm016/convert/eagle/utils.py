@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from speculators_vllm016.utils.loading import read_checkpoint_tensors
+from speculators_vllm016.utils.text_config import text_config_of
 
 __all__ = [
     "detect_fusion_bias_and_layernorms",
@@ -26,11 +27,12 @@ LAYERNORM_MARKERS = ("embed_layernorm.weight", "post_embedding_layernorm.weight"
 
 
 def find_vocab_size(config_dict: dict) -> int | None:
-    """`vocab_size` at the top of a config dict or in any nested dict (e.g. `text_config`)."""
+    """`vocab_size` of the text model (`text_config` or the top level), else of any nested dict."""
     if not isinstance(config_dict, dict):
         return None
-    if "vocab_size" in config_dict:
-        return config_dict["vocab_size"]
+    text = text_config_of(config_dict)
+    if "vocab_size" in text:
+        return text["vocab_size"]
     for value in config_dict.values():
         found = find_vocab_size(value) if isinstance(value, dict) else None
         if found is not None:
