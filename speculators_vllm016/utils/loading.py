@@ -77,7 +77,9 @@ def read_checkpoint_tensors(
     for index_name, single_name in _LAYOUTS:
         index = _resolve_file(model_path, index_name, cache_dir)
         if index is not None:
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index} has no weight_map: re-save the checkpoint")
             files = sorted(
                 {shard for name, shard in weight_map.items() if wanted is None or name in wanted}
             )
