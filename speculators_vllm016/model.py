@@ -127,6 +127,17 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
             )
         if not pretrained_model_name_or_path and kwargs.get("state_dict") is None:
             raise ValueError("from_pretrained needs a checkpoint path or a state_dict")
+        loader_arguments = {
+            "cache_dir": cache_dir,
+            "ignore_mismatched_sizes": ignore_mismatched_sizes,
+            "force_download": force_download,
+            "local_files_only": local_files_only,
+            "token": token,
+            "revision": revision,
+            "use_safetensors": use_safetensors,
+            "weights_only": weights_only,
+            **kwargs,
+        }
         if cls is SpeculatorModel:
             # The registered class loads itself, so its own from_pretrained (key renames) runs.
             return cls.registered_model_class_from_config(config).from_pretrained(
@@ -135,18 +146,10 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
                 verifier=verifier,
                 verifier_attachment_mode=verifier_attachment_mode,
                 config=config,
-                cache_dir=cache_dir,
-                ignore_mismatched_sizes=ignore_mismatched_sizes,
-                force_download=force_download,
-                local_files_only=local_files_only,
-                token=token,
-                revision=revision,
-                use_safetensors=use_safetensors,
-                weights_only=weights_only,
-                **kwargs,
+                **loader_arguments,
             )
         model_class = cls
-        return_loading_info = kwargs.pop("output_loading_info", False)
+        return_loading_info = loader_arguments.pop("output_loading_info", False)
         loading = _LOADING.set(True)
         try:
             model, loading_info = PreTrainedModel.from_pretrained.__func__(  # type: ignore[attr-defined]
@@ -154,16 +157,8 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
                 pretrained_model_name_or_path,
                 *model_args,
                 config=config,
-                cache_dir=cache_dir,
-                ignore_mismatched_sizes=ignore_mismatched_sizes,
-                force_download=force_download,
-                local_files_only=local_files_only,
-                token=token,
-                revision=revision,
-                use_safetensors=use_safetensors,
-                weights_only=weights_only,
                 output_loading_info=True,
-                **kwargs,
+                **loader_arguments,
             )
         finally:
             _LOADING.reset(loading)

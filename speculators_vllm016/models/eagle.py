@@ -109,6 +109,35 @@ def _find_class(module: Any, suffixes: tuple[str, ...]) -> type | None:
     return None
 
 
+def causal_attention_mask(
+    attention_mask: torch.Tensor | None,
+    batch: int,
+    seq: int,
+    past: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """Additive [batch, 1, seq, past+seq] mask: causal, plus padding from a 2D mask.
+
+    A 4D mask is taken as already additive and returned unchanged.
+    """
+    if attention_mask is not None and attention_mask.dim() == 4:
+        return attention_mask
+    total = past + seq
+    query_pos = torch.arange(past, total, device=device)[:, None]
+    key_pos = torch.arange(total, device=device)[None, :]
+    allowed = (key_pos <= query_pos)[None, None].expand(batch, 1, seq, total)
+    if attention_mask is not None:
+        if attention_mask.shape != (batch, total):
+            raise ValueError(
+                f"attention_mask must be [batch, past+seq] = {[batch, total]}, "
+                f"got {list(attention_mask.shape)}"
+            )
+        allowed = allowed & attention_mask.to(device).bool()[:, None, None, :]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
 @SpeculatorModel.register("eagle")
 class EagleSpeculator(SpeculatorModel):
     """The EAGLE-1 draft network (also EAGLE-2 and HASS checkpoints).
@@ -231,32 +260,6 @@ class EagleSpeculator(SpeculatorModel):
         self.rotary_emb = None
         self.lm_head = None
 
-    def _causal_mask(
-        self,
-        attention_mask: torch.Tensor | None,
-        batch: int,
-        seq: int,
-        past: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> torch.Tensor:
-        """Additive [batch, 1, seq, past+seq] mask: causal, plus padding from a 2D mask."""
-        if attention_mask is not None and attention_mask.dim() == 4:
-            return attention_mask
-        total = past + seq
-        query_pos = torch.arange(past, total, device=device)[:, None]
-        key_pos = torch.arange(total, device=device)[None, :]
-        allowed = (key_pos <= query_pos)[None, None].expand(batch, 1, seq, total)
-        if attention_mask is not None:
-            if attention_mask.shape != (batch, total):
-                raise ValueError(
-                    f"attention_mask must be [batch, past+seq] = {[batch, total]}, "
-                    f"got {list(attention_mask.shape)}"
-                )
-            allowed = allowed & attention_mask.bool()[:, None, None, :]
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-        return mask.masked_fill(~allowed, torch.finfo(dtype).min)
-
     def forward(
         self,
         input_ids: torch.LongTensor,
@@ -306,7 +309,7 @@ class EagleSpeculator(SpeculatorModel):
         if position_ids is None:
             position_ids = torch.arange(past, past + seq, device=fused.device)
             position_ids = position_ids.unsqueeze(0).expand(batch, -1)
-        mask = self._causal_mask(attention_mask, batch, seq, past, fused.dtype, fused.device)
+        mask = causal_attention_mask(attention_mask, batch, seq, past, fused.dtype, fused.device)
         position_embeddings = self.rotary_emb(fused, position_ids)
         out = self.transformer(
             fused,

@@ -25,6 +25,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from speculators_vllm016.model import SpeculatorModel
+from speculators_vllm016.models.eagle import causal_attention_mask
 from speculators_vllm016.models.eagle3.config import Eagle3SpeculatorConfig
 
 __all__ = ["Eagle3Speculator"]
@@ -236,7 +237,9 @@ class Eagle3Speculator(SpeculatorModel):
         if position_ids is None:
             position_ids = torch.arange(past_length, past_length + length, device=fused.device)
             position_ids = position_ids.unsqueeze(0).expand(batch, -1)
-        mask = self._additive_mask(attention_mask, batch, length, past_length, fused)
+        mask = causal_attention_mask(
+            attention_mask, batch, length, past_length, fused.dtype, fused.device
+        )
         outputs = self.layers[0](
             layer_input,
             attention_mask=mask,
@@ -254,20 +257,3 @@ class Eagle3Speculator(SpeculatorModel):
             past_key_values=(outputs[-1],) if use_cache else None,
             attentions=(outputs[1],) if output_attentions else None,
         )
-
-    @staticmethod
-    def _additive_mask(
-        attention_mask: torch.Tensor | None,
-        batch: int,
-        length: int,
-        past_length: int,
-        like: torch.Tensor,
-    ) -> torch.Tensor:
-        total = past_length + length
-        query = torch.arange(past_length, total, device=like.device)[:, None]
-        allowed = (torch.arange(total, device=like.device)[None, :] <= query)[None, None]
-        allowed = allowed.expand(batch, 1, length, total)
-        if attention_mask is not None:
-            allowed = allowed & attention_mask.to(like.device).bool()[:, None, None, :]
-        mask = torch.zeros(allowed.shape, dtype=like.dtype, device=like.device)
-        return mask.masked_fill(~allowed, torch.finfo(like.dtype).min)
