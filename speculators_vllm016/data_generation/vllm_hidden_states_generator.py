@@ -24,6 +24,7 @@ import torch
 
 from speculators_vllm016.data_generation.cpu_defaults import cpu_defaults_applied, is_cpu_platform
 from speculators_vllm016.data_generation.transfer import TransferDir
+from speculators_vllm016.utils.layer_ids import default_layer_ids
 
 __all__ = ["VllmHiddenStatesGenerator"]
 
@@ -33,11 +34,6 @@ WORKER_EXTENSION = "speculators_vllm016.data_generation.custom_worker.HiddenStat
 DEFAULT_MAX_NUM_SEQS = 32
 MIN_MAX_NUM_BATCHED_TOKENS = 8192
 TEXT_ONLY_MODALITIES = ("image", "video", "audio", "vision_chunk")
-
-
-def default_layer_ids(num_layers: int) -> list[int]:
-    """0.3.0's choice: three auxiliary layers for EAGLE-3 fusion, then the last layer."""
-    return [2, num_layers // 2, num_layers - 3, num_layers - 1]
 
 
 def normalize_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:

@@ -204,6 +204,8 @@ def test_speculative_generate_reproduces_the_verifiers_greedy_output(draft, tiny
     with torch.no_grad():
         greedy = verifier.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None,
                                    pad_token_id=1)
+    if draft.verifier_attachment_mode != "detached":
+        draft.detach_verifier()  # built "train_only"; one verifier at a time, as in 0.3.0
     draft.attach_verifier(verifier, mode="full")
     try:
         speculative = draft.generate(prompt, max_new_tokens=12, num_speculative_tokens=3)
@@ -233,6 +235,8 @@ def test_verification_accepts_right_and_rejects_wrong_proposals(draft, tiny_llam
         return truth if oracle else (truth + 1) % 512
 
     monkeypatch.setattr(draft, "propose_tokens", propose)
+    if draft.verifier_attachment_mode != "detached":
+        draft.detach_verifier()  # built "train_only"; one verifier at a time, as in 0.3.0
     draft.attach_verifier(verifier, mode="full")
     try:
         speculative = draft.generate(prompt, max_new_tokens=13, num_speculative_tokens=4)

@@ -37,21 +37,20 @@ REQUIRED = ("fc.weight", "norm.weight", "lm_head.weight")
 
 
 def verifier_embeddings(base_model: str, cache_dir: str | Path | None = None) -> torch.Tensor:
-    """The verifier's input embedding matrix, read without loading the whole model."""
-    folder = ensure_checkpoint_is_local(base_model, cache_dir)
+    """The verifier's input embedding matrix, read (and downloaded) without the rest."""
     names = (
         "model.embed_tokens.weight",
         "embed_tokens.weight",
         "model.language_model.embed_tokens.weight",
     )
-    found = load_model_layers(list(names), str(folder))
-    for name in names:
-        if name in found:
-            return found[name]
-    raise FileNotFoundError(
-        f"the checkpoint has no embed_tokens.weight and none was found in the verifier "
-        f"{base_model!r} (looked for {names})"
-    )
+    try:
+        found = load_model_layers(list(names), base_model, cache_dir=cache_dir)
+    except (ValueError, FileNotFoundError) as err:
+        raise FileNotFoundError(
+            f"the checkpoint has no embed_tokens.weight and none was found in the verifier "
+            f"{base_model!r} (looked for {names}): {err}"
+        ) from err
+    return next(found[name] for name in names if name in found)
 
 
 class Eagle3Converter:
