@@ -23,10 +23,13 @@ from tqdm import tqdm
 
 from speculators_vllm016.data_generation.sample_io import (
     SAMPLE_PATTERNS,
+    WriterSlot,
+    WrittenFile,
+    _try_lock,
     existing_sample_indices,
     remove_partial_files,
     sample_path,
-    write_sample,
+    write_sample_file,
 )
 
 __all__ = ["DatagenOptions", "DatagenSummary", "run_datagen", "shard_positions"]
@@ -34,6 +37,7 @@ __all__ = ["DatagenOptions", "DatagenSummary", "run_datagen", "shard_positions"]
 logger = logging.getLogger(__name__)
 
 STATE_FILE = ".datagen_state.json"
+LOCK_DIR = ".locks"
 CONFIG_FILE = "data_config.json"
 
 
@@ -181,15 +185,48 @@ def _write_json_atomic(path: Path, payload: dict) -> None:
 
 def run_datagen(options: DatagenOptions) -> DatagenSummary:
     """Run (or resume) one shard of a datagen job; returns what was done."""
+    options.validate()
+    started = time.perf_counter()
+    output_dir = Path(options.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    with ShardLock(output_dir, options.shard_index, options.num_shards), WriterSlot(
+        output_dir
+    ) as slot:
+        return _run_locked(options, output_dir, slot, started)
+
+
+class ShardLock:
+    """Held for a whole run: a second process on the same shard of one folder is refused."""
+
+    def __init__(self, output_dir: Path, shard_index: int, num_shards: int) -> None:
+        folder = output_dir / LOCK_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f"shard-{shard_index}-of-{num_shards}.lock"
+        self._fd: int | None = None
+
+    def __enter__(self) -> ShardLock:
+        self._fd = _try_lock(self.path)
+        if self._fd is None:
+            raise ValueError(
+                f"another datagen process is running shard {self.path.stem} in "
+                f"{self.path.parent.parent}; wait for it, or give this one another --shard-index"
+            )
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _run_locked(
+    options: DatagenOptions, output_dir: Path, slot: WriterSlot, started: float
+) -> DatagenSummary:
     from speculators_vllm016.data_generation.preprocessing import load_and_preprocess_dataset
     from speculators_vllm016.data_generation.vllm_hidden_states_generator import (
         VllmHiddenStatesGenerator,
     )
 
-    options.validate()
-    started = time.perf_counter()
-    output_dir = Path(options.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
     removed = remove_partial_files(output_dir)
     if removed:
         logger.info("removed %d partial files left by an interrupted run", removed)
@@ -243,7 +280,7 @@ def run_datagen(options: DatagenOptions) -> DatagenSummary:
                 max_num_batched_tokens=options.max_num_batched_tokens,
             )
             extraction_started = time.perf_counter()
-            written, tokens = _extract_and_write(generator, dataset, todo, present, options)
+            written, tokens = _extract_and_write(generator, dataset, todo, present, options, slot)
             extraction_seconds = time.perf_counter() - extraction_started
         config = _data_config(generator, options, len(dataset))
         if config is not None:
@@ -291,10 +328,16 @@ class SampleWriterPool:
     """
 
     def __init__(
-        self, num_threads: int, output_format: str, fsync: bool = False, max_pending: int = 64
+        self,
+        num_threads: int,
+        output_format: str,
+        fsync: bool = False,
+        max_pending: int = 64,
+        slot: WriterSlot | None = None,
     ) -> None:
         self.output_format = output_format
         self.fsync = fsync
+        self.slot = slot
         self.max_pending = max(1, max_pending)
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="sample-writer")
         self._pending: deque[Future] = deque()
@@ -302,7 +345,9 @@ class SampleWriterPool:
 
     def submit(self, path: Path, sample: dict) -> None:
         self._pending.append(
-            self._pool.submit(write_sample, path, sample, self.output_format, self.fsync)
+            self._pool.submit(
+                write_sample_file, path, sample, self.output_format, self.fsync, self.slot
+            )
         )
         while len(self._pending) > self.max_pending:
             self._collect_oldest()
@@ -327,7 +372,7 @@ class SampleWriterPool:
         self.finish()
 
 
-def _extract_and_write(generator, dataset, todo, present, options) -> tuple[int, int]:
+def _extract_and_write(generator, dataset, todo, present, options, slot) -> tuple[int, int]:
     """Stream each batch through the generator; write every finished sample at once."""
     output_dir = Path(options.output_dir)
     progress = tqdm(
@@ -343,6 +388,7 @@ def _extract_and_write(generator, dataset, todo, present, options) -> tuple[int,
         options.output_format,
         fsync=options.fsync,
         max_pending=2 * options.batch_size,
+        slot=slot,
     ) as writers:
         for batch in todo:
             rows = dataset.select(batch)
