@@ -17,9 +17,58 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["TransferDir", "map_shared", "default_transfer_root"]
+__all__ = [
+    "TRANSFER_ROOT_ENV",
+    "TransferDir",
+    "check_transfer_space",
+    "default_transfer_root",
+    "map_shared",
+    "resolve_transfer_root",
+]
 
 _SHM = Path("/dev/shm")
+
+
+TRANSFER_ROOT_ENV = "SPECULATORS_TRANSFER_ROOT"
+_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
+
+
+def resolve_transfer_root(root: str | os.PathLike | None = None) -> Path:
+    """The flag's value, else $SPECULATORS_TRANSFER_ROOT, else `default_transfer_root()`."""
+    if root is not None:
+        return Path(root)
+    if os.environ.get(TRANSFER_ROOT_ENV):
+        return Path(os.environ[TRANSFER_ROOT_ENV])
+    return default_transfer_root()
+
+
+def space_hint(root: Path, needed: int, free: int) -> str:
+    return (
+        f"{needed / 2**20:.1f} MiB of transfer space are needed in {root} but only "
+        f"{free / 2**20:.1f} MiB are free. Give it more room (Docker's default /dev/shm is 64 MiB: "
+        "start the container with --shm-size=16g or --ipc=host), or point --transfer-root (or "
+        f"${TRANSFER_ROOT_ENV}) at a folder with room, or lower --seq-length"
+    )
+
+
+def check_transfer_space(options, facts) -> None:
+    """Refuse before any work when one sample of the longest length cannot be carried."""
+    root = resolve_transfer_root(options.transfer_root)
+    if not root.is_dir() or not os.access(root, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"transfer root {root} is not a writable folder; pass --transfer-root (or set "
+            f"${TRANSFER_ROOT_ENV}) to one"
+        )
+    dtype = options.dtype
+    if dtype == "auto":
+        dtype = str(
+            facts.config_dict.get("torch_dtype") or facts.config_dict.get("dtype") or "bfloat16"
+        )
+    itemsize = _DTYPE_BYTES.get(dtype, 4)
+    needed = len(facts.layer_ids) * facts.hidden_size * itemsize * options.seq_length
+    free = shutil.disk_usage(root).free
+    if needed > free:
+        raise ValueError(space_hint(root, needed, free))
 
 
 def default_transfer_root() -> Path:

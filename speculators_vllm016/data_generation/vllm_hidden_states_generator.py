@@ -96,7 +96,7 @@ class VllmHiddenStatesGenerator:
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens: int | None = None,
         pipeline_parallel_size: int = 1,
-        trust_remote_code: bool = True,
+        trust_remote_code: bool = False,
         enforce_eager: bool = True,
         enable_prefix_caching: bool = False,
         transfer_root: str | os.PathLike | None = None,
