@@ -98,11 +98,23 @@ def load_checkpoint_weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     if safetensors_path.is_file():
         from safetensors.torch import load_file
 
-        return load_file(str(safetensors_path), device="cpu")
+        try:
+            return load_file(str(safetensors_path), device="cpu")
+        except Exception as err:  # noqa: BLE001 - a damaged file fails in many ways
+            raise ValueError(
+                f"{safetensors_path} is not a readable safetensors file ({type(err).__name__}); "
+                "download or copy it again"
+            ) from err
     bin_path = checkpoint_dir / "pytorch_model.bin"
     if bin_path.is_file():
-        # weights_only: a checkpoint is data; refuse pickled code.
-        loaded = torch.load(bin_path, map_location="cpu", weights_only=True)
+        try:
+            # weights_only: a checkpoint is data; refuse pickled code.
+            loaded = torch.load(bin_path, map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001 - a damaged file fails in many ways
+            raise ValueError(
+                f"{bin_path} is not a readable PyTorch checkpoint ({type(err).__name__}); "
+                "download or copy it again"
+            ) from err
         return _state_dict_from(loaded, bin_path)
     for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         if (checkpoint_dir / index).is_file():
@@ -123,6 +135,22 @@ def detect_fusion_bias_and_layernorms(weights: dict[str, torch.Tensor]) -> tuple
     if has_norms:
         logger.info("checkpoint has extra layernorms")
     return has_bias, has_norms
+
+
+def loaded_on(model: torch.nn.Module, device: str) -> dict[str, torch.Tensor]:
+    """The model's loaded tensors placed on `device` (refused early if the device is unusable).
+
+    Tensors left on the meta device (parts a checkpoint does not carry) are skipped.
+    """
+    try:
+        target = torch.device(device)
+        return {
+            name: tensor.to(target)
+            for name, tensor in model.state_dict().items()
+            if not tensor.is_meta
+        }
+    except (RuntimeError, AssertionError) as err:
+        raise ValueError(f"cannot validate on --validate-device {device!r}: {err}") from err
 
 
 def load_verifier_config_dict(base_model: str) -> dict:
