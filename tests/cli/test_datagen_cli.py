@@ -152,3 +152,21 @@ def test_generator_does_not_trust_remote_code_by_default():
 
     default = inspect.signature(VllmHiddenStatesGenerator).parameters["trust_remote_code"].default
     assert default is False
+
+
+def test_a_run_that_fails_to_start_records_no_identity(capsys, tiny_llama, chats, tmp_path):
+    """A flag only vLLM can judge fails at engine start: the folder must still accept the fix."""
+    output = tmp_path / "out"
+    output.mkdir()
+    code, lines, err = run(capsys, tiny_llama, chats, output, "--max-num-batched-tokens", "10")
+    assert code == 2 and len(lines) == 1, err[-3000:]
+    assert not (output / ".datagen_state.json").exists()
+    assert not [p for p in output.iterdir() if p.name.startswith("data_")]
+
+
+def test_every_demo_flag_has_help():
+    from speculators_vllm016.cli.demo import build_parser as demo_parser
+
+    for action in demo_parser()._actions:
+        if action.option_strings and action.option_strings != ["-h", "--help"]:
+            assert action.help, f"demo {action.option_strings} has no help"
