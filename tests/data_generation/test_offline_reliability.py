@@ -129,11 +129,11 @@ def _wait_for(condition, processes, what: str, timeout: float = 900) -> None:
         time.sleep(0.1)
 
 
-def _writers_with_pending_files(output: Path) -> int:
+def _writers_with_pending_files(output: Path) -> set[str]:
     root = output / ".tmp"
     if not root.is_dir():
-        return 0
-    return sum(1 for slot in root.iterdir() if slot.is_dir() and list(slot.glob("*.part")))
+        return set()
+    return {slot.name for slot in root.iterdir() if slot.is_dir() and list(slot.glob("*.part"))}
 
 
 def test_two_shards_in_one_folder_both_finish_and_equal_the_unsharded_run(
@@ -168,11 +168,12 @@ def test_two_shards_in_one_folder_both_finish_and_equal_the_unsharded_run(
 
     first = shard(0)
     try:
-        _wait_for(lambda: _writers_with_pending_files(output) >= 1, [first], "shard 0 wrote")
+        _wait_for(lambda: _writers_with_pending_files(output), [first], "shard 0 wrote")
+        first_writer = _writers_with_pending_files(output)
         second = shard(1)
         # Shard 1 writes only after its start-up sweep of the folder: both are now mid-write.
         _wait_for(
-            lambda: _writers_with_pending_files(output) >= 2, [first, second], "shard 1 wrote"
+            lambda: _writers_with_pending_files(output) - first_writer, [second], "shard 1 wrote"
         )
         gate.touch()
         outputs = [process.communicate(timeout=900)[0] for process in (first, second)]
