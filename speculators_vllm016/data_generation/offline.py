@@ -238,7 +238,7 @@ def run_datagen(options: DatagenOptions) -> DatagenSummary:
     is removed again when the run fails before writing a sample.
     """
     options.validate()
-    facts = inspect_model(options.target_model_path, options.layer_ids)
+    facts = inspect_model(options.target_model_path, options.layer_ids, options.trust_remote_code)
     check_transfer_space(options, facts)
     started = time.perf_counter()
     output_dir = Path(options.output_dir)

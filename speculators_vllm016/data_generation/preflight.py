@@ -89,7 +89,29 @@ def _read_config(model: str) -> dict:
     return config_dict
 
 
-def inspect_model(model: str, layer_ids: list[int] | None) -> ModelFacts:
+def _known_model_type(model_type: str) -> bool:
+    """A config class for `model_type` exists without the model folder's code."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type in CONFIG_MAPPING:
+        return True
+    try:
+        from vllm.transformers_utils.config import _CONFIG_REGISTRY
+    except ImportError:
+        return False
+    return model_type in _CONFIG_REGISTRY
+
+
+def needs_remote_code(config_dict: dict) -> bool:
+    """The config can only be built by code shipped in the model folder."""
+    auto_map = config_dict.get("auto_map") or {}
+    model_type = config_dict.get("model_type")
+    return "AutoConfig" in auto_map and not (model_type and _known_model_type(model_type))
+
+
+def inspect_model(
+    model: str, layer_ids: list[int] | None, trust_remote_code: bool = False
+) -> ModelFacts:
     """Read the model's config (no code from the model folder runs) and resolve the layers."""
     from speculators_vllm016.data_generation.vllm_hidden_states_generator import (
         default_layer_ids,
@@ -97,6 +119,12 @@ def inspect_model(model: str, layer_ids: list[int] | None) -> ModelFacts:
     )
 
     config_dict = _read_config(model)
+    if not trust_remote_code and needs_remote_code(config_dict):
+        raise ValueError(
+            f"{model} needs the Python code shipped in its folder (its config names "
+            f"{config_dict['auto_map']['AutoConfig']}); pass {REMOTE_CODE_FLAG} if you trust it "
+            "(off by default since 0.3.0 ran it unasked)"
+        )
     text = _text_config(config_dict)
     num_layers = text.get("num_hidden_layers")
     hidden_size = text.get("hidden_size")

@@ -118,7 +118,7 @@ REMOTE_CONFIG = '''
 from pathlib import Path
 from transformers import LlamaConfig
 
-Path(__file__).with_name("CODE_RAN").write_text("yes")
+Path(MARKER).write_text("yes")
 
 
 class TinyCustomConfig(LlamaConfig):
@@ -135,12 +135,15 @@ def test_model_code_runs_only_when_asked(capsys, tiny_llama, chats, tmp_path):
     config["model_type"] = "tiny_custom_llama"
     config["auto_map"] = {"AutoConfig": "configuration_custom.TinyCustomConfig"}
     (model / "config.json").write_text(json.dumps(config))
-    (model / "configuration_custom.py").write_text(REMOTE_CONFIG)
+    marker = tmp_path / "CODE_RAN"
+    (model / "configuration_custom.py").write_text(
+        REMOTE_CONFIG.replace("MARKER", repr(str(marker)))
+    )
     output = tmp_path / "out"
     code, lines, err = run(capsys, tiny_llama, chats, output, model=str(model))
     assert_refused(code, lines, err, "needs the Python code .*pass --trust-remote-code", output)
-    assert not (model / "CODE_RAN").exists()
-    assert not list(Path(os.environ["HF_MODULES_CACHE"]).rglob("configuration_custom.py"))
+    assert not marker.exists(), "the model folder's code ran"
+    assert "Tokenizing" not in err, "refused only after preprocessing"
 
 
 def test_generator_does_not_trust_remote_code_by_default():
