@@ -84,6 +84,25 @@ def _cut(tokens: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
     return tokens
 
 
+def _attention_mask(verifier: PreTrainedModel, keep: torch.Tensor, new: int) -> torch.Tensor:
+    """The mask of a pass whose `new` queries are the last `new` of `keep`'s slots.
+
+    `keep` (`[rows, slots]`) is 1 on slots holding a token of the row (not padding, not a rejected
+    proposal). For sdpa and eager attention the 4D additive mask is built here (slot j visible to
+    query i when kept and not in i's future): transformers' own construction from the 2D mask
+    costs more than a small verifier's forward pass. Other attention kernels get the 2D mask.
+    """
+    if getattr(verifier.config, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return keep
+    slots = keep.shape[1]
+    query = torch.arange(slots - new, slots, device=keep.device)[:, None]
+    causal = torch.arange(slots, device=keep.device)[None, :] <= query  # [new, slots]
+    visible = causal[None] & keep[:, None].bool()
+    mask = torch.zeros(visible.shape, dtype=verifier.dtype, device=keep.device)
+    mask.masked_fill_(~visible, torch.finfo(verifier.dtype).min)
+    return mask[:, None]
+
+
 def _stack_states(hidden_states: tuple[torch.Tensor, ...], row: int, columns: slice) -> torch.Tensor:
     return torch.stack([layer[row, columns] for layer in hidden_states])
 
@@ -111,7 +130,7 @@ def _run_batch(
     cache = DynamicCache()
     out = verifier(
         input_ids=input_ids,
-        attention_mask=slot_mask,
+        attention_mask=_attention_mask(verifier, slot_mask, longest),
         position_ids=position_ids,
         past_key_values=cache,
         use_cache=True,
@@ -137,18 +156,18 @@ def _run_batch(
         rows.append(row)
 
     while True:
-        keep = [position for position, row in enumerate(rows) if not row.done]
+        active = [position for position, row in enumerate(rows) if not row.done]
         for row in rows:
             if row.done:
                 results[row.index] = _cut(row.tokens[row.prompt_length :], max_new_tokens, eos)
                 on_done()
-        if not keep:
+        if not active:
             return results, passes
-        if len(keep) < len(rows):
-            selected = torch.tensor(keep, device=device)
+        if len(active) < len(rows):
+            selected = torch.tensor(active, device=device)
             cache.batch_select_indices(selected)
             slot_mask = slot_mask[selected]
-            rows = [rows[position] for position in keep]
+            rows = [rows[position] for position in active]
 
         proposals = []
         for row in rows:
@@ -162,9 +181,10 @@ def _run_batch(
         newest = torch.tensor([[row.tokens[-1]] for row in rows], device=device)
         starts = torch.tensor([[len(row.tokens) - 1] for row in rows], device=device)
         offsets = torch.arange(k + 1, device=device)
+        keep = torch.cat([slot_mask, slot_mask.new_ones(len(rows), k + 1)], dim=1)
         out = verifier(
             input_ids=torch.cat([newest, drafted], dim=1),
-            attention_mask=torch.cat([slot_mask, slot_mask.new_ones(len(rows), k + 1)], dim=1),
+            attention_mask=_attention_mask(verifier, keep, k + 1),
             position_ids=starts + offsets,
             past_key_values=cache,
             use_cache=True,
