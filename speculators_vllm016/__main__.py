@@ -66,7 +66,16 @@ def _register_convert() -> None:
     app.command(name="convert")(convert)
 
 
+def _register_evaluation() -> None:
+    from speculators_vllm016.cli.eval import EPILOG, evaluate
+    from speculators_vllm016.cli.vocab_mapping import vocab_mapping
+
+    app.command(name="eval", epilog=EPILOG)(evaluate)
+    app.command(name="vocab-mapping")(vocab_mapping)
+
+
 _register_convert()
+_register_evaluation()
 
 if __name__ == "__main__":
     app()
