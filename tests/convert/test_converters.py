@@ -247,14 +247,6 @@ def test_eagle_malformed_checkpoints(tmp_path: Path, verifier: Path) -> None:
 # ---------------------------------------------------------------- EAGLE-3
 
 
-def _eagle3_core_available() -> bool:
-    try:
-        import speculators_vllm016.models.eagle3.core  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @pytest.mark.parametrize("reduced_vocab", [True, False], ids=["reduced_vocab", "full_vocab"])
 def test_eagle3_conversion(tmp_path: Path, verifier: Path, reduced_vocab: bool) -> None:
     from vllm.transformers_utils.configs import SpeculatorsConfig
@@ -306,8 +298,6 @@ def test_eagle3_conversion(tmp_path: Path, verifier: Path, reduced_vocab: bool) 
         "num_speculative_tokens": 3,
     }
 
-    if not _eagle3_core_available():
-        pytest.skip("speculators_vllm016/models/eagle3/core.py (Eagle3DraftModel) not written yet")
     from speculators_vllm016.model import SpeculatorModel
     from speculators_vllm016.models.eagle3 import Eagle3DraftModel
 

@@ -175,7 +175,6 @@ def test_vllm_eagle1_draft_loads_weights(tmp_path: Path, verifier_path: Path) ->
     is given to vLLM the way it reads EAGLE-1 drafts: a plain Llama config.json beside our
     model.safetensors, with method "eagle".
     """
-    pytest.importorskip("vllm")
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import initialize_model

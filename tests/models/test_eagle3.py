@@ -11,7 +11,7 @@ from transformers import LlamaConfig
 from speculators_vllm016.config import SpeculatorModelConfig, SpeculatorsConfig, VerifierConfig
 from speculators_vllm016.model import SpeculatorModel
 from speculators_vllm016.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-from speculators_vllm016.models.eagle3.attention import extend_mask_for_draft_tokens, step_zero_mask
+from speculators_vllm016.models.eagle3.attention import build_step_zero_mask, extend_mask_for_draft_tokens
 from speculators_vllm016.models.eagle3.core import compute_accuracy, loss_function
 from speculators_vllm016.proposals import GreedyTokenProposalConfig
 from speculators_vllm016.train.vocab_mapping import build_vocab_mappings_from_distribution
@@ -118,7 +118,7 @@ def test_verifier_weights_are_copied(draft, tiny_llama):
 
 
 def test_masks_are_causal_per_sample_and_see_own_drafts():
-    mask = step_zero_mask(torch.tensor([3, 2]), 5)
+    mask = build_step_zero_mask(torch.tensor([3, 2]), 5, flex=False)[0, 0]
     expected = torch.tensor(
         [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]]
     ).bool()
@@ -126,6 +126,8 @@ def test_masks_are_causal_per_sample_and_see_own_drafts():
     extended = extend_mask_for_draft_tokens(mask)
     assert extended.shape == (5, 10)
     assert torch.equal(extended[:, 5:], torch.eye(5, dtype=torch.bool))
+    padded = build_step_zero_mask(torch.tensor([2]), 4, flex=False)[0, 0]
+    assert torch.equal(padded[2:], torch.tensor([[0, 0, 1, 0], [0, 0, 0, 1]]).bool())
 
 
 def test_forward_shapes_losses_and_step_accuracies(draft):

@@ -19,6 +19,7 @@ from transformers import LlamaConfig
 
 from speculators_vllm016.convert.eagle.eagle_converter import greedy_speculators_config
 from speculators_vllm016.convert.eagle.utils import (
+    loaded_on,
     ensure_checkpoint_is_local,
     find_vocab_size,
     load_checkpoint_config,
@@ -65,6 +66,7 @@ class Eagle3Converter:
         norm_before_residual: bool = False,
         eagle_aux_hidden_state_layer_ids: list[int] | None = None,
         cache_dir: str | Path | None = None,
+        validate_device: str = "cpu",
     ) -> None:
         local = ensure_checkpoint_is_local(input_path, cache_dir)
         research_config = load_checkpoint_config(local)
@@ -103,7 +105,7 @@ class Eagle3Converter:
         saved = self.save(config, renamed, output_path)
         logger.info("saved EAGLE-3 speculator to %s", saved)
         if validate:
-            self.validate(saved, renamed)
+            self.validate(saved, renamed, device=validate_device)
 
     @staticmethod
     def rename_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -215,7 +217,38 @@ class Eagle3Converter:
 
     @staticmethod
     def check_shapes(config, weights: dict[str, torch.Tensor]) -> None:
-        """The shapes vLLM and Eagle3DraftModel will expect from this config."""
+        """Every tensor against the model the config describes (built on the meta device)."""
+        from speculators_vllm016.models.eagle3 import Eagle3DraftModel
+
+        with torch.device("meta"):
+            model = Eagle3DraftModel(config)
+        expected_all = {
+            name: tuple(tensor.shape)
+            for name, tensor in model.state_dict().items()
+            if name not in Eagle3DraftModel._keys_to_ignore_on_save
+        }
+        missing = sorted(set(expected_all) - set(weights))
+        unexpected = sorted(set(weights) - set(expected_all))
+        mismatched = {
+            name: (tuple(weights[name].shape), shape)
+            for name, shape in expected_all.items()
+            if name in weights and tuple(weights[name].shape) != shape
+        }
+        if missing or unexpected or mismatched:
+            raise ValueError(
+                "weights do not match the config: "
+                + "; ".join(
+                    part
+                    for part in (
+                        f"missing {missing[:8]}" if missing else "",
+                        f"unexpected {unexpected[:8]}" if unexpected else "",
+                        f"shapes (got, expected) {dict(list(mismatched.items())[:8])}"
+                        if mismatched
+                        else "",
+                    )
+                    if part
+                )
+            )
         layer = config.transformer_layer_config
         hidden = layer.hidden_size
         target_hidden = config.target_hidden_size or hidden
@@ -250,13 +283,20 @@ class Eagle3Converter:
         return output_dir
 
     @staticmethod
-    def validate(checkpoint_path: Path, weights: dict[str, torch.Tensor]) -> None:
-        """Reload with the library's EAGLE-3 model and compare every tensor."""
+    def validate(
+        checkpoint_path: Path, weights: dict[str, torch.Tensor], device: str = "cpu"
+    ) -> None:
+        """Reload with the library's EAGLE-3 model on `device` and compare every tensor."""
         from speculators_vllm016.model import SpeculatorModel
 
         model = SpeculatorModel.from_pretrained(checkpoint_path)
-        state = model.state_dict()
-        bad = [k for k, v in weights.items() if k not in state or not torch.equal(state[k], v)]
+        state = loaded_on(model, device)
+        bad = [
+            k
+            for k, v in weights.items()
+            if k not in state or state[k].device != torch.device(device)
+            or not torch.equal(state[k].cpu(), v.cpu())
+        ]
         if bad:
             raise RuntimeError(f"converted EAGLE-3 checkpoint did not reload equal: {bad[:8]}")
         logger.info("validated %s", checkpoint_path)

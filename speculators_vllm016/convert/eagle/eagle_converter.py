@@ -17,6 +17,7 @@ from transformers import LlamaConfig
 
 from speculators_vllm016.config import SpeculatorsConfig, VerifierConfig
 from speculators_vllm016.convert.eagle.utils import (
+    loaded_on,
     detect_fusion_bias_and_layernorms,
     ensure_checkpoint_is_local,
     load_checkpoint_config,
@@ -78,6 +79,7 @@ class EagleConverter:
         layernorms: bool = False,
         validate: bool = True,
         cache_dir: str | Path | None = None,
+        validate_device: str = "cpu",
     ) -> None:
         local = ensure_checkpoint_is_local(input_path, cache_dir)
         research_config = load_checkpoint_config(local)
@@ -91,7 +93,7 @@ class EagleConverter:
         saved = self.save(config, renamed, output_path)
         logger.info("saved EAGLE speculator to %s", saved)
         if validate:
-            self.validate(saved, base_model, renamed)
+            self.validate(saved, base_model, renamed, device=validate_device)
 
     @staticmethod
     def layer_config_from(research_config: dict) -> LlamaConfig:
@@ -205,15 +207,23 @@ class EagleConverter:
 
     @staticmethod
     def validate(
-        checkpoint_path: Path, base_model: str, weights: dict[str, torch.Tensor] | None = None
+        checkpoint_path: Path,
+        base_model: str,
+        weights: dict[str, torch.Tensor] | None = None,
+        device: str = "cpu",
     ) -> None:
-        """Reload the saved folder and check every weight came back unchanged."""
+        """Reload the saved folder on `device` and check every weight came back unchanged."""
         model = EagleSpeculator.from_pretrained(
             checkpoint_path, verifier=base_model, verifier_attachment_mode="detached"
         )
         if weights is not None:
-            state = model.state_dict()
-            bad = [k for k, v in weights.items() if k not in state or not torch.equal(state[k], v)]
+            state = loaded_on(model, device)
+            bad = [
+                k
+                for k, v in weights.items()
+                if k not in state or state[k].device != torch.device(device)
+                or not torch.equal(state[k].cpu(), v.cpu())
+            ]
             if bad:
                 raise RuntimeError(f"converted checkpoint did not reload equal: {bad[:8]}")
         logger.info("validated %s", checkpoint_path)

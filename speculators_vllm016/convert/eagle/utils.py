@@ -102,6 +102,22 @@ def detect_fusion_bias_and_layernorms(weights: dict[str, torch.Tensor]) -> tuple
     return has_bias, has_norms
 
 
+def loaded_on(model: torch.nn.Module, device: str) -> dict[str, torch.Tensor]:
+    """The model's loaded tensors placed on `device` (refused early if the device is unusable).
+
+    Tensors left on the meta device (parts a checkpoint does not carry) are skipped.
+    """
+    try:
+        target = torch.device(device)
+        return {
+            name: tensor.to(target)
+            for name, tensor in model.state_dict().items()
+            if not tensor.is_meta
+        }
+    except (RuntimeError, AssertionError) as err:
+        raise ValueError(f"cannot validate on --validate-device {device!r}: {err}") from err
+
+
 def load_verifier_config_dict(base_model: str) -> dict:
     """The verifier's config.json as a dict, with an error that names the verifier."""
     from transformers import PretrainedConfig
