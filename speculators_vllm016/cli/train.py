@@ -148,7 +148,9 @@ def _verifier_text_config(path: str) -> Any:
             f"cannot read the verifier config at {path!r} ({str(error).splitlines()[0]}); "
             "--verifier-name-or-path must be the target model folder"
         ) from None
-    return config, config.get_text_config()
+    from speculators_vllm016.utils.text_config import text_config_of
+
+    return config, text_config_of(config)
 
 
 def _data_layer_ids(data_path: Path) -> list[int] | None:

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from speculators_vllm016.utils.text_config import text_config_of
+
 __all__ = ["ModelFacts", "inspect_model", "remote_code_hint"]
 
 REMOTE_CODE_FLAG = "--trust-remote-code"
@@ -48,14 +50,6 @@ def remote_code_hint(error: BaseException, model: str) -> ValueError | None:
             "trust it (off by default since 0.3.0 ran it unasked)"
         )
     return None
-
-
-def _text_config(config_dict: dict) -> dict:
-    for key in ("text_config", "language_config", "llm_config"):
-        nested = config_dict.get(key)
-        if isinstance(nested, dict) and "num_hidden_layers" in nested:
-            return nested
-    return config_dict
 
 
 def _read_config(model: str) -> dict:
@@ -125,7 +119,7 @@ def inspect_model(
             f"{config_dict['auto_map']['AutoConfig']}); pass {REMOTE_CODE_FLAG} if you trust it "
             "(off by default since 0.3.0 ran it unasked)"
         )
-    text = _text_config(config_dict)
+    text = text_config_of(config_dict)
     num_layers = text.get("num_hidden_layers")
     hidden_size = text.get("hidden_size")
     if not isinstance(num_layers, int) or num_layers < 1 or not isinstance(hidden_size, int):

@@ -49,13 +49,23 @@ def _resolve_file(model_path: str | Path, file_name: str, cache_dir: str | Path 
 
 def _read_file(path: Path, names: set[str] | None) -> dict[str, torch.Tensor]:
     if path.suffix == ".safetensors":
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            wanted = handle.keys() if names is None else [n for n in handle.keys() if n in names]
-            return {name: handle.get_tensor(name) for name in wanted}
-    # weights_only: a checkpoint is data; refuse pickled code.
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                keys = list(handle.keys())
+                wanted = keys if names is None else [n for n in keys if n in names]
+                return {name: handle.get_tensor(name) for name in wanted}
+        except SafetensorError as err:
+            raise ValueError(f"{path} is not a readable safetensors file: {err}") from err
+    try:
+        # weights_only: a checkpoint is data; refuse pickled code.
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # torch raises RuntimeError, UnpicklingError, EOFError, ...
+        raise ValueError(
+            f"{path} is not a readable PyTorch checkpoint ({str(err).splitlines()[0]}); "
+            "re-save it or convert it to safetensors"
+        ) from err
     if not isinstance(state, dict) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
     ):

@@ -88,3 +88,12 @@ def test_bad_config_json_is_a_json_decode_error(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(json.JSONDecodeError, match="config.json"):
         load_checkpoint_config(tmp_path)
+
+
+def test_unreadable_files_are_named(tmp_path: Path) -> None:
+    (tmp_path / "pytorch_model.bin").write_bytes(b"PK\x03\x04 not really a checkpoint")
+    with pytest.raises(ValueError, match="is not a readable PyTorch checkpoint"):
+        read_checkpoint_tensors(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}")
+    with pytest.raises(ValueError, match="is not a readable safetensors file"):
+        read_checkpoint_tensors(tmp_path)
