@@ -52,6 +52,14 @@ def demo(ctx: typer.Context) -> None:
     raise typer.Exit(main(ctx.args))
 
 
+@app.command(context_settings=_PASSTHROUGH, add_help_option=False)
+def train(ctx: typer.Context) -> None:
+    """Train an EAGLE-3 draft on datagen's hidden states. See `train --help`."""
+    from speculators_vllm016.cli.train import main
+
+    raise typer.Exit(main(ctx.args))
+
+
 def _register_convert() -> None:
     from speculators_vllm016.cli.convert import convert
 

@@ -25,7 +25,7 @@ def test_speculators_is_this_package():
         "data_generation.config_generator",
         "config",
         "model",
-        "models.eagle3.core",
+        "models.eagle3",
         "models.eagle",
         "convert.eagle.eagle3_converter",
         "proposals.greedy",
@@ -60,11 +60,36 @@ def test_generator_import_paths():
     assert a is b is c
 
 
-def test_top_level_names_of_0_3_0():
-    import speculators
+# 0.3.0's public names and the module each is defined in.
+NAMES_OF_0_3_0 = {
+    "speculators": {
+        "SpeculatorModel": "model",
+        "SpeculatorModelConfig": "config",
+        "SpeculatorsConfig": "config",
+        "TokenProposalConfig": "config",
+        "VerifierConfig": "config",
+        "reload_and_populate_configs": "config",
+        "reload_and_populate_models": "model",
+    },
+    "speculators.models": {
+        "Eagle3DraftModel": "models.eagle3",
+        "Eagle3SpeculatorConfig": "models.eagle3",
+        "EagleSpeculator": "models.eagle",
+        "EagleSpeculatorConfig": "models.eagle",
+        "IndependentSpeculatorConfig": "models.independent",
+        "MLPSpeculatorConfig": "models.mlp",
+    },
+    "speculators.proposals": {"GreedyTokenProposalConfig": "proposals.greedy"},
+    "speculators.convert": {"convert_model": "convert.entrypoints"},
+}
 
-    for name in speculators.__all__:
-        assert getattr(speculators, name) is not None, name
-    from speculators.models import Eagle3DraftModel, EagleSpeculator, MLPSpeculatorConfig  # noqa: F401
-    from speculators.proposals import GreedyTokenProposalConfig  # noqa: F401
-    from speculators.convert import convert_model  # noqa: F401
+
+@pytest.mark.parametrize("package", sorted(NAMES_OF_0_3_0))
+def test_public_names_of_0_3_0_are_the_defining_objects(package):
+    module = importlib.import_module(package)
+    expected = NAMES_OF_0_3_0[package]
+    assert set(expected) <= set(module.__all__), set(expected) - set(module.__all__)
+    for name, home in expected.items():
+        defining = importlib.import_module(f"speculators_vllm016.{home}")
+        assert getattr(module, name) is getattr(defining, name), f"{package}.{name}"
+        assert getattr(defining, name).__module__.startswith("speculators_vllm016."), name

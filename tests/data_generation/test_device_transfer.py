@@ -28,7 +28,13 @@ def test_rows_reach_their_destinations(device):
     writer.close()
 
 
-def test_nothing_to_write_is_fine():
+@pytest.mark.parametrize("device", DEVICES)
+def test_nothing_to_write_is_fine_and_the_writer_stays_usable(device):
     writer = RowWriter()
-    writer.write_rows(torch.zeros(2, 2), [])
+    writer.write_rows(torch.ones(2, 2, device=device), [])
     writer.flush()
+    destination = torch.zeros(1, 2)
+    writer.write_rows(torch.arange(4.0).view(2, 2).to(device), [RowTarget(destination, 1, 1)])
+    writer.flush()
+    assert destination.tolist() == [[2.0, 3.0]]
+    writer.close()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -84,18 +83,17 @@ def sample_files(directory: Path) -> list[str]:
     )
 
 
-def assert_same_dataset(directory: Path, reference: Path, exact: bool) -> None:
+def assert_same_dataset(directory: Path, reference: Path) -> None:
+    """Same file names, no leftovers, and every tensor bit-identical."""
     assert sample_files(directory) == sample_files(reference)
     assert not [p for p in directory.iterdir() if p.name.startswith(".tmp-")]
     for name in sample_files(reference):
         got, want = load_sample(directory / name), load_sample(reference / name)
         assert torch.equal(got["input_ids"], want["input_ids"]), name
         assert torch.equal(got["loss_mask"], want["loss_mask"]), name
+        assert len(got["hidden_states"]) == len(want["hidden_states"]), name
         for layer, (a, b) in enumerate(zip(got["hidden_states"], want["hidden_states"])):
-            if exact:
-                assert torch.equal(a, b), f"{name} layer {layer} differs"
-            else:
-                assert relative_error(a, b) <= 1e-5, f"{name} layer {layer}"
+            assert a.dtype == b.dtype and torch.equal(a, b), f"{name} layer {layer} differs"
 
 
 def test_run_writes_every_usable_row_and_its_config(reference_run):
@@ -128,6 +126,59 @@ def test_samples_hold_the_models_hidden_states(reference_run, tiny_llama):
             assert relative_error(got, want) <= 1e-4, f"sample {index} layer {layer}"
 
 
+def runs_of_ones(mask: list[int]) -> list[tuple[int, int]]:
+    runs, start = [], None
+    for index, value in enumerate([*mask, 0]):
+        if value and start is None:
+            start = index
+        elif not value and start is not None:
+            runs.append((start, index))
+            start = None
+    return runs
+
+
+def test_sample_ids_and_masks_are_the_preprocessing_output_row_by_row(
+    reference_run, tiny_llama, chat_file, tmp_path
+):
+    """Each file's `input_ids` and `loss_mask` equal preprocessing's row, token by token, and
+    the masked tokens decode to the assistant turns of the source conversation."""
+    from transformers import AutoTokenizer
+
+    from speculators_vllm016.data_generation.preprocessing import (
+        load_and_preprocess_dataset,
+        normalize_conversation,
+    )
+
+    output, _ = reference_run
+    options = options_for(tiny_llama, chat_file, output)
+    dataset, _ = load_and_preprocess_dataset(
+        options.target_model_path, options.train_data_path, seq_length=options.seq_length,
+        build_dataset_num_proc=1, token_freq_path=str(tmp_path / "token_freq.pt"),
+        cache_dir=options.hf_cache_dir,
+    )
+    assert len(dataset) == len(sample_files(output))
+    for index, row in enumerate(dataset):
+        sample = load_sample(output / f"data_{index}.pt")
+        assert sample["input_ids"].tolist() == row["input_ids"].tolist(), f"data_{index}.pt ids"
+        assert sample["loss_mask"].tolist() == row["loss_mask"].tolist(), f"data_{index}.pt mask"
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
+    rows = chat_file.read_text().splitlines()
+    for index in (0, 1, 7, 40, 93):
+        row = dataset[index]
+        ids, mask = row["input_ids"].tolist(), row["loss_mask"].tolist()
+        turns = normalize_conversation(json.loads(rows[int(row["source_row"])])["conversations"])
+        expected = [t["content"].strip() + "<|eot_id|>" for t in turns if t["role"] == "assistant"]
+        decoded = [tokenizer.decode(ids[a:b]) for a, b in runs_of_ones(mask)]
+        assert decoded, f"row {index} has no trained token"
+        truncated = len(ids) == options.seq_length
+        assert decoded[:-1] == expected[: len(decoded) - 1], f"row {index}"
+        if truncated:
+            assert expected[len(decoded) - 1].startswith(decoded[-1].rstrip("\ufffd")), f"row {index}"
+        else:
+            assert decoded == expected, f"row {index}"
+
+
 def test_shards_together_equal_the_unsharded_run(reference_run, tiny_llama, chat_file, tmp_path):
     reference, _ = reference_run
     sharded = tmp_path / "sharded"
@@ -138,32 +189,87 @@ def test_shards_together_equal_the_unsharded_run(reference_run, tiny_llama, chat
         )
         written += summary.samples_written
     assert written == NUM_ROWS - len(MALFORMED)
-    # Shards batch other rows together, so float32 results may differ in the last bits.
-    assert_same_dataset(sharded, reference, exact=False)
+    assert_same_dataset(sharded, reference)
+
+
+def partly_written_batches(directory: Path, batch_size: int, total: int, missing: int = 1) -> list[int]:
+    """Batches (by number) of which some files exist and at least `missing` do not."""
+    present = {int(name[len("data_"):-len(".pt")]) for name in sample_files(directory)}
+    batches = [range(start, min(start + batch_size, total)) for start in range(0, total, batch_size)]
+    return [
+        number
+        for number, batch in enumerate(batches)
+        if 0 < sum(i in present for i in batch) <= len(batch) - missing
+    ]
+
+
+def kill_when(process: subprocess.Popen, ready, timeout: float = 300.0) -> None:
+    """SIGKILL `process` as soon as `ready()` holds; fail if it ends or times out first."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert process.poll() is None, "the run finished before it could be killed"
+        assert time.monotonic() < deadline, "the run never reached the state to kill it in"
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+
+
+# `python -m speculators_vllm016 datagen ...` with every sample rename 0.1 s late, so that files
+# appear one by one and a kill can be timed on the files on disk (the code is otherwise unchanged).
+_SLOW_RENAMES = """
+import os, runpy, sys, time
+real_replace = os.replace
+def replace(src, dst, *args, **kwargs):
+    if os.path.basename(dst).startswith("data_"):
+        time.sleep(0.1)
+    return real_replace(src, dst, *args, **kwargs)
+os.replace = replace
+sys.argv = ["speculators_vllm016", *sys.argv[1:]]
+runpy.run_module("speculators_vllm016", run_name="__main__", alter_sys=True)
+"""
 
 
 def test_killed_runs_resume_to_the_uninterrupted_result(reference_run, tiny_llama, chat_file, tmp_path):
+    """Killed (SIGKILL) twice part-way through a batch, then resumed: the same files as one run.
+
+    Each kill waits for files on disk, not for a timer: the first comes once some batch is partly
+    written, the second once a later one is; the dataset must be incomplete at each kill.
+    """
     reference, _ = reference_run
+    total = NUM_ROWS - len(MALFORMED)
     options = options_for(tiny_llama, chat_file, tmp_path / "killed")
+    output = Path(options.output_dir)
     command = [sys.executable, "-m", "speculators_vllm016", "datagen", *cli_args(options)]
-    rng = random.Random(1234)
+    slow = [sys.executable, "-c", _SLOW_RENAMES, "datagen", *cli_args(options), "--num-writer-threads", "1"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    kills = 0
-    for delay in sorted(rng.uniform(4.0, 22.0) for _ in range(3)):
-        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(delay)
-        if process.poll() is None:
-            process.send_signal(signal.SIGKILL)
-            kills += 1
-        process.wait(timeout=60)
+    partial_at_kill = []
+    for minimum in (1, total // 2):
+
+        def ready() -> bool:
+            if not output.exists() or len(sample_files(output)) < minimum:
+                return False
+            # Two files short: one more rename before the kill lands cannot complete the batch.
+            return bool(partly_written_batches(output, options.batch_size, total, missing=2))
+
+        process = subprocess.Popen(slow, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        kill_when(process, ready)
+        files = sample_files(output)
+        assert minimum <= len(files) < total, f"{len(files)} files at the kill"
+        partial_at_kill.append(partly_written_batches(output, options.batch_size, total))
+        assert partial_at_kill[-1], "no batch was cut short by the kill"
         # Whatever is under a final name is whole.
-        for name in sample_files(Path(options.output_dir)) if Path(options.output_dir).exists() else []:
-            load_sample(Path(options.output_dir) / name)
-    assert kills >= 1, "every run finished before it could be killed"
+        for name in files:
+            load_sample(output / name)
+    present_before_resume = len(sample_files(output))
+
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
-    assert "SUMMARY" in completed.stdout
-    assert_same_dataset(Path(options.output_dir), reference, exact=True)
+    summary = json.loads(next(
+        line for line in completed.stdout.splitlines() if line.startswith("SUMMARY ")
+    )[len("SUMMARY "):])
+    assert summary["samples_already_present"] == present_before_resume > 0
+    assert summary["samples_written"] == total - present_before_resume
+    assert_same_dataset(output, reference)
 
 
 def test_resume_of_a_finished_run_does_nothing_and_a_different_run_is_refused(

@@ -176,7 +176,14 @@ def test_load_and_preprocess_and_token_frequencies(tiny_llama, tmp_path):
     unique, counts = trained.unique(return_counts=True)
     assert frequencies == dict(zip(unique.tolist(), counts.tolist()))
     assert sum(frequencies.values()) == int(sum(row["loss_mask"].sum() for row in dataset))
-    # A stale file is replaced, not reused (0.3.0 kept whatever was there).
+    # A stale file is replaced, not reused (0.3.0 kept whatever was there): the same call again.
+    torch.save({0: 1}, freq_path)
+    load_and_preprocess_dataset(
+        str(tiny_llama), str(data), seq_length=512, build_dataset_num_proc=1,
+        token_freq_path=str(freq_path), cache_dir=str(tmp_path / "cache"),
+    )
+    assert torch.load(freq_path, weights_only=True) == frequencies
+    # The saver on its own also replaces a stale file.
     torch.save({0: 1}, freq_path)
     save_token_frequency_distribution(dataset, str(freq_path))
     assert torch.load(freq_path, weights_only=True) == frequencies

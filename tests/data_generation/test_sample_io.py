@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -65,6 +70,81 @@ def test_a_failed_write_leaves_nothing_under_the_final_name(tmp_path):
     with pytest.raises(RuntimeError):
         write_sample(path, sample, "pt")
     assert not path.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+# Run in a child process: the serializer writes part of the file, looks at the directory, then the
+# process dies on the spot (os._exit: no cleanup, no exception handler, like SIGKILL).
+_KILLED_MID_WRITE = textwrap.dedent(
+    """
+    import os, sys
+    from pathlib import Path
+    import torch
+    from speculators_vllm016.data_generation import sample_io
+
+    directory, output_format = Path(sys.argv[1]), sys.argv[2]
+    final = sample_io.sample_path(directory, 0, output_format)
+
+    def die_half_way(data: bytes, target) -> None:
+        handle = open(target, "wb") if isinstance(target, (str, os.PathLike)) else target
+        handle.write(data[: len(data) // 2])
+        handle.flush()
+        names = sorted(entry.name for entry in os.scandir(directory))
+        print("WRITING", final.name in names, len([n for n in names if n != final.name]), flush=True)
+        os._exit(9)
+
+    if output_format == "pt":
+        real_save = torch.save
+
+        def save(obj, target, *args, **kwargs):
+            import io
+            buffer = io.BytesIO()
+            real_save(obj, buffer)
+            die_half_way(buffer.getvalue(), target)
+
+        torch.save = save
+    else:
+        real_open = open
+
+        class HalfWriter:
+            def __init__(self, handle):
+                self.handle = handle
+            def write(self, data):
+                die_half_way(bytes(data), self.handle)
+            def __getattr__(self, name):
+                return getattr(self.handle, name)
+            def __enter__(self):
+                return self
+            def __exit__(self, *exc):
+                self.handle.close()
+
+        sample_io.open = lambda path, mode="r", *a, **k: HalfWriter(real_open(path, mode, *a, **k))
+
+    sample = {
+        "input_ids": torch.arange(64),
+        "hidden_states": [torch.randn(64, 32) for _ in range(3)],
+        "loss_mask": torch.ones(64, dtype=torch.long),
+    }
+    sample_io.write_sample(final, sample, output_format)
+    print("NOT KILLED")
+    """
+)
+
+
+@pytest.mark.parametrize("output_format", ["pt", "safetensors"])
+def test_a_process_killed_mid_write_leaves_nothing_under_the_final_name(tmp_path, output_format):
+    """The bytes go to another file first: a kill half-way leaves no `data_0.*` at all."""
+    completed = subprocess.run(
+        [sys.executable, "-c", _KILLED_MID_WRITE, str(tmp_path), output_format],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2],
+    )
+    assert completed.returncode == 9, completed.stderr[-2000:]
+    # While half the bytes were on disk: nothing under the final name, one other (temporary) file.
+    assert "WRITING False 1" in completed.stdout, completed.stdout
+    assert sample_path(tmp_path, 0, output_format).exists() is False
+    assert existing_sample_indices(tmp_path, output_format) == set()
+    # The next run removes the leftover.
+    assert remove_partial_files(tmp_path) == 1
     assert list(tmp_path.iterdir()) == []
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from speculators_vllm016.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 from tests.vllm_compat.harness import (
     iter_checkpoint_tensors,
     load_eagle3_into_vllm,
@@ -16,8 +17,6 @@ from tests.vllm_compat.harness import (
     shutdown_vllm_distributed,
     write_reference_eagle3_checkpoint,
 )
-
-pytest.importorskip("vllm", reason="vLLM is not installed")
 
 DRAFT_VOCAB = 128
 TARGET_VOCAB = 512
@@ -36,10 +35,6 @@ def reference_checkpoint(tiny_llama: Path, tmp_path_factory: pytest.TempPathFact
 
 @pytest.fixture(scope="module")
 def library_checkpoint(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        from speculators_vllm016.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-    except ImportError as exc:  # the Eagle-3 model is written by another engineer
-        pytest.skip(f"speculators_vllm016.models.eagle3 is not importable yet: {exc}")
     from transformers import LlamaConfig
 
     from speculators_vllm016.config import SpeculatorsConfig, VerifierConfig
