@@ -84,3 +84,24 @@ def test_engine_vllm_on_the_cpu_build_names_engine_hf(workspace):
     assert result.exit_code == 2
     lines = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert lines == ["error: vLLM's CPU build refuses speculative decoding; use --engine hf"]
+
+
+def test_eval_reads_the_trainers_checkpoints_and_tau_sim(workspace, tiny_llama, training_data, tmp_path):
+    """Checkpoints and metrics.jsonl as `speculators train` writes them."""
+    from speculators_vllm016.cli.train import main as train
+    from tests.training_fixtures import train_args
+
+    save = tmp_path / "ckpt"
+    assert train(train_args(tiny_llama, training_data, save, "--epochs", "1")) == 0
+    logged = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    expected = [line["val"]["tau_sim"] for line in logged if "val" in line and line.get("epoch") == 0]
+    out_json = tmp_path / "eval.json"
+    result = CliRunner().invoke(app, [
+        "eval", "--draft", str(save / "0"), "--data-path", str(workspace / "chat.jsonl"),
+        "--max-prompts", "2", "--max-new-tokens", "6", "--engine", "hf", "--output-json", str(out_json),
+        "--no-progress",
+    ])
+    assert result.exit_code == 0, result.output
+    draft = json.loads(out_json.read_text())["drafts"][0]
+    assert expected and draft["tau_sim"] == pytest.approx(expected[-1])
+    assert draft["generated_tokens"] > 0
