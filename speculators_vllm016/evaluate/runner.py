@@ -236,6 +236,7 @@ def _run_vllm(options, settings, verifier_path, prompts, labels, report) -> None
             k,
             dtype=options.dtype,
             ignore_eos=options.ignore_eos,
+            show_progress=options.show_progress,
         )
         report.drafts.append(
             DraftEvaluation(

@@ -9,8 +9,8 @@ Metrics are read from `metrics.jsonl` (one JSON object a line) in the draft fold
 above it (`<save>/metrics.jsonl` for a checkpoint `<save>/<epoch>/`); the trainer writes its
 validation means as `{"step": s, "epoch": e, "val": {"full_acc_0_epoch": ...}}`. Nested keys are
 joined with "/"; a line counts when it holds `full_acc_<k>` keys, plain or with a `val/` or `val_`
-prefix and an optional `_epoch` suffix; lines with validation keys win over lines without. For an epoch folder the line whose `epoch`
-matches is used, otherwise the last one.
+prefix and an optional `_epoch` suffix; lines with validation keys win over lines without. For
+an epoch folder the line whose `epoch` matches is used, otherwise the last one.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def _read_records(path: Path) -> list[dict]:
 
 def find_training_estimate(draft_path: str | Path) -> TrainingEstimate | None:
     """tau_sim of the draft at `draft_path` from the trainer's metrics, or None when none apply."""
-    folder = Path(draft_path)
+    folder = Path(draft_path).resolve()  # `<save>/best` links to an epoch folder
     epoch = int(folder.name) if folder.name.isdigit() else None
     for candidate in (folder / METRICS_FILE, folder.parent / METRICS_FILE):
         if not candidate.is_file():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -105,3 +106,7 @@ def test_eval_reads_the_trainers_checkpoints_and_tau_sim(workspace, tiny_llama, 
     draft = json.loads(out_json.read_text())["drafts"][0]
     assert expected and draft["tau_sim"] == pytest.approx(expected[-1])
     assert draft["generated_tokens"] > 0
+    from speculators_vllm016.evaluate.training_metrics import find_training_estimate
+
+    best = find_training_estimate(save / "best")  # the trainer's link to the best epoch
+    assert best is not None and best.epoch == int(os.readlink(save / "best"))
