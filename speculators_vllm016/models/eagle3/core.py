@@ -34,6 +34,7 @@ from speculators_vllm016.models.eagle3.attention import (
 )
 from speculators_vllm016.models.eagle3.config import Eagle3SpeculatorConfig
 from speculators_vllm016.models.eagle3.model_definitions import maybe_compiled, model_classes
+from speculators_vllm016.utils.layer_ids import eagle3_aux_layer_ids
 
 __all__ = [
     "AttentionBackend",
@@ -739,7 +740,7 @@ class Eagle3DraftModel(SpeculatorModel):
         layer_ids = self.config.eagle_aux_hidden_state_layer_ids
         num_layers = len(verifier_hidden_states) - 1
         if not layer_ids:
-            layer_ids = [2, num_layers // 2, num_layers - 3]  # vLLM's default for EAGLE-3
+            layer_ids = eagle3_aux_layer_ids(num_layers)  # vLLM's default for EAGLE-3
         fused = torch.cat([verifier_hidden_states[i] for i in layer_ids], dim=-1)
         length = fused.shape[1]
         shifted = tokens[:, 1 : length + 1]
