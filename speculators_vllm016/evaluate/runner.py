@@ -163,7 +163,8 @@ def _load_draft(path: str, dtype, device: str):
 
     from speculators_vllm016.model import SpeculatorModel
 
-    draft = SpeculatorModel.from_pretrained(path, dtype=dtype)
+    # The verifier is loaded once by the caller; the draft's config must not load another.
+    draft = SpeculatorModel.from_pretrained(path, dtype=dtype, verifier_attachment_mode="detached")
     for module in draft.modules():
         if any(p.is_meta for p in module.parameters(recurse=False)):
             module.to_empty(device=device, recurse=False)
