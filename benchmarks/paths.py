@@ -128,6 +128,7 @@ class ExtractionPath(BenchPath):
             dtype=preset.dtype,
             max_num_seqs=preset.max_num_seqs,
             max_num_batched_tokens=preset.max_num_batched_tokens,
+            trust_remote_code=True,  # as path (b); the generator's default is off since 0.3.0
         )
         self.generator.generate(warmup)
 

@@ -194,6 +194,28 @@ def _check_sample(path: Path, standardize: Any, hidden_size: int) -> None:
         )
 
 
+def _token_counts(token_freq_path: str | None, data_path: Path) -> tuple[dict[int, int], str]:
+    """Token counts from --token-freq-path, else datagen's per-shard counts beside the data."""
+    import torch
+
+    from speculators_vllm016.data_generation.token_counts import TOKEN_FREQ_DIR, load_token_freq
+
+    candidates = [Path(token_freq_path)] if token_freq_path else [data_path / "token_freq.pt"]
+    try:
+        if token_freq_path is None and (data_path / TOKEN_FREQ_DIR).is_dir():
+            return load_token_freq(data_path), str(data_path / TOKEN_FREQ_DIR)
+        for path in candidates:
+            if path.is_file():
+                counts = torch.load(path, weights_only=True)
+                return {int(token): int(count) for token, count in counts.items()}, str(path)
+    except (OSError, ValueError, RuntimeError) as error:
+        raise TrainSetupError(f"cannot read token counts: {str(error).splitlines()[0]}") from None
+    raise TrainSetupError(
+        "--draft-vocab-size needs token counts: give --token-freq-path, or point --data-path at "
+        f"a datagen folder (it writes {TOKEN_FREQ_DIR}/ beside the samples); none in {data_path}"
+    )
+
+
 def _load_vocab_maps(args: argparse.Namespace, target_vocab: int, data_path: Path) -> VocabMaps:
     import numpy as np
     import torch
@@ -209,23 +231,11 @@ def _load_vocab_maps(args: argparse.Namespace, target_vocab: int, data_path: Pat
     elif args.draft_vocab_size:
         from speculators_vllm016.train.vocab_mapping import build_vocab_mappings_from_distribution
 
-        counts_files = (
-            [Path(args.token_freq_path)] if args.token_freq_path else sorted(data_path.glob("token_freq*.pt"))
-        )
-        if not counts_files or not all(path.is_file() for path in counts_files):
-            raise TrainSetupError(
-                "--draft-vocab-size needs token counts: give --token-freq-path (datagen writes "
-                f"token_freq.pt), none found in {data_path}"
-            )
-        counts: dict[int, int] = {}
-        for path in counts_files:
-            for token, count in torch.load(path, weights_only=True).items():
-                counts[int(token)] = counts.get(int(token), 0) + int(count)
+        counts, built_from = _token_counts(args.token_freq_path, data_path)
         try:
             d2t, t2d = build_vocab_mappings_from_distribution(counts, args.draft_vocab_size, target_vocab)
         except ValueError as error:
             raise TrainSetupError(f"--draft-vocab-size: {error}") from None
-        built_from = ", ".join(str(path) for path in counts_files)
     else:
         raise TrainSetupError(
             f"no vocabulary maps: {d2t_path} / {t2d_path} do not exist; give --d2t-path/--t2d-path "

@@ -78,7 +78,11 @@ def vocab_mapping(
     if (target_vocab_size is None) == (target_model_path is None):
         _fail("pass exactly one of --target-vocab-size and --target-model-path")
     try:
-        size = target_vocab_size if target_vocab_size is not None else target_vocab_size_of(target_model_path)  # type: ignore[arg-type]
+        if target_vocab_size is not None:
+            size = target_vocab_size
+        else:
+            assert target_model_path is not None
+            size = target_vocab_size_of(target_model_path)
         d2t_path, t2d_path = write_vocab_mappings(token_freq_path, draft_vocab_size, size, output_path)
     except (ValueError, FileNotFoundError) as error:
         _fail(str(error))

@@ -34,6 +34,7 @@ from speculators_vllm016.data_generation.resume import (
     check_identity,
     has_sample_files,
     record_identity,
+    refuse_unrecorded,
     samples_digest,
     verify_present,
 )
@@ -308,6 +309,7 @@ def _run_locked(
     removed = remove_partial_files(output_dir)
     if removed:
         logger.info("removed %d partial files left by an interrupted run", removed)
+    refuse_unrecorded(output_dir, options.adopt_existing)  # before the preprocessing it would waste
 
     dataset, _ = load_and_preprocess_dataset(
         target_model_path=facts.path,

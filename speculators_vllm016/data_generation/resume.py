@@ -62,17 +62,26 @@ def samples_digest(dataset) -> str:
     return digest.hexdigest()
 
 
+def refuse_unrecorded(output_dir: Path, adopt_existing: bool) -> None:
+    """Sample files without a record of their run are refused unless the caller adopts them."""
+    if (
+        not (output_dir / STATE_FILE).exists()
+        and has_sample_files(output_dir)
+        and not adopt_existing
+    ):
+        raise ValueError(
+            f"{output_dir} already holds sample files but no record of the run that wrote "
+            "them (0.3.0 output, or its .datagen_state.json was removed); pass "
+            "--adopt-existing to check and keep those that match this run, or use an empty "
+            "--output-dir"
+        )
+
+
 def check_identity(output_dir: Path, identity: RunIdentity, adopt_existing: bool) -> bool:
     """Refuse a folder of another run; returns whether the identity still has to be recorded."""
     state = output_dir / STATE_FILE
     if not state.exists():
-        if has_sample_files(output_dir) and not adopt_existing:
-            raise ValueError(
-                f"{output_dir} already holds sample files but no record of the run that wrote "
-                "them (0.3.0 output, or its .datagen_state.json was removed); pass "
-                "--adopt-existing to check and keep those that match this run, or use an empty "
-                "--output-dir"
-            )
+        refuse_unrecorded(output_dir, adopt_existing)
         return True
     try:
         recorded = json.loads(state.read_text())

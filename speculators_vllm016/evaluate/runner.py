@@ -163,7 +163,7 @@ def _load_draft(path: str, dtype, device: str):
 
     from speculators_vllm016.model import SpeculatorModel
 
-    # The verifier is loaded once by the caller; the draft's config must not load another.
+    # Detached: the evaluation holds the verifier itself; attaching would load it a second time.
     draft = SpeculatorModel.from_pretrained(path, dtype=dtype, verifier_attachment_mode="detached")
     for module in draft.modules():
         if any(p.is_meta for p in module.parameters(recurse=False)):
@@ -237,6 +237,7 @@ def _run_vllm(options, settings, verifier_path, prompts, labels, report) -> None
             k,
             dtype=options.dtype,
             ignore_eos=options.ignore_eos,
+            show_progress=options.show_progress,
         )
         report.drafts.append(
             DraftEvaluation(

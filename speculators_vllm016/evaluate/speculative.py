@@ -260,7 +260,10 @@ def speculative_generate(
     start = time.perf_counter()
     try:
         for first in range(0, len(order), batch_size):
-            chunk = [(index, [int(t) for t in prompts[index]]) for index in order[first : first + batch_size]]
+            chunk = [
+                (index, [int(t) for t in prompts[index]])
+                for index in order[first : first + batch_size]
+            ]
             done, batch_passes = _run_batch(
                 verifier, draft, chunk, max_new_tokens, num_speculative_tokens, eos, counts, on_done
             )

@@ -6,10 +6,11 @@ if acceptance on generated text matched those figures; showing both tells users 
 estimate is from the measured value.
 
 Metrics are read from `metrics.jsonl` (one JSON object a line) in the draft folder or the folder
-above it (`<save>/metrics.jsonl` for a checkpoint `<save>/<epoch>/`). A line counts when it
-holds `full_acc_<k>` keys, plain or with a `val/` or `val_` prefix and an optional `_epoch` suffix;
-lines with validation keys win over lines without. For an epoch folder the line whose `epoch`
-matches is used, otherwise the last one.
+above it (`<save>/metrics.jsonl` for a checkpoint `<save>/<epoch>/`); the trainer writes its
+validation means as `{"step": s, "epoch": e, "val": {"full_acc_0_epoch": ...}}`. Nested keys are
+joined with "/"; a line counts when it holds `full_acc_<k>` keys, plain or with a `val/` or `val_`
+prefix and an optional `_epoch` suffix; lines with validation keys win over lines without. For
+an epoch folder the line whose `epoch` matches is used, otherwise the last one.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from speculators_vllm016.train.logger import flatten
 
 __all__ = ["METRICS_FILE", "TrainingEstimate", "find_training_estimate", "simulated_tau"]
 
@@ -43,7 +46,7 @@ def simulated_tau(full_acc: list[float]) -> float:
 def _accuracies(record: dict) -> tuple[bool, list[float]] | None:
     by_step: dict[int, float] = {}
     validation = False
-    for key, value in record.items():
+    for key, value in flatten(record).items():
         match = _KEY.match(key)
         if match is None or not isinstance(value, (int, float)):
             continue
@@ -72,7 +75,7 @@ def _read_records(path: Path) -> list[dict]:
 
 def find_training_estimate(draft_path: str | Path) -> TrainingEstimate | None:
     """tau_sim of the draft at `draft_path` from the trainer's metrics, or None when none apply."""
-    folder = Path(draft_path)
+    folder = Path(draft_path).resolve()  # `<save>/best` links to an epoch folder
     epoch = int(folder.name) if folder.name.isdigit() else None
     for candidate in (folder / METRICS_FILE, folder.parent / METRICS_FILE):
         if not candidate.is_file():

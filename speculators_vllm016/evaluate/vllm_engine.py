@@ -99,6 +99,7 @@ def evaluate_with_vllm(
     gpu_memory_utilization: float = 0.8,
     tensor_parallel_size: int = 1,
     seed: int = 0,
+    show_progress: bool = True,
 ) -> VllmGeneration:
     """Greedy generation of `prompts` by vLLM with the draft; acceptance from vLLM's counters."""
     reason = speculative_decoding_unavailable()
@@ -127,7 +128,7 @@ def evaluate_with_vllm(
         requests = [TokensPrompt(prompt_token_ids=[int(t) for t in prompt]) for prompt in prompts]
         before = counts_from_metrics(llm.get_metrics(), num_speculative_tokens)
         start = time.perf_counter()
-        results = llm.generate(requests, params, use_tqdm=True)
+        results = llm.generate(requests, params, use_tqdm=show_progress)
         seconds = time.perf_counter() - start
         after = counts_from_metrics(llm.get_metrics(), num_speculative_tokens)
         outputs = [list(result.outputs[0].token_ids) for result in results]

@@ -28,7 +28,6 @@ once; never from file sizes (D5).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
 import re
@@ -374,7 +373,3 @@ def create_collate_fn(max_len: int) -> Callable[[list[BatchType | None]], Packed
 
     return collate
 
-
-def steps_per_epoch_hint(total_tokens: int, total_seq_len: int, world_size: int) -> int:
-    """A rough count of packed rows per rank, for messages only."""
-    return max(1, math.ceil(total_tokens / max(1, total_seq_len * world_size)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -44,10 +45,10 @@ def test_eval_compares_checkpoints_in_one_table_json_and_plot(workspace):
     result = CliRunner().invoke(app, [
         "eval", "--draft", str(workspace / "ckpt" / "0"), "--draft", str(workspace / "ckpt" / "1"),
         "--data-path", str(workspace / "chat.jsonl"), "--max-prompts", "3", "--max-new-tokens", "8",
-        "--ignore-eos", "--output-json", str(out_json), "--plot", str(out_png), "--no-progress",
+        "--ignore-eos", "--engine", "hf", "--output-json", str(out_json), "--plot", str(out_png), "--no-progress",
     ])
     assert result.exit_code == 0, result.output
-    assert "engine hf" in result.output  # auto on the CPU build
+    assert "engine hf" in result.output
     report = json.loads(out_json.read_text())
     assert report["num_prompts"] == 3 and report["engine"] == "hf"
     assert [d["label"] for d in report["drafts"]] == ["0", "1"]
@@ -69,6 +70,13 @@ def test_eval_needs_a_readable_draft_and_says_so(workspace):
     assert "no config.json" in result.output
 
 
+def _cpu_build() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+@pytest.mark.skipif(not _cpu_build(), reason="checks the refusal of vLLM's CPU build")
 def test_engine_vllm_on_the_cpu_build_names_engine_hf(workspace):
     result = CliRunner().invoke(app, [
         "eval", "--draft", str(workspace / "ckpt" / "0"), "--data-path", str(workspace / "chat.jsonl"),
@@ -77,3 +85,28 @@ def test_engine_vllm_on_the_cpu_build_names_engine_hf(workspace):
     assert result.exit_code == 2
     lines = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert lines == ["error: vLLM's CPU build refuses speculative decoding; use --engine hf"]
+
+
+def test_eval_reads_the_trainers_checkpoints_and_tau_sim(workspace, tiny_llama, training_data, tmp_path):
+    """Checkpoints and metrics.jsonl as `speculators train` writes them."""
+    from speculators_vllm016.cli.train import main as train
+    from tests.training_fixtures import train_args
+
+    save = tmp_path / "ckpt"
+    assert train(train_args(tiny_llama, training_data, save, "--epochs", "1")) == 0
+    logged = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    expected = [line["val"]["tau_sim"] for line in logged if "val" in line and line.get("epoch") == 0]
+    out_json = tmp_path / "eval.json"
+    result = CliRunner().invoke(app, [
+        "eval", "--draft", str(save / "0"), "--data-path", str(workspace / "chat.jsonl"),
+        "--max-prompts", "2", "--max-new-tokens", "6", "--engine", "hf", "--output-json", str(out_json),
+        "--no-progress",
+    ])
+    assert result.exit_code == 0, result.output
+    draft = json.loads(out_json.read_text())["drafts"][0]
+    assert expected and draft["tau_sim"] == pytest.approx(expected[-1])
+    assert draft["generated_tokens"] > 0
+    from speculators_vllm016.evaluate.training_metrics import find_training_estimate
+
+    best = find_training_estimate(save / "best")  # the trainer's link to the best epoch
+    assert best is not None and best.epoch == int(os.readlink(save / "best"))

@@ -16,6 +16,7 @@ import torch
 from speculators_vllm016.data_generation.offline import DatagenOptions, run_datagen
 from speculators_vllm016.data_generation.sample_io import load_sample
 from speculators_vllm016.demo import demo_conversations_path
+from tests.data_generation.test_preprocessing import runs_of_ones
 from tests.hf_reference import HFReference, relative_error
 
 pytestmark = pytest.mark.engine
@@ -124,17 +125,6 @@ def test_samples_hold_the_models_hidden_states(reference_run, tiny_llama):
         for layer, got, want in zip([2, 2, 1, 3], sample["hidden_states"], expected):
             assert got.dtype == torch.float32
             assert relative_error(got, want) <= 1e-4, f"sample {index} layer {layer}"
-
-
-def runs_of_ones(mask: list[int]) -> list[tuple[int, int]]:
-    runs, start = [], None
-    for index, value in enumerate([*mask, 0]):
-        if value and start is None:
-            start = index
-        elif not value and start is not None:
-            runs.append((start, index))
-            start = None
-    return runs
 
 
 def test_sample_ids_and_masks_are_the_preprocessing_output_row_by_row(

@@ -15,7 +15,7 @@ MAX_NEW = 12
 
 @pytest.fixture(scope="module")
 def verifier(tiny_llama):
-    return AutoModelForCausalLM.from_pretrained(str(tiny_llama), torch_dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

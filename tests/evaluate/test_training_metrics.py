@@ -36,6 +36,21 @@ def test_epoch_folder_takes_its_own_validation_line(tmp_path):
     assert find_training_estimate(tmp_path / "2") is None  # no accuracies for that epoch
 
 
+def test_the_trainers_nested_validation_lines(tmp_path):
+    """The shape `Trainer.val_epoch` logs through the JSONL handler; train lines do not count."""
+    records = [
+        {"step": 4, "train": {"loss": 2.0, "full_acc_0": 0.9, "full_acc_1": 0.9}},
+        {"step": 5, "val": {"loss_epoch": 1.5, "full_acc_0_epoch": 0.5, "full_acc_1_epoch": 0.25,
+                            "cond_acc_1_epoch": 0.5, "tau_sim": 1.75}, "epoch": 0},
+        {"step": 9, "train": {"loss": 1.0, "full_acc_0": 0.95, "full_acc_1": 0.95}},
+    ]
+    write_lines(tmp_path / "metrics.jsonl", records)
+    (tmp_path / "0").mkdir()
+    estimate = find_training_estimate(tmp_path / "0")
+    assert estimate is not None and estimate.tau_sim == pytest.approx(1.75)
+    assert estimate.full_acc == [0.5, 0.25] and estimate.epoch == 0
+
+
 def test_metrics_inside_the_draft_folder_and_plain_keys(tmp_path):
     write_lines(tmp_path / "draft" / "metrics.jsonl",
                 [{"full_acc_0": 0.2, "full_acc_1": 0.1}, {"full_acc_0": 0.5, "full_acc_1": 0.2}])

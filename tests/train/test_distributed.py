@@ -47,6 +47,7 @@ def reference_step(argv: list[str]) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
 def test_one_step_on_two_processes_equals_one_process(tiny_llama, training_data, tmp_path, parallel):
     save = tmp_path / "ckpt"

@@ -117,6 +117,7 @@ def _run_killed(command: list[str], save: Path, kill_at: int, sig: int) -> int:
     return process.returncode, output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 2])
 def test_sigkill_then_resume_is_bit_identical(tiny_llama, training_data, tmp_path, processes):
     epochs = 2 if processes == 1 else 3  # two ranks halve the steps of an epoch
@@ -146,6 +147,7 @@ def test_sigkill_then_resume_is_bit_identical(tiny_llama, training_data, tmp_pat
     assert steps == list(range(total)), "metrics of the killed run's lost steps were not replaced"
 
 
+@pytest.mark.slow
 def test_sigterm_writes_a_checkpoint_and_the_rerun_finishes_identically(tiny_llama, training_data, tmp_path, trained):
     save = tmp_path / "ckpt"
     command = train_command(train_args(tiny_llama, training_data, save))

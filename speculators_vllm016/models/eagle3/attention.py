@@ -81,10 +81,12 @@ def build_step_zero_mask(
                 f"flex masks need a row length that is a multiple of {FLEX_BLOCK_SIZE}, got "
                 f"{total_seq_len}; pad the row"
             )
-        # Compiled on accelerators: the dense [T, T] mask is then never materialised.
-        return create_block_mask(
+        # Compiled on accelerators: the dense [T, T] mask is then never materialised. One graph
+        # serves every batch of the same row length (the sample lengths are tensor data).
+        build = _block_mask_builder(torch.device(device))
+        return build(
             mask_mod, B=None, H=None, Q_LEN=total_seq_len, KV_LEN=total_seq_len, device=device,
-            BLOCK_SIZE=FLEX_BLOCK_SIZE, _compile=torch.device(device).type == "cuda",
+            BLOCK_SIZE=FLEX_BLOCK_SIZE,
         )
     positions = torch.arange(total_seq_len, device=device)
     return mask_mod(0, 0, positions[:, None], positions[None, :]).view(
@@ -159,6 +161,16 @@ def block_mask_to_dense_attention_mask(
 
 
 _compiled_flex: Callable | None = None
+_compiled_block_mask: Callable | None = None
+
+
+def _block_mask_builder(device: torch.device) -> Callable:
+    global _compiled_block_mask
+    if device.type != "cuda":
+        return create_block_mask
+    if _compiled_block_mask is None:
+        _compiled_block_mask = torch.compile(create_block_mask)
+    return _compiled_block_mask
 
 
 def _flex(query, key, value, block_mask, scale, enable_gqa):
