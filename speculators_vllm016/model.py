@@ -237,7 +237,7 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
         with (EAGLE: the verifier's embeddings, rotary embedding and lm_head). Returns the
         verifier model in "full" mode.
         """
-        if self.verifier_attachment_mode != "detached":
+        if self.verifier_attachment_mode != "detached" and self._holds_verifier():
             raise RuntimeError(
                 f"a verifier is already attached ({self.verifier_attachment_mode!r}); call "
                 "detach_verifier() before attaching another"
@@ -250,6 +250,14 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
         self.verifier = resolved  # a child module, as in 0.3.0; never part of state_dict()
         self.verifier_attachment_mode = mode
         return resolved
+
+    def _holds_verifier(self) -> bool:
+        """Whether the verifier or parts of it are attached (subclasses add the parts they keep).
+
+        A draft built "train_only" that keeps nothing of the verifier (EAGLE-3 copies what it
+        needs) may take a verifier for `generate` without detaching first.
+        """
+        return self.verifier is not None
 
     def detach_verifier(self) -> None:
         if self.verifier_attachment_mode == "detached":

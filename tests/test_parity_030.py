@@ -216,3 +216,34 @@ def test_eagle_converter_layernorm_mapping_of_0_3_0():
     )
     assert set(renamed) == {"embedding_layernorm.weight", "pre_lm_head_layernorm.weight",
                             "fusion_fc.weight"}
+
+
+# ------------------------------------------------ item 5: one verifier at a time (base class)
+
+
+def test_a_draft_that_holds_nothing_of_its_verifier_takes_one_for_generate(tmp_path: Path):
+    """EAGLE-3 drafts are built "train_only" (they copy what they need): they may then take a
+    verifier for `generate`; a second one is refused until detached, as in 0.3.0."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from speculators_vllm016.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    layer = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                        num_key_value_heads=1, num_hidden_layers=1, vocab_size=64)
+    config = Eagle3SpeculatorConfig(
+        transformer_layer_config=layer, draft_vocab_size=16,
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig()],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path="not/downloaded", architectures=[]),
+        ),
+    )
+    draft = Eagle3DraftModel(config)
+    assert draft.verifier_attachment_mode == "train_only" and draft.verifier is None
+    verifier = LlamaForCausalLM(layer)
+    draft.attach_verifier(verifier, mode="full")
+    assert draft.verifier is verifier and draft.verifier_attachment_mode == "full"
+    with pytest.raises(RuntimeError, match="detach_verifier"):
+        draft.attach_verifier(verifier)
+    draft.detach_verifier()
+    assert draft.verifier is None and draft.verifier_attachment_mode == "detached"

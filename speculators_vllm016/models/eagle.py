@@ -233,7 +233,7 @@ class EagleSpeculator(SpeculatorModel):
 
         Both modes keep them (so `forward` works); "full" also keeps the verifier model.
         """
-        if self.verifier_attachment_mode != "detached":
+        if self._holds_verifier():
             return super().attach_verifier(verifier, mode=mode)  # raises RuntimeError
         resolved = self.resolve_verifier(verifier)
         inner = getattr(resolved, "model", resolved)
@@ -253,6 +253,9 @@ class EagleSpeculator(SpeculatorModel):
         self.rotary_emb = parts["rotary_emb"]
         self.lm_head = parts["lm_head"]
         return attached
+
+    def _holds_verifier(self) -> bool:
+        return super()._holds_verifier() or self.embed_tokens is not None
 
     def detach_verifier(self) -> None:
         super().detach_verifier()
