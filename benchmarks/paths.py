@@ -128,6 +128,7 @@ class ExtractionPath(BenchPath):
             dtype=preset.dtype,
             max_num_seqs=preset.max_num_seqs,
             max_num_batched_tokens=preset.max_num_batched_tokens,
+            trust_remote_code=True,  # as path (b); the generator's default is off since 0.3.0
         )
         self.generator.generate(warmup)
 
@@ -266,10 +267,11 @@ class HFForwardPath(BenchPath):
             default_layer_ids,
             normalize_layer_ids,
         )
+        from speculators_vllm016.utils.text_config import text_config_of
 
         preset = self.preset
         config = AutoConfig.from_pretrained(self.model, trust_remote_code=True)
-        num_layers = int(getattr(config, "text_config", config).num_hidden_layers)
+        num_layers = int(text_config_of(config).num_hidden_layers)
         self.layer_ids = normalize_layer_ids(
             list(preset.layer_ids) if preset.layer_ids is not None else default_layer_ids(num_layers),
             num_layers,

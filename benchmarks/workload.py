@@ -64,5 +64,7 @@ def model_vocab_size(model: str) -> int:
         from transformers import PretrainedConfig
 
         config, _ = PretrainedConfig.get_config_dict(model)
-    text = config.get("text_config") or config
+    from speculators_vllm016.utils.text_config import text_config_of
+
+    text = text_config_of(config)
     return int(text.get("vocab_size") or config["vocab_size"])

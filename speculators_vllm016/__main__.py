@@ -52,13 +52,30 @@ def demo(ctx: typer.Context) -> None:
     raise typer.Exit(main(ctx.args))
 
 
+@app.command(context_settings=_PASSTHROUGH, add_help_option=False)
+def train(ctx: typer.Context) -> None:
+    """Train an EAGLE-3 draft on datagen's hidden states. See `train --help`."""
+    from speculators_vllm016.cli.train import main
+
+    raise typer.Exit(main(ctx.args))
+
+
 def _register_convert() -> None:
     from speculators_vllm016.cli.convert import convert
 
     app.command(name="convert")(convert)
 
 
+def _register_evaluation() -> None:
+    from speculators_vllm016.cli.eval import EPILOG, evaluate
+    from speculators_vllm016.cli.vocab_mapping import vocab_mapping
+
+    app.command(name="eval", epilog=EPILOG)(evaluate)
+    app.command(name="vocab-mapping")(vocab_mapping)
+
+
 _register_convert()
+_register_evaluation()
 
 if __name__ == "__main__":
     app()

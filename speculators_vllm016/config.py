@@ -36,6 +36,11 @@ def _library_version() -> str:
 class TokenProposalConfig(PydanticClassRegistryMixin):
     """How the draft proposes tokens and how the verifier accepts them; subclasses per method."""
 
+    @classmethod
+    def __pydantic_schema_base_type__(cls) -> type[TokenProposalConfig]:
+        # While the class statement runs the name is not bound yet: the class is its own root.
+        return globals().get("TokenProposalConfig", cls)
+
     auto_package: ClassVar[str] = "speculators.proposals"
     registry_auto_discovery: ClassVar[bool] = True
     schema_discriminator: ClassVar[str] = "proposal_type"
@@ -104,6 +109,10 @@ class SpeculatorModelConfig(PydanticClassRegistryMixin, PretrainedConfig):
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="allow")
+
+    @classmethod
+    def __pydantic_schema_base_type__(cls) -> type[SpeculatorModelConfig]:
+        return globals().get("SpeculatorModelConfig", cls)
 
     auto_package: ClassVar[str] = "speculators.models"
     registry_auto_discovery: ClassVar[bool] = True
@@ -185,7 +194,11 @@ class SpeculatorModelConfig(PydanticClassRegistryMixin, PretrainedConfig):
 
 
 def reload_and_populate_configs() -> None:
-    """Import every built-in config and rebuild the schemas that dispatch on the registries."""
+    """Import every built-in config and rebuild the schemas that dispatch on the registries.
+
+    `import speculators` runs this (as 0.3.0 did); call it again after registering your own
+    proposal or model configs.
+    """
     TokenProposalConfig.auto_populate_registry()
-    SpeculatorModelConfig.auto_populate_registry()
     SpeculatorsConfig.reload_schema()
+    SpeculatorModelConfig.auto_populate_registry()

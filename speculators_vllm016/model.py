@@ -1,13 +1,15 @@
 """Base class of speculator (draft) models: Hugging Face loading/saving plus verifier handling.
 
-`SpeculatorModel.from_pretrained(path)` reads `config.json`, finds the registered model class for
-its `speculators_model_type` and loads that class, so user code need not know the algorithm. A
+`SpeculatorModel.from_pretrained(path)` reads `config.json` into its registered config class,
+finds the registered model class whose `config_class` that is, and loads it, so user code need
+not know the algorithm. A
 verifier (the target model) can be attached for training ("train_only": only the parts the draft
 needs) or for generation ("full"); it is never part of the saved weights.
 """
 
 from __future__ import annotations
 
+import contextvars
 import os
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal, Optional
@@ -23,6 +25,21 @@ __all__ = ["SpeculatorModel", "reload_and_populate_models"]
 
 AttachmentMode = Literal["detached", "full", "train_only"]
 
+# Set while from_pretrained builds a model: the verifier is attached after the weights load.
+_LOADING: contextvars.ContextVar[bool] = contextvars.ContextVar("speculators_loading", default=False)
+
+
+def _check_verifier_argument(verifier: Any) -> None:
+    if isinstance(verifier, (str, os.PathLike)) and not str(verifier):
+        raise ValueError("verifier must name a model: got an empty path")
+    if verifier is None:
+        raise ValueError("verifier must be a PreTrainedModel, a hub id or a local path, got None")
+    if not isinstance(verifier, (str, os.PathLike, PreTrainedModel)):
+        raise TypeError(
+            "verifier must be a PreTrainedModel, a hub id or a local path, got "
+            f"{type(verifier).__name__}"
+        )
+
 
 class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
     """Common behaviour of all draft models; subclasses register under their model type."""
@@ -32,24 +49,38 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
     config_class: ClassVar[type[SpeculatorModelConfig]] = SpeculatorModelConfig  # type: ignore[misc]
     base_model_prefix: ClassVar[str] = "model"  # type: ignore[misc]
     main_input_name: ClassVar[str] = "input_ids"  # type: ignore[misc]
-    _keys_to_ignore_on_load_missing: ClassVar[list[str] | None] = None  # type: ignore[misc]
+    _keys_to_ignore_on_load_missing: ClassVar[list[str] | None] = [r"verifier\..*"]  # type: ignore[misc]
 
     @classmethod
     def registered_model_class_from_config(
         cls, config: SpeculatorModelConfig
     ) -> type[SpeculatorModel]:
-        """The model class registered for `config.speculators_model_type`."""
+        """The registered model class whose `config_class` is exactly `type(config)`.
+
+        Matching on the config class (not on the registry name) lets a model registered under
+        any name load, as in 0.3.0.
+        """
         if not isinstance(config, SpeculatorModelConfig):
             raise TypeError(f"expected a SpeculatorModelConfig, got {type(config).__name__}")
-        cls.registered_classes()  # imports the built-in models once
-        registry = SpeculatorModel.registry or {}
-        model_class = registry.get(config.speculators_model_type)
-        if model_class is None:
-            raise ValueError(
-                f"no speculator model is registered for {config.speculators_model_type!r}; "
-                f"known: {sorted(registry)}"
+        if type(config) is SpeculatorModelConfig:
+            raise TypeError(
+                "got the base SpeculatorModelConfig; use the config class of a model type "
+                "(e.g. Eagle3SpeculatorConfig), or SpeculatorModelConfig.from_dict/from_pretrained"
             )
-        return model_class
+        if cls.registry_auto_discovery:
+            cls.auto_populate_registry()
+        if not cls.registry:
+            raise ValueError(
+                "no speculator model class is registered; register one with "
+                "@SpeculatorModel.register(name)"
+            )
+        for model_class in cls.registry.values():
+            if type(config) is model_class.config_class:
+                return model_class
+        raise ValueError(
+            f"no registered speculator model has config_class {type(config).__name__}; "
+            f"registered: {sorted(cls.registry)}"
+        )
 
     @classmethod
     def from_pretrained(
@@ -69,38 +100,86 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
         weights_only: bool = True,
         **kwargs: Any,
     ) -> SpeculatorModel:
-        if not isinstance(config, PretrainedConfig):
-            source = config if config is not None else pretrained_model_name_or_path
-            if source is None:
-                raise ValueError("from_pretrained needs a checkpoint path or a config")
-            config = SpeculatorModelConfig.from_pretrained(
-                source,
+        """Load a saved draft; called on `SpeculatorModel`, the class comes from the config.
+
+        Refuses (ValueError) a checkpoint that lacks weights the model needs instead of leaving
+        them randomly initialised. The verifier (the argument, else the config's
+        `speculators_config.verifier.name_or_path`) is attached after the weights are loaded,
+        unless `verifier_attachment_mode="detached"`.
+        """
+        if config is None:
+            if not pretrained_model_name_or_path:
+                raise ValueError(
+                    "from_pretrained needs a checkpoint path (or a config and a state_dict)"
+                )
+            config = cls.config_class.from_pretrained(
+                pretrained_model_name_or_path,
                 cache_dir=cache_dir,
                 force_download=force_download,
                 local_files_only=local_files_only,
                 token=token,
                 revision=revision,
             )
-        model_class = cls
-        if cls is SpeculatorModel:
-            model_class = cls.registered_model_class_from_config(config)  # type: ignore[arg-type]
-        model = PreTrainedModel.from_pretrained.__func__(  # type: ignore[attr-defined]
-            model_class,
-            pretrained_model_name_or_path,
-            *model_args,
-            config=config,
-            cache_dir=cache_dir,
-            ignore_mismatched_sizes=ignore_mismatched_sizes,
-            force_download=force_download,
-            local_files_only=local_files_only,
-            token=token,
-            revision=revision,
-            use_safetensors=use_safetensors,
-            weights_only=weights_only,
+        if not isinstance(config, SpeculatorModelConfig):
+            raise TypeError(
+                f"config must be a SpeculatorModelConfig, got {type(config).__name__}; to read "
+                "one from a folder use SpeculatorModelConfig.from_pretrained(path)"
+            )
+        if not pretrained_model_name_or_path and kwargs.get("state_dict") is None:
+            raise ValueError("from_pretrained needs a checkpoint path or a state_dict")
+        loader_arguments = {
+            "cache_dir": cache_dir,
+            "ignore_mismatched_sizes": ignore_mismatched_sizes,
+            "force_download": force_download,
+            "local_files_only": local_files_only,
+            "token": token,
+            "revision": revision,
+            "use_safetensors": use_safetensors,
+            "weights_only": weights_only,
             **kwargs,
-        )
-        if verifier is not None and verifier_attachment_mode != "detached":
-            model.attach_verifier(verifier, mode=verifier_attachment_mode)
+        }
+        if cls is SpeculatorModel:
+            # The registered class loads itself, so its own from_pretrained (key renames) runs.
+            return cls.registered_model_class_from_config(config).from_pretrained(
+                pretrained_model_name_or_path,
+                *model_args,
+                verifier=verifier,
+                verifier_attachment_mode=verifier_attachment_mode,
+                config=config,
+                **loader_arguments,
+            )
+        model_class = cls
+        return_loading_info = loader_arguments.pop("output_loading_info", False)
+        loading = _LOADING.set(True)
+        try:
+            model, loading_info = PreTrainedModel.from_pretrained.__func__(  # type: ignore[attr-defined]
+                model_class,
+                pretrained_model_name_or_path,
+                *model_args,
+                config=config,
+                output_loading_info=True,
+                **loader_arguments,
+            )
+        finally:
+            _LOADING.reset(loading)
+        missing = list(loading_info.get("missing_keys") or [])
+        if missing:
+            source = pretrained_model_name_or_path or "the state_dict"
+            raise ValueError(
+                f"{source} lacks {len(missing)} weight(s) that {model_class.__name__} needs "
+                f"(e.g. {sorted(missing)[:5]}); loading would leave them randomly initialised. "
+                "Pass a checkpoint of this model type, saved by this library or speculators 0.3.0"
+            )
+        pending = model.__dict__.pop("_pending_verifier", None)
+        if verifier_attachment_mode != "detached":
+            target = verifier if verifier is not None else (pending[0] if pending else None)
+            mode = verifier_attachment_mode or (pending[1] if pending else None)
+            if target is not None:
+                if model.verifier_attachment_mode != "detached":
+                    model.detach_verifier()
+                model.attach_verifier(target, mode=mode)
+        if return_loading_info:
+            return model, loading_info
         return model
 
     def __init__(
@@ -110,11 +189,21 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
         verifier_attachment_mode: AttachmentMode | None = None,
         **kwargs: Any,
     ) -> None:
+        if config is None:
+            raise ValueError(
+                "a SpeculatorModel needs a config: pass an instance of a SpeculatorModelConfig "
+                "subclass (e.g. EagleSpeculatorConfig)"
+            )
         if not isinstance(config, SpeculatorModelConfig):
             raise TypeError(f"expected a SpeculatorModelConfig, got {type(config).__name__}")
         super().__init__(config, **kwargs)
         self.verifier: PreTrainedModel | None = None
         self.verifier_attachment_mode: AttachmentMode = "detached"
+        # As in 0.3.0 the verifier named in the config is attached unless told "detached". It
+        # is attached once the subclass has built its layers (post_init), or, inside
+        # from_pretrained, once the weights are loaded.
+        if verifier is None and config.speculators_config is not None:
+            verifier = config.speculators_config.verifier.name_or_path
         if verifier is not None and verifier_attachment_mode != "detached":
             self._pending_verifier = (verifier, verifier_attachment_mode)
         else:
@@ -122,13 +211,15 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
 
     def post_init(self) -> None:
         super().post_init()
-        pending = getattr(self, "_pending_verifier", None)
+        if _LOADING.get():
+            return  # from_pretrained attaches after loading the weights
+        pending = self.__dict__.pop("_pending_verifier", None)
         if pending is not None:
-            self._pending_verifier = None
             self.attach_verifier(pending[0], mode=pending[1])
 
     def resolve_verifier(self, verifier: str | os.PathLike | PreTrainedModel) -> PreTrainedModel:
         """A loaded verifier model from a model object, a hub id or a local path."""
+        _check_verifier_argument(verifier)
         if isinstance(verifier, PreTrainedModel):
             return verifier
         from transformers import AutoModelForCausalLM
@@ -139,27 +230,47 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
         self,
         verifier: str | os.PathLike | PreTrainedModel,
         mode: Literal["full", "train_only"] | None = None,
-    ) -> PreTrainedModel:
-        """Keep a reference to the verifier ("full": usable for `generate`)."""
+    ) -> PreTrainedModel | None:
+        """Attach the verifier: "full" keeps the model (for `generate`), "train_only" does not.
+
+        In "train_only" mode `self.verifier` stays None; subclasses keep the parts they train
+        with (EAGLE: the verifier's embeddings, rotary embedding and lm_head). Returns the
+        verifier model in "full" mode.
+        """
+        if self.verifier_attachment_mode != "detached":
+            raise RuntimeError(
+                f"a verifier is already attached ({self.verifier_attachment_mode!r}); call "
+                "detach_verifier() before attaching another"
+            )
         if mode not in (None, "full", "train_only"):
-            raise ValueError(f"attachment mode must be 'full' or 'train_only', got {mode!r}")
-        resolved = self.resolve_verifier(verifier)
-        # Stored outside the module tree so it is neither trained nor saved with the draft.
-        object.__setattr__(self, "verifier", resolved)
-        self.verifier_attachment_mode = mode or "full"
+            raise ValueError(f"attachment mode must be 'full', 'train_only' or None, got {mode!r}")
+        _check_verifier_argument(verifier)
+        mode = mode or "full"
+        resolved = self.resolve_verifier(verifier) if mode == "full" else None
+        self.verifier = resolved  # a child module, as in 0.3.0; never part of state_dict()
+        self.verifier_attachment_mode = mode
         return resolved
 
     def detach_verifier(self) -> None:
-        if self.verifier is None:
-            raise RuntimeError("no verifier is attached")
-        object.__setattr__(self, "verifier", None)
+        if self.verifier_attachment_mode == "detached":
+            raise RuntimeError("no verifier is attached (detach_verifier was already called)")
+        self.verifier = None
         self.verifier_attachment_mode = "detached"
 
     def state_dict(
         self, *, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
     ) -> dict[str, Any]:
-        """The draft's own weights (an attached verifier is not part of them)."""
-        state = nn.Module.state_dict(self, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        """The draft's own weights: neither an attached verifier nor `_keys_to_ignore_on_save`."""
+        verifier = self._modules.get("verifier")
+        if verifier is not None:
+            self._modules["verifier"] = None
+        try:
+            state = nn.Module.state_dict(
+                self, destination=destination, prefix=prefix, keep_vars=keep_vars
+            )
+        finally:
+            if verifier is not None:
+                self._modules["verifier"] = verifier
         ignored = getattr(self, "_keys_to_ignore_on_save", None) or []
         for key in [k for k in state if k.removeprefix(prefix) in ignored]:
             state.pop(key)

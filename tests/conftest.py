@@ -54,3 +54,15 @@ def tiny_kimi_k25(models_dir: Path, tiny_deepseek_v3: Path) -> Path:
     from speculators_vllm016.tiny_models import build_tiny_kimi_k25
 
     return build_tiny_kimi_k25(models_dir / "kimi_k25", language_model=tiny_deepseek_v3)
+
+
+@pytest.fixture(scope="session")
+def training_data(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """24 sample files of 20 to 90 tokens from the tiny Llama, with d2t/t2d maps beside the folder."""
+    from tests.training_fixtures import write_dataset, write_vocab_maps
+
+    lengths = [20 + (7 * i) % 71 for i in range(24)]
+    root = tmp_path_factory.mktemp("training_data")
+    data = write_dataset(tiny_llama, root / "data", lengths)
+    write_vocab_maps(data, 512, root)
+    return data

@@ -16,11 +16,20 @@ def convert(
     ),
     algorithm: str = typer.Option(..., "--algorithm", help="Checkpoint family: eagle or eagle3."),
     output_path: str = typer.Option(
-        "converted", "--output-path", help="Folder to write config.json + model.safetensors to."
+        "converted",
+        "--output-path",
+        help="Folder to write config.json + model.safetensors to (created whole or not at all).",
     ),
     validate_device: str | None = typer.Option(
-        None, "--validate-device", help="If set, reload the result to validate it."
+        None,
+        "--validate-device",
+        help="If set (cpu, cuda, cuda:1, ...), reload the result on that device and compare "
+        "every tensor before publishing it.",
     ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace a non-empty --output-path (never the inputs)."
+    ),
+    debug: bool = typer.Option(False, "--debug", help="Show the full traceback of an error."),
     algorithm_kwargs: str | None = typer.Option(
         None,
         "--algorithm-kwargs",
@@ -43,11 +52,21 @@ def convert(
             raise typer.BadParameter(f"not valid JSON: {err}", param_hint="--algorithm-kwargs")
         if not isinstance(kwargs, dict):
             raise typer.BadParameter("must be a JSON object", param_hint="--algorithm-kwargs")
-    convert_model(
-        model=model,
-        verifier=verifier,
-        algorithm=algorithm,  # type: ignore[arg-type]
-        output_path=output_path,
-        validate_device=validate_device,
-        **kwargs,
-    )
+    from speculators_vllm016.cli.datagen import report_errors
+
+    def run() -> int:
+        convert_model(
+            model=model,
+            verifier=verifier,
+            algorithm=algorithm,  # type: ignore[arg-type]
+            output_path=output_path,
+            validate_device=validate_device,
+            overwrite=overwrite,
+            **kwargs,
+        )
+        typer.echo(f"Converted {model} into {output_path}")
+        return 0
+
+    code = report_errors(run, debug)
+    if code:
+        raise typer.Exit(code)

@@ -6,19 +6,21 @@ Parsed with argparse so that 0.3.0 invocations (`--layer-ids 2 16 29 31`) keep w
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from speculators_vllm016.data_generation.offline import DatagenOptions
+from speculators_vllm016.data_generation.offline import DTYPES, DatagenOptions
 
-__all__ = ["build_parser", "main", "options_from_args"]
+__all__ = ["build_parser", "main", "options_from_args", "report_errors"]
 
 EPILOG = """\
-Sharding: run one process per machine with the same flags and --num-shards N --shard-index I;
-shard I extracts rows I, I+N, I+2N, ... and names files by their global index, so the shards'
-files together are exactly the unsharded run's. A killed run resumes where it stopped when started
-again with the same command.
+Sharding: run one process per machine with the same flags and --num-shards N --shard-index I,
+all into one --output-dir; shard I extracts rows I, I+N, I+2N, ... and names files by their
+global index, so the shards' files together are exactly the unsharded run's. A killed run resumes
+where it stopped when started again with the same command. Token counts go to
+<output-dir>/token_freq/shard-I-of-N.pth, the lengths index to <output-dir>/manifest/.
 """
 
 
@@ -31,15 +33,43 @@ def build_parser(prog: str = "speculators datagen") -> argparse.ArgumentParser:
     )
     model = parser.add_argument_group("target model")
     model.add_argument("--target-model-path", required=True, help="HF model id or local folder")
-    model.add_argument("--tensor-parallel-size", type=int, default=1)
-    model.add_argument("--pipeline-parallel-size", type=int, default=1)
     model.add_argument(
-        "--max-model-len", type=int, default=None, help="default: --seq-length + 1"
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="GPUs (or CPU workers) per model copy; 0.3.0 used every visible GPU, now 1",
     )
-    model.add_argument("--gpu-memory-utilization", type=float, default=0.8)
-    model.add_argument("--dtype", default="auto", help="model dtype (auto, bfloat16, float32, ...)")
-    model.add_argument("--max-num-seqs", type=int, default=None, help="default: max(32, batch)")
-    model.add_argument("--max-num-batched-tokens", type=int, default=None)
+    model.add_argument(
+        "--pipeline-parallel-size", type=int, default=1, help="pipeline stages per model copy"
+    )
+    model.add_argument(
+        "--max-model-len", type=int, default=None, help="engine context length; None: --seq-length + 1"
+    )
+    model.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.8, help="share of GPU memory vLLM may use"
+    )
+    model.add_argument("--dtype", default="auto", choices=DTYPES, help="model dtype")
+    model.add_argument(
+        "--max-num-seqs", type=int, default=None, help="engine batch; None: max(32, --batch-size)"
+    )
+    model.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens per engine step; None: max(8192, max model len)",
+    )
+    model.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run Python code shipped in the model folder (some models need it, e.g. Kimi-K2.5); "
+        "off by default (0.3.0 always ran it)",
+    )
+    model.add_argument(
+        "--transfer-root",
+        default=None,
+        help="folder for the shared-memory files that carry hidden states from the engine; "
+        "None: $SPECULATORS_TRANSFER_ROOT, else /dev/shm, else the temp dir",
+    )
 
     data = parser.add_argument_group("data")
     data.add_argument(
@@ -48,26 +78,41 @@ def build_parser(prog: str = "speculators datagen") -> argparse.ArgumentParser:
         help="local .json/.jsonl (ShareGPT or messages shape), or 'sharegpt' / 'ultrachat'",
     )
     data.add_argument("--seq-length", type=int, default=2048, help="truncate samples to this")
-    data.add_argument("--max-samples", type=int, default=None)
-    data.add_argument("--token-freq-path", default="./token_freq.pt")
+    data.add_argument(
+        "--max-samples", type=int, default=None, help="use at most this many conversations; None: all"
+    )
+    data.add_argument(
+        "--token-freq-path",
+        default=None,
+        help="also write the token counts here (0.3.0's file; '.shard-I-of-N' is added when "
+        "sharded); they always go to <output-dir>/token_freq/",
+    )
     data.add_argument("--hf-cache-dir", default=None, help="datasets cache directory")
     data.add_argument(
         "--assistant-pattern",
         default=None,
-        help="regex whose first group is assistant text (default: found from the chat template)",
+        help="regex whose first group is assistant text; None: found from the chat template",
     )
     data.add_argument(
         "--turn-dropout", action="store_true", help="keep a random prefix of each conversation"
     )
     data.add_argument("--seed", type=int, default=0, help="shuffle seed")
-    data.add_argument("--num-preprocessing-workers", type=int, default=8)
+    data.add_argument(
+        "--num-preprocessing-workers", type=int, default=8, help="processes for tokenizing"
+    )
 
     output = parser.add_argument_group("output")
-    output.add_argument("--output-dir", required=True)
-    output.add_argument("--output-format", choices=["pt", "safetensors"], default="pt")
+    output.add_argument("--output-dir", required=True, help="folder for the sample files")
+    output.add_argument(
+        "--output-format", choices=["pt", "safetensors"], default="pt", help="sample file format"
+    )
     output.add_argument("--start-idx", type=int, default=0, help="index of the first file")
     output.add_argument(
-        "--layer-ids", type=int, nargs="+", default=None, help="default: [2, N/2, N-3, N-1]"
+        "--layer-ids",
+        type=int,
+        nargs="+",
+        default=None,
+        help="decoder layers to capture; None: [2, N/2, N-3, N-1] of N layers",
     )
     output.add_argument(
         "--batch-size",
@@ -79,22 +124,59 @@ def build_parser(prog: str = "speculators datagen") -> argparse.ArgumentParser:
             "partly filled step, so larger is faster; a resumed run recomputes whole calls"
         ),
     )
-    output.add_argument("--num-shards", type=int, default=1)
-    output.add_argument("--shard-index", type=int, default=0)
-    output.add_argument("--num-writer-threads", type=int, default=4)
+    output.add_argument("--num-shards", type=int, default=1, help="shards of the whole job")
+    output.add_argument("--shard-index", type=int, default=0, help="this process's shard")
+    output.add_argument(
+        "--num-writer-threads", type=int, default=4, help="threads writing sample files"
+    )
     output.add_argument(
         "--fsync",
         action="store_true",
         help="fsync every sample file (survives power loss; files are always whole after a crash)",
     )
+    output.add_argument(
+        "--adopt-existing",
+        action="store_true",
+        help="accept a folder that holds sample files of an unrecorded run (e.g. 0.3.0's): "
+        "each is checked against this run's samples and recomputed if it differs",
+    )
     output.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the full traceback of an error"
+    )
     return parser
 
 
 def options_from_args(args: argparse.Namespace) -> DatagenOptions:
     values = vars(args).copy()
+    values.pop("debug", None)
     values["show_progress"] = not values.pop("no_progress")
     return DatagenOptions(**values)
+
+
+def describe_error(error: BaseException) -> str:
+    """One line for an expected failure."""
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        where = f" writing {error.filename}" if error.filename else ""
+        return f"the disk is full{where}; free space or choose another place, then run again"
+    if isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
+        return f"permission denied: {error.filename or error}; choose a writable place"
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def report_errors(run: Callable[[], int], debug: bool) -> int:
+    """Run; an expected failure becomes one line on stderr and exit status 2."""
+    try:
+        return run()
+    except KeyboardInterrupt:
+        print("interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+    except (ValueError, OSError, NotImplementedError, RuntimeError) as error:
+        if debug:
+            raise
+        print(f"error: {describe_error(error)} (--debug shows the traceback)", file=sys.stderr)
+        return 2
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "speculators datagen") -> int:
@@ -102,11 +184,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "speculators datagen") -
 
     args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
+
+    def run() -> int:
         summary = run_datagen(options_from_args(args))
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(f"Done: {summary.describe()}")
-    print(f"SUMMARY {summary_json(summary)}")
-    return 0
+        print(f"Done: {summary.describe()}")
+        print(f"SUMMARY {summary_json(summary)}")
+        return 0
+
+    return report_errors(run, args.debug)

@@ -20,16 +20,26 @@ def build_parser(prog: str = "speculators demo") -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--output-dir", default="output/demo", help="model, data and token_freq.pt")
-    parser.add_argument("--max-samples", type=int, default=None, help="default: all conversations")
-    parser.add_argument("--seq-length", type=int, default=1024)
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--output-format", choices=["pt", "safetensors"], default="pt")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--output-dir", default="output/demo", help="folder for the demo model and its data"
+    )
+    parser.add_argument(
+        "--max-samples", type=int, default=None, help="conversations to use; None: all"
+    )
+    parser.add_argument("--seq-length", type=int, default=1024, help="truncate samples to this")
+    parser.add_argument(
+        "--batch-size", type=int, default=128, help="sequences per extraction call"
+    )
+    parser.add_argument(
+        "--output-format", choices=["pt", "safetensors"], default="pt", help="sample file format"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     return parser
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "speculators demo") -> int:
+    from speculators_vllm016.cli.datagen import report_errors
     from speculators_vllm016.data_generation.offline import DatagenOptions, run_datagen, summary_json
     from speculators_vllm016.demo import build_demo_model, demo_conversations_path
 
@@ -44,15 +54,17 @@ def main(argv: Sequence[str] | None = None, prog: str = "speculators demo") -> i
         output_dir=str(root / "data"),
         seq_length=args.seq_length,
         max_samples=args.max_samples,
-        token_freq_path=str(root / "token_freq.pt"),
         hf_cache_dir=str(root / "hf-datasets-cache"),
         batch_size=args.batch_size,
         output_format=args.output_format,
         num_preprocessing_workers=2,
         show_progress=not args.no_progress,
     )
-    summary = run_datagen(options)
-    print(f"Demo model: {model}")
-    print(f"Done: {summary.describe()}")
-    print(f"SUMMARY {summary_json(summary)}")
-    return 0
+    def run() -> int:
+        summary = run_datagen(options)
+        print(f"Demo model: {model}")
+        print(f"Done: {summary.describe()}")
+        print(f"SUMMARY {summary_json(summary)}")
+        return 0
+
+    return report_errors(run, args.debug)

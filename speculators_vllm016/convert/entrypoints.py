@@ -15,6 +15,7 @@ def convert_model(
     algorithm: Literal["eagle", "eagle3"],
     output_path: str = "converted",
     validate_device: str | None = None,
+    overwrite: bool = False,
     **kwargs: Any,
 ) -> None:
     """Convert `model` (local folder or hub id) into a speculator folder at `output_path`.
@@ -23,15 +24,25 @@ def convert_model(
     (both auto-detected from the weights when not set).
     algorithm "eagle3": EAGLE-3 releases; kwargs `norm_before_residual`,
     `eagle_aux_hidden_state_layer_ids`.
-    A `validate_device` (any value) reloads the result after saving to check it.
+    A `validate_device` reloads the result on that device ("cpu", "cuda:0", ...) and compares
+    every tensor. The result appears at `output_path` only when whole and checked; the model's and
+    the verifier's folders are refused, and a non-empty folder unless `overwrite`.
     """
     from speculators_vllm016.convert.eagle import Eagle3Converter, EagleConverter
+    from speculators_vllm016.convert.output import check_output_path, staged_output
 
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unsupported algorithm {algorithm!r}; choose one of {ALGORITHMS}")
     if not verifier:
         raise ValueError("a verifier (the target model id or path) is required")
+    target = check_output_path(output_path, [model, verifier], overwrite)
     converter = EagleConverter() if algorithm == "eagle" else Eagle3Converter()
-    converter.convert(
-        model, output_path, verifier, validate=validate_device is not None, **kwargs
-    )
+    with staged_output(target) as stage:
+        converter.convert(
+            model,
+            stage,
+            verifier,
+            validate=validate_device is not None,
+            validate_device=validate_device or "cpu",
+            **kwargs,
+        )

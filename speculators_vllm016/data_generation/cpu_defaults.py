@@ -14,6 +14,8 @@ from contextlib import contextmanager
 
 import psutil
 
+from speculators_vllm016.utils.text_config import text_config_of
+
 __all__ = ["apply_cpu_defaults", "cpu_defaults_applied", "is_cpu_platform", "uses_mla"]
 
 _GIB = 1024**3
@@ -27,10 +29,7 @@ def is_cpu_platform() -> bool:
 
 def uses_mla(config_dict: dict) -> bool:
     """True for DeepSeek-V2/V3-style attention (Kimi-K2 and K2.5 too), possibly nested."""
-    for candidate in (config_dict, config_dict.get("text_config") or {}):
-        if isinstance(candidate, dict) and candidate.get("kv_lora_rank"):
-            return True
-    return False
+    return bool(text_config_of(config_dict).get("kv_lora_rank"))
 
 
 def _thread_binding(world_size: int) -> str:

@@ -60,6 +60,32 @@ class _CaptureState:
     writer: RowWriter = field(default_factory=RowWriter)
 
 
+def native_mla_rope(model: torch.nn.Module) -> int:
+    """On vLLM's CPU build, run plain RoPE of MLA attention through the PyTorch path.
+
+    With `rope_scaling: null` a DeepSeek-V2/V3 model gets vLLM's plain `RotaryEmbedding`, whose
+    CPU forward is a C++ op that reads the query as contiguous rows; MLA hands it the rope part
+    of each head, a strided view, so the heads get the wrong positions and every hidden state
+    after layer 0 is silently wrong. `forward_native` handles strided views. Returns how many
+    rotary modules were switched.
+    """
+    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    switched: set[int] = set()
+    for module in model.modules():
+        rope = getattr(module, "rotary_emb", None)
+        if type(rope) is RotaryEmbedding and hasattr(module, "qk_nope_head_dim"):
+            if id(rope) not in switched:
+                rope._forward_method = rope.forward_native
+                switched.add(id(rope))
+    if switched:
+        logger.info("MLA with plain RoPE on CPU: %d rotary modules use the native path", len(switched))
+    return len(switched)
+
+
 class HiddenStatesWorkerExtension:
     """Methods mixed into vLLM's worker for hidden-state capture."""
 
@@ -82,6 +108,7 @@ class HiddenStatesWorkerExtension:
 
         self.speculators_teardown()
         model = self.model_runner.model  # type: ignore[attr-defined]
+        native_mla_rope(model)
         layers = find_decoder_layers(model, num_hidden_layers)
         tp_rank = get_tp_group().rank_in_group
         torch_dtype = getattr(torch, dtype)

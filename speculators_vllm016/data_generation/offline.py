@@ -8,10 +8,10 @@ file is bit-identical to an uninterrupted run's) and only the missing files are 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,20 +21,46 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from speculators_vllm016.data_generation.manifest import (
+    ManifestWriter,
+    SampleRecord,
+    manifest_path,
+    read_manifest,
+)
+from speculators_vllm016.data_generation.preflight import ModelFacts, inspect_model, remote_code_hint
+from speculators_vllm016.data_generation.resume import (
+    STATE_FILE,
+    RunIdentity,
+    check_identity,
+    has_sample_files,
+    record_identity,
+    refuse_unrecorded,
+    samples_digest,
+    verify_present,
+)
+from speculators_vllm016.data_generation.token_counts import (
+    save_token_counts,
+    shard_token_freq_path,
+)
+from speculators_vllm016.data_generation.transfer import check_transfer_space
 from speculators_vllm016.data_generation.sample_io import (
     SAMPLE_PATTERNS,
+    WriterSlot,
+    WrittenFile,
+    _try_lock,
     existing_sample_indices,
     remove_partial_files,
     sample_path,
-    write_sample,
+    write_sample_file,
 )
 
 __all__ = ["DatagenOptions", "DatagenSummary", "run_datagen", "shard_positions"]
 
 logger = logging.getLogger(__name__)
 
-STATE_FILE = ".datagen_state.json"
+LOCK_DIR = ".locks"
 CONFIG_FILE = "data_config.json"
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 
 
 @dataclass
@@ -50,7 +76,7 @@ class DatagenOptions:
     gpu_memory_utilization: float = 0.8
     seq_length: int = 2048
     max_samples: int | None = None
-    token_freq_path: str = "./token_freq.pt"
+    token_freq_path: str | None = None  # 0.3.0: "./token_freq.pt"; now beside the data
     hf_cache_dir: str | None = None
     assistant_pattern: str | None = None
     turn_dropout: bool = False
@@ -68,8 +94,38 @@ class DatagenOptions:
     num_writer_threads: int = 4
     fsync: bool = False
     show_progress: bool = True
+    adopt_existing: bool = False
+    trust_remote_code: bool = False
+    transfer_root: str | None = None
 
     def validate(self) -> None:
+        """Every check the flags alone allow; a ValueError names the flag and what it needs."""
+        for flag, value in (
+            ("--tensor-parallel-size", self.tensor_parallel_size),
+            ("--pipeline-parallel-size", self.pipeline_parallel_size),
+            ("--num-writer-threads", self.num_writer_threads),
+            ("--num-preprocessing-workers", self.num_preprocessing_workers),
+            ("--max-num-seqs", self.max_num_seqs),
+            ("--max-num-batched-tokens", self.max_num_batched_tokens),
+            ("--max-samples", self.max_samples),
+        ):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be at least 1, got {value}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.assistant_pattern is not None:
+            import re
+
+            try:
+                re.compile(self.assistant_pattern)
+            except re.error as error:
+                raise ValueError(
+                    f"--assistant-pattern is not a valid regular expression ({error})"
+                ) from None
         if self.num_shards < 1:
             raise ValueError(f"--num-shards must be at least 1, got {self.num_shards}")
         if not 0 <= self.shard_index < self.num_shards:
@@ -89,6 +145,10 @@ class DatagenOptions:
                 f"--max-model-len {self.max_model_len} must exceed --seq-length "
                 f"{self.seq_length} (vLLM keeps one position for the sampled token)"
             )
+
+    @property
+    def resolved_max_num_seqs(self) -> int:
+        return self.max_num_seqs if self.max_num_seqs is not None else max(32, self.batch_size)
 
     @property
     def resolved_max_model_len(self) -> int:
@@ -127,50 +187,27 @@ def shard_positions(num_rows: int, num_shards: int, shard_index: int) -> list[in
     return list(range(shard_index, num_rows, num_shards))
 
 
-def dataset_digest(dataset) -> str:
-    """Digest of every token id, so a resume can tell it is looking at the same data."""
-    digest = hashlib.sha256()
-    for ids in dataset["input_ids"]:
-        digest.update(torch.as_tensor(ids, dtype=torch.int64).numpy().tobytes())
-        digest.update(b"|")
-    return digest.hexdigest()
-
-
-def _run_identity(options: DatagenOptions, digest: str) -> dict:
-    return {
-        "target_model_path": options.target_model_path,
-        "train_data_path": options.train_data_path,
-        "seq_length": options.seq_length,
-        "max_samples": options.max_samples,
-        "seed": options.seed,
-        "layer_ids": options.layer_ids,
-        "start_idx": options.start_idx,
-        "num_shards": options.num_shards,
-        "output_format": options.output_format,
-        "dtype": options.dtype,
-        "dataset_sha256": digest,
-    }
-
-
-def _check_or_record_identity(output_dir: Path, identity: dict) -> None:
-    state = output_dir / STATE_FILE
-    if state.exists():
-        recorded = json.loads(state.read_text())
-        differing = {
-            key: (recorded.get(key), value)
-            for key, value in identity.items()
-            if recorded.get(key) != value
-        }
-        if differing:
-            details = "; ".join(f"{key}: was {old!r}, now {new!r}" for key, (old, new) in differing.items())
-            raise ValueError(
-                f"{output_dir} holds samples of a different run ({details}); use another "
-                "--output-dir or remove it"
-            )
-        return
-    temp = state.with_name(state.name + f".{os.getpid()}")
-    temp.write_text(json.dumps(identity, indent=2, sort_keys=True))
-    os.replace(temp, state)
+def _run_identity(options: DatagenOptions, facts: ModelFacts, digest: str) -> RunIdentity:
+    data = Path(options.train_data_path)
+    return RunIdentity(
+        compared={
+            "target_model_path": facts.path,
+            "layer_ids": facts.layer_ids,
+            "dtype": options.dtype,
+            "output_format": options.output_format,
+            "start_idx": options.start_idx,
+            "num_shards": options.num_shards,
+            "samples_sha256": digest,
+        },
+        informational={
+            "train_data": str(data.resolve()) if data.exists() else options.train_data_path,
+            "seq_length": options.seq_length,
+            "seed": options.seed,
+            "max_samples": options.max_samples,
+            "assistant_pattern": options.assistant_pattern,
+            "turn_dropout": options.turn_dropout,
+        },
+    )
 
 
 def _write_json_atomic(path: Path, payload: dict) -> None:
@@ -179,38 +216,149 @@ def _write_json_atomic(path: Path, payload: dict) -> None:
     os.replace(temp, path)
 
 
+def _prepare_output_dir(output_dir: Path) -> bool:
+    """Create the folder (refusing a file or an unwritable place); True if it was created here."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ValueError(f"--output-dir {output_dir} is a file; name a folder")
+    created = not output_dir.exists()
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(
+            f"cannot create --output-dir {output_dir} ({error.strerror}); choose a writable place"
+        ) from None
+    if not os.access(output_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"--output-dir {output_dir} is not writable; choose a writable place")
+    return created
+
+
 def run_datagen(options: DatagenOptions) -> DatagenSummary:
-    """Run (or resume) one shard of a datagen job; returns what was done."""
+    """Run (or resume) one shard of a datagen job; returns what was done.
+
+    Every check that needs no engine runs before anything is written. A folder this call created
+    is removed again when the run fails before writing a sample.
+    """
+    options.validate()
+    facts = inspect_model(options.target_model_path, options.layer_ids, options.trust_remote_code)
+    check_transfer_space(options, facts)
+    started = time.perf_counter()
+    output_dir = Path(options.output_dir)
+    created = _prepare_output_dir(output_dir)
+    try:
+        with ShardLock(output_dir, options.shard_index, options.num_shards), WriterSlot(
+            output_dir
+        ) as slot:
+            return _run_locked(options, facts, output_dir, slot, started)
+    except BaseException:
+        if created and not has_sample_files(output_dir):
+            shutil.rmtree(output_dir, ignore_errors=True)
+        raise
+
+
+class ShardLock:
+    """Held for a whole run: a second process on the same shard of one folder is refused."""
+
+    def __init__(self, output_dir: Path, shard_index: int, num_shards: int) -> None:
+        folder = output_dir / LOCK_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f"shard-{shard_index}-of-{num_shards}.lock"
+        self._fd: int | None = None
+
+    def __enter__(self) -> ShardLock:
+        self._fd = _try_lock(self.path)
+        if self._fd is None:
+            raise ValueError(
+                f"another datagen process is running shard {self.path.stem} in "
+                f"{self.path.parent.parent}; wait for it, or give this one another --shard-index"
+            )
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _write_token_counts(options: DatagenOptions, dataset, positions: list[int]) -> None:
+    """This shard's counts beside the data, and where --token-freq-path asks (0.3.0's file)."""
+    from speculators_vllm016.train.vocab_mapping import count_trained_tokens
+
+    counts = dict(count_trained_tokens(dataset.select(positions)))
+    own = save_token_counts(
+        counts, shard_token_freq_path(options.output_dir, options.shard_index, options.num_shards)
+    )
+    logger.info("token counts of this shard: %s", own)
+    if options.token_freq_path:
+        path = Path(options.token_freq_path)
+        if options.num_shards > 1:
+            path = path.with_name(
+                f"{path.stem}.shard-{options.shard_index}-of-{options.num_shards}{path.suffix}"
+            )
+        save_token_counts(counts, path)
+        logger.info("token counts also in %s", path)
+
+
+def _run_locked(
+    options: DatagenOptions, facts: ModelFacts, output_dir: Path, slot: WriterSlot, started: float
+) -> DatagenSummary:
     from speculators_vllm016.data_generation.preprocessing import load_and_preprocess_dataset
     from speculators_vllm016.data_generation.vllm_hidden_states_generator import (
         VllmHiddenStatesGenerator,
     )
 
-    options.validate()
-    started = time.perf_counter()
-    output_dir = Path(options.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
     removed = remove_partial_files(output_dir)
     if removed:
         logger.info("removed %d partial files left by an interrupted run", removed)
+    refuse_unrecorded(output_dir, options.adopt_existing)  # before the preprocessing it would waste
 
     dataset, _ = load_and_preprocess_dataset(
-        target_model_path=options.target_model_path,
+        target_model_path=facts.path,
         train_data_path=options.train_data_path,
         seq_length=options.seq_length,
         build_dataset_num_proc=options.num_preprocessing_workers,
         seed=options.seed,
         max_samples=options.max_samples,
-        token_freq_path=options.token_freq_path,
+        token_freq_path=None,
         cache_dir=options.hf_cache_dir,
         assistant_pattern=options.assistant_pattern,
         turn_dropout=options.turn_dropout,
+        trust_remote_code=options.trust_remote_code,
     )
     skipped_rows = int((dataset.info.description or "skipped_rows=0").split("=")[-1] or 0)
-    _check_or_record_identity(output_dir, _run_identity(options, dataset_digest(dataset)))
+    identity = _run_identity(options, facts, samples_digest(dataset))
+    must_record = check_identity(output_dir, identity, options.adopt_existing)
 
     positions = shard_positions(len(dataset), options.num_shards, options.shard_index)
-    present = existing_sample_indices(output_dir, options.output_format)
+    _write_token_counts(options, dataset, positions)
+    manifest = ManifestWriter(
+        manifest_path(output_dir, options.shard_index, options.num_shards), fsync=options.fsync
+    )
+    try:
+        return _extract_shard(
+            options, facts, dataset, positions, output_dir, slot, manifest, identity,
+            must_record, started, skipped_rows, VllmHiddenStatesGenerator,
+        )
+    finally:
+        manifest.close()
+
+
+def _extract_shard(
+    options, facts, dataset, positions, output_dir, slot, manifest, identity, must_record,
+    started, skipped_rows, generator_class,
+) -> DatagenSummary:
+    on_disk = existing_sample_indices(output_dir, options.output_format)
+    candidates = (
+        (
+            options.start_idx + position,
+            sample_path(output_dir, options.start_idx + position, options.output_format).name,
+            torch.as_tensor(dataset[position]["input_ids"], dtype=torch.long),
+        )
+        for position in positions
+        if options.start_idx + position in on_disk
+    )
+    present = verify_present(
+        output_dir, candidates, read_manifest(output_dir), len(facts.layer_ids), manifest
+    )
     batches = [
         positions[i : i + options.batch_size] for i in range(0, len(positions), options.batch_size)
     ]
@@ -231,19 +379,32 @@ def run_datagen(options: DatagenOptions) -> DatagenSummary:
     generator = None
     try:
         if todo:
-            generator = VllmHiddenStatesGenerator(
-                model_path=options.target_model_path,
-                layer_ids=options.layer_ids,
-                max_model_len=options.resolved_max_model_len,
-                gpu_memory_utilization=options.gpu_memory_utilization,
-                tensor_parallel_size=options.tensor_parallel_size,
-                pipeline_parallel_size=options.pipeline_parallel_size,
-                dtype=options.dtype,
-                max_num_seqs=options.max_num_seqs or max(32, options.batch_size),
-                max_num_batched_tokens=options.max_num_batched_tokens,
-            )
+            try:
+                generator = generator_class(
+                    model_path=facts.path,
+                    layer_ids=facts.layer_ids,
+                    max_model_len=options.resolved_max_model_len,
+                    gpu_memory_utilization=options.gpu_memory_utilization,
+                    tensor_parallel_size=options.tensor_parallel_size,
+                    pipeline_parallel_size=options.pipeline_parallel_size,
+                    dtype=options.dtype,
+                    max_num_seqs=options.resolved_max_num_seqs,
+                    max_num_batched_tokens=options.max_num_batched_tokens,
+                    trust_remote_code=options.trust_remote_code,
+                    transfer_root=options.transfer_root,
+                )
+            except Exception as error:  # noqa: BLE001 - translated when it is the remote-code ask
+                hint = remote_code_hint(error, options.target_model_path)
+                if hint is not None:
+                    raise hint from None
+                raise
+        if must_record:  # the run is known to start: a typo never locks the folder
+            record_identity(output_dir, identity)
+        if generator is not None:
             extraction_started = time.perf_counter()
-            written, tokens = _extract_and_write(generator, dataset, todo, present, options)
+            written, tokens = _extract_and_write(
+                generator, dataset, todo, present, options, slot, manifest
+            )
             extraction_seconds = time.perf_counter() - extraction_started
         config = _data_config(generator, options, len(dataset))
         if config is not None:
@@ -291,19 +452,34 @@ class SampleWriterPool:
     """
 
     def __init__(
-        self, num_threads: int, output_format: str, fsync: bool = False, max_pending: int = 64
+        self,
+        num_threads: int,
+        output_format: str,
+        fsync: bool = False,
+        max_pending: int = 64,
+        slot: WriterSlot | None = None,
+        manifest: ManifestWriter | None = None,
     ) -> None:
         self.output_format = output_format
         self.fsync = fsync
+        self.slot = slot
+        self.manifest = manifest
         self.max_pending = max(1, max_pending)
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="sample-writer")
         self._pending: deque[Future] = deque()
         self.written = 0
 
-    def submit(self, path: Path, sample: dict) -> None:
-        self._pending.append(
-            self._pool.submit(write_sample, path, sample, self.output_format, self.fsync)
-        )
+    def _write(self, path: Path, sample: dict, index: int) -> WrittenFile:
+        written = write_sample_file(path, sample, self.output_format, self.fsync, self.slot)
+        if self.manifest is not None:  # the file is whole under its name: now it is listed
+            length = int(torch.as_tensor(sample["input_ids"]).numel())
+            self.manifest.append(
+                SampleRecord(path.name, index, length, written.bytes, written.sha256)
+            )
+        return written
+
+    def submit(self, path: Path, sample: dict, index: int = -1) -> None:
+        self._pending.append(self._pool.submit(self._write, path, sample, index))
         while len(self._pending) > self.max_pending:
             self._collect_oldest()
 
@@ -327,7 +503,9 @@ class SampleWriterPool:
         self.finish()
 
 
-def _extract_and_write(generator, dataset, todo, present, options) -> tuple[int, int]:
+def _extract_and_write(
+    generator, dataset, todo, present, options, slot, manifest=None
+) -> tuple[int, int]:
     """Stream each batch through the generator; write every finished sample at once."""
     output_dir = Path(options.output_dir)
     progress = tqdm(
@@ -343,6 +521,8 @@ def _extract_and_write(generator, dataset, todo, present, options) -> tuple[int,
         options.output_format,
         fsync=options.fsync,
         max_pending=2 * options.batch_size,
+        slot=slot,
+        manifest=manifest,
     ) as writers:
         for batch in todo:
             rows = dataset.select(batch)
@@ -358,7 +538,9 @@ def _extract_and_write(generator, dataset, todo, present, options) -> tuple[int,
                         "hidden_states": result["hidden_states"],
                         "loss_mask": torch.as_tensor(masks[offset], dtype=torch.long),
                     }
-                    writers.submit(sample_path(output_dir, index, options.output_format), sample)
+                    writers.submit(
+                        sample_path(output_dir, index, options.output_format), sample, index
+                    )
                 elapsed = max(time.perf_counter() - clock, 1e-9)
                 progress.set_postfix(tokens_per_s=f"{tokens / elapsed:.0f}", refresh=False)
     progress.close()

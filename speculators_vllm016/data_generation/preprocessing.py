@@ -272,7 +272,15 @@ def _load_json_rows(path: str) -> HFDataset:
                         rows.append({"conversations": line})  # kept, then reported as malformed
     else:
         with open(path) as handle:
-            rows = json.load(handle)
+            try:
+                rows = json.load(handle)
+            except json.JSONDecodeError as exc:
+                raise ValueError(
+                    f"{path} is not valid JSON (line {exc.lineno}: {exc.msg}); fix the file or "
+                    "write it as JSON lines (.jsonl), one conversation a line"
+                ) from None
+    if not isinstance(rows, list):
+        raise ValueError(f"{path} must hold a list of conversations")
     conversations = []
     for row in rows:
         turns = row.get("conversations", row.get("messages")) if isinstance(row, dict) else row
@@ -287,8 +295,8 @@ def load_raw_dataset(
     from datasets import load_dataset
 
     if train_data_path.endswith((".json", ".jsonl")):
-        if not os.path.exists(train_data_path):
-            raise FileNotFoundError(f"no such dataset file: {train_data_path}")
+        if not os.path.isfile(train_data_path):
+            raise FileNotFoundError(f"no data file at {train_data_path}; check --train-data-path")
         try:
             return load_dataset(
                 "json", data_files=train_data_path, split="train", cache_dir=cache_dir
@@ -318,17 +326,34 @@ def load_and_preprocess_dataset(
     build_dataset_num_proc: int = 8,
     seed: int = 0,
     max_samples: int | None = None,
-    token_freq_path: str = "./token_freq.pt",
+    token_freq_path: str | None = "./token_freq.pt",
     cache_dir: str | None = None,
     assistant_pattern: str | None = None,
     turn_dropout: bool = False,
+    trust_remote_code: bool = False,
 ) -> tuple[HFDataset, PreTrainedTokenizer]:
-    """Load, shuffle (by `seed`), cap at `max_samples`, tokenize; save token frequencies."""
+    """Load, shuffle (by `seed`), cap at `max_samples`, tokenize; save token frequencies.
+
+    `token_freq_path=None` skips the counts (datagen writes them itself, once the run is
+    accepted). The model folder's own Python runs only with `trust_remote_code=True`.
+    """
     from transformers import AutoTokenizer
 
+    from speculators_vllm016.data_generation.preflight import remote_code_hint
     from speculators_vllm016.train.vocab_mapping import save_token_frequency_distribution
 
-    tokenizer = AutoTokenizer.from_pretrained(target_model_path, trust_remote_code=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            target_model_path, trust_remote_code=trust_remote_code
+        )
+    except Exception as error:  # noqa: BLE001 - translated when it asks for remote code
+        hint = remote_code_hint(error, target_model_path)
+        if hint is not None:
+            raise hint from None
+        raise ValueError(
+            f"cannot load the tokenizer of {target_model_path} ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''})"
+        ) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if tokenizer.chat_template is None:
@@ -336,6 +361,8 @@ def load_and_preprocess_dataset(
             f"the tokenizer of {target_model_path} has no chat template; a chat model is needed"
         )
     raw = _ensure_conversations(load_raw_dataset(train_data_path, build_dataset_num_proc, cache_dir))
+    if len(raw) == 0:
+        raise ValueError(f"{train_data_path} holds no conversations; check --train-data-path")
     raw = raw.add_column(ROW_COLUMN, list(range(len(raw))))
     raw = raw.shuffle(seed=seed)
     if max_samples is not None and len(raw) > max_samples:
@@ -349,6 +376,7 @@ def load_and_preprocess_dataset(
         turn_dropout=turn_dropout,
         seed=seed,
     )
-    save_token_frequency_distribution(dataset, token_freq_path)
+    if token_freq_path is not None:
+        save_token_frequency_distribution(dataset, token_freq_path)
     return dataset, tokenizer
 

@@ -1,36 +1,127 @@
 """Sample files on disk: atomic writes, reading back, and what a resumed run still has to do.
 
-A sample appears under its final name only once it is whole: it is written to a hidden temporary
-file in the same directory, flushed to disk, and renamed. A crash (even SIGKILL) leaves at most a
-temporary file, which the next run deletes.
+A sample appears under its final name only once it is whole: it is written to a temporary file,
+flushed to disk, and renamed. Each writing process owns a folder `.tmp/<writer id>/` of the output
+folder and holds a lock on it while it lives; at start a run removes only the folders whose lock
+nobody holds (their writer died), so shards that share one output folder never delete each other's
+files. A crash (even SIGKILL) leaves at most such a folder, which the next run deletes.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
 import re
+import shutil
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["SAMPLE_PATTERNS", "load_sample", "remove_partial_files", "sample_path", "write_sample"]
+__all__ = [
+    "SAMPLE_PATTERNS",
+    "WriterSlot",
+    "WrittenFile",
+    "load_sample",
+    "remove_partial_files",
+    "sample_path",
+    "write_sample",
+    "write_sample_file",
+]
 
 SAMPLE_PATTERNS = {"pt": "data_{idx}.pt", "safetensors": "data_{idx}.safetensors"}
 _SAMPLE_NAME = re.compile(r"^data_(\d+)\.(pt|safetensors)$")
-_TEMP_PREFIX = ".tmp-"
+_TEMP_PREFIX = ".tmp-"  # temporary files of earlier versions, beside the samples
+TEMP_DIR = ".tmp"
+_LOCK_NAME = ".lock"
+_PART_SUFFIX = ".part"  # never ends in "pt": 0.3.0's trainer reads every file ending in "pt"
+
+
+def _try_lock(path: Path) -> int | None:
+    """An fd holding an exclusive lock on `path` (created if missing), or None if it is held."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+class WriterSlot:
+    """This process's folder for temporary sample files, locked for as long as it lives.
+
+    The lock (flock, released by the kernel when the process dies, also over NFS) is what tells
+    a later run that the folder's writer is gone; process ids are not used, since writers may
+    run on other machines or in other containers.
+    """
+
+    def __init__(self, output_dir: str | os.PathLike) -> None:
+        root = Path(output_dir) / TEMP_DIR
+        root.mkdir(parents=True, exist_ok=True)
+        self.path = root / f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.path.mkdir()
+        fd = _try_lock(self.path / _LOCK_NAME)
+        assert fd is not None, "a fresh writer folder cannot be locked already"
+        self._fd: int | None = fd
+
+    def temp_for(self, final: Path) -> Path:
+        return self.path / f"{uuid.uuid4().hex[:8]}-{final.name}{_PART_SUFFIX}"
+
+    def close(self) -> None:
+        """Remove the folder and release the lock (files of writes still running fail)."""
+        if self._fd is None:
+            return
+        shutil.rmtree(self.path, ignore_errors=True)
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> WriterSlot:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    path: Path
+    bytes: int
+    sha256: str
+
+
+class _HashingWriter:
+    """A file handle that hashes what passes through it (the file is not read back)."""
+
+    def __init__(self, handle) -> None:
+        self._handle = handle
+        self.digest = hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        return self._handle.write(data)
+
+    def flush(self) -> None:
+        self._handle.flush()
 
 
 def sample_path(output_dir: Path, index: int, output_format: str) -> Path:
     return output_dir / SAMPLE_PATTERNS[output_format].format(idx=index)
 
 
-def _atomic_write(path: Path, write, fsync: bool) -> None:
-    temp = path.with_name(f"{_TEMP_PREFIX}{uuid.uuid4().hex[:8]}-{path.name}")
+def _atomic_write(path: Path, write, fsync: bool, slot: WriterSlot | None = None) -> str:
+    """Write through a temporary file and rename; return the content's sha256."""
+    if slot is not None:
+        temp = slot.temp_for(path)
+    else:
+        temp = path.with_name(f"{_TEMP_PREFIX}{uuid.uuid4().hex[:8]}-{path.name}{_PART_SUFFIX}")
     try:
         with open(temp, "wb") as handle:
-            write(handle)
+            hashing = _HashingWriter(handle)
+            write(hashing)
             if fsync:  # survive power loss too, not only a crash of this process
                 handle.flush()
                 os.fsync(handle.fileno())
@@ -38,6 +129,7 @@ def _atomic_write(path: Path, write, fsync: bool) -> None:
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
+    return hashing.digest.hexdigest()
 
 
 def _independent_layers(layers: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -58,22 +150,33 @@ def write_sample(
     through a crash or SIGKILL of this process; `fsync=True` also makes it survive power loss.
     `hidden_states` are stored as independent tensors, one per captured layer.
     """
+    return write_sample_file(path, sample, output_format, fsync).bytes
+
+
+def write_sample_file(
+    path: Path,
+    sample: dict[str, Any],
+    output_format: str = "pt",
+    fsync: bool = False,
+    slot: WriterSlot | None = None,
+) -> WrittenFile:
+    """`write_sample`, with the temporary file in the writer's own folder; size and hash back."""
     input_ids = torch.as_tensor(sample["input_ids"], dtype=torch.long).contiguous()
     loss_mask = torch.as_tensor(sample["loss_mask"], dtype=torch.long).contiguous()
     hidden_states = _independent_layers(list(sample["hidden_states"]))
     if output_format == "pt":
         payload = {"input_ids": input_ids, "hidden_states": hidden_states, "loss_mask": loss_mask}
-        _atomic_write(path, lambda handle: torch.save(payload, handle), fsync)
+        digest = _atomic_write(path, lambda handle: torch.save(payload, handle), fsync, slot)
     elif output_format == "safetensors":
         from safetensors.torch import save
 
         tensors = {"input_ids": input_ids, "loss_mask": loss_mask}
         tensors.update({f"hidden_states.{i}": layer for i, layer in enumerate(hidden_states)})
         blob = save(tensors, metadata={"num_hidden_states": str(len(hidden_states))})
-        _atomic_write(path, lambda handle: handle.write(blob), fsync)
+        digest = _atomic_write(path, lambda handle: handle.write(blob), fsync, slot)
     else:
         raise ValueError(f"unknown output format {output_format!r}; use 'pt' or 'safetensors'")
-    return path.stat().st_size
+    return WrittenFile(path=path, bytes=path.stat().st_size, sha256=digest)
 
 
 def load_sample(path: str | os.PathLike, mmap: bool = True) -> dict[str, Any]:
@@ -106,7 +209,13 @@ def existing_sample_indices(output_dir: Path, output_format: str) -> set[int]:
 
 
 def remove_partial_files(output_dir: Path) -> int:
-    """Delete temporary files a crashed run left behind; return how many."""
+    """Delete temporary files of writers that are gone; return how many files.
+
+    A writer folder is removed only when its lock can be taken, i.e. its process has ended;
+    live writers (other shards sharing the folder) are left alone. Loose `.tmp-*` files are
+    from earlier versions, which wrote beside the samples.
+    """
+    output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return 0
     removed = 0
@@ -114,4 +223,19 @@ def remove_partial_files(output_dir: Path) -> int:
         if entry.name.startswith(_TEMP_PREFIX):
             Path(entry.path).unlink(missing_ok=True)
             removed += 1
+    root = output_dir / TEMP_DIR
+    if not root.is_dir():
+        return removed
+    for slot in root.iterdir():
+        lock = slot / _LOCK_NAME
+        if not slot.is_dir() or not lock.exists():
+            continue  # being created right now, or not ours
+        fd = _try_lock(lock)
+        if fd is None:
+            continue  # its writer is alive
+        try:
+            removed += sum(1 for name in os.listdir(slot) if name != _LOCK_NAME)
+            shutil.rmtree(slot, ignore_errors=True)
+        finally:
+            os.close(fd)
     return removed

@@ -24,6 +24,7 @@ import torch
 
 from speculators_vllm016.data_generation.cpu_defaults import cpu_defaults_applied, is_cpu_platform
 from speculators_vllm016.data_generation.transfer import TransferDir
+from speculators_vllm016.utils.layer_ids import default_layer_ids
 
 __all__ = ["VllmHiddenStatesGenerator"]
 
@@ -33,11 +34,6 @@ WORKER_EXTENSION = "speculators_vllm016.data_generation.custom_worker.HiddenStat
 DEFAULT_MAX_NUM_SEQS = 32
 MIN_MAX_NUM_BATCHED_TOKENS = 8192
 TEXT_ONLY_MODALITIES = ("image", "video", "audio", "vision_chunk")
-
-
-def default_layer_ids(num_layers: int) -> list[int]:
-    """0.3.0's choice: three auxiliary layers for EAGLE-3 fusion, then the last layer."""
-    return [2, num_layers // 2, num_layers - 3, num_layers - 1]
 
 
 def normalize_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
@@ -96,12 +92,14 @@ class VllmHiddenStatesGenerator:
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens: int | None = None,
         pipeline_parallel_size: int = 1,
-        trust_remote_code: bool = True,
+        trust_remote_code: bool = False,
         enforce_eager: bool = True,
         enable_prefix_caching: bool = False,
         transfer_root: str | os.PathLike | None = None,
+        max_transfer_bytes: int | None = None,
     ) -> None:
         self.model_path = model_path
+        self._max_transfer_bytes = max_transfer_bytes
         self.tensor_parallel_size = tensor_parallel_size
         self.pipeline_parallel_size = pipeline_parallel_size
         self._executor: Any = None
@@ -202,6 +200,8 @@ class VllmHiddenStatesGenerator:
             self.num_hidden_layers,
         )
         self._transfer = TransferDir(transfer_root)
+        # Bytes of transfer files in flight at once: half the room there is, unless told.
+        self.max_transfer_bytes = self._max_transfer_bytes or max(1, self._transfer.free_bytes() // 2)
         self._executor = self._make_executor()
         self._finalizer = weakref.finalize(self, _shutdown, self._executor, self._transfer)
         self._init_scheduler()
@@ -365,34 +365,59 @@ class VllmHiddenStatesGenerator:
         return self._stream(self._validate(token_ids))
 
     def _stream(self, sequences: list[list[int]]) -> Iterator[tuple[int, dict]]:
+        """Admit requests while their transfer files fit the budget; yield results as they end.
+
+        Each admitted request's file is reserved in full (see `TransferDir.allocate`). When the
+        transfer root is full, admission waits for this call's running requests to finish; with
+        none running the call fails with a clear error instead of a SIGBUS in a worker.
+        """
+        from collections import deque
+
+        from speculators_vllm016.data_generation.transfer import TransferSpaceError
+
         assert self._transfer is not None
+        transfer = self._transfer
         call = next(self._calls)
         request_ids = [f"c{call}-{index}" for index in range(len(sequences))]
         item = torch.empty((), dtype=self.dtype).element_size()
         per_token = len(self.layer_ids) * self.hidden_size * item
-        needed = per_token * sum(len(ids) for ids in sequences)
-        free = self._transfer.free_bytes()
-        if needed > free:
-            raise ValueError(
-                f"this batch needs {needed / 2**30:.2f} GiB of transfer space in "
-                f"{self._transfer.path.parent} but only {free / 2**30:.2f} GiB is free; pass "
-                "fewer sequences per call or choose transfer_root"
-            )
         index_of = {request_id: index for index, request_id in enumerate(request_ids)}
-        try:
-            for request_id, ids in zip(request_ids, sequences):
-                self._transfer.allocate(request_id, per_token * len(ids))
+        waiting = deque(request_ids)
+        in_flight: dict[str, int] = {}
+
+        def admit() -> list[str]:
+            added = []
+            while waiting:
+                request_id = waiting[0]
+                ids = sequences[index_of[request_id]]
+                nbytes = per_token * len(ids)
+                if in_flight and sum(in_flight.values()) + nbytes > self.max_transfer_bytes:
+                    break
+                try:
+                    transfer.allocate(request_id, nbytes)
+                except TransferSpaceError:
+                    if in_flight:
+                        break  # wait for running requests to free their space
+                    raise
+                waiting.popleft()
+                in_flight[request_id] = nbytes
                 self._scheduler.add_request(self._make_request(request_id, ids))
-            for finished in self._run(set(request_ids)):
+                added.append(request_id)
+            return added
+
+        try:
+            pending = set(admit())
+            for finished in self._run(pending, admit):
                 self._check_rows(finished, [sequences[index_of[rid]] for rid in finished])
                 for request_id in finished:
                     ids = sequences[index_of[request_id]]
                     shape = (len(self.layer_ids), len(ids), self.hidden_size)
                     result = {
                         "input_ids": torch.tensor(ids, dtype=torch.long),
-                        "hidden_states": self._transfer.take(request_id, shape, self.dtype),
+                        "hidden_states": transfer.take(request_id, shape, self.dtype),
                         "loss_mask": None,
                     }
+                    in_flight.pop(request_id, None)
                     yield index_of[request_id], result
         except BaseException:
             self._recover(request_ids)
@@ -437,8 +462,11 @@ class VllmHiddenStatesGenerator:
             if output.finish_reason is not None
         ]
 
-    def _run(self, pending: set[str]) -> Iterator[list[str]]:
-        """Step the engine until every pending request finished; yield each step's finishers."""
+    def _run(self, pending: set[str], refill=None) -> Iterator[list[str]]:
+        """Step the engine until every pending request finished; yield each step's finishers.
+
+        `refill()`, called after each yield, may admit more requests; they join `pending`.
+        """
         from vllm.v1.engine import FinishReason
 
         idle_steps = 0
@@ -466,6 +494,8 @@ class VllmHiddenStatesGenerator:
                 done.append(output.request_id)
             if done:
                 yield done
+                if refill is not None:
+                    pending.update(refill())
 
     def _check_rows(self, request_ids: list[str], sequences: list[list[int]]) -> None:
         replies = self._executor.collective_rpc("speculators_collect", args=(request_ids,))

@@ -1,15 +1,18 @@
 """EAGLE-1 / EAGLE-2 / HASS drafts: one decoder layer over [token embedding ; verifier hidden state].
 
-The draft reuses the verifier's embedding table and lm_head, so only the fusion layer, the
-decoder layer and (for HASS-style checkpoints) a few extra norms are its own weights.
+The draft reuses the verifier's embedding table, rotary embedding and lm_head, so only the
+fusion layer, the decoder layer and (for HASS-style checkpoints) a few extra norms are its own
+weights.
 
-Saved weight names follow vLLM 0.16's EAGLE-1 draft (`EagleLlamaForCausalLM`):
-`fc.weight` and `layers.0.*`. Checkpoints written by speculators 0.3.0, which named them
-`fusion_fc.*` and `transformer.*`, still load: `from_pretrained` renames those keys.
+Saved weight names are speculators 0.3.0's: `fusion_fc.*`, `transformer.*`,
+`embedding_layernorm.*`, `pre_lm_head_layernorm.*`, so folders move both ways between 0.3.0 and
+this library. Folders written by earlier builds of this library (`fc.*`, `layers.0.*`, the names
+of vLLM's own EAGLE-1 draft) still load: `from_pretrained` renames those keys.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 import os
@@ -18,42 +21,23 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import Field, field_serializer, field_validator, model_validator
 from torch import nn
-from transformers import AutoConfig, LlamaConfig, PretrainedConfig, PreTrainedModel
+from transformers import LlamaConfig, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from typing_extensions import Self
 
 from speculators_vllm016.config import SpeculatorModelConfig
 from speculators_vllm016.model import SpeculatorModel
+from speculators_vllm016.models.layer_config import transformer_layer_config_from
 
 __all__ = ["EagleSpeculator", "EagleSpeculatorConfig"]
 
-# Keys of 0.3.0-written checkpoints -> names used here (regexes, as transformers' key_mapping).
-LEGACY_KEY_MAPPING: dict[str, str] = {
-    r"^fusion_fc\.": "fc.",
-    r"^transformer\.": "layers.0.",
+# Keys of folders saved by earlier builds of this library -> 0.3.0's names (transformers'
+# key_mapping regexes).
+EARLIER_KEY_MAPPING: dict[str, str] = {
+    r"^fc\.": "fusion_fc.",
+    r"^layers\.0\.": "transformer.",
 }
-
-
-def _layer_config_from(value: Any) -> PretrainedConfig:
-    """A transformers config object from a config or a dict (Llama when the dict has no type)."""
-    if isinstance(value, PretrainedConfig):
-        return value
-    if isinstance(value, dict):
-        values = dict(value)
-        model_type = values.pop("model_type", None)
-        if model_type:
-            try:
-                return AutoConfig.for_model(model_type, **values)
-            except ValueError as err:
-                raise ValueError(
-                    f"transformer_layer_config has unknown model_type {model_type!r}"
-                ) from err
-        return LlamaConfig(**values)
-    raise ValueError(
-        "transformer_layer_config must be a PretrainedConfig or a dict of one, "
-        f"got {type(value).__name__}"
-    )
 
 
 @SpeculatorModelConfig.register("eagle")
@@ -84,7 +68,7 @@ class EagleSpeculatorConfig(SpeculatorModelConfig):
         "decoder layer, and before the lm_head.",
     )
     fusion_bias: bool = Field(
-        default=False, description="Whether the fusion layer `fc` has a bias (HASS)."
+        default=False, description="Whether the fusion layer `fusion_fc` has a bias (HASS)."
     )
 
     @model_validator(mode="after")
@@ -102,7 +86,7 @@ class EagleSpeculatorConfig(SpeculatorModelConfig):
     @field_validator("transformer_layer_config", mode="before")
     @classmethod
     def validate_transformer_layer_config(cls, value: Any) -> PretrainedConfig:
-        return _layer_config_from(value)
+        return transformer_layer_config_from(value)
 
 
 def _modeling_module_for(config: PretrainedConfig) -> Any:
@@ -125,19 +109,49 @@ def _find_class(module: Any, suffixes: tuple[str, ...]) -> type | None:
     return None
 
 
+def causal_attention_mask(
+    attention_mask: torch.Tensor | None,
+    batch: int,
+    seq: int,
+    past: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """Additive [batch, 1, seq, past+seq] mask: causal, plus padding from a 2D mask.
+
+    A 4D mask is taken as already additive and returned unchanged.
+    """
+    if attention_mask is not None and attention_mask.dim() == 4:
+        return attention_mask
+    total = past + seq
+    query_pos = torch.arange(past, total, device=device)[:, None]
+    key_pos = torch.arange(total, device=device)[None, :]
+    allowed = (key_pos <= query_pos)[None, None].expand(batch, 1, seq, total)
+    if attention_mask is not None:
+        if attention_mask.shape != (batch, total):
+            raise ValueError(
+                f"attention_mask must be [batch, past+seq] = {[batch, total]}, "
+                f"got {list(attention_mask.shape)}"
+            )
+        allowed = allowed & attention_mask.to(device).bool()[:, None, None, :]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
 @SpeculatorModel.register("eagle")
 class EagleSpeculator(SpeculatorModel):
     """The EAGLE-1 draft network (also EAGLE-2 and HASS checkpoints).
 
-    forward: logits = lm_head(norm?(decoder(fc([norm?(embed(ids)) ; verifier_hidden]))))
-    where `embed` and `lm_head` come from the attached verifier.
+    forward: logits = lm_head(norm?(transformer(fusion_fc([norm?(embed(ids)) ; verifier_hidden]))))
+    where `embed_tokens`, `rotary_emb` and `lm_head` are the attached verifier's modules (None
+    while detached). They are child modules, as in 0.3.0, but never saved with the draft.
     """
 
     config_class: ClassVar[type[EagleSpeculatorConfig]] = EagleSpeculatorConfig  # type: ignore[misc]
     _keys_to_ignore_on_load_missing: ClassVar[list[str]] = [  # type: ignore[misc]
-        r"verifier.*",
-        r"embed_tokens.*",
-        r"lm_head.*",
+        r"verifier\..*",
+        r"embed_tokens\..*",
+        r"lm_head\..*",
     ]
     _keys_to_ignore_on_save: ClassVar[list[str]] = [  # type: ignore[misc]
         "embed_tokens.weight",
@@ -153,53 +167,38 @@ class EagleSpeculator(SpeculatorModel):
     ) -> None:
         if not isinstance(config, EagleSpeculatorConfig):
             raise TypeError(f"expected an EagleSpeculatorConfig, got {type(config).__name__}")
-        # Verifier-owned pieces; set before super().__init__ may attach a verifier.
-        object.__setattr__(self, "_verifier_embed_tokens", None)
-        object.__setattr__(self, "_verifier_lm_head", None)
         super().__init__(
             config, verifier=verifier, verifier_attachment_mode=verifier_attachment_mode
         )
-        layer_config = config.transformer_layer_config
+        self.embed_tokens: nn.Module | None = None
+        self.rotary_emb: nn.Module | None = None
+        self.lm_head: nn.Module | None = None
+        # The layer is built from a copy: the caller's config is not the place for the
+        # attention implementation this draft picks.
+        layer_config = copy.deepcopy(config.transformer_layer_config)
         if getattr(layer_config, "_attn_implementation_internal", None) is None:
             layer_config._attn_implementation = "sdpa"
+        self.vocab_size: int = layer_config.vocab_size
         self.hidden_size: int = layer_config.hidden_size
-        decoder_class, norm_class, rotary_class = self._model_classes()
+        self.padding_idx: int | None = getattr(layer_config, "pad_token_id", None)
+        decoder_class, norm_class = self._model_classes()
         eps = getattr(layer_config, "rms_norm_eps", 1e-6)
 
         self.embedding_layernorm: nn.Module | None = (
             norm_class(self.hidden_size, eps=eps) if config.layernorms else None
         )
-        self.fc = nn.Linear(2 * self.hidden_size, self.hidden_size, bias=config.fusion_bias)
-        layer = decoder_class(layer_config, layer_idx=0)
+        self.fusion_fc = nn.Linear(2 * self.hidden_size, self.hidden_size, bias=config.fusion_bias)
+        self.transformer = decoder_class(layer_config, layer_idx=0)
         if not config.layernorms:
             # EAGLE-1 feeds the fused state to attention unnormalized (vLLM does the same).
-            layer.input_layernorm = nn.Identity()
-        self.layers = nn.ModuleList([layer])
+            self.transformer.input_layernorm = nn.Identity()
         self.pre_lm_head_layernorm: nn.Module | None = (
             norm_class(self.hidden_size, eps=eps) if config.layernorms else None
         )
-        self.rotary_emb = rotary_class(config=layer_config)
         self.post_init()
 
-    # Names used by speculators 0.3.0 for the same modules.
-    @property
-    def fusion_fc(self) -> nn.Linear:
-        return self.fc
-
-    @property
-    def transformer(self) -> nn.Module:
-        return self.layers[0]
-
-    @property
-    def embed_tokens(self) -> nn.Module | None:
-        return self._verifier_embed_tokens
-
-    @property
-    def lm_head(self) -> nn.Module | None:
-        return self._verifier_lm_head
-
-    def _model_classes(self) -> tuple[type[nn.Module], type[nn.Module], type[nn.Module]]:
-        """Decoder layer, norm and rotary classes from the layer config's modeling module."""
+    def _model_classes(self) -> tuple[type[nn.Module], type[nn.Module]]:
+        """Decoder layer and norm classes from the layer config's modeling module."""
         config = self.config
         module = _modeling_module_for(config.transformer_layer_config)
         arch = config.transformer_layer_architecture
@@ -217,66 +216,49 @@ class EagleSpeculator(SpeculatorModel):
         if arch not in config.architectures:
             config.architectures.append(arch)
         norm_class = _find_class(module, ("RMSNorm", "Norm")) or nn.LayerNorm
-        rotary_class = _find_class(module, ("RotaryEmbedding",))
-        if rotary_class is None:
-            raise ValueError(f"{module.__name__} has no rotary embedding class")
-        return decoder_class, norm_class, rotary_class
+        return decoder_class, norm_class
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any):
-        """Load; also accepts checkpoints saved by speculators 0.3.0 (fusion_fc/transformer)."""
-        kwargs.setdefault("key_mapping", LEGACY_KEY_MAPPING)
+        """Load; also takes folders of earlier builds of this library (`fc.*`, `layers.0.*`)."""
+        kwargs.setdefault("key_mapping", EARLIER_KEY_MAPPING)
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     def attach_verifier(
         self,
         verifier: str | os.PathLike | PreTrainedModel,
         mode: Literal["full", "train_only"] | None = None,
-    ) -> PreTrainedModel:
-        """Use the verifier's embedding table and lm_head (kept out of the draft's weights)."""
-        resolved = super().attach_verifier(verifier, mode=mode)
+    ) -> PreTrainedModel | None:
+        """Use the verifier's embedding table, rotary embedding and lm_head.
+
+        Both modes keep them (so `forward` works); "full" also keeps the verifier model.
+        """
+        if self.verifier_attachment_mode != "detached":
+            return super().attach_verifier(verifier, mode=mode)  # raises RuntimeError
+        resolved = self.resolve_verifier(verifier)
         inner = getattr(resolved, "model", resolved)
-        embed = getattr(inner, "embed_tokens", None)
-        lm_head = getattr(resolved, "lm_head", None)
-        if embed is None or lm_head is None:
+        parts = {
+            "embed_tokens": getattr(inner, "embed_tokens", None),
+            "rotary_emb": getattr(inner, "rotary_emb", None),
+            "lm_head": getattr(resolved, "lm_head", None),
+        }
+        lacking = [name for name, module in parts.items() if module is None]
+        if lacking:
             raise ValueError(
-                f"verifier {type(resolved).__name__} has no embed_tokens/lm_head; EAGLE needs "
-                "a causal LM such as LlamaForCausalLM"
+                f"verifier {type(resolved).__name__} has no {lacking}; EAGLE needs a causal LM "
+                "such as LlamaForCausalLM"
             )
-        object.__setattr__(self, "_verifier_embed_tokens", embed)
-        object.__setattr__(self, "_verifier_lm_head", lm_head)
-        return resolved
+        attached = super().attach_verifier(resolved, mode=mode)
+        self.embed_tokens = parts["embed_tokens"]
+        self.rotary_emb = parts["rotary_emb"]
+        self.lm_head = parts["lm_head"]
+        return attached
 
     def detach_verifier(self) -> None:
         super().detach_verifier()
-        object.__setattr__(self, "_verifier_embed_tokens", None)
-        object.__setattr__(self, "_verifier_lm_head", None)
-
-    def _causal_mask(
-        self,
-        attention_mask: torch.Tensor | None,
-        batch: int,
-        seq: int,
-        past: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> torch.Tensor:
-        """Additive [batch, 1, seq, past+seq] mask: causal, plus padding from a 2D mask."""
-        if attention_mask is not None and attention_mask.dim() == 4:
-            return attention_mask
-        total = past + seq
-        query_pos = torch.arange(past, total, device=device)[:, None]
-        key_pos = torch.arange(total, device=device)[None, :]
-        allowed = (key_pos <= query_pos)[None, None].expand(batch, 1, seq, total)
-        if attention_mask is not None:
-            if attention_mask.shape != (batch, total):
-                raise ValueError(
-                    f"attention_mask must be [batch, past+seq] = {[batch, total]}, "
-                    f"got {list(attention_mask.shape)}"
-                )
-            allowed = allowed & attention_mask.bool()[:, None, None, :]
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-        return mask.masked_fill(~allowed, torch.finfo(dtype).min)
+        self.embed_tokens = None
+        self.rotary_emb = None
+        self.lm_head = None
 
     def forward(
         self,
@@ -296,7 +278,7 @@ class EagleSpeculator(SpeculatorModel):
         final norm) and `input_ids[:, t]` the token at t+1, as in EAGLE training.
         `past_key_values` is a transformers `Cache` (a DynamicCache is made when use_cache).
         """
-        if self.embed_tokens is None or self.lm_head is None:
+        if self.embed_tokens is None or self.rotary_emb is None or self.lm_head is None:
             raise ValueError("no verifier attached: call attach_verifier(verifier) first")
         if input_ids.dim() != 2 or hidden_states.dim() != 3:
             raise ValueError(
@@ -322,14 +304,14 @@ class EagleSpeculator(SpeculatorModel):
         embeds = self.embed_tokens(input_ids)
         if self.embedding_layernorm is not None:
             embeds = self.embedding_layernorm(embeds)
-        fused = self.fc(torch.cat([embeds, hidden_states.to(embeds.dtype)], dim=-1))
+        fused = self.fusion_fc(torch.cat([embeds, hidden_states.to(embeds.dtype)], dim=-1))
 
         if position_ids is None:
             position_ids = torch.arange(past, past + seq, device=fused.device)
             position_ids = position_ids.unsqueeze(0).expand(batch, -1)
-        mask = self._causal_mask(attention_mask, batch, seq, past, fused.dtype, fused.device)
+        mask = causal_attention_mask(attention_mask, batch, seq, past, fused.dtype, fused.device)
         position_embeddings = self.rotary_emb(fused, position_ids)
-        out = self.layers[0](
+        out = self.transformer(
             fused,
             attention_mask=mask,
             position_ids=position_ids,

@@ -1,55 +1,126 @@
-"""Read a few named tensors from a checkpoint without loading the whole model."""
+"""The one checkpoint reader: named (or all) tensors of a Hugging Face style weights folder.
+
+Reads safetensors (one file or shards with `model.safetensors.index.json`) and PyTorch `.bin`
+files (one file or shards with `pytorch_model.bin.index.json`, loaded with `weights_only`). A
+path that is not a local folder is taken for a hub repo id, and only the files holding the wanted
+tensors are downloaded.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
-__all__ = ["load_model_layers"]
+__all__ = ["load_model_layers", "read_checkpoint_tensors"]
+
+logger = logging.getLogger(__name__)
+
+# (index file, single file) per format, in the order they are tried.
+_LAYOUTS = (
+    ("model.safetensors.index.json", "model.safetensors"),
+    ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+)
 
 
-def _local_folder(model_path: str) -> Path:
-    path = Path(model_path)
-    if path.is_dir():
-        return path
-    from huggingface_hub import snapshot_download
+def _resolve_file(model_path: str | Path, file_name: str, cache_dir: str | Path | None) -> Path | None:
+    """`file_name` in the local folder, or downloaded from the hub repo; None when absent."""
+    folder = Path(model_path)
+    if folder.is_dir():
+        candidate = folder / file_name
+        return candidate if candidate.is_file() else None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
 
-    return Path(snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors", "*.bin"]))
+    try:
+        return Path(
+            hf_hub_download(
+                repo_id=str(model_path),
+                filename=file_name,
+                cache_dir=str(cache_dir) if cache_dir is not None else None,
+            )
+        )
+    except EntryNotFoundError:
+        return None
 
 
-def load_model_layers(layer_names: list[str], model_path: str) -> dict[str, torch.Tensor]:
-    """The tensors named in `layer_names` that the checkpoint has (missing names are left out).
+def _read_file(path: Path, names: set[str] | None) -> dict[str, torch.Tensor]:
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError, safe_open
 
-    Reads only the shards that hold them: safetensors (single or indexed) or PyTorch .bin files.
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                keys = list(handle.keys())
+                wanted = keys if names is None else [n for n in keys if n in names]
+                return {name: handle.get_tensor(name) for name in wanted}
+        except SafetensorError as err:
+            raise ValueError(f"{path} is not a readable safetensors file: {err}") from err
+    try:
+        # weights_only: a checkpoint is data; refuse pickled code.
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # torch raises RuntimeError, UnpicklingError, EOFError, ...
+        raise ValueError(
+            f"{path} is not a readable PyTorch checkpoint ({str(err).splitlines()[0]}); "
+            "re-save it or convert it to safetensors"
+        ) from err
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise ValueError(f"{path} does not hold a flat name -> tensor state dict")
+    return {k: v for k, v in state.items() if names is None or k in names}
+
+
+def read_checkpoint_tensors(
+    model_path: str | Path,
+    names: Iterable[str] | None = None,
+    *,
+    cache_dir: str | Path | None = None,
+) -> dict[str, torch.Tensor]:
+    """The tensors called `names` (all tensors when None) that the checkpoint holds.
+
+    Names the checkpoint lacks are left out. Raises FileNotFoundError when there are no weights.
     """
-    folder = _local_folder(model_path)
-    wanted = set(layer_names)
-    found: dict[str, torch.Tensor] = {}
-    index = folder / "model.safetensors.index.json"
-    if index.exists() or (folder / "model.safetensors").exists():
-        from safetensors import safe_open
+    wanted = None if names is None else set(names)
+    for index_name, single_name in _LAYOUTS:
+        index = _resolve_file(model_path, index_name, cache_dir)
+        if index is not None:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index} has no weight_map: re-save the checkpoint")
+            files = sorted(
+                {shard for name, shard in weight_map.items() if wanted is None or name in wanted}
+            )
+            found: dict[str, torch.Tensor] = {}
+            for shard in files:
+                shard_path = _resolve_file(model_path, shard, cache_dir)
+                if shard_path is None:
+                    raise FileNotFoundError(f"{model_path}: {index_name} names {shard}, which is missing")
+                found.update(_read_file(shard_path, wanted))
+            return found
+        single = _resolve_file(model_path, single_name, cache_dir)
+        if single is not None:
+            return _read_file(single, wanted)
+    raise FileNotFoundError(
+        f"no weights in {model_path}: expected model.safetensors, pytorch_model.bin or a sharded "
+        "index of either"
+    )
 
-        if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            shards: dict[str, list[str]] = {}
-            for name in wanted & set(weight_map):
-                shards.setdefault(weight_map[name], []).append(name)
-        else:
-            shards = {"model.safetensors": list(wanted)}
-        for shard, names in shards.items():
-            with safe_open(str(folder / shard), framework="pt") as handle:
-                available = set(handle.keys())
-                for name in names:
-                    if name in available:
-                        found[name] = handle.get_tensor(name)
-        return found
-    bins = sorted(folder.glob("*.bin"))
-    if not bins:
-        raise FileNotFoundError(f"no safetensors or .bin weights in {folder}")
-    for shard in bins:
-        state = torch.load(shard, map_location="cpu", weights_only=True, mmap=True)
-        for name in wanted & set(state):
-            found[name] = state[name]
+
+def load_model_layers(
+    layer_names: list[str], model_path: str, *, cache_dir: str | Path | None = None
+) -> dict[str, torch.Tensor]:
+    """The tensors of `layer_names` that the checkpoint has (missing names are left out).
+
+    Raises ValueError when it has none of them. Reads (and downloads) only the files that hold
+    them.
+    """
+    found = read_checkpoint_tensors(model_path, layer_names, cache_dir=cache_dir)
+    if not found:
+        raise ValueError(f"{model_path} holds none of the tensors {sorted(layer_names)}")
+    lacking = sorted(set(layer_names) - set(found))
+    if lacking:
+        logger.debug("%s has no %s", model_path, lacking)
     return found

@@ -159,15 +159,19 @@ def test_eagle_conversion(tmp_path: Path, verifier: Path, hass: bool) -> None:
     _check_speculators_config(config, "eagle", verifier)
 
     saved = load_file(str(out / "model.safetensors"))
-    expected = {k: v for k, v in research.items() if k != "embed_tokens.weight"}
+    expected = {
+        k.replace("fc.", "fusion_fc.", 1).replace("layers.0.", "transformer.", 1): v
+        for k, v in research.items()
+        if k != "embed_tokens.weight"
+    }
     if hass:
         for old, new in [
             ("embed_layernorm.weight", "embedding_layernorm.weight"),
-            ("hidden_layernorm.weight", "layers.0.input_layernorm.weight"),
+            ("hidden_layernorm.weight", "transformer.input_layernorm.weight"),
             ("lm_head_layernorm.weight", "pre_lm_head_layernorm.weight"),
         ]:
             expected[new] = expected.pop(old)
-    assert sorted(saved) == sorted(expected)  # vLLM names: fc.*, layers.0.*; no embed copy
+    assert sorted(saved) == sorted(expected)  # 0.3.0 names: fusion_fc.*, transformer.*
     for name, tensor in expected.items():
         assert torch.equal(saved[name], tensor), name
 
@@ -205,7 +209,7 @@ def test_eagle_variant_detection_and_flags(tmp_path: Path, verifier: Path) -> No
     # Asking for HASS parts the checkpoint lacks gives no-op parts, not random ones.
     EagleConverter().convert(source, out, str(verifier), fusion_bias=True, layernorms=True)
     saved = load_file(str(out / "model.safetensors"))
-    assert torch.equal(saved["fc.bias"], torch.zeros(H))
+    assert torch.equal(saved["fusion_fc.bias"], torch.zeros(H))
     assert torch.equal(saved["embedding_layernorm.weight"], torch.ones(H))
     config = json.loads((out / "config.json").read_text())
     assert config["fusion_bias"] is True and config["layernorms"] is True
@@ -347,7 +351,7 @@ def test_utils(tmp_path: Path) -> None:
     assert detect_fusion_bias_and_layernorms(loaded) == (True, True)
     (source / "model.safetensors").unlink()
     (source / "model.safetensors.index.json").write_text("{}")
-    with pytest.raises(NotImplementedError, match="sharded"):
+    with pytest.raises(ValueError, match="weight_map"):  # shards are read; a bad index is refused
         load_checkpoint_weights(source)
     (source / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="JSON"):

@@ -25,7 +25,7 @@ def layer_config() -> LlamaConfig:
     )
 
 
-def make_config(verifier: str = "tiny", **kwargs) -> EagleSpeculatorConfig:
+def make_config(verifier: str | None = None, **kwargs) -> EagleSpeculatorConfig:
     return EagleSpeculatorConfig(
         transformer_layer_config=layer_config(),
         speculators_config=SpeculatorsConfig(
@@ -83,13 +83,12 @@ def test_config_defaults_and_roundtrip(tmp_path: Path) -> None:
 def test_weights_layout(hass: bool) -> None:
     model = EagleSpeculator(make_config(layernorms=hass, fusion_bias=hass))
     names = set(model.state_dict())
-    layer = {f"layers.0.{n}.weight" for n in (
+    layer = {f"transformer.{n}.weight" for n in (
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
         "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
-    extra = {"fc.bias", "embedding_layernorm.weight", "layers.0.input_layernorm.weight",
+    extra = {"fusion_fc.bias", "embedding_layernorm.weight", "transformer.input_layernorm.weight",
              "pre_lm_head_layernorm.weight"} if hass else set()
-    assert names == {"fc.weight"} | layer | extra
-    assert model.fusion_fc is model.fc and model.transformer is model.layers[0]  # 0.3.0 names
+    assert names == {"fusion_fc.weight"} | layer | extra  # 0.3.0's names
     assert model.config.transformer_layer_architecture == "LlamaDecoderLayer"
 
 
@@ -128,8 +127,9 @@ def test_forward_shapes(verifier: LlamaForCausalLM, hass: bool) -> None:
 
 
 def test_save_load_roundtrip(tmp_path: Path, verifier_path: Path) -> None:
+    # The verifier named in the config is attached from its path, as in 0.3.0.
     model = EagleSpeculator(make_config(verifier=str(verifier_path), fusion_bias=True))
-    model.attach_verifier(str(verifier_path))  # resolved from a path
+    assert model.verifier_attachment_mode == "full" and model.lm_head is not None
     model.save_pretrained(tmp_path)
     saved = load_file(str(tmp_path / "model.safetensors"))
     assert not any(k.startswith(("embed_tokens", "lm_head", "verifier")) for k in saved)
@@ -143,18 +143,20 @@ def test_save_load_roundtrip(tmp_path: Path, verifier_path: Path) -> None:
         tmp_path, verifier=str(verifier_path), verifier_attachment_mode="full"
     )
     assert with_verifier.lm_head is not None
+    detached = SpeculatorModel.from_pretrained(tmp_path, verifier_attachment_mode="detached")
+    assert detached.lm_head is None
 
 
-def test_loads_speculators_030_names(tmp_path: Path) -> None:
-    """Folders written by speculators 0.3.0 named the modules fusion_fc / transformer."""
+def test_loads_folders_of_earlier_builds(tmp_path: Path) -> None:
+    """Earlier builds of this library saved vLLM's EAGLE-1 names fc / layers.0."""
     model = EagleSpeculator(make_config())
     model.save_pretrained(tmp_path)
     path = tmp_path / "model.safetensors"
-    legacy = {
-        k.replace("fc.", "fusion_fc.", 1).replace("layers.0.", "transformer.", 1): v
+    earlier = {
+        k.replace("fusion_fc.", "fc.", 1).replace("transformer.", "layers.0.", 1): v
         for k, v in load_file(str(path)).items()
     }
-    save_file(legacy, str(path), metadata={"format": "pt"})
+    save_file(earlier, str(path), metadata={"format": "pt"})
     loaded = EagleSpeculator.from_pretrained(tmp_path)
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
 
@@ -190,7 +192,12 @@ def test_vllm_eagle1_draft_loads_weights(tmp_path: Path, verifier_path: Path) ->
     llama = LlamaConfig(**{k: v for k, v in layer.items() if k != "model_type"})
     llama.architectures = ["LlamaForCausalLM"]
     llama.save_pretrained(draft)
-    (draft / "model.safetensors").write_bytes((speculator / "model.safetensors").read_bytes())
+    # Our folder uses 0.3.0's names; vLLM's EAGLE-1 draft reads the research names fc / layers.0.
+    research = {
+        k.replace("fusion_fc.", "fc.", 1).replace("transformer.", "layers.0.", 1): v
+        for k, v in load_file(str(speculator / "model.safetensors")).items()
+    }
+    save_file(research, str(draft / "model.safetensors"), metadata={"format": "pt"})
 
     vllm_config = EngineArgs(
         model=str(verifier_path),
@@ -207,7 +214,7 @@ def test_vllm_eagle1_draft_loads_weights(tmp_path: Path, verifier_path: Path) ->
             params = dict(vllm_model.named_parameters())
             for p in params.values():
                 p.data.fill_(float("nan"))
-            weights = load_file(str(speculator / "model.safetensors"))
+            weights = load_file(str(draft / "model.safetensors"))
             with torch.no_grad():
                 vllm_model.load_weights(iter(weights.items()))  # KeyError on an unknown name
     finally:
@@ -216,6 +223,6 @@ def test_vllm_eagle1_draft_loads_weights(tmp_path: Path, verifier_path: Path) ->
     unwritten = {n for n, p in params.items() if torch.isnan(p).any()}
     assert unwritten == {"model.embed_tokens.weight"}
     ours = model.state_dict()
-    assert torch.equal(params["model.fc.weight"], ours["fc.weight"])
-    q, k, v = (ours[f"layers.0.self_attn.{x}_proj.weight"] for x in "qkv")
+    assert torch.equal(params["model.fc.weight"], ours["fusion_fc.weight"])
+    q, k, v = (ours[f"transformer.self_attn.{x}_proj.weight"] for x in "qkv")
     assert torch.equal(params["model.layers.0.self_attn.qkv_proj.weight"], torch.cat([q, k, v]))

@@ -11,7 +11,7 @@ from transformers import LlamaConfig
 from speculators_vllm016.config import SpeculatorModelConfig, SpeculatorsConfig, VerifierConfig
 from speculators_vllm016.model import SpeculatorModel
 from speculators_vllm016.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-from speculators_vllm016.models.eagle3.attention import extend_mask_for_draft_tokens, step_zero_mask
+from speculators_vllm016.models.eagle3.attention import build_step_zero_mask, extend_mask_for_draft_tokens
 from speculators_vllm016.models.eagle3.core import compute_accuracy, loss_function
 from speculators_vllm016.proposals import GreedyTokenProposalConfig
 from speculators_vllm016.train.vocab_mapping import build_vocab_mappings_from_distribution
@@ -118,7 +118,7 @@ def test_verifier_weights_are_copied(draft, tiny_llama):
 
 
 def test_masks_are_causal_per_sample_and_see_own_drafts():
-    mask = step_zero_mask(torch.tensor([3, 2]), 5)
+    mask = build_step_zero_mask(torch.tensor([3, 2]), 5, flex=False)[0, 0]
     expected = torch.tensor(
         [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]]
     ).bool()
@@ -126,6 +126,8 @@ def test_masks_are_causal_per_sample_and_see_own_drafts():
     extended = extend_mask_for_draft_tokens(mask)
     assert extended.shape == (5, 10)
     assert torch.equal(extended[:, 5:], torch.eye(5, dtype=torch.bool))
+    padded = build_step_zero_mask(torch.tensor([2]), 4, flex=False)[0, 0]
+    assert torch.equal(padded[2:], torch.tensor([[0, 0, 1, 0], [0, 0, 0, 1]]).bool())
 
 
 def test_forward_shapes_losses_and_step_accuracies(draft):
@@ -202,6 +204,8 @@ def test_speculative_generate_reproduces_the_verifiers_greedy_output(draft, tiny
     with torch.no_grad():
         greedy = verifier.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None,
                                    pad_token_id=1)
+    if draft.verifier_attachment_mode != "detached":
+        draft.detach_verifier()  # built "train_only"; one verifier at a time, as in 0.3.0
     draft.attach_verifier(verifier, mode="full")
     try:
         speculative = draft.generate(prompt, max_new_tokens=12, num_speculative_tokens=3)
@@ -231,6 +235,8 @@ def test_verification_accepts_right_and_rejects_wrong_proposals(draft, tiny_llam
         return truth if oracle else (truth + 1) % 512
 
     monkeypatch.setattr(draft, "propose_tokens", propose)
+    if draft.verifier_attachment_mode != "detached":
+        draft.detach_verifier()  # built "train_only"; one verifier at a time, as in 0.3.0
     draft.attach_verifier(verifier, mode="full")
     try:
         speculative = draft.generate(prompt, max_new_tokens=13, num_speculative_tokens=4)

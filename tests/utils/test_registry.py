@@ -37,11 +37,28 @@ def test_auto_discovery_requires_opt_in():
         Quiet.auto_populate_registry()
 
 
+def test_schema_base_type_is_abstract_as_in_0_3_0():
+    assert "__pydantic_schema_base_type__" in PydanticClassRegistryMixin.__abstractmethods__
+
+    class NoRoot(PydanticClassRegistryMixin):
+        kind: str = "x"
+
+    with pytest.raises(TypeError, match="abstract"):
+        NoRoot()
+
+
 def test_tagged_union_validates_into_the_registered_subclass():
     class Shape(PydanticClassRegistryMixin):
+        @classmethod
+        def __pydantic_schema_base_type__(cls):
+            return next(k for k in cls.__mro__ if k.__name__ == "Shape")
+
         schema_discriminator: ClassVar[str] = "kind"
         registry: ClassVar = None
         kind: str
+
+    class EarlyDrawing(ReloadableBaseModel):  # defined before anything is registered
+        shapes: list[Shape]
 
     @Shape.register("square")
     class Square(Shape):
@@ -65,3 +82,6 @@ def test_tagged_union_validates_into_the_registered_subclass():
         Drawing.model_validate({"shapes": [{"kind": "triangle"}]})
     with pytest.raises(TypeError):
         Shape.register_decorator(int)
+    # No schema rebuild needed: the subclass is looked up when the data is validated.
+    early = EarlyDrawing.model_validate({"shapes": [{"kind": "square", "side": 3}]})
+    assert type(early.shapes[0]) is Square and early.shapes[0].side == 3

@@ -19,6 +19,7 @@ from transformers import LlamaConfig
 
 from speculators_vllm016.convert.eagle.eagle_converter import greedy_speculators_config
 from speculators_vllm016.convert.eagle.utils import (
+    loaded_on,
     ensure_checkpoint_is_local,
     find_vocab_size,
     load_checkpoint_config,
@@ -37,21 +38,20 @@ REQUIRED = ("fc.weight", "norm.weight", "lm_head.weight")
 
 
 def verifier_embeddings(base_model: str, cache_dir: str | Path | None = None) -> torch.Tensor:
-    """The verifier's input embedding matrix, read without loading the whole model."""
-    folder = ensure_checkpoint_is_local(base_model, cache_dir)
+    """The verifier's input embedding matrix, read (and downloaded) without the rest."""
     names = (
         "model.embed_tokens.weight",
         "embed_tokens.weight",
         "model.language_model.embed_tokens.weight",
     )
-    found = load_model_layers(list(names), str(folder))
-    for name in names:
-        if name in found:
-            return found[name]
-    raise FileNotFoundError(
-        f"the checkpoint has no embed_tokens.weight and none was found in the verifier "
-        f"{base_model!r} (looked for {names})"
-    )
+    try:
+        found = load_model_layers(list(names), base_model, cache_dir=cache_dir)
+    except (ValueError, FileNotFoundError) as err:
+        raise FileNotFoundError(
+            f"the checkpoint has no embed_tokens.weight and none was found in the verifier "
+            f"{base_model!r} (looked for {names}): {err}"
+        ) from err
+    return next(found[name] for name in names if name in found)
 
 
 class Eagle3Converter:
@@ -66,6 +66,7 @@ class Eagle3Converter:
         norm_before_residual: bool = False,
         eagle_aux_hidden_state_layer_ids: list[int] | None = None,
         cache_dir: str | Path | None = None,
+        validate_device: str = "cpu",
     ) -> None:
         local = ensure_checkpoint_is_local(input_path, cache_dir)
         research_config = load_checkpoint_config(local)
@@ -104,7 +105,7 @@ class Eagle3Converter:
         saved = self.save(config, renamed, output_path)
         logger.info("saved EAGLE-3 speculator to %s", saved)
         if validate:
-            self.validate(saved, renamed)
+            self.validate(saved, renamed, device=validate_device)
 
     @staticmethod
     def rename_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -216,7 +217,38 @@ class Eagle3Converter:
 
     @staticmethod
     def check_shapes(config, weights: dict[str, torch.Tensor]) -> None:
-        """The shapes vLLM and Eagle3DraftModel will expect from this config."""
+        """Every tensor against the model the config describes (built on the meta device)."""
+        from speculators_vllm016.models.eagle3 import Eagle3DraftModel
+
+        with torch.device("meta"):
+            model = Eagle3DraftModel(config)
+        expected_all = {
+            name: tuple(tensor.shape)
+            for name, tensor in model.state_dict().items()
+            if name not in Eagle3DraftModel._keys_to_ignore_on_save
+        }
+        missing = sorted(set(expected_all) - set(weights))
+        unexpected = sorted(set(weights) - set(expected_all))
+        mismatched = {
+            name: (tuple(weights[name].shape), shape)
+            for name, shape in expected_all.items()
+            if name in weights and tuple(weights[name].shape) != shape
+        }
+        if missing or unexpected or mismatched:
+            raise ValueError(
+                "weights do not match the config: "
+                + "; ".join(
+                    part
+                    for part in (
+                        f"missing {missing[:8]}" if missing else "",
+                        f"unexpected {unexpected[:8]}" if unexpected else "",
+                        f"shapes (got, expected) {dict(list(mismatched.items())[:8])}"
+                        if mismatched
+                        else "",
+                    )
+                    if part
+                )
+            )
         layer = config.transformer_layer_config
         hidden = layer.hidden_size
         target_hidden = config.target_hidden_size or hidden
@@ -251,13 +283,20 @@ class Eagle3Converter:
         return output_dir
 
     @staticmethod
-    def validate(checkpoint_path: Path, weights: dict[str, torch.Tensor]) -> None:
-        """Reload with the library's EAGLE-3 model and compare every tensor."""
+    def validate(
+        checkpoint_path: Path, weights: dict[str, torch.Tensor], device: str = "cpu"
+    ) -> None:
+        """Reload with the library's EAGLE-3 model on `device` and compare every tensor."""
         from speculators_vllm016.model import SpeculatorModel
 
         model = SpeculatorModel.from_pretrained(checkpoint_path)
-        state = model.state_dict()
-        bad = [k for k, v in weights.items() if k not in state or not torch.equal(state[k], v)]
+        state = loaded_on(model, device)
+        bad = [
+            k
+            for k, v in weights.items()
+            if k not in state or state[k].device != torch.device(device)
+            or not torch.equal(state[k].cpu(), v.cpu())
+        ]
         if bad:
             raise RuntimeError(f"converted EAGLE-3 checkpoint did not reload equal: {bad[:8]}")
         logger.info("validated %s", checkpoint_path)

@@ -3,7 +3,8 @@
 Research layout (SafeAILab/EAGLE, HArmonizedSS/HASS): a Llama-like config.json and weights
 `fc.weight` (+ `fc.bias` for HASS), `layers.0.*` (no input_layernorm), optionally a copy of
 the verifier's `embed_tokens.weight`, and for HASS with extra norms `embed_layernorm.weight`,
-`hidden_layernorm.weight`, `lm_head_layernorm.weight`.
+`hidden_layernorm.weight`, `lm_head_layernorm.weight`. The output uses 0.3.0's names:
+`fusion_fc.*`, `transformer.*`, `embedding_layernorm.*`, `pre_lm_head_layernorm.*`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from transformers import LlamaConfig
 
 from speculators_vllm016.config import SpeculatorsConfig, VerifierConfig
 from speculators_vllm016.convert.eagle.utils import (
+    loaded_on,
     detect_fusion_bias_and_layernorms,
     ensure_checkpoint_is_local,
     load_checkpoint_config,
@@ -29,13 +31,8 @@ __all__ = ["EagleConverter"]
 
 logger = logging.getLogger(__name__)
 
-# Research names of the HASS extra norms -> names in EagleSpeculator.
-LAYERNORM_RENAMES = {
-    "embed_layernorm.weight": "embedding_layernorm.weight",
-    "post_embedding_layernorm.weight": "embedding_layernorm.weight",
-    "hidden_layernorm.weight": "layers.0.input_layernorm.weight",
-    "lm_head_layernorm.weight": "pre_lm_head_layernorm.weight",
-}
+# Research prefixes -> EagleSpeculator's (0.3.0's) module names.
+MODULE_RENAMES = {"fc.": "fusion_fc.", "layers.0.": "transformer."}
 # Copies of verifier weights that the draft takes from the verifier at run time instead.
 VERIFIER_OWNED = ("embed_tokens.weight", "lm_head.weight", "lm_head.bias")
 
@@ -62,6 +59,17 @@ def verifier_config_for(base_model: str) -> VerifierConfig:
 class EagleConverter:
     """Convert an EAGLE-1/2 or HASS checkpoint; variants are detected from the weight names."""
 
+    # 0.3.0's table of the HASS extra norms outside the decoder layer (research -> ours).
+    EAGLE_TO_SPECULATORS_LAYERNORM_MAPPINGS = {
+        "embed_layernorm.weight": "embedding_layernorm.weight",
+        "lm_head_layernorm.weight": "pre_lm_head_layernorm.weight",
+    }
+    # The other spellings of extra norms that research checkpoints use.
+    OTHER_LAYERNORM_MAPPINGS = {
+        "post_embedding_layernorm.weight": "embedding_layernorm.weight",
+        "hidden_layernorm.weight": "transformer.input_layernorm.weight",
+    }
+
     def convert(
         self,
         input_path: str | Path,
@@ -71,6 +79,7 @@ class EagleConverter:
         layernorms: bool = False,
         validate: bool = True,
         cache_dir: str | Path | None = None,
+        validate_device: str = "cpu",
     ) -> None:
         local = ensure_checkpoint_is_local(input_path, cache_dir)
         research_config = load_checkpoint_config(local)
@@ -84,7 +93,7 @@ class EagleConverter:
         saved = self.save(config, renamed, output_path)
         logger.info("saved EAGLE speculator to %s", saved)
         if validate:
-            self.validate(saved, base_model, renamed)
+            self.validate(saved, base_model, renamed, device=validate_device)
 
     @staticmethod
     def layer_config_from(research_config: dict) -> LlamaConfig:
@@ -127,28 +136,33 @@ class EagleConverter:
             fusion_bias=fusion_bias,
         )
 
-    @staticmethod
+    @classmethod
     def rename_weights(
-        weights: dict[str, torch.Tensor], layernorms: bool
+        cls, weights: dict[str, torch.Tensor], layernorms: bool
     ) -> dict[str, torch.Tensor]:
         """Research names -> EagleSpeculator names; refuses names it does not know."""
+        layernorm_renames = {
+            **cls.EAGLE_TO_SPECULATORS_LAYERNORM_MAPPINGS,
+            **cls.OTHER_LAYERNORM_MAPPINGS,
+        }
         renamed: dict[str, torch.Tensor] = {}
         unknown: list[str] = []
         for name, tensor in weights.items():
             if name in VERIFIER_OWNED:
                 logger.debug("dropping %s: the draft uses the verifier's", name)
                 continue
-            if name in LAYERNORM_RENAMES:
+            if name in layernorm_renames:
                 if layernorms:
-                    renamed[LAYERNORM_RENAMES[name]] = tensor
+                    renamed[layernorm_renames[name]] = tensor
                 else:
                     logger.warning("dropping %s: layernorms are disabled", name)
                 continue
             if name == "layers.0.input_layernorm.weight" and not layernorms:
                 logger.warning("dropping %s: EAGLE-1 has no input norm on its layer", name)
                 continue
-            if name.startswith(("fc.", "layers.0.")):
-                renamed[name] = tensor
+            prefix = next((p for p in MODULE_RENAMES if name.startswith(p)), None)
+            if prefix is not None:
+                renamed[MODULE_RENAMES[prefix] + name[len(prefix) :]] = tensor
                 continue
             unknown.append(name)
         if unknown:
@@ -163,7 +177,7 @@ class EagleConverter:
     ) -> Path:
         """Load the weights into an EagleSpeculator (shape-checked) and save_pretrained it."""
         model = EagleSpeculator(config, verifier=None, verifier_attachment_mode="detached")
-        dtype = weights["fc.weight"].dtype if "fc.weight" in weights else None
+        dtype = weights["fusion_fc.weight"].dtype if "fusion_fc.weight" in weights else None
         if dtype is not None and dtype.is_floating_point:
             model.to(dtype=dtype)
         expected = model.state_dict()
@@ -171,7 +185,7 @@ class EagleConverter:
         for name, tensor in expected.items():
             if name in weights:
                 continue
-            if name == "fc.bias":
+            if name == "fusion_fc.bias":
                 weights[name] = torch.zeros_like(tensor)
             elif "layernorm" in name:
                 weights[name] = torch.ones_like(tensor)
@@ -193,15 +207,23 @@ class EagleConverter:
 
     @staticmethod
     def validate(
-        checkpoint_path: Path, base_model: str, weights: dict[str, torch.Tensor] | None = None
+        checkpoint_path: Path,
+        base_model: str,
+        weights: dict[str, torch.Tensor] | None = None,
+        device: str = "cpu",
     ) -> None:
-        """Reload the saved folder and check every weight came back unchanged."""
+        """Reload the saved folder on `device` and check every weight came back unchanged."""
         model = EagleSpeculator.from_pretrained(
             checkpoint_path, verifier=base_model, verifier_attachment_mode="detached"
         )
         if weights is not None:
-            state = model.state_dict()
-            bad = [k for k, v in weights.items() if k not in state or not torch.equal(state[k], v)]
+            state = loaded_on(model, device)
+            bad = [
+                k
+                for k, v in weights.items()
+                if k not in state or state[k].device != torch.device(device)
+                or not torch.equal(state[k].cpu(), v.cpu())
+            ]
             if bad:
                 raise RuntimeError(f"converted checkpoint did not reload equal: {bad[:8]}")
         logger.info("validated %s", checkpoint_path)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
 
 import torch
+
+from speculators_vllm016.utils.loading import read_checkpoint_tensors
+from speculators_vllm016.utils.text_config import text_config_of
 
 __all__ = [
     "detect_fusion_bias_and_layernorms",
@@ -25,11 +27,12 @@ LAYERNORM_MARKERS = ("embed_layernorm.weight", "post_embedding_layernorm.weight"
 
 
 def find_vocab_size(config_dict: dict) -> int | None:
-    """`vocab_size` at the top of a config dict or in any nested dict (e.g. `text_config`)."""
+    """`vocab_size` of the text model (`text_config` or the top level), else of any nested dict."""
     if not isinstance(config_dict, dict):
         return None
-    if "vocab_size" in config_dict:
-        return config_dict["vocab_size"]
+    text = text_config_of(config_dict)
+    if "vocab_size" in text:
+        return text["vocab_size"]
     for value in config_dict.values():
         found = find_vocab_size(value) if isinstance(value, dict) else None
         if found is not None:
@@ -76,42 +79,16 @@ def load_checkpoint_config(checkpoint_dir: Path) -> dict:
         raise FileNotFoundError(f"no config.json in {checkpoint_dir}")
     try:
         config = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from err
+    except json.JSONDecodeError as err:  # the type 0.3.0 raised, with the file named
+        raise json.JSONDecodeError(f"{path} is not valid JSON: {err.msg}", err.doc, err.pos) from err
     if not isinstance(config, dict):
         raise ValueError(f"{path} must hold a JSON object")
     return config
 
 
-def _state_dict_from(obj: Any, source: Path) -> dict[str, torch.Tensor]:
-    if not isinstance(obj, dict) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
-    ):
-        raise ValueError(f"{source} does not hold a flat name -> tensor state dict")
-    return obj
-
-
 def load_checkpoint_weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of model.safetensors or pytorch_model.bin (single file; shards refused)."""
-    checkpoint_dir = Path(checkpoint_dir)
-    safetensors_path = checkpoint_dir / "model.safetensors"
-    if safetensors_path.is_file():
-        from safetensors.torch import load_file
-
-        return load_file(str(safetensors_path), device="cpu")
-    bin_path = checkpoint_dir / "pytorch_model.bin"
-    if bin_path.is_file():
-        # weights_only: a checkpoint is data; refuse pickled code.
-        loaded = torch.load(bin_path, map_location="cpu", weights_only=True)
-        return _state_dict_from(loaded, bin_path)
-    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        if (checkpoint_dir / index).is_file():
-            raise NotImplementedError(
-                f"sharded checkpoint ({index}) in {checkpoint_dir}; merge it into one file first"
-            )
-    raise FileNotFoundError(
-        f"no model.safetensors or pytorch_model.bin in {checkpoint_dir}"
-    )
+    """All tensors of the folder's weights (safetensors or .bin, one file or shards)."""
+    return read_checkpoint_tensors(Path(checkpoint_dir))
 
 
 def detect_fusion_bias_and_layernorms(weights: dict[str, torch.Tensor]) -> tuple[bool, bool]:
@@ -123,6 +100,22 @@ def detect_fusion_bias_and_layernorms(weights: dict[str, torch.Tensor]) -> tuple
     if has_norms:
         logger.info("checkpoint has extra layernorms")
     return has_bias, has_norms
+
+
+def loaded_on(model: torch.nn.Module, device: str) -> dict[str, torch.Tensor]:
+    """The model's loaded tensors placed on `device` (refused early if the device is unusable).
+
+    Tensors left on the meta device (parts a checkpoint does not carry) are skipped.
+    """
+    try:
+        target = torch.device(device)
+        return {
+            name: tensor.to(target)
+            for name, tensor in model.state_dict().items()
+            if not tensor.is_meta
+        }
+    except (RuntimeError, AssertionError) as err:
+        raise ValueError(f"cannot validate on --validate-device {device!r}: {err}") from err
 
 
 def load_verifier_config_dict(base_model: str) -> dict:

@@ -2,84 +2,228 @@
 
 Several samples are packed into one row (`lengths` gives their sizes). At TTT step 0 a position
 sees the earlier positions of its own sample (causal, per document). Each later step appends one
-draft token per position; a position then also sees its own draft tokens of the previous steps
-(the diagonal of each appended block), and nothing of other positions' drafts.
-Masks here are dense booleans `[q_len, kv_len]`, True where attention is allowed.
+block of `total_seq_len` draft keys; a position then also sees its own draft keys of the earlier
+steps (the diagonal of each appended block), and nothing of other positions' drafts. Padding
+positions (past `sum(lengths)`) see only themselves.
+
+Two forms of the same mask: a flex-attention `BlockMask` (built once per batch, extended by one
+block column per step without evaluating the mask again), or a dense boolean tensor for SDPA.
+`flex_attention_forward` is a transformers attention-interface function that takes either.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 __all__ = [
+    "ATTENTION_INTERFACE_NAME",
     "block_mask_to_dense_attention_mask",
+    "build_step_zero_mask",
     "create_combined_mask_mod",
+    "document_ids",
     "extend_mask_for_draft_tokens",
+    "flex_attention_forward",
 ]
 
+# The name 0.3.0 registered its flex attention function under in transformers' registry.
+ATTENTION_INTERFACE_NAME = "simple_flex_attention"
+# Flex attention's block size; rows of the flex path are padded to a multiple of it so that
+# each appended draft block starts on a block boundary.
+FLEX_BLOCK_SIZE = 128
 
-def _document_ids(lengths: torch.Tensor, total_seq_len: int) -> torch.Tensor:
+
+def document_ids(lengths: torch.Tensor, total_seq_len: int) -> torch.Tensor:
+    """`[total_seq_len]` sample index of every position; padding positions get -1."""
     lengths = lengths.to(torch.long)
     if int(lengths.sum()) > total_seq_len:
-        raise ValueError(f"lengths sum to {int(lengths.sum())} > total_seq_len {total_seq_len}")
+        raise ValueError(
+            f"lengths sum to {int(lengths.sum())} > total_seq_len {total_seq_len}; pass the "
+            "lengths of the samples packed in this row"
+        )
     ids = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
-    padding = total_seq_len - ids.numel()
-    # Padding positions form their own document, so they never attend to real tokens.
-    return torch.cat([ids, ids.new_full((padding,), len(lengths))])
+    return torch.cat([ids, ids.new_full((total_seq_len - ids.numel(),), -1)])
 
 
 def create_combined_mask_mod(lengths: torch.Tensor, total_seq_len: int) -> Callable:
-    """`mask_mod(b, h, q_idx, kv_idx)` for step 0: causal within each packed sample.
+    """`mask_mod(b, h, q_idx, kv_idx)` of every TTT step (broadcasting index tensors).
 
-    Key positions past `total_seq_len` belong to appended draft blocks: block `k` (from 1) at
-    key `k * total_seq_len + j` is visible to query `q` only when `j == q`.
+    Key `kv_idx` belongs to step `kv_idx // total_seq_len`, position `kv_idx % total_seq_len`.
+    Step 0 keys: causal within the query's own sample (padding sees nothing there but itself);
+    later steps' keys: only the query's own position.
     """
-    documents = _document_ids(lengths, total_seq_len)
+    documents = document_ids(lengths, total_seq_len)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        block = kv_idx // total_seq_len
         column = kv_idx % total_seq_len
-        same_document = documents[q_idx] == documents[column]
-        causal = (block == 0) & (column <= q_idx) & same_document
-        own_draft = (block > 0) & (column == q_idx)
-        return causal | own_draft
+        own_position = column == q_idx
+        same_sample = (documents[q_idx] == documents[column]) & (documents[q_idx] >= 0)
+        causal = (kv_idx < total_seq_len) & (column <= q_idx) & same_sample
+        return causal | own_position
 
     return mask_mod
 
 
-def block_mask_to_dense_attention_mask(
-    block_mask: Callable | torch.Tensor, device: torch.device, dtype: torch.dtype,
-    q_len: int | None = None, kv_len: int | None = None,
-) -> torch.Tensor:
-    """Additive float mask `[1, 1, q, kv]` (0 allowed, -inf masked) for eager/SDPA attention.
+def build_step_zero_mask(
+    lengths: torch.Tensor, total_seq_len: int, *, flex: bool, device: torch.device | None = None
+) -> BlockMask | torch.Tensor:
+    """Step 0's mask: a `BlockMask` (`flex=True`; `total_seq_len` must be a multiple of 128) or a
+    dense boolean `[1, 1, T, T]` tensor."""
+    device = device or lengths.device
+    mask_mod = create_combined_mask_mod(lengths.to(device), total_seq_len)
+    if flex:
+        if total_seq_len % FLEX_BLOCK_SIZE:
+            raise ValueError(
+                f"flex masks need a row length that is a multiple of {FLEX_BLOCK_SIZE}, got "
+                f"{total_seq_len}; pad the row"
+            )
+        # Compiled on accelerators: the dense [T, T] mask is then never materialised. One graph
+        # serves every batch of the same row length (the sample lengths are tensor data).
+        build = _block_mask_builder(torch.device(device))
+        return build(
+            mask_mod, B=None, H=None, Q_LEN=total_seq_len, KV_LEN=total_seq_len, device=device,
+            BLOCK_SIZE=FLEX_BLOCK_SIZE,
+        )
+    positions = torch.arange(total_seq_len, device=device)
+    return mask_mod(0, 0, positions[:, None], positions[None, :]).view(
+        1, 1, total_seq_len, total_seq_len
+    )
 
-    Takes a dense boolean mask, or a `mask_mod` with its `q_len`/`kv_len`.
+
+def extend_mask_for_draft_tokens(block_mask: BlockMask | torch.Tensor) -> BlockMask | torch.Tensor:
+    """The mask of the next TTT step: one more key block, visible only on its diagonal.
+
+    A `BlockMask` gets, for each query block, one more partial key block (the diagonal block of
+    the new step; the mask_mod decides within it); a dense tensor gets an identity block.
     """
-    if callable(block_mask) and not isinstance(block_mask, torch.Tensor):
-        if q_len is None or kv_len is None:
-            raise ValueError("a mask_mod needs q_len and kv_len")
-        q = torch.arange(q_len, device=device)[:, None]
-        kv = torch.arange(kv_len, device=device)[None, :]
-        allowed = block_mask(0, 0, q, kv)
-    else:
-        allowed = block_mask.to(device=device, dtype=torch.bool)
-    bias = torch.zeros(allowed.shape, device=device, dtype=dtype)
-    bias.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return bias.view(1, 1, *allowed.shape[-2:])
-
-
-def extend_mask_for_draft_tokens(block_mask: torch.Tensor) -> torch.Tensor:
-    """The mask of the next TTT step: one more key block, visible only on its diagonal."""
+    if isinstance(block_mask, BlockMask):
+        return _extend_block_mask(block_mask)
     q_len = block_mask.shape[-2]
     diagonal = torch.eye(q_len, dtype=torch.bool, device=block_mask.device)
     diagonal = diagonal.expand(*block_mask.shape[:-2], q_len, q_len)
     return torch.cat([block_mask.to(torch.bool), diagonal], dim=-1)
 
 
-def step_zero_mask(lengths: torch.Tensor, total_seq_len: int) -> torch.Tensor:
-    """Dense boolean mask `[total, total]` of TTT step 0."""
-    mask_mod = create_combined_mask_mod(lengths, total_seq_len)
-    positions = torch.arange(total_seq_len, device=lengths.device)
-    return mask_mod(0, 0, positions[:, None], positions[None, :])
+def _extend_block_mask(block_mask: BlockMask) -> BlockMask:
+    q_len, kv_len = block_mask.seq_lengths
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    if q_block != kv_block or q_len % q_block:
+        raise ValueError(
+            f"cannot extend a block mask with blocks {block_mask.BLOCK_SIZE} over {q_len} queries; "
+            "build it with create_combined_mask_mod on a row padded to a multiple of the block size"
+        )
+    counts, indices = block_mask.kv_num_blocks, block_mask.kv_indices
+    batch, heads, q_blocks, _ = indices.shape
+    # The new step's keys start at kv_len: query block j sees key block kv_len / size + j.
+    first_new = kv_len // kv_block
+    new_column = torch.arange(
+        first_new, first_new + q_blocks, device=indices.device, dtype=indices.dtype
+    ).view(1, 1, q_blocks, 1).expand(batch, heads, q_blocks, 1)
+    widened = torch.cat([indices, indices.new_zeros(batch, heads, q_blocks, q_blocks)], dim=-1)
+    widened.scatter_(-1, counts.unsqueeze(-1).to(torch.long), new_column)
+    full_indices = block_mask.full_kv_indices
+    if full_indices is not None:
+        full_indices = torch.cat(
+            [full_indices, full_indices.new_zeros(batch, heads, q_blocks, q_blocks)], dim=-1
+        )
+    return BlockMask.from_kv_blocks(
+        counts + 1,
+        widened,
+        block_mask.full_kv_num_blocks,
+        full_indices,
+        BLOCK_SIZE=block_mask.BLOCK_SIZE,
+        mask_mod=block_mask.mask_mod,
+        seq_lengths=(q_len, kv_len + q_len),
+    )
+
+
+def block_mask_to_dense_attention_mask(
+    block_mask: BlockMask | torch.Tensor,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The mask as a dense `[B, H, q, kv]` tensor of `dtype`: 1 (True) where attention is
+    allowed, 0 (False) elsewhere. `dtype=torch.bool` gives an SDPA mask."""
+    if not isinstance(block_mask, BlockMask):
+        return block_mask.to(device=device, dtype=dtype)
+    q_len, kv_len = block_mask.seq_lengths
+    batch, heads = block_mask.kv_num_blocks.shape[:2]
+    q = torch.arange(q_len, device=device).view(1, 1, q_len, 1)
+    kv = torch.arange(kv_len, device=device).view(1, 1, 1, kv_len)
+    b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
+    h = torch.arange(heads, device=device).view(1, heads, 1, 1)
+    allowed = block_mask.mask_mod(b, h, q, kv)
+    return allowed.expand(batch, heads, q_len, kv_len).to(dtype)
+
+
+_compiled_flex: Callable | None = None
+_compiled_block_mask: Callable | None = None
+
+
+def _block_mask_builder(device: torch.device) -> Callable:
+    global _compiled_block_mask
+    if device.type != "cuda":
+        return create_block_mask
+    if _compiled_block_mask is None:
+        _compiled_block_mask = torch.compile(create_block_mask)
+    return _compiled_block_mask
+
+
+def _flex(query, key, value, block_mask, scale, enable_gqa):
+    """Flex attention, compiled on accelerators (uncompiled it materialises all scores)."""
+    global _compiled_flex
+    if query.device.type == "cpu":
+        with warnings.catch_warnings():
+            # Uncompiled on purpose: CPU runs are small (tests); compiling costs more there.
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            return flex_attention(
+                query, key, value, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa
+            )
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex(
+        query, key, value, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa
+    )
+
+
+def flex_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    scaling: float | None = None,
+    **_kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention for transformers' attention interface: `[B, H, L, D]` in, `[B, L, H, D]` out.
+
+    With a `BlockMask`, flex attention (block-sparse); with a dense boolean or additive mask,
+    SDPA. Grouped key/value heads are broadcast to the query heads.
+    """
+    enable_gqa = query.shape[1] != key.shape[1]
+    if isinstance(attention_mask, BlockMask):
+        out = _flex(
+            query.contiguous(), key.contiguous(), value.contiguous(), attention_mask, scaling,
+            enable_gqa,
+        )
+    else:
+        mask = attention_mask
+        if mask is not None and mask.dtype != torch.bool and mask.dtype != query.dtype:
+            mask = mask.to(query.dtype)
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=scaling, enable_gqa=enable_gqa
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_INTERFACE_NAME, flex_attention_forward)
+
+
+_register()

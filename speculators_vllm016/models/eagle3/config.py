@@ -5,24 +5,12 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import Field, field_serializer, field_validator
-from transformers import AutoConfig, LlamaConfig, PretrainedConfig
+from transformers import LlamaConfig, PretrainedConfig
 
 from speculators_vllm016.config import SpeculatorModelConfig
+from speculators_vllm016.models.layer_config import transformer_layer_config_from
 
 __all__ = ["Eagle3SpeculatorConfig"]
-
-
-def transformer_config_from(value: Any) -> PretrainedConfig:
-    """A config object from a dict (by its model_type; Llama when it has none)."""
-    if isinstance(value, PretrainedConfig):
-        return value
-    if isinstance(value, dict):
-        values = dict(value)
-        model_type = values.get("model_type")
-        if model_type:
-            return type(AutoConfig.for_model(model_type))(**values)
-        return LlamaConfig(**values)
-    raise TypeError(f"transformer_layer_config must be a config or a dict, got {type(value)}")
 
 
 @SpeculatorModelConfig.register("eagle3")
@@ -68,4 +56,4 @@ class Eagle3SpeculatorConfig(SpeculatorModelConfig):
     @field_validator("transformer_layer_config", mode="before")
     @classmethod
     def validate_transformer_config(cls, value: Any) -> PretrainedConfig:
-        return transformer_config_from(value)
+        return transformer_layer_config_from(value)

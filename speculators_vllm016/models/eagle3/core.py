@@ -5,33 +5,113 @@ The draft fuses three auxiliary hidden states of the target (`fc`), runs one dec
 ids back to target ids, `t2d` marks the kept target ids). Training unrolls `ttt_steps` test-time
 steps: each step feeds the draft's own previous prediction and hidden state back in, and is scored
 against the target's distribution `ttt_step` tokens further ahead.
+
+Alignment (after the trainer's `shift_batch`): position i holds the token x[i+1], the target's
+fused states of token i, and `verifier_last_hidden_states` of token i+1, so `target_logits[i]`
+is the target's distribution of x[i+2]. Step k at position i predicts x[i+k+2] and is scored
+against `target_logits[i+k]` (`align_for_step`); a pair whose two positions lie in different
+packed samples is not scored.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import DynamicCache
 
 from speculators_vllm016.model import SpeculatorModel
 from speculators_vllm016.models.eagle3.attention import (
-    block_mask_to_dense_attention_mask,
+    ATTENTION_INTERFACE_NAME,
+    FLEX_BLOCK_SIZE,
+    build_step_zero_mask,
+    document_ids,
     extend_mask_for_draft_tokens,
-    step_zero_mask,
 )
 from speculators_vllm016.models.eagle3.config import Eagle3SpeculatorConfig
-from speculators_vllm016.models.eagle3.model_definitions import model_classes
+from speculators_vllm016.models.eagle3.model_definitions import maybe_compiled, model_classes
 
 __all__ = [
+    "AttentionBackend",
     "Eagle3DraftModel",
+    "Eagle3DraftOutput",
+    "accuracy_from_ids",
     "align_for_step",
     "compute_accuracy",
     "compute_metrics",
+    "linear_kl_loss",
     "loss_function",
+    "score_ttt_step",
 ]
+
+AttentionBackend = Literal["auto", "flex", "sdpa"]
+
+
+# Where verifiers keep (embeddings, final norm, LM head): plain causal LMs, multimodal wrappers
+# (Llama-4 / Qwen-VL style), Kimi-K2.5 style wrappers, bare language models.
+VERIFIER_WEIGHT_LAYOUTS: tuple[tuple[str, str, str], ...] = (
+    ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"),
+    ("model.language_model.embed_tokens.weight", "model.language_model.norm.weight", "lm_head.weight"),
+    (
+        "language_model.model.embed_tokens.weight",
+        "language_model.model.norm.weight",
+        "language_model.lm_head.weight",
+    ),
+    ("embed_tokens.weight", "norm.weight", "lm_head.weight"),
+)
+
+
+@dataclass
+class Eagle3DraftOutput:
+    """What one `Eagle3DraftModel.forward` produced.
+
+    `draft_tokens[k]` `[1, T]` are step k's argmax (draft ids). `loss` and `metrics` are set when
+    `verifier_last_hidden_states` was given, else None. `logits[k]` are step k's draft logits,
+    kept only when asked for (`output_logits=True`).
+
+    It unpacks as 0.3.0's return value did: `draft_tokens, loss, metrics = out` when scored,
+    and as the list of draft tokens itself when not (`for tokens in out`, `out[0]`, `len(out)`).
+    """
+
+    draft_tokens: list[torch.Tensor]
+    loss: torch.Tensor | None = None
+    metrics: dict[str, torch.Tensor] | None = None
+    logits: list[torch.Tensor] | None = None
+
+    def as_tuple(self) -> tuple | list[torch.Tensor]:
+        """0.3.0's return value: `(draft_tokens, loss, metrics)` when scored, else `draft_tokens`."""
+        if self.loss is None:
+            return self.draft_tokens
+        return (self.draft_tokens, self.loss, self.metrics)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.as_tuple())
+
+    def __len__(self) -> int:
+        return len(self.as_tuple())
+
+    def __getitem__(self, index: int) -> Any:
+        return self.as_tuple()[index]
+
+
+def _rms_norm_eps(config_dict: dict) -> float | None:
+    """The verifier's `rms_norm_eps`, at the top of its config or in its text config."""
+    for candidate in (config_dict, config_dict.get("text_config"), config_dict.get("language_config")):
+        if isinstance(candidate, dict) and candidate.get("rms_norm_eps") is not None:
+            return float(candidate["rms_norm_eps"])
+    return None
+
+
+def _same_sample_as_target(documents: torch.Tensor, ttt_step: int) -> torch.Tensor:
+    """`[T]` bool, indexed like the targets: True at j when position j - ttt_step (the draft
+    position scored against target j at this step) lies in the same packed sample as j."""
+    keep = torch.zeros_like(documents, dtype=torch.bool)
+    keep[ttt_step:] = documents[ttt_step:] == documents[: documents.numel() - ttt_step]
+    return keep
 
 
 def align_for_step(
@@ -53,18 +133,14 @@ def align_for_step(
 
 
 @torch.no_grad()
-def compute_accuracy(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
+def accuracy_from_ids(
+    predicted: torch.Tensor,
+    target: torch.Tensor,
     loss_mask: torch.Tensor | None,
     prev_correct: torch.Tensor | None,
 ):
-    """`(full, conditional)` top-1 agreement with the target.
-
-    Full: over all (masked) positions. Conditional: over positions whose earlier steps were all
-    right. `prev_correct` is updated in place to "right at every step so far".
-    """
-    correct = logits.argmax(dim=-1) == targets.argmax(dim=-1)
+    """`(full, conditional)` top-1 agreement of aligned token ids (see `compute_accuracy`)."""
+    correct = predicted == target
     conditional_denominator: torch.Tensor | int = correct.numel()
     if prev_correct is not None:
         conditional_denominator = prev_correct.sum()
@@ -73,6 +149,22 @@ def compute_accuracy(
         correct = correct[loss_mask.to(torch.bool)]
     hits = correct.float().sum()
     return hits / (correct.numel() + 1e-5), hits / (conditional_denominator + 1e-5)
+
+
+@torch.no_grad()
+def compute_accuracy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    loss_mask: torch.Tensor | None,
+    prev_correct: torch.Tensor | None,
+):
+    """`(full, conditional)` top-1 agreement with the target.
+
+    Full: over all (masked) positions, right at this step and every earlier one. Conditional:
+    the same hits over the positions whose earlier steps were all right. `prev_correct` is
+    updated in place to "right at every step so far".
+    """
+    return accuracy_from_ids(logits.argmax(dim=-1), targets.argmax(dim=-1), loss_mask, prev_correct)
 
 
 def loss_function(
@@ -112,33 +204,226 @@ def compute_metrics(
     return loss, metrics
 
 
+def _kl_chunk(logits: torch.Tensor, targets: torch.Tensor, row_weights: torch.Tensor):
+    """Weighted KL(target || draft) of a chunk of rows, its gradient w.r.t. the logits, argmax."""
+    log_draft = torch.log_softmax(logits.float(), dim=-1)
+    log_target = torch.log_softmax(targets.float(), dim=-1)
+    target_probs = log_target.exp()
+    per_row = (target_probs * (log_target - log_draft)).sum(-1)
+    weights = row_weights.float()
+    grad = (log_draft.exp() - target_probs) * weights[:, None]
+    return (per_row * weights).sum(), grad.to(logits.dtype), logits.argmax(dim=-1)
+
+
+def _accumulate_product(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """`total + left @ right` with `total` fp32: on CUDA one matmul accumulating into fp32."""
+    if total.device.type == "cuda" and left.dtype != torch.float32:
+        return torch.addmm(total, left, right, out_dtype=torch.float32)
+    return total.add_((left @ right).float())
+
+
+class _LinearKL(torch.autograd.Function):
+    """`sum_i w_i KL(softmax(t_i) || softmax(h_i W^T))` without keeping `[rows, vocab]` tensors.
+
+    The logits exist one chunk of rows at a time; their gradients w.r.t. `hidden` and `weight`
+    are formed in the forward pass (so nothing is recomputed) and scaled in the backward pass.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, row_weights, chunk_size, compiled):
+        rows = hidden.shape[0]
+        compute = hidden.dtype
+        w = weight.to(compute)
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            if need_weight
+            else None
+        )
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        predicted = torch.empty(rows, dtype=torch.long, device=hidden.device)
+        chunk_math = maybe_compiled(_kl_chunk, compiled)
+        for start in range(0, rows, chunk_size):
+            end = min(start + chunk_size, rows)
+            part = hidden[start:end]
+            logits = part @ w.T
+            loss, grad_logits, predicted[start:end] = chunk_math(
+                logits, targets[start:end], row_weights[start:end]
+            )
+            total += loss
+            if grad_hidden is not None:
+                grad_hidden[start:end] = grad_logits @ w
+            if grad_weight is not None:
+                grad_weight = _accumulate_product(grad_weight, grad_logits.T, part)
+        ctx.weight_dtype = weight.dtype
+        if grad_weight is not None and compute != torch.float32:
+            grad_weight = grad_weight.to(compute)  # as autocast's own weight gradients
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.mark_non_differentiable(predicted)
+        return total, predicted
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_predicted):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight.float() * grad_total).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def linear_kl_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_logits: torch.Tensor,
+    row_weights: torch.Tensor,
+    chunk_size: int = 4096,
+    compiled: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(sum_i row_weights[i] * KL(softmax(target_logits[i]) || softmax(hidden[i] @ weight.T)),
+    argmax_i)` for `hidden [N, H]`, `target_logits [N, V]`, computed `chunk_size` rows at a time."""
+    return _LinearKL.apply(hidden, weight, target_logits, row_weights, chunk_size, compiled)
+
+
+@dataclass
+class StepScore:
+    """One TTT step's weighted loss (differentiable), accuracies and draft argmax `[rows]`."""
+
+    loss: torch.Tensor
+    full_acc: torch.Tensor
+    cond_acc: torch.Tensor
+    predicted: torch.Tensor
+
+
+def score_ttt_step(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    target_logits: torch.Tensor,
+    scored: torch.Tensor,
+    prev_correct: torch.Tensor,
+    ttt_step: int,
+    ttt_step_loss_decay: float = 1.0,
+    *,
+    valid_rows: int | None = None,
+    masked_denominator: bool = True,
+    chunk_size: int = 4096,
+    compiled: bool = False,
+) -> StepScore:
+    """Score TTT step k (`ttt_step`) of a row of `R` positions, as the forward does.
+
+    `hidden [R, H]` are the step's normed draft states (logits = `hidden @ head_weight.T`);
+    `target_logits [>= R + k, V]` the targets of the row, indexed by position; position i is
+    scored against `target_logits[i + k]` where `scored[i + k]` (the loss mask of the target
+    position, already cleared where i and i + k lie in different samples). Only the first
+    `valid_rows - k` positions have a target (`valid_rows` = real length, default R).
+    Loss: `decay**k * sum_i KL_i * scored[i+k] / (sum scored + eps)`, eps = 1e-5 when
+    `masked_denominator` (a loss mask was given), else 0, as 0.3.0 normalises.
+    `prev_correct [R]` (right at every earlier step, seeded with the loss mask) is updated.
+    """
+    rows = hidden.shape[0]
+    valid = (valid_rows if valid_rows is not None else rows) - ttt_step
+    aligned_mask = torch.zeros(rows, dtype=torch.bool, device=hidden.device)
+    if valid > 0:
+        aligned_mask[:valid] = scored[ttt_step : ttt_step + valid].to(torch.bool)
+    denominator = aligned_mask.sum() + (1e-5 if masked_denominator else 0.0)
+    row_weights = aligned_mask.float() * (ttt_step_loss_decay**ttt_step) / denominator
+    step_targets = target_logits[ttt_step : ttt_step + rows]
+    if step_targets.shape[0] < rows:
+        raise ValueError(f"target_logits needs at least {rows + ttt_step} rows for step {ttt_step}")
+    loss, predicted = linear_kl_loss(
+        hidden, head_weight, step_targets, row_weights, chunk_size, compiled
+    )
+    with torch.no_grad():
+        # As accuracy_from_ids, without boolean indexing (no host sync in the training step).
+        target_ids = step_targets.argmax(dim=-1)
+        valid = max(valid, 0)
+        prev = prev_correct[:valid]
+        conditional_denominator = prev.sum()
+        correct = (predicted[:valid] == target_ids[:valid]) & prev
+        prev.copy_(correct)
+        hits = (correct & aligned_mask[:valid]).sum().float()
+        full = hits / (aligned_mask[:valid].sum() + 1e-5)
+        conditional = hits / (conditional_denominator + 1e-5)
+    return StepScore(loss, full, conditional, predicted)
+
+
+class _StepKeyValues:
+    """Keys and values of the TTT steps so far, per layer; each step appends one block.
+
+    Quacks like transformers' `Cache.update` for the layers' attention modules.
+    """
+
+    def __init__(self) -> None:
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, key, value, layer_idx, cache_kwargs=None):
+        if layer_idx in self.layers:
+            old_key, old_value = self.layers[layer_idx]
+            key = torch.cat([old_key, key], dim=-2)
+            value = torch.cat([old_value, value], dim=-2)
+        self.layers[layer_idx] = (key, value)
+        return key, value
+
+
+def _final_norm(model: Eagle3DraftModel, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return model.norm(hidden).to(dtype)
+
+
 @SpeculatorModel.register("eagle3")
 class Eagle3DraftModel(SpeculatorModel):
     """EAGLE-3 draft for training and for export to vLLM.
 
-    `Eagle3DraftModel(config, t2d, d2t)` builds a draft for training: the token embeddings and the
-    LM head rows of the draft vocabulary are copied from the verifier named in the config (the
-    embeddings stay frozen; a frozen copy of the head scores the targets).
+    `Eagle3DraftModel(config, t2d, d2t)` builds a draft for training: the token embeddings, the
+    verifier's final norm and the LM head rows of the draft vocabulary are copied from the
+    verifier named in the config (embeddings, norm and a copy of the head stay frozen; the frozen
+    norm and head turn the verifier's last hidden states into the training targets).
     `Eagle3DraftModel(config)` (as `from_pretrained` does) builds the empty shell whose weights
-    come from a checkpoint.
+    come from a checkpoint. `use_verifier_norm=False` scores against the head without the norm,
+    as 0.3.0 did (its defect D1).
+
+    Speed knobs (plain attributes, read at every forward): `attention_backend` "flex"
+    (block-sparse flex attention, compiled on accelerators), "sdpa" (dense masks) or "auto"
+    (flex on CUDA, SDPA elsewhere; a layer config whose `_attn_implementation` is
+    "simple_flex_attention" starts at "flex"); `compile_blocks` (None: on CUDA) compiles the
+    element-wise work of the first layer and of the loss; `loss_chunk_size` rows of logits exist
+    at a time. Mixed precision: keep the parameters fp32 and run the forward under
+    `torch.autocast(device, torch.bfloat16)`; `frozen_weights_to(torch.bfloat16)` halves the
+    memory of the frozen verifier copies.
     """
 
     config_class: ClassVar[type[Eagle3SpeculatorConfig]] = Eagle3SpeculatorConfig  # type: ignore[misc]
     _keys_to_ignore_on_load_missing: ClassVar[list[str]] = [  # type: ignore[misc]
-        "verifier_lm_head.weight"
+        "verifier_lm_head.weight",
+        "verifier_norm.weight",
     ]
-    _keys_to_ignore_on_save: ClassVar[list[str]] = ["verifier_lm_head.weight"]  # type: ignore[misc]
+    _keys_to_ignore_on_load_unexpected: ClassVar[list[str]] = [  # type: ignore[misc]
+        "verifier_norm.weight",
+    ]
+    _keys_to_ignore_on_save: ClassVar[list[str]] = [  # type: ignore[misc]
+        "verifier_lm_head.weight",
+        "verifier_norm.weight",
+    ]
 
     def __init__(
         self,
         config: Eagle3SpeculatorConfig,
         t2d: torch.Tensor | None = None,
         d2t: torch.Tensor | None = None,
+        *,
+        use_verifier_norm: bool = True,
     ) -> None:
         super().__init__(config=config, verifier=None, verifier_attachment_mode="train_only")
-        layer_config = config.transformer_layer_config
-        if getattr(layer_config, "_attn_implementation", None) is None:
-            layer_config._attn_implementation = "sdpa"
+        requested = getattr(config.transformer_layer_config, "_attn_implementation", None)
+        # The layers get their own copy whose attention is ours (flex or SDPA by mask type);
+        # the caller's config is left as it was.
+        layer_config = copy.copy(config.transformer_layer_config)
+        layer_config._attn_implementation = ATTENTION_INTERFACE_NAME
+        self.attention_backend: AttentionBackend = (
+            "flex" if requested in (ATTENTION_INTERFACE_NAME, "flex_attention") else "auto"
+        )
+        self.compile_blocks: bool | None = None
+        self.loss_chunk_size = 4096
         if layer_config.model_type not in model_classes:
             raise ValueError(
                 f"no EAGLE-3 layer for transformer type {layer_config.model_type!r}; "
@@ -148,6 +433,7 @@ class Eagle3DraftModel(SpeculatorModel):
         self.hidden_size = layer_config.hidden_size
         self.target_hidden_size = config.target_hidden_size or self.hidden_size
         self.draft_vocab_size = config.draft_vocab_size
+        self.use_verifier_norm = use_verifier_norm
         target_vocab = layer_config.vocab_size
         from_verifier = t2d is not None or d2t is not None
         if from_verifier and (t2d is None or d2t is None):
@@ -172,12 +458,19 @@ class Eagle3DraftModel(SpeculatorModel):
         self.rotary_emb = components.rotary_emb_class(config=layer_config)
         self.embed_tokens = nn.Embedding(target_vocab, self.hidden_size)
         self.lm_head = nn.Linear(self.hidden_size, self.draft_vocab_size, bias=False)
+        self.verifier_norm: nn.Module | None = (
+            components.norm_class(self.target_hidden_size, eps=layer_config.rms_norm_eps)
+            if use_verifier_norm
+            else None
+        )
         self.verifier_lm_head = nn.Linear(
             self.target_hidden_size, self.draft_vocab_size, bias=False
         )
         self.post_init()
         self.embed_tokens.weight.requires_grad_(False)
         self.verifier_lm_head.weight.requires_grad_(False)
+        if self.verifier_norm is not None:
+            self.verifier_norm.weight.requires_grad_(False)
         if from_verifier:
             self.load_verifier_weights()
 
@@ -200,18 +493,26 @@ class Eagle3DraftModel(SpeculatorModel):
             )
 
     def load_verifier_weights(self, verifier_path: str | None = None) -> None:
-        """Copy embeddings and the draft-vocabulary rows of the LM head from the verifier."""
+        """Copy embeddings, the final norm (with its eps) and the draft-vocabulary rows of the
+        LM head from the verifier; all three stay frozen."""
+        from speculators_vllm016.convert.eagle.utils import load_verifier_config_dict
         from speculators_vllm016.utils.loading import load_model_layers
 
         verifier = self.config.speculators_config.verifier if self.config.speculators_config else None
         path = verifier_path or (verifier.name_or_path if verifier else None)
         if not path:
             raise ValueError("the config names no verifier (speculators_config.verifier.name_or_path)")
-        weights = load_model_layers(["model.embed_tokens.weight", "lm_head.weight"], path)
-        if "model.embed_tokens.weight" not in weights:
-            raise ValueError(f"{path} has no model.embed_tokens.weight")
-        embeddings = weights["model.embed_tokens.weight"]
-        head = weights.get("lm_head.weight", embeddings)  # tied embeddings
+        names = [name for layout in VERIFIER_WEIGHT_LAYOUTS for name in layout]
+        weights = load_model_layers(list(dict.fromkeys(names)), path)
+        layout = next((lay for lay in VERIFIER_WEIGHT_LAYOUTS if lay[0] in weights), None)
+        if layout is None:
+            raise ValueError(
+                f"{path} has no token embeddings (looked for "
+                f"{[lay[0] for lay in VERIFIER_WEIGHT_LAYOUTS]})"
+            )
+        embed_name, norm_name, head_name = layout
+        embeddings = weights[embed_name]
+        head = weights.get(head_name, embeddings)  # tied embeddings
         if embeddings.shape != self.embed_tokens.weight.shape:
             raise ValueError(
                 f"verifier embeddings {tuple(embeddings.shape)} do not fit the draft's "
@@ -219,10 +520,78 @@ class Eagle3DraftModel(SpeculatorModel):
             )
         rows = head[self.t2d.to(head.device)]
         dtype = self.lm_head.weight.dtype
+        self._materialize_frozen()
         with torch.no_grad():
             self.embed_tokens.weight.copy_(embeddings.to(dtype))
             self.lm_head.weight.copy_(rows.to(dtype))
             self.verifier_lm_head.weight.copy_(rows.to(dtype))
+        if self.verifier_norm is None:
+            return
+        if norm_name not in weights:
+            raise ValueError(
+                f"{path} has no final norm {norm_name!r}; pass use_verifier_norm=False to score "
+                "against the LM head alone (0.3.0's behaviour)"
+            )
+        norm = weights[norm_name]
+        if norm.shape != self.verifier_norm.weight.shape:
+            raise ValueError(
+                f"verifier norm {tuple(norm.shape)} does not fit target_hidden_size "
+                f"{self.target_hidden_size}"
+            )
+        eps = _rms_norm_eps(load_verifier_config_dict(path))
+        if eps is not None:
+            self.verifier_norm.variance_epsilon = eps
+        with torch.no_grad():
+            self.verifier_norm.weight.copy_(norm.to(self.verifier_norm.weight.dtype))
+
+    def _materialize_frozen(self) -> None:
+        """Give the frozen verifier copies real storage: `from_pretrained` leaves the ones a
+        checkpoint does not hold (never saved) on the meta device."""
+        device = self.lm_head.weight.device
+        dtype = self.lm_head.weight.dtype
+        for module in (self.verifier_lm_head, self.verifier_norm, self.embed_tokens):
+            if module is not None and module.weight.is_meta:
+                fresh = torch.ones(module.weight.shape, device=device, dtype=dtype)
+                module.weight = nn.Parameter(fresh, requires_grad=False)
+
+    @torch.no_grad()
+    def target_logits(self, verifier_last_hidden_states: torch.Tensor) -> torch.Tensor:
+        """The training targets over the draft vocabulary: the verifier's own logits.
+
+        `verifier_last_hidden_states` is the verifier's last decoder layer output before its
+        final norm (what datagen stores); the frozen norm and LM head rows turn it into logits.
+        """
+        if self.verifier_lm_head.weight.is_meta:
+            raise ValueError(
+                "the verifier's LM head is not loaded (checkpoints do not hold it); call "
+                "load_verifier_weights() before training or scoring"
+            )
+        hidden = verifier_last_hidden_states
+        if self.verifier_norm is not None:
+            hidden = self.verifier_norm(hidden)
+        return self.verifier_lm_head(hidden.to(self.verifier_lm_head.weight.dtype))
+
+    def frozen_weights_to(self, dtype: torch.dtype) -> None:
+        """Store the frozen verifier copies (embeddings, final norm, LM head) in `dtype`.
+
+        They are never trained, so bf16 storage loses nothing that bf16 compute would keep.
+        """
+        for module in (self.embed_tokens, self.verifier_norm, self.verifier_lm_head):
+            if module is not None:
+                module.to(dtype)
+
+    def resolved_attention_backend(self, device: torch.device) -> Literal["flex", "sdpa"]:
+        """The attention path a forward on `device` takes."""
+        if self.attention_backend not in ("auto", "flex", "sdpa"):
+            raise ValueError(
+                f"attention_backend must be 'auto', 'flex' or 'sdpa', got {self.attention_backend!r}"
+            )
+        if self.attention_backend == "auto":
+            return "flex" if device.type == "cuda" else "sdpa"
+        return self.attention_backend
+
+    def _compiling(self, device: torch.device) -> bool:
+        return device.type == "cuda" if self.compile_blocks is None else bool(self.compile_blocks)
 
     def forward(
         self,
@@ -235,13 +604,19 @@ class Eagle3DraftModel(SpeculatorModel):
         ttt_steps: int = 3,
         ttt_step_loss_decay: float = 1.0,
         use_off_policy_tokens: bool = False,
+        output_logits: bool = False,
         **kwargs: Any,
-    ):
+    ) -> Eagle3DraftOutput:
         """Unroll `ttt_steps` draft steps over a packed row `[1, total_seq_len]`.
 
         `hidden_states` `[1, T, 3 * target_hidden]` are the fused auxiliary target states,
-        `input_ids` `[1, T]` the tokens paired with them. Returns the draft tokens of every step
-        (draft ids), and with `verifier_last_hidden_states` also the loss and metrics.
+        `input_ids` `[1, T]` the tokens paired with them (the shifted batch: position i holds
+        token x[i+1] beside the states of token i). Step 0 feeds `input_ids`; step k > 0 feeds
+        the draft's own previous argmax (mapped through `d2t`), or with
+        `use_off_policy_tokens=True` the ground truth: `input_ids[i + k]` at position i, i.e. the
+        token x[i+k+1] that the chain started at i would have produced at step k - 1 had every
+        earlier step been right (exact teacher forcing; zeros past the row's end, never scored).
+        `output_logits=True` also returns every step's draft logits `[1, T, draft_vocab]`.
         """
         if hidden_states.dim() != 3 or hidden_states.shape[0] != 1:
             raise ValueError(f"hidden_states must be [1, seq, 3*hidden], got {tuple(hidden_states.shape)}")
@@ -249,33 +624,57 @@ class Eagle3DraftModel(SpeculatorModel):
         total = hidden_states.shape[1]
         if input_ids.shape != (1, total):
             raise ValueError(f"input_ids must be [1, {total}], got {tuple(input_ids.shape)}")
+        backend = self.resolved_attention_backend(device)
+        compiled = self._compiling(device)
+        for layer in self.layers:
+            layer.compile_blocks = compiled
         if lengths is None:
             lengths = torch.tensor([total], device=device)
         if position_ids is None:
             position_ids = torch.arange(1, total + 1, device=device).unsqueeze(0)
-        allowed = step_zero_mask(lengths.to(device), total)
-        cache = DynamicCache()
+        # Flex rows are padded to whole blocks; padded positions see only themselves and are
+        # never scored or returned.
+        padded = -(-total // FLEX_BLOCK_SIZE) * FLEX_BLOCK_SIZE if backend == "flex" else total
+        pad = padded - total
+        if pad:
+            hidden_states = F.pad(hidden_states, (0, 0, 0, pad))
+            input_ids = F.pad(input_ids, (0, pad))
+            position_ids = F.pad(position_ids.to(device), (0, pad))
+        lengths = lengths.to(device)
+        documents = document_ids(lengths, padded)
+        mask = build_step_zero_mask(lengths, padded, flex=backend == "flex", device=device)
+        cache = _StepKeyValues()
         hidden = self.fc(hidden_states)
+        autocast = torch.is_autocast_enabled(device.type)
+        compute_dtype = torch.get_autocast_dtype(device.type) if autocast else hidden.dtype
         original_ids = input_ids
         scoring = verifier_last_hidden_states is not None
+        loss = None
+        metrics: dict[str, torch.Tensor] | None = None
         if scoring:
-            with torch.no_grad():
-                targets = self.verifier_lm_head(verifier_last_hidden_states.to(hidden.dtype))
-            loss = hidden.new_zeros((), dtype=torch.float32)
-            prev_correct = (
-                loss_mask.clone().to(torch.bool)
-                if loss_mask is not None
-                else torch.ones(1, total, dtype=torch.bool, device=device)
-            )
-            metrics: dict[str, torch.Tensor] = {}
+            if verifier_last_hidden_states.shape[:2] != (1, total):
+                raise ValueError(
+                    f"verifier_last_hidden_states must be [1, {total}, hidden], got "
+                    f"{tuple(verifier_last_hidden_states.shape)}"
+                )
+            # One row of targets per position plus `ttt_steps` spare rows, so that every step
+            # reads an aligned [padded, vocab] view.
+            spare = F.pad(verifier_last_hidden_states[0], (0, 0, 0, pad + ttt_steps))
+            targets = self.target_logits(spare)
+            base_mask = torch.ones(padded + ttt_steps, dtype=torch.bool, device=device)
+            if loss_mask is not None:
+                base_mask[:total] = loss_mask[0].to(torch.bool)
+            base_mask[total:] = False
+            prev_correct = base_mask[:padded].clone()
+            loss = torch.zeros((), dtype=torch.float32, device=device)
+            metrics = {}
         draft_tokens = []
+        all_logits: list[torch.Tensor] | None = [] if output_logits else None
         for step in range(ttt_steps):
             with torch.no_grad():
                 embeds = self.embed_tokens(input_ids)
             hidden = torch.cat([embeds.to(hidden.dtype), hidden], dim=-1)
             position_embeddings = self.rotary_emb(hidden, position_ids)
-            mask = block_mask_to_dense_attention_mask(allowed, device, hidden.dtype)
-            cache_position = torch.arange(step * total, (step + 1) * total, device=device)
             for layer in self.layers:
                 hidden = layer(
                     hidden,
@@ -283,31 +682,49 @@ class Eagle3DraftModel(SpeculatorModel):
                     position_ids=position_ids,
                     past_key_values=cache,
                     use_cache=True,
-                    cache_position=cache_position,
                     position_embeddings=position_embeddings,
                     **kwargs,
                 )
-            logits = self.lm_head(self.norm(hidden))
+            normed = maybe_compiled(_final_norm, compiled)(self, hidden, compute_dtype)[0]
+            if all_logits is not None:
+                all_logits.append(self.lm_head(normed[:total])[None])
             if scoring:
-                step_loss, step_metrics = compute_metrics(
-                    logits, targets, loss_mask, prev_correct, step, ttt_step_loss_decay
+                scored = base_mask.clone()
+                scored[:padded] &= _same_sample_as_target(documents, step)
+                score = score_ttt_step(
+                    normed, self.lm_head.weight, targets, scored, prev_correct, step,
+                    ttt_step_loss_decay, valid_rows=total,
+                    masked_denominator=loss_mask is not None,
+                    chunk_size=self.loss_chunk_size, compiled=compiled,
                 )
-                loss = loss + step_loss
-                metrics.update(step_metrics)
-            predicted = logits.argmax(dim=-1)
-            draft_tokens.append(predicted.detach().clone())
+                loss = loss + score.loss
+                metrics[f"loss_{step}"] = score.loss.detach().clone()
+                metrics[f"full_acc_{step}"] = score.full_acc
+                metrics[f"cond_acc_{step}"] = score.cond_acc
+                predicted = score.predicted[None]
+            else:
+                predicted = self._draft_argmax(normed)[None]
+            draft_tokens.append(predicted[:, :total].detach().clone())
             if use_off_policy_tokens:
+                shift = min(step + 1, padded)
                 input_ids = torch.cat(
-                    [original_ids[:, 1 + step :], original_ids.new_zeros(1, 1 + step)], dim=-1
+                    [original_ids[:, shift:], original_ids.new_zeros(1, shift)], dim=-1
                 )
             else:
                 input_ids = predicted + self.d2t[predicted]
-            allowed = extend_mask_for_draft_tokens(allowed)
+            mask = extend_mask_for_draft_tokens(mask)
             position_ids = position_ids + 1
         if scoring:
             metrics["loss"] = loss.detach().clone()
-            return draft_tokens, loss, metrics
-        return draft_tokens
+        return Eagle3DraftOutput(draft_tokens, loss, metrics, all_logits)
+
+    @torch.no_grad()
+    def _draft_argmax(self, normed: torch.Tensor) -> torch.Tensor:
+        """Argmax of the draft logits, `loss_chunk_size` rows at a time."""
+        weight = self.lm_head.weight.to(normed.dtype)
+        return torch.cat(
+            [(part @ weight.T).argmax(-1) for part in normed.split(self.loss_chunk_size)]
+        )
 
     @torch.no_grad()
     def propose_tokens(
@@ -326,6 +743,6 @@ class Eagle3DraftModel(SpeculatorModel):
         fused = torch.cat([verifier_hidden_states[i] for i in layer_ids], dim=-1)
         length = fused.shape[1]
         shifted = tokens[:, 1 : length + 1]
-        drafts = self(fused.to(self.fc.weight.dtype), shifted.to(fused.device), ttt_steps=count)
-        draft_ids = torch.stack([step[0, -1] for step in drafts])
+        output = self(fused.to(self.fc.weight.dtype), shifted.to(fused.device), ttt_steps=count)
+        draft_ids = torch.stack([step[0, -1] for step in output.draft_tokens])
         return draft_ids + self.d2t[draft_ids]

@@ -1,0 +1,394 @@
+"""EAGLE-3 draft training step throughput and peak memory, on synthetic batches.
+
+    python benchmarks/training.py --preset llama-3.1-8b-draft --packed-tokens 2048 8192 32768
+
+One step is what the trainer runs per packed row: forward over `--ttt-steps` test-time steps,
+backward, gradient clipping at 1.0 and AdamW (fused on CUDA), with the verifier's embeddings,
+final norm and LM head frozen. The first `--warmup` steps (compilation included) are not timed;
+the median and spread of the next `--steps` give tokens/s (packed tokens per second). Peak
+memory is the largest allocation seen during the timed steps. Needs only torch, transformers,
+safetensors and pydantic (no vLLM); JSON and markdown go to --output-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+__all__ = ["PRESETS", "TrainingPreset", "main", "run_length"]
+
+
+@dataclass(frozen=True)
+class TrainingPreset:
+    """Shapes of one draft and its verifier (what the step's cost depends on)."""
+
+    name: str
+    description: str
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    target_vocab_size: int
+    draft_vocab_size: int
+    num_layers: int = 1
+    sample_tokens: int = 2048
+    default_packed_tokens: tuple[int, ...] = (2048, 8192)
+    requires_gpu: bool = True
+
+
+PRESETS: dict[str, TrainingPreset] = {
+    preset.name: preset
+    for preset in (
+        TrainingPreset(
+            "llama-3.1-8b-draft",
+            "EAGLE-3 draft of Llama-3.1-8B (hidden 4096, 32/8 heads, vocab 128256 -> 32000)",
+            hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+            intermediate_size=14336, target_vocab_size=128256, draft_vocab_size=32000,
+            default_packed_tokens=(2048, 8192, 32768),
+        ),
+        TrainingPreset(
+            "kimi-k2.5-draft",
+            "EAGLE-3 draft of Kimi-K2.5 (hidden 7168, 64/64 heads, vocab 163840 -> 32000)",
+            hidden_size=7168, num_attention_heads=64, num_key_value_heads=64, head_dim=112,
+            intermediate_size=18432, target_vocab_size=163840, draft_vocab_size=32000,
+            default_packed_tokens=(2048, 8192),
+        ),
+        TrainingPreset(
+            "cpu-small",
+            "a small draft that runs on a CPU in seconds (hidden 256, vocab 2048 -> 512)",
+            hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            intermediate_size=512, target_vocab_size=2048, draft_vocab_size=512,
+            sample_tokens=128, default_packed_tokens=(256,), requires_gpu=False,
+        ),
+    )
+}
+
+
+@dataclass
+class LengthResult:
+    packed_tokens: int
+    step_seconds: list[float]
+    median_tokens_per_second: float
+    min_tokens_per_second: float
+    max_tokens_per_second: float
+    spread_percent: float
+    peak_memory_gib: float | None
+    peak_reserved_gib: float | None
+    final_loss: float
+    error: str | None = None
+
+
+def build_model(preset: TrainingPreset, device, frozen_dtype, attention: str, compile_blocks):
+    import torch
+    from transformers import LlamaConfig
+
+    from speculators_vllm016.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    layer = LlamaConfig(
+        hidden_size=preset.hidden_size, num_attention_heads=preset.num_attention_heads,
+        num_key_value_heads=preset.num_key_value_heads, head_dim=preset.head_dim,
+        intermediate_size=preset.intermediate_size, num_hidden_layers=preset.num_layers,
+        vocab_size=preset.target_vocab_size, max_position_embeddings=131072, rms_norm_eps=1e-5,
+    )
+    config = Eagle3SpeculatorConfig(
+        transformer_layer_config=layer, draft_vocab_size=preset.draft_vocab_size,
+        norm_before_residual=True,
+    )
+    with torch.device(device):
+        model = Eagle3DraftModel(config)
+    generator = torch.Generator().manual_seed(0)
+    keep = torch.randperm(preset.target_vocab_size, generator=generator)[: preset.draft_vocab_size]
+    keep = keep.sort().values
+    with torch.no_grad():
+        model.t2d.zero_()
+        model.t2d[keep.to(device)] = True
+        model.d2t.copy_((keep - torch.arange(preset.draft_vocab_size)).to(device))
+    model.attention_backend = attention
+    model.compile_blocks = compile_blocks
+    if frozen_dtype is not None:
+        model.frozen_weights_to(frozen_dtype)
+    return model
+
+
+def synthetic_batch(preset: TrainingPreset, packed_tokens: int, device, dtype, seed: int = 0):
+    """A packed row of whole samples, shaped as the trainer's shifted batches are."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    sample = min(preset.sample_tokens, packed_tokens)
+    lengths = [sample] * (packed_tokens // sample)
+    if packed_tokens % sample:
+        lengths.append(packed_tokens % sample)
+    return {
+        "hidden_states": torch.randn(1, packed_tokens, 3 * preset.hidden_size, generator=generator)
+        .to(device, dtype),
+        "input_ids": torch.randint(0, preset.target_vocab_size, (1, packed_tokens), generator=generator)
+        .to(device),
+        "verifier_last_hidden_states": torch.randn(1, packed_tokens, preset.hidden_size,
+                                                   generator=generator).to(device, dtype),
+        "loss_mask": (torch.rand(1, packed_tokens, generator=generator) < 0.7).long().to(device),
+        "lengths": torch.tensor(lengths, device=device),
+        "position_ids": torch.cat([torch.arange(1, n + 1) for n in lengths])[None].to(device),
+    }
+
+
+def run_length(args: argparse.Namespace, preset: TrainingPreset, packed_tokens: int) -> LengthResult:
+    """Build a fresh model and optimizer, warm up, then time `args.steps` training steps."""
+    import torch
+
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    precision = args.precision
+    param_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    autocast = precision == "bf16-mixed"
+    frozen = {"bf16": torch.bfloat16, "fp32": torch.float32, "same": None}[args.frozen_dtype]
+    compile_blocks = {"auto": None, "on": True, "off": False}[args.compile]
+    if cuda:
+        torch._dynamo.reset()  # one training run has one packed length: compile it afresh
+        torch.cuda.empty_cache()
+    torch.manual_seed(0)
+    model = build_model(preset, device, frozen, args.attention, compile_blocks)
+    if param_dtype != torch.float32:
+        model.to(param_dtype)
+    model.loss_chunk_size = args.loss_chunk_size
+    for layer in model.layers:
+        layer.recompute_mlp = args.recompute_mlp
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, fused=cuda)
+    data_dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    batch = synthetic_batch(preset, packed_tokens, device, data_dtype)
+
+    def step() -> float:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            out = model(**batch, ttt_steps=args.ttt_steps)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return out.loss
+
+    loss = None
+    for _ in range(args.warmup):
+        loss = step()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.steps):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    if args.profile:
+        _print_profile(step, cuda)
+    rates = [packed_tokens / t for t in times]
+    median = statistics.median(rates)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    reserved = torch.cuda.max_memory_reserved() / 2**30 if cuda else None
+    final = float(loss.detach()) if loss is not None else float("nan")
+    del model, optimizer, batch
+    return LengthResult(
+        packed_tokens=packed_tokens,
+        step_seconds=[round(t, 5) for t in times],
+        median_tokens_per_second=round(median, 1),
+        min_tokens_per_second=round(min(rates), 1),
+        max_tokens_per_second=round(max(rates), 1),
+        spread_percent=round(100 * (max(rates) - min(rates)) / median, 2),
+        peak_memory_gib=None if peak is None else round(peak, 3),
+        peak_reserved_gib=None if reserved is None else round(reserved, 3),
+        final_loss=final,
+    )
+
+
+def _print_profile(step, cuda: bool) -> None:
+    """One more step under the profiler: where the time goes, kernel by kernel."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    averages = prof.key_averages()
+    for key in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
+        try:
+            print(averages.table(sort_by=key, row_limit=30), flush=True)
+            return
+        except Exception:  # noqa: BLE001,S112 - sort keys differ between torch versions
+            continue
+
+
+def _gpu_processes() -> list[str]:
+    """Other work on the GPUs while this ran (nvidia-smi's compute processes)."""
+    try:
+        output = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20, check=False,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in output.splitlines() if line.strip()]
+
+
+def environment() -> dict[str, Any]:
+    import os
+
+    import torch
+
+    try:
+        from benchmarks.environment import describe_environment
+
+        described = describe_environment()
+    except Exception as err:  # noqa: BLE001 - the record is best effort (psutil may be absent)
+        described = {"error": str(err)}
+    described["torch"] = torch.__version__
+    try:
+        import transformers
+
+        described["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        described["gpu_name"] = torch.cuda.get_device_name(0)
+        described["gpu_processes_at_end"] = _gpu_processes()
+    described["load_average"] = os.getloadavg()
+    return described
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python benchmarks/training.py",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Presets: " + "; ".join(f"{p.name}: {p.description}" for p in PRESETS.values()),
+    )
+    parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    parser.add_argument("--packed-tokens", type=int, nargs="+", default=None,
+                        help="packed row lengths to measure, each with a fresh model "
+                        "(default: the preset's)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per length (default 10)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed steps first, compilation included (default 3)")
+    parser.add_argument("--ttt-steps", type=int, default=3)
+    parser.add_argument("--precision", choices=("auto", "bf16-mixed", "bf16", "fp32"), default="auto",
+                        help="bf16-mixed: fp32 parameters and optimizer state, bf16 autocast "
+                        "(the trainer's default on GPUs); bf16: bf16 parameters (0.3.0's FSDP "
+                        "path); fp32; auto: bf16-mixed on CUDA, fp32 on a CPU")
+    parser.add_argument("--frozen-dtype", choices=("bf16", "fp32", "same"), default="bf16",
+                        help="storage of the frozen verifier embeddings/norm/head (default bf16)")
+    parser.add_argument("--attention", choices=("auto", "flex", "sdpa"), default="auto")
+    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                        help="compile the element-wise blocks (auto: on CUDA)")
+    parser.add_argument("--recompute-mlp", action="store_true",
+                        help="recompute the MLP in the backward pass (less memory, more work)")
+    parser.add_argument("--loss-chunk-size", type=int, default=4096)
+    parser.add_argument("--profile", action="store_true",
+                        help="after timing, profile one more step and print the top kernels")
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--output-dir", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--tag", default="", help="suffix of the result file names")
+    parser.add_argument("--note", default="", help="free text stored with the result")
+    return parser
+
+
+def write_markdown(result: dict[str, Any], path: Path) -> None:
+    env = result["environment"]
+    settings = result["settings"]
+    device = env.get("gpu_name") or env.get("cpu_model") or "cpu"
+    lines = [
+        f"# Training step benchmark: `{result['preset']['name']}`",
+        "",
+        result["preset"]["description"],
+        "",
+        f"- command: `{result['command']}`",
+        f"- device: {device}; torch {env.get('torch')}, transformers {env.get('transformers')}",
+        f"- precision {settings['precision']}, frozen weights {settings['frozen_dtype']}, attention "
+        f"{settings['attention']}, compile {settings['compile']}, recompute MLP "
+        f"{settings['recompute_mlp']}, TTT steps {settings['ttt_steps']}, "
+        f"{settings['warmup']} warm-up + {settings['steps']} timed steps",
+        f"- other GPU processes at the end: {env.get('gpu_processes_at_end') or 'none listed'}",
+        "",
+        "| packed tokens | median tokens/s | min | max | spread % | peak GiB | note |",
+        "|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in result["lengths"]:
+        if row.get("error"):
+            lines.append(f"| {row['packed_tokens']} | | | | | | {row['error']} |")
+            continue
+        peak = "" if row["peak_memory_gib"] is None else f"{row['peak_memory_gib']:.2f}"
+        lines.append(
+            f"| {row['packed_tokens']} | {row['median_tokens_per_second']:,.0f} | "
+            f"{row['min_tokens_per_second']:,.0f} | {row['max_tokens_per_second']:,.0f} | "
+            f"{row['spread_percent']:.1f} | {peak} | |"
+        )
+    if result.get("note"):
+        lines += ["", result["note"]]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = make_parser().parse_args(argv)
+    import torch
+
+    preset = PRESETS[args.preset]
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.precision == "auto":
+        args.precision = "bf16-mixed" if args.device.startswith("cuda") else "fp32"
+    if preset.requires_gpu and not args.device.startswith("cuda"):
+        raise SystemExit(f"preset {preset.name} needs a CUDA GPU; use --preset cpu-small here")
+    if args.steps < 1 or args.warmup < 0:
+        raise SystemExit("--steps must be at least 1 and --warmup at least 0")
+    lengths = args.packed_tokens or list(preset.default_packed_tokens)
+    rows: list[LengthResult] = []
+    for packed in lengths:
+        try:
+            row = run_length(args, preset, packed)
+        except Exception as err:  # noqa: BLE001 - one failing length must not lose the others
+            import traceback
+
+            traceback.print_exc()
+            kind = "out of memory" if isinstance(err, torch.OutOfMemoryError) else type(err).__name__
+            row = LengthResult(packed, [], 0.0, 0.0, 0.0, 0.0, None, None, float("nan"),
+                               error=f"{kind}: {str(err).splitlines()[0][:160] if str(err) else ''}")
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps(asdict(row)), flush=True)
+    command = "python benchmarks/training.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    result = {
+        "preset": asdict(preset),
+        "settings": {key: value for key, value in vars(args).items() if key not in ("output_dir",)},
+        "command": command,
+        "lengths": [asdict(row) for row in rows],
+        "environment": environment(),
+        "note": args.note,
+    }
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"training-{preset.name}" + (f"-{args.tag}" if args.tag else "")
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    write_markdown(result, out / f"{stem}.md")
+    print((out / f"{stem}.md").read_text())
+    return result
+
+
+if __name__ == "__main__":
+    main()

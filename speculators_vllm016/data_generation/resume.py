@@ -1,0 +1,184 @@
+"""What a resumed datagen run may keep: the run's identity, and which present files are good.
+
+The identity names what decides the bytes of every sample: the model (its path resolved), the
+captured layers (defaults resolved), dtype, format and file numbering, and a hash of every
+sample's token ids and loss mask. Flags that only lead to those (sequence length, seed, the
+assistant pattern, the data file's path) are recorded for the error message but not compared on
+their own: the hash already tells whether they changed what goes into a sample.
+
+A folder with sample files but no identity (0.3.0 output, a deleted state file) is refused unless
+the caller adopts it. Present files are trusted when the manifest lists them with their current
+size; any other file is opened and its token ids compared with the sample it should hold. What
+fails is recomputed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from speculators_vllm016.data_generation.manifest import ManifestWriter, SampleRecord
+
+__all__ = ["RunIdentity", "check_identity", "record_identity", "samples_digest", "verify_present"]
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = ".datagen_state.json"
+IDENTITY_VERSION = 2
+# Changes of these change the samples, so the digest catches them; they explain a refusal.
+CAUSES = ("seq_length", "seed", "max_samples", "assistant_pattern", "turn_dropout", "train_data")
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    compared: dict  # must be equal for a resume
+    informational: dict  # recorded, named in a refusal
+
+    def to_json(self) -> dict:
+        return {"version": IDENTITY_VERSION, **self.compared, "details": self.informational}
+
+
+def resolve_model_path(model: str) -> str:
+    """A local folder as its absolute, resolved path; a hub id unchanged."""
+    path = Path(model).expanduser()
+    return str(path.resolve()) if path.exists() else model
+
+
+def samples_digest(dataset) -> str:
+    """sha256 over every sample's token ids and loss mask, in order."""
+    digest = hashlib.sha256()
+    for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"]):
+        digest.update(torch.as_tensor(ids, dtype=torch.int64).numpy().tobytes())
+        digest.update(b"|")
+        digest.update(torch.as_tensor(mask, dtype=torch.int8).numpy().tobytes())
+        digest.update(b"#")
+    return digest.hexdigest()
+
+
+def refuse_unrecorded(output_dir: Path, adopt_existing: bool) -> None:
+    """Sample files without a record of their run are refused unless the caller adopts them."""
+    if (
+        not (output_dir / STATE_FILE).exists()
+        and has_sample_files(output_dir)
+        and not adopt_existing
+    ):
+        raise ValueError(
+            f"{output_dir} already holds sample files but no record of the run that wrote "
+            "them (0.3.0 output, or its .datagen_state.json was removed); pass "
+            "--adopt-existing to check and keep those that match this run, or use an empty "
+            "--output-dir"
+        )
+
+
+def check_identity(output_dir: Path, identity: RunIdentity, adopt_existing: bool) -> bool:
+    """Refuse a folder of another run; returns whether the identity still has to be recorded."""
+    state = output_dir / STATE_FILE
+    if not state.exists():
+        refuse_unrecorded(output_dir, adopt_existing)
+        return True
+    try:
+        recorded = json.loads(state.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{state} is unreadable ({error}); remove it and pass --adopt-existing")
+    if recorded.get("version") != IDENTITY_VERSION:
+        raise ValueError(
+            f"{output_dir} was written by another version of datagen; remove {STATE_FILE} "
+            "and pass --adopt-existing to check and keep its files"
+        )
+    differing = {
+        key: (recorded.get(key), value)
+        for key, value in identity.compared.items()
+        if recorded.get(key) != value
+    }
+    if not differing:
+        return False
+    details = "; ".join(f"{key}: was {old!r}, now {new!r}" for key, (old, new) in differing.items())
+    if "samples_sha256" in differing:
+        before = recorded.get("details", {})
+        causes = [
+            f"{key}: was {before.get(key)!r}, now {identity.informational.get(key)!r}"
+            for key in CAUSES
+            if before.get(key) != identity.informational.get(key)
+        ]
+        if causes:
+            details += " (changed flags: " + "; ".join(causes) + ")"
+    raise ValueError(
+        f"{output_dir} holds samples of a different run ({details}); use another --output-dir "
+        "or remove it"
+    )
+
+
+def record_identity(output_dir: Path, identity: RunIdentity) -> None:
+    state = output_dir / STATE_FILE
+    temp = state.with_name(f".{state.name}.{os.getpid()}.tmp")
+    temp.write_text(json.dumps(identity.to_json(), indent=2, sort_keys=True))
+    os.replace(temp, state)
+
+
+def has_sample_files(output_dir: Path) -> bool:
+    from speculators_vllm016.data_generation.sample_io import _SAMPLE_NAME
+
+    return output_dir.is_dir() and any(_SAMPLE_NAME.match(name) for name in os.listdir(output_dir))
+
+
+def _sample_matches(path: Path, expected_ids: torch.Tensor, num_layers: int) -> bool:
+    """Open the file (memory-mapped) and compare what is cheap to compare."""
+    from speculators_vllm016.data_generation.sample_io import load_sample
+
+    try:
+        sample = load_sample(path)
+        ids = torch.as_tensor(sample["input_ids"])
+        states = sample["hidden_states"]
+        return (
+            torch.equal(ids.to(torch.long), expected_ids)
+            and len(sample["loss_mask"]) == len(expected_ids)
+            and len(states) == num_layers
+            and all(layer.shape[0] == len(expected_ids) for layer in states)
+        )
+    except Exception:  # noqa: BLE001 - any unreadable file is simply recomputed
+        return False
+
+
+def verify_present(
+    output_dir: Path,
+    candidates: Iterable[tuple[int, str, torch.Tensor]],
+    records: dict[str, SampleRecord],
+    num_layers: int,
+    manifest: ManifestWriter | None,
+) -> set[int]:
+    """Indices whose files can be kept; `candidates` are (index, file name, expected ids).
+
+    A file listed in the manifest with its size and token count is kept unopened; others are
+    opened and checked, and those that pass get a record (without hash) so the next resume and
+    the trainer find them. Failing files are left to be replaced by the recomputed ones.
+    """
+    good: set[int] = set()
+    bad: list[str] = []
+    for index, name, expected in candidates:
+        path = output_dir / name
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            continue
+        record = records.get(name)
+        if record is not None and record.bytes == size and record.length == len(expected):
+            good.add(index)
+            continue
+        if _sample_matches(path, expected, num_layers):
+            good.add(index)
+            if manifest is not None:
+                manifest.append(SampleRecord(name, index, len(expected), size, None))
+        else:
+            bad.append(name)
+    if bad:
+        shown = ", ".join(bad[:10]) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+        logger.warning("%d present files are damaged or belong to other data; recomputing: %s",
+                       len(bad), shown)
+    return good

@@ -1,0 +1,55 @@
+"""Token counts of a datagen run, kept beside its samples, one file per shard.
+
+`<data>/token_freq/shard-{I}-of-{N}.pth` holds `{token_id: count}` over the trained tokens of
+shard I's rows (a torch-saved dict, as 0.3.0's `token_freq.pt`). The suffix is not "pt" on
+purpose: 0.3.0's trainer reads every file ending in "pt" under the data folder as a sample.
+Summing the shards' files gives the counts of the whole data set.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+__all__ = ["TOKEN_FREQ_DIR", "load_token_freq", "save_token_counts", "shard_token_freq_path"]
+
+TOKEN_FREQ_DIR = "token_freq"
+
+
+def shard_token_freq_path(data_dir: str | os.PathLike, shard_index: int, num_shards: int) -> Path:
+    return Path(data_dir) / TOKEN_FREQ_DIR / f"shard-{shard_index}-of-{num_shards}.pth"
+
+
+def save_token_counts(counts: dict[int, int], path: str | os.PathLike) -> Path:
+    """Write atomically, readable as any file the user writes (the umask decides, not 0600)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.part")
+    try:
+        with open(temp, "wb") as handle:
+            torch.save(dict(counts), handle)
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_token_freq(data_dir: str | os.PathLike) -> dict[int, int]:
+    """The summed counts of every shard file in `data_dir`; refuses a set with shards missing."""
+    folder = Path(data_dir) / TOKEN_FREQ_DIR
+    files = sorted(folder.glob("shard-*-of-*.pth")) if folder.is_dir() else []
+    if not files:
+        raise FileNotFoundError(f"no token counts in {folder}; run datagen into {data_dir} first")
+    totals = {int(f.stem.rsplit("-of-", 1)[1]) for f in files}
+    if len(totals) != 1 or len(files) != next(iter(totals)):
+        names = ", ".join(f.name for f in files)
+        raise ValueError(f"{folder} holds an incomplete or mixed set of shards ({names})")
+    total: Counter[int] = Counter()
+    for file in files:
+        total.update(torch.load(file, weights_only=True))
+    return dict(total)

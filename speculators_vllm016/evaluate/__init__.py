@@ -1,0 +1,1 @@
+"""Acceptance evaluation of drafts: speculative decoding and the counters vLLM reports."""

@@ -1,0 +1,253 @@
+"""`speculators eval` as a library call: load prompts once, measure each draft, collect a report."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from speculators_vllm016.evaluate.report import DraftEvaluation, EvaluationReport
+from speculators_vllm016.evaluate.training_metrics import find_training_estimate
+
+__all__ = ["ENGINES", "EvalOptions", "draft_settings", "resolve_engine", "run_evaluation"]
+
+logger = logging.getLogger(__name__)
+
+ENGINES = ("auto", "hf", "vllm")
+
+
+@dataclass
+class EvalOptions:
+    drafts: list[str]
+    data_path: str
+    verifier: str | None = None  # default: the drafts' config names it
+    max_prompts: int | None = 100
+    max_new_tokens: int = 128
+    num_speculative_tokens: int | None = None  # default: each draft's config
+    engine: str = "auto"
+    batch_size: int = 8
+    device: str | None = None  # hf engine; default cuda when available
+    dtype: str = "auto"
+    ignore_eos: bool = False
+    max_prompt_tokens: int | None = None
+    hf_cache_dir: str | None = None
+    show_progress: bool = True
+    labels: list[str] = field(default_factory=list)  # default: from the draft paths
+
+
+@dataclass
+class DraftSettings:
+    """What a draft folder's config.json says that evaluation needs."""
+
+    verifier: str | None
+    speculative_tokens: int
+
+
+def draft_settings(draft: str) -> DraftSettings:
+    """Verifier and default proposal length of a draft folder; errors name the folder."""
+    from speculators_vllm016.config import SpeculatorModelConfig
+
+    if not (Path(draft) / "config.json").is_file():
+        raise ValueError(f"{draft} is not a draft folder (no config.json); pass --draft <folder>")
+    try:
+        config = SpeculatorModelConfig.from_pretrained(draft)
+    except Exception as error:  # noqa: BLE001 - any unreadable config is the user's to fix
+        raise ValueError(f"cannot read the draft config of {draft}: {error}") from error
+    speculators = getattr(config, "speculators_config", None)
+    verifier = speculators.verifier.name_or_path if speculators and speculators.verifier else None
+    tokens = 3
+    if speculators is not None and speculators.proposal_methods:
+        tokens = int(getattr(speculators.proposal_methods[0], "speculative_tokens", 3))
+    return DraftSettings(verifier=verifier, speculative_tokens=tokens)
+
+
+def resolve_engine(engine: str) -> str:
+    """`auto` is vllm where this vLLM build can speculate, else hf; `vllm` fails fast if it can't."""
+    from speculators_vllm016.evaluate.vllm_engine import speculative_decoding_unavailable
+
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; use one of {ENGINES}")
+    if engine == "hf":
+        return "hf"
+    reason = speculative_decoding_unavailable()
+    if engine == "vllm" and reason is not None:
+        raise ValueError(f"{reason}; use --engine hf")
+    return "vllm" if reason is None else "hf"
+
+
+def _labels(drafts: list[str]) -> list[str]:
+    """Short names: the folder name of one draft, paths below the common folder of several."""
+    paths = [os.path.abspath(draft) for draft in drafts]
+    root = os.path.commonpath(paths) if len(paths) > 1 else None
+    return [
+        os.path.relpath(path, root) if root and path != root else (Path(path).name or path)
+        for path in paths
+    ]
+
+
+def _torch_dtype(name: str, device: str):
+    import torch
+
+    if name == "auto":
+        return torch.float32 if device == "cpu" else "auto"
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
+    return dtype
+
+
+def _eos_ids(verifier, tokenizer) -> list[int]:
+    ids: set[int] = set()
+    configured = getattr(verifier.generation_config, "eos_token_id", None)
+    for value in configured if isinstance(configured, (list, tuple)) else [configured]:
+        if value is not None:
+            ids.add(int(value))
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return sorted(ids)
+
+
+def run_evaluation(options: EvalOptions) -> EvaluationReport:
+    """Measure every draft on the same prompts with the same verifier."""
+    if not options.drafts:
+        raise ValueError("no draft to evaluate; pass --draft <folder> (repeatable)")
+    settings = [draft_settings(draft) for draft in options.drafts]
+    verifier_path = options.verifier
+    if verifier_path is None:
+        named = {s.verifier for s in settings}
+        if None in named or len(named) != 1:
+            raise ValueError(
+                f"the drafts name verifiers {sorted(map(str, named))}; pass --verifier <model>"
+            )
+        verifier_path = named.pop()
+    assert verifier_path is not None
+    engine = resolve_engine(options.engine)
+    labels = options.labels or _labels(options.drafts)
+
+    from transformers import AutoTokenizer
+
+    from speculators_vllm016.evaluate.prompts import load_eval_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(verifier_path)
+    prompts = load_eval_prompts(
+        options.data_path,
+        tokenizer,
+        max_prompts=options.max_prompts,
+        max_prompt_tokens=options.max_prompt_tokens,
+        cache_dir=options.hf_cache_dir,
+    )
+    logger.info("%d prompts from %s; engine %s", len(prompts.token_ids), options.data_path, engine)
+    report = EvaluationReport(
+        verifier=verifier_path,
+        data_path=options.data_path,
+        num_prompts=len(prompts.token_ids),
+        max_new_tokens=options.max_new_tokens,
+        engine=engine,
+    )
+    if engine == "vllm":
+        _run_vllm(options, settings, verifier_path, prompts.token_ids, labels, report)
+    else:
+        _run_hf(options, settings, verifier_path, tokenizer, prompts.token_ids, labels, report)
+    return report
+
+
+def _load_draft(path: str, dtype, device: str):
+    """The draft from its folder, on `device`.
+
+    Weights a checkpoint leaves out on purpose (an EAGLE-3 draft's copy of the verifier's LM head,
+    used only to score training targets) come back on the meta device; they are not used to
+    propose, so they are allocated as zeros rather than loaded.
+    """
+    import torch
+
+    from speculators_vllm016.model import SpeculatorModel
+
+    # Detached: the evaluation holds the verifier itself; attaching would load it a second time.
+    draft = SpeculatorModel.from_pretrained(path, dtype=dtype, verifier_attachment_mode="detached")
+    for module in draft.modules():
+        if any(p.is_meta for p in module.parameters(recurse=False)):
+            module.to_empty(device=device, recurse=False)
+            with torch.no_grad():
+                for parameter in module.parameters(recurse=False):
+                    parameter.zero_()
+    return draft.to(device).eval()
+
+
+def _run_hf(options, settings, verifier_path, tokenizer, prompts, labels, report) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from speculators_vllm016.evaluate.speculative import speculative_generate
+
+    device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = _torch_dtype(options.dtype, device)
+    verifier = AutoModelForCausalLM.from_pretrained(verifier_path, dtype=dtype).to(device).eval()
+    eos = [] if options.ignore_eos else _eos_ids(verifier, tokenizer)
+    limit = getattr(verifier.config, "max_position_embeddings", None)
+    for draft_path, setting, label in zip(options.drafts, settings, labels):
+        k = options.num_speculative_tokens or setting.speculative_tokens
+        usable = prompts
+        if limit is not None:
+            usable = [p for p in prompts if len(p) + options.max_new_tokens + k + 1 <= limit]
+            if not usable:
+                raise ValueError(
+                    f"every prompt plus --max-new-tokens exceeds the verifier's {limit} positions"
+                )
+            if len(usable) < len(prompts):
+                logger.warning(
+                    "left out %d prompts too long for %d positions", len(prompts) - len(usable), limit
+                )
+        draft = _load_draft(draft_path, verifier.dtype, device)
+        result = speculative_generate(
+            verifier,
+            draft,
+            usable,
+            options.max_new_tokens,
+            k,
+            eos_token_ids=eos,
+            batch_size=options.batch_size,
+            show_progress=options.show_progress,
+        )
+        report.drafts.append(
+            DraftEvaluation(
+                draft=draft_path,
+                label=label,
+                engine="hf",
+                num_speculative_tokens=k,
+                counts=result.counts,
+                generated_tokens=result.generated_tokens,
+                seconds=result.seconds,
+                training=find_training_estimate(draft_path),
+            )
+        )
+        del draft
+
+
+def _run_vllm(options, settings, verifier_path, prompts, labels, report) -> None:
+    from speculators_vllm016.evaluate.vllm_engine import evaluate_with_vllm
+
+    for draft_path, setting, label in zip(options.drafts, settings, labels):
+        k = options.num_speculative_tokens or setting.speculative_tokens
+        result = evaluate_with_vllm(
+            draft_path,
+            verifier_path,
+            prompts,
+            options.max_new_tokens,
+            k,
+            dtype=options.dtype,
+            ignore_eos=options.ignore_eos,
+            show_progress=options.show_progress,
+        )
+        report.drafts.append(
+            DraftEvaluation(
+                draft=draft_path,
+                label=label,
+                engine="vllm",
+                num_speculative_tokens=k,
+                counts=result.counts,
+                generated_tokens=result.generated_tokens,
+                seconds=result.seconds,
+                training=find_training_estimate(draft_path),
+            )
+        )

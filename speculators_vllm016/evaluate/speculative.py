@@ -1,0 +1,284 @@
+"""Greedy speculative decoding with a transformers verifier: the `hf` engine of `speculators eval`.
+
+The draft proposes `k` tokens (its `propose_tokens`), the verifier scores the newest token and the
+`k` proposals in one forward pass over its KV cache, the longest agreeing prefix is kept, and the
+verifier's own token at the first disagreement (or after the last proposal) comes free. The output
+is therefore exactly the verifier's greedy output, whatever the draft proposes; the draft only
+decides how many tokens each verifier pass yields, which is what `AcceptanceCounts` records, as
+vLLM's counters do (the counts are taken before the output is cut at `max_new_tokens` or EOS).
+
+Prompts run in batches: left-padded, with per-row positions. Every verification appends `k + 1`
+slots per row to the cache; the slots of rejected proposals stay there, masked out, so rows that
+accept different numbers of tokens share one cache without copying it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import DynamicCache, PreTrainedModel
+
+from speculators_vllm016.evaluate.acceptance import AcceptanceCounts
+
+__all__ = ["SpeculativeGeneration", "speculative_generate"]
+
+
+@dataclass
+class SpeculativeGeneration:
+    """What one call of `speculative_generate` produced, prompt order kept."""
+
+    outputs: list[list[int]]  # generated token ids per prompt (EOS included, if reached)
+    counts: AcceptanceCounts
+    seconds: float
+    verifier_passes: int = 0  # forward passes of the verifier (prefills included)
+    prompt_tokens: int = 0
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(output) for output in self.outputs)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _Row:
+    """One prompt in flight: its tokens and the verifier states of all but its newest token."""
+
+    index: int
+    prompt_length: int
+    tokens: list[int]
+    states: torch.Tensor  # [num_layers + 1, capacity, hidden], filled up to len(tokens) - 1
+    done: bool = False
+    filled: int = field(default=0)
+
+    def add_states(self, states: torch.Tensor) -> None:
+        """Append `[num_layers + 1, n, hidden]` states (those of the newest n accepted tokens)."""
+        count = states.shape[1]
+        self.states[:, self.filled : self.filled + count] = states
+        self.filled += count
+
+    def state_views(self) -> tuple[torch.Tensor, ...]:
+        return tuple(layer[: self.filled].unsqueeze(0) for layer in self.states)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _finished(row: _Row, new_tokens: Iterable[int], max_new_tokens: int, eos: set[int]) -> bool:
+    return len(row.tokens) - row.prompt_length >= max_new_tokens or any(t in eos for t in new_tokens)
+
+
+def _cut(tokens: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
+    """The first `max_new_tokens` tokens, ending at the first EOS (kept), as `generate` does."""
+    tokens = tokens[:max_new_tokens]
+    for position, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: position + 1]
+    return tokens
+
+
+def _attention_mask(verifier: PreTrainedModel, keep: torch.Tensor, new: int) -> torch.Tensor:
+    """The mask of a pass whose `new` queries are the last `new` of `keep`'s slots.
+
+    `keep` (`[rows, slots]`) is 1 on slots holding a token of the row (not padding, not a rejected
+    proposal). For sdpa and eager attention the 4D additive mask is built here (slot j visible to
+    query i when kept and not in i's future): transformers' own construction from the 2D mask
+    costs more than a small verifier's forward pass. Other attention kernels get the 2D mask.
+    """
+    if getattr(verifier.config, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return keep
+    slots = keep.shape[1]
+    query = torch.arange(slots - new, slots, device=keep.device)[:, None]
+    causal = torch.arange(slots, device=keep.device)[None, :] <= query  # [new, slots]
+    visible = causal[None] & keep[:, None].bool()
+    mask = torch.zeros(visible.shape, dtype=verifier.dtype, device=keep.device)
+    mask.masked_fill_(~visible, torch.finfo(verifier.dtype).min)
+    return mask[:, None]
+
+
+def _stack_states(hidden_states: tuple[torch.Tensor, ...], row: int, columns: slice) -> torch.Tensor:
+    return torch.stack([layer[row, columns] for layer in hidden_states])
+
+
+@torch.no_grad()
+def _run_batch(
+    verifier: PreTrainedModel,
+    draft: nn.Module,
+    prompts: list[tuple[int, list[int]]],
+    max_new_tokens: int,
+    k: int,
+    eos: set[int],
+    counts: AcceptanceCounts,
+    on_done,
+) -> tuple[dict[int, list[int]], int]:
+    device = _device_of(verifier)
+    longest = max(len(prompt) for _, prompt in prompts)
+    batch = len(prompts)
+    input_ids = torch.zeros(batch, longest, dtype=torch.long, device=device)
+    slot_mask = torch.zeros(batch, longest, dtype=torch.long, device=device)
+    for position, (_, prompt) in enumerate(prompts):
+        input_ids[position, longest - len(prompt) :] = torch.tensor(prompt, device=device)
+        slot_mask[position, longest - len(prompt) :] = 1
+    position_ids = (slot_mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    out = verifier(
+        input_ids=input_ids,
+        attention_mask=_attention_mask(verifier, slot_mask, longest),
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=True,
+    )
+    passes = 1
+    cache = out.past_key_values
+    first = out.logits[:, -1].argmax(-1).tolist()
+    layers = len(out.hidden_states)
+    hidden = out.hidden_states[0].shape[-1]
+    rows: list[_Row] = []
+    results: dict[int, list[int]] = {}
+    for position, (index, prompt) in enumerate(prompts):
+        capacity = len(prompt) + max_new_tokens + k
+        row = _Row(
+            index=index,
+            prompt_length=len(prompt),
+            tokens=list(prompt) + [first[position]],
+            states=out.hidden_states[0].new_empty(layers, capacity, hidden),
+        )
+        row.add_states(_stack_states(out.hidden_states, position, slice(longest - len(prompt), None)))
+        row.done = _finished(row, [first[position]], max_new_tokens, eos)
+        rows.append(row)
+
+    while True:
+        active = [position for position, row in enumerate(rows) if not row.done]
+        for row in rows:
+            if row.done:
+                results[row.index] = _cut(row.tokens[row.prompt_length :], max_new_tokens, eos)
+                on_done()
+        if not active:
+            return results, passes
+        if len(active) < len(rows):
+            selected = torch.tensor(active, device=device)
+            cache.batch_select_indices(selected)
+            slot_mask = slot_mask[selected]
+            rows = [rows[position] for position in active]
+
+        proposals = []
+        for row in rows:
+            tokens = torch.tensor([row.tokens], device=device)
+            proposed = draft.propose_tokens(row.state_views(), tokens, k)
+            proposed = torch.as_tensor(proposed, device=device).reshape(-1).long()
+            if proposed.numel() != k:
+                raise ValueError(f"the draft proposed {proposed.numel()} tokens, {k} were asked for")
+            proposals.append(proposed)
+        drafted = torch.stack(proposals)  # [rows, k]
+        newest = torch.tensor([[row.tokens[-1]] for row in rows], device=device)
+        starts = torch.tensor([[len(row.tokens) - 1] for row in rows], device=device)
+        offsets = torch.arange(k + 1, device=device)
+        keep = torch.cat([slot_mask, slot_mask.new_ones(len(rows), k + 1)], dim=1)
+        out = verifier(
+            input_ids=torch.cat([newest, drafted], dim=1),
+            attention_mask=_attention_mask(verifier, keep, k + 1),
+            position_ids=starts + offsets,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
+        passes += 1
+        cache = out.past_key_values
+        choices = out.logits.argmax(-1)  # [rows, k + 1]: the verifier's token after each input
+        agree = (choices[:, :k] == drafted).long().cumprod(dim=1)
+        taken = agree.sum(dim=1)  # accepted proposals per row
+        slot_mask = torch.cat([slot_mask, (offsets[None] <= taken[:, None]).long()], dim=1)
+        for position, row in enumerate(rows):
+            accepted = int(taken[position])
+            counts.observe(k, accepted)
+            new = choices[position, : accepted + 1].tolist()
+            row.add_states(_stack_states(out.hidden_states, position, slice(0, accepted + 1)))
+            row.tokens.extend(new)
+            row.done = _finished(row, new, max_new_tokens, eos)
+
+
+def _eos_set(eos_token_ids: int | Sequence[int] | None) -> set[int]:
+    if eos_token_ids is None:
+        return set()
+    if isinstance(eos_token_ids, int):
+        return {eos_token_ids}
+    return {int(token) for token in eos_token_ids}
+
+
+@torch.no_grad()
+def speculative_generate(
+    verifier: PreTrainedModel,
+    draft: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    num_speculative_tokens: int,
+    eos_token_ids: int | Sequence[int] | None = None,
+    batch_size: int = 8,
+    show_progress: bool = False,
+) -> SpeculativeGeneration:
+    """Greedy speculative decoding of `prompts` (token ids); outputs equal the verifier's greedy ones.
+
+    `draft` needs `propose_tokens(verifier_hidden_states, tokens, count)` (an EAGLE-3 draft has
+    it); it sees one prompt at a time. Up to `batch_size` prompts share one verifier pass;
+    prompts of similar length are batched together to limit padding.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    if not prompts:
+        raise ValueError("no prompts to generate from")
+    empty = [index for index, prompt in enumerate(prompts) if len(prompt) == 0]
+    if empty:
+        raise ValueError(f"prompts {empty[:5]} are empty")
+    counts = AcceptanceCounts(num_speculative_tokens)
+    eos = _eos_set(eos_token_ids)
+    order = sorted(range(len(prompts)), key=lambda index: len(prompts[index]))
+    outputs: dict[int, list[int]] = {}
+    passes = 0
+    progress = None
+    if show_progress:
+        from tqdm.auto import tqdm
+
+        progress = tqdm(total=len(prompts), desc="Speculative decoding", unit="prompt")
+
+    def on_done() -> None:
+        if progress is not None:
+            progress.update(1)
+
+    was_training = draft.training, verifier.training
+    draft.eval()
+    verifier.eval()
+    start = time.perf_counter()
+    try:
+        for first in range(0, len(order), batch_size):
+            chunk = [
+                (index, [int(t) for t in prompts[index]])
+                for index in order[first : first + batch_size]
+            ]
+            done, batch_passes = _run_batch(
+                verifier, draft, chunk, max_new_tokens, num_speculative_tokens, eos, counts, on_done
+            )
+            outputs.update(done)
+            passes += batch_passes
+    finally:
+        seconds = time.perf_counter() - start
+        draft.train(was_training[0])
+        verifier.train(was_training[1])
+        if progress is not None:
+            progress.close()
+    return SpeculativeGeneration(
+        outputs=[outputs[index] for index in range(len(prompts))],
+        counts=counts,
+        seconds=seconds,
+        verifier_passes=passes,
+        prompt_tokens=sum(len(prompt) for prompt in prompts),
+    )

@@ -1,0 +1,138 @@
+"""The `vllm` engine of `speculators eval`: vLLM 0.16 serving the draft, its own counters read back.
+
+vLLM runs the verifier with `speculative_config={"method": "eagle3", "model": <draft folder>,
+"num_speculative_tokens": k}` and keeps Prometheus counters of its drafts
+(`vllm:spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens`, and the vector
+`..._num_accepted_tokens_per_pos`), which `LLM.get_metrics()` returns when stats are on. They are
+read before and after generation and the difference is this run's. vLLM's CPU build refuses
+speculative decoding; `speculative_decoding_unavailable()` says so before an engine is started.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from speculators_vllm016.evaluate.acceptance import AcceptanceCounts
+
+__all__ = [
+    "VllmGeneration",
+    "counts_from_metrics",
+    "evaluate_with_vllm",
+    "speculative_decoding_unavailable",
+]
+
+_DRAFTS = "vllm:spec_decode_num_drafts"
+_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+@dataclass
+class VllmGeneration:
+    outputs: list[list[int]]
+    counts: AcceptanceCounts
+    seconds: float
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(output) for output in self.outputs)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def speculative_decoding_unavailable() -> str | None:
+    """Why this vLLM build cannot run speculative decoding, or None when it can."""
+    try:
+        from vllm.platforms import current_platform
+    except Exception as error:  # noqa: BLE001 - any import failure means no vLLM engine
+        return f"vLLM cannot be imported ({type(error).__name__}: {error})"
+    if current_platform.is_cpu():
+        return "vLLM's CPU build refuses speculative decoding"
+    return None
+
+
+def counts_from_metrics(metrics: Sequence[object], num_speculative_tokens: int) -> AcceptanceCounts:
+    """Sum vLLM's spec-decode counters over engines (`LLM.get_metrics()` entries)."""
+    counts = AcceptanceCounts(num_speculative_tokens)
+    for metric in metrics:
+        name = getattr(metric, "name", None)
+        if name == _DRAFTS:
+            counts.num_drafts += int(metric.value)  # type: ignore[attr-defined]
+        elif name == _DRAFT_TOKENS:
+            counts.num_draft_tokens += int(metric.value)  # type: ignore[attr-defined]
+        elif name == _ACCEPTED:
+            counts.num_accepted_tokens += int(metric.value)  # type: ignore[attr-defined]
+        elif name == _PER_POSITION:
+            values = list(metric.values)  # type: ignore[attr-defined]
+            for position, value in enumerate(values[:num_speculative_tokens]):
+                counts.accepted_per_position[position] += int(value)
+    return counts
+
+
+def _difference(after: AcceptanceCounts, before: AcceptanceCounts) -> AcceptanceCounts:
+    return AcceptanceCounts(
+        num_speculative_tokens=after.num_speculative_tokens,
+        num_drafts=after.num_drafts - before.num_drafts,
+        num_draft_tokens=after.num_draft_tokens - before.num_draft_tokens,
+        num_accepted_tokens=after.num_accepted_tokens - before.num_accepted_tokens,
+        accepted_per_position=[
+            a - b for a, b in zip(after.accepted_per_position, before.accepted_per_position)
+        ],
+    )
+
+
+def evaluate_with_vllm(
+    draft_path: str,
+    verifier_path: str,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    num_speculative_tokens: int,
+    *,
+    dtype: str = "auto",
+    ignore_eos: bool = False,
+    max_model_len: int | None = None,
+    gpu_memory_utilization: float = 0.8,
+    tensor_parallel_size: int = 1,
+    seed: int = 0,
+    show_progress: bool = True,
+) -> VllmGeneration:
+    """Greedy generation of `prompts` by vLLM with the draft; acceptance from vLLM's counters."""
+    reason = speculative_decoding_unavailable()
+    if reason is not None:
+        raise RuntimeError(f"{reason}; use --engine hf")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        model=verifier_path,
+        tokenizer=verifier_path,
+        speculative_config={
+            "method": "eagle3",
+            "model": draft_path,
+            "num_speculative_tokens": num_speculative_tokens,
+        },
+        dtype=dtype,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        tensor_parallel_size=tensor_parallel_size,
+        seed=seed,
+        disable_log_stats=False,
+    )
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=ignore_eos)
+        requests = [TokensPrompt(prompt_token_ids=[int(t) for t in prompt]) for prompt in prompts]
+        before = counts_from_metrics(llm.get_metrics(), num_speculative_tokens)
+        start = time.perf_counter()
+        results = llm.generate(requests, params, use_tqdm=show_progress)
+        seconds = time.perf_counter() - start
+        after = counts_from_metrics(llm.get_metrics(), num_speculative_tokens)
+        outputs = [list(result.outputs[0].token_ids) for result in results]
+    finally:
+        del llm
+        gc.collect()
+    return VllmGeneration(outputs=outputs, counts=_difference(after, before), seconds=seconds)

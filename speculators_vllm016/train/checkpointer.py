@@ -1,0 +1,529 @@
+"""Training checkpoints: 0.3.0's folder layout, written whole or not at all, resumable exactly.
+
+Layout under the save path (0.3.0's, extended):
+
+    <save>/<epoch>/                 end of an epoch (0.3.0's names)
+    <save>/<epoch>-step<global>/    inside an epoch (`--checkpoint-freq`, SIGTERM)
+        config.json, model.safetensors    the draft, in the checkpoint dtype (bf16): what vLLM serves
+        master_weights.safetensors        trainable weights in their training dtype, when it differs
+        optimizer_state_dict.pt           full optimizer state, keyed by parameter name, fp32
+        scheduler_state_dict.pt
+        rng_state_rank<r>.pt              python, numpy, torch and CUDA RNG states of each rank
+        training_state.json               epoch, step in epoch, global step, sampler; written last
+    <save>/best -> <name>                 the checkpoint with the highest validation tau_sim
+
+A checkpoint is assembled in a hidden temporary folder and renamed into place, so a crash leaves
+no half-written checkpoint under a real name. Resume takes the newest complete checkpoint; a folder
+of 0.3.0's layout (no training_state.json) counts as the end of its epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from abc import abstractmethod
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from transformers.modeling_utils import PreTrainedModel
+
+__all__ = [
+    "BaseCheckpointer",
+    "CheckpointRef",
+    "DistributedCheckpointer",
+    "SingleGPUCheckpointer",
+    "TrainingState",
+    "convert_float_dtype",
+    "find_checkpoints",
+    "load_safetensors_state_dict",
+]
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "training_state.json"
+MASTER_WEIGHTS = "master_weights.safetensors"
+BEST_LINK = "best"
+_MID_EPOCH = re.compile(r"^(\d+)-step(\d+)$")
+_TEMP_PREFIX = ".tmp-"
+
+
+@dataclass
+class TrainingState:
+    """The run's progress: everything besides weights and optimizer that exact resume needs.
+
+    `step_in_epoch` counts optimizer steps done in `epoch`; `epoch_complete` marks the end of it.
+    """
+
+    epoch: int = 0
+    step_in_epoch: int = 0
+    global_step: int = 0
+    epoch_complete: bool = False
+    world_size: int = 1
+    seed: int = 0
+    val_tau_sim: float | None = None
+    best_val_tau_sim: float | None = None
+    best_checkpoint: str | None = None
+    skipped_samples: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def resume_position(self) -> tuple[int, int]:
+        """(epoch, step in it) where training continues after this state."""
+        if self.epoch_complete:
+            return self.epoch + 1, 0
+        return self.epoch, self.step_in_epoch
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainingState:
+        values = json.loads(text)
+        known = {name for name in cls.__dataclass_fields__}
+        return cls(**{key: value for key, value in values.items() if key in known})
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """A complete checkpoint folder and the progress it records."""
+
+    path: Path
+    state: TrainingState
+    legacy: bool  # 0.3.0 layout: no training state, no RNG states
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def sort_key(self) -> tuple[int, int]:
+        return self.state.resume_position()
+
+
+def _is_complete(folder: Path) -> bool:
+    if not (folder / "model.safetensors").is_file() or not (folder / "config.json").is_file():
+        return False
+    return (folder / STATE_FILE).is_file() or (folder / "optimizer_state_dict.pt").is_file()
+
+
+def find_checkpoints(save_path: str | os.PathLike) -> list[CheckpointRef]:
+    """Complete checkpoints under `save_path`, oldest first."""
+    root = Path(save_path)
+    if not root.is_dir():
+        return []
+    found: list[CheckpointRef] = []
+    for folder in root.iterdir():
+        if folder.is_symlink() or not folder.is_dir() or not _is_complete(folder):
+            continue
+        state_file = folder / STATE_FILE
+        if state_file.is_file():
+            state = TrainingState.from_json(state_file.read_text())
+            found.append(CheckpointRef(folder, state, legacy=False))
+        elif folder.name.isdigit():
+            epoch = int(folder.name)
+            state = TrainingState(epoch=epoch, epoch_complete=True, global_step=-1)
+            found.append(CheckpointRef(folder, state, legacy=True))
+    found.sort(key=CheckpointRef.sort_key)
+    return found
+
+
+def remove_temporary_folders(save_path: Path) -> None:
+    """Delete what an interrupted save left behind (only this run's save path)."""
+    if save_path.is_dir():
+        for entry in save_path.iterdir():
+            if entry.name.startswith(_TEMP_PREFIX) and entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+
+
+def convert_float_dtype(sd: pytree.PyTree, dtype: torch.dtype) -> pytree.PyTree:
+    """Cast every floating-point tensor in a nested structure to `dtype`."""
+
+    def cast(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.to(dtype)
+        return value
+
+    return pytree.tree_map(cast, sd)
+
+
+def load_safetensors_state_dict(path: Path, device: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, on `device`."""
+    with safe_open(str(path), framework="pt", device=str(device)) as handle:
+        return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+
+
+def capture_rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _to_cpu(tree: pytree.PyTree) -> pytree.PyTree:
+    return pytree.tree_map(
+        lambda value: value.detach().cpu() if isinstance(value, torch.Tensor) else value, tree
+    )
+
+
+def _named_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state keyed by parameter name (the layout FSDP's full state dict uses)."""
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    raw = optimizer.state_dict()
+    index_to_name: dict[int, str] = {}
+    groups = []
+    for live, saved in zip(optimizer.param_groups, raw["param_groups"], strict=True):
+        group_names = [names[id(parameter)] for parameter in live["params"]]
+        index_to_name.update(zip(saved["params"], group_names, strict=True))
+        group = {key: value for key, value in saved.items() if key not in ("params", "param_names")}
+        group["params"] = group_names
+        groups.append(group)
+    state = {index_to_name[index]: value for index, value in raw["state"].items()}
+    return {"state": state, "param_groups": groups}
+
+
+def _load_named_optimizer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, named: dict
+) -> None:
+    """Load a name-keyed state (ours) or an index-keyed one (0.3.0's single-GPU files)."""
+    if named["state"] and all(isinstance(key, int) for key in named["state"]):
+        optimizer.load_state_dict(named)
+        return
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    current = optimizer.state_dict()
+    name_to_index: dict[str, int] = {}
+    for live, saved in zip(optimizer.param_groups, current["param_groups"], strict=True):
+        name_to_index.update(
+            zip((names[id(p)] for p in live["params"]), saved["params"], strict=True)
+        )
+    if len(named["param_groups"]) != len(current["param_groups"]):
+        raise ValueError("the checkpoint's optimizer has a different number of parameter groups")
+    groups = []
+    for loaded, saved in zip(named["param_groups"], current["param_groups"], strict=True):
+        group = {key: value for key, value in loaded.items() if key != "params"}
+        group["params"] = saved["params"]
+        if "param_names" in saved:
+            group["param_names"] = saved["param_names"]
+        groups.append(group)
+    missing = [name for name in named["state"] if name not in name_to_index]
+    if missing:
+        raise ValueError(f"optimizer state for parameters the model does not have: {missing[:5]}")
+    state = {name_to_index[name]: value for name, value in named["state"].items()}
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+class BaseCheckpointer:
+    """Saves and finds checkpoints under `path` (see the module docstring for the layout).
+
+    `previous_epoch` / `prev_path` are 0.3.0's: the newest completed epoch folder. `latest` is the
+    newest complete checkpoint of any kind, which is what the trainer resumes from.
+    """
+
+    sharded: bool = False
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        self.refresh()
+
+    def refresh(self) -> None:
+        self.checkpoints = find_checkpoints(self.path)
+        epochs = [ref for ref in self.checkpoints if ref.state.epoch_complete]
+        self.previous_epoch = max((ref.state.epoch for ref in epochs), default=-1)
+        self.prev_path: Path | None = (
+            self.path / str(self.previous_epoch) if self.previous_epoch != -1 else None
+        )
+        self.latest: CheckpointRef | None = self.checkpoints[-1] if self.checkpoints else None
+
+    # -- paths (0.3.0) -----------------------------------------------------------------------
+    def model_path(self, epoch: int | str) -> Path:
+        return self.path / str(epoch) / "model.safetensors"
+
+    def optimizer_path(self, epoch: int | str) -> Path:
+        return self.path / str(epoch) / "optimizer_state_dict.pt"
+
+    def scheduler_path(self, epoch: int | str) -> Path:
+        return self.path / str(epoch) / "scheduler_state_dict.pt"
+
+    def _source(self, checkpoint: Path | None) -> Path:
+        source = checkpoint or (self.latest.path if self.latest else self.prev_path)
+        if source is None:
+            raise FileNotFoundError(f"no checkpoint under {self.path}")
+        return Path(source)
+
+    # -- state gathering (collective where sharded) ------------------------------------------
+    def _model_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu() for k, v in _unwrap(model).state_dict().items()}
+
+    def _optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        return _to_cpu(_named_optimizer_state(_unwrap(model), optimizer))
+
+    def _set_model_state(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        target = _unwrap(model)
+        device = next(target.parameters()).device
+        incompatible = target.load_state_dict(
+            {k: v.to(device) for k, v in state.items()}, strict=False
+        )
+        if incompatible.unexpected_keys:
+            raise ValueError(f"checkpoint weights the model lacks: {incompatible.unexpected_keys[:5]}")
+
+    def _set_optimizer_state(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict
+    ) -> None:
+        _load_named_optimizer_state(_unwrap(model), optimizer, state)
+
+    # -- 0.3.0 API ---------------------------------------------------------------------------
+    def load_model_state_dict(
+        self,
+        model: PreTrainedModel,
+        float_dtype: torch.dtype | None = None,
+        *,
+        checkpoint: Path | None = None,
+    ) -> None:
+        """Load weights: the master weights where the checkpoint has them, else model.safetensors.
+
+        With master weights, only the trained weights are loaded: frozen ones (embeddings, the
+        verifier's head) keep the exact values the model took from the verifier, instead of
+        the rounded copies in the served file.
+        """
+        source = self._source(checkpoint)
+        dtype = float_dtype or next(_unwrap(model).parameters()).dtype
+        if (source / MASTER_WEIGHTS).is_file():
+            state = load_safetensors_state_dict(source / MASTER_WEIGHTS, "cpu")
+        else:
+            state = load_safetensors_state_dict(source / "model.safetensors", "cpu")
+        self._set_model_state(model, convert_float_dtype(state, dtype))
+
+    def load_optimizer_state_dict(
+        self,
+        model: PreTrainedModel,
+        optimizer: torch.optim.Optimizer,
+        float_dtype: torch.dtype | None = None,
+        *,
+        checkpoint: Path | None = None,
+    ) -> None:
+        source = self._source(checkpoint)
+        dtype = float_dtype or next(_unwrap(model).parameters()).dtype
+        state = torch.load(source / "optimizer_state_dict.pt", map_location="cpu", weights_only=True)
+        state = convert_float_dtype(state, dtype)
+        self._set_optimizer_state(model, optimizer, state)
+
+    def load_scheduler_state_dict(
+        self, scheduler: torch.optim.lr_scheduler.LRScheduler, *, checkpoint: Path | None = None
+    ) -> None:
+        path = self._source(checkpoint) / "scheduler_state_dict.pt"
+        if path.is_file():
+            scheduler.load_state_dict(torch.load(path, weights_only=True))
+
+    def save_scheduler_state_dict(
+        self, scheduler: torch.optim.lr_scheduler.LRScheduler, epoch: int
+    ) -> None:
+        """0.3.0's separate scheduler save into an existing epoch folder."""
+        if self._rank() == 0:
+            _atomic_torch_save(scheduler.state_dict(), self.scheduler_path(epoch))
+
+    @abstractmethod
+    def save_checkpoint(
+        self,
+        model: PreTrainedModel,
+        optimizer: torch.optim.Optimizer,
+        epoch: int,
+        float_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        """0.3.0's end-of-epoch save (model and optimizer) into `<path>/<epoch>`."""
+
+    # -- the trainer's save ------------------------------------------------------------------
+    @staticmethod
+    def _rank() -> int:
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    def save(
+        self,
+        name: str,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+        state: TrainingState,
+        *,
+        float_dtype: torch.dtype = torch.bfloat16,
+        optimizer_dtype: torch.dtype | None = None,
+        rng_state: dict[str, Any] | None = None,
+    ) -> Path:
+        """Write checkpoint `name` atomically (every rank calls this; rank 0 writes the files).
+
+        `optimizer_dtype=None` keeps the optimizer state in its own dtype (0.3.0 cast it to bf16).
+        """
+        rank = self._rank()
+        distributed = dist.is_available() and dist.is_initialized()
+        weights = self._model_state(model)
+        optimizer_state = self._optimizer_state(model, optimizer)
+        final = self.path / name
+        temporary = self.path / f"{_TEMP_PREFIX}{name}"
+        if rank == 0:
+            shutil.rmtree(temporary, ignore_errors=True)
+            temporary.mkdir(parents=True)
+        if distributed:
+            dist.barrier()
+        _atomic_torch_save(rng_state or capture_rng_state(), temporary / f"rng_state_rank{rank}.pt")
+        if rank == 0:
+            inner = _unwrap(model)
+            served = convert_float_dtype(weights, float_dtype)
+            inner.save_pretrained(temporary, state_dict=served, safe_serialization=True)
+            trainable = {
+                name: weights[name].contiguous()
+                for name, parameter in inner.named_parameters()
+                if parameter.requires_grad and name in weights
+            }
+            if any(tensor.dtype != float_dtype for tensor in trainable.values()):
+                save_file(trainable, str(temporary / MASTER_WEIGHTS))
+            if optimizer_dtype is not None:
+                optimizer_state = convert_float_dtype(optimizer_state, optimizer_dtype)
+            torch.save(optimizer_state, temporary / "optimizer_state_dict.pt")
+            if scheduler is not None:
+                torch.save(scheduler.state_dict(), temporary / "scheduler_state_dict.pt")
+        if distributed:
+            dist.barrier()
+        if rank == 0:
+            (temporary / STATE_FILE).write_text(state.to_json())
+            _fsync_tree(temporary)
+            _replace_folder(temporary, final)
+        if distributed:
+            dist.barrier()
+        self.refresh()
+        return final
+
+    def load_rng_state(self, checkpoint: Path) -> dict[str, Any] | None:
+        path = checkpoint / f"rng_state_rank{self._rank()}.pt"
+        if not path.is_file():
+            return None
+        return torch.load(path, weights_only=False)
+
+    def point_best(self, name: str) -> None:
+        """Make `<path>/best` point at checkpoint `name` (rank 0; atomic)."""
+        if self._rank() != 0:
+            return
+        link = self.path / BEST_LINK
+        temporary = self.path / f"{_TEMP_PREFIX}{BEST_LINK}-link"
+        temporary.unlink(missing_ok=True)
+        os.symlink(name, temporary)
+        os.replace(temporary, link)
+
+    def prune(self, keep: set[str]) -> None:
+        """Delete mid-epoch checkpoints not in `keep` (epoch folders are always kept)."""
+        if self._rank() != 0:
+            return
+        best = self.path / BEST_LINK
+        best_target = os.readlink(best) if best.is_symlink() else None
+        for ref in self.checkpoints:
+            if _MID_EPOCH.match(ref.name) and ref.name not in keep and ref.name != best_target:
+                shutil.rmtree(ref.path, ignore_errors=True)
+        self.refresh()
+
+
+class SingleGPUCheckpointer(BaseCheckpointer):
+    """Checkpoints of a model held whole by this process (one process, or DDP replicas)."""
+
+    def save_checkpoint(
+        self,
+        model: PreTrainedModel,
+        optimizer: torch.optim.Optimizer,
+        epoch: int,
+        float_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        state = TrainingState(epoch=epoch, epoch_complete=True, global_step=-1)
+        self.save(str(epoch), model, optimizer, None, state, float_dtype=float_dtype)
+
+
+class DistributedCheckpointer(SingleGPUCheckpointer):
+    """Checkpoints of an FSDP2-sharded model: full state gathered to rank 0, loaded on every rank."""
+
+    sharded = True
+
+    def _model_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(model, options=options)
+
+    def _optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(model, optimizer, options=options)
+
+    def _set_model_state(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(model, state, options=options)
+
+    def _set_optimizer_state(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict
+    ) -> None:
+        if state["state"] and all(isinstance(key, int) for key in state["state"]):
+            raise ValueError(
+                "this optimizer state is keyed by index (a single-process 0.3.0 checkpoint); "
+                "resume it with one process first"
+            )
+        set_optimizer_state_dict(
+            model, optimizer, state, options=StateDictOptions(full_state_dict=True)
+        )
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    torch.save(obj, temporary)
+    os.replace(temporary, path)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for entry in folder.iterdir():
+        if entry.is_file():
+            with open(entry, "rb") as handle:
+                os.fsync(handle.fileno())
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _replace_folder(source: Path, target: Path) -> None:
+    """Rename `source` to `target`, replacing an existing `target` without a moment of neither."""
+    if target.exists():
+        old = target.with_name(f"{_TEMP_PREFIX}old-{target.name}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)
+        os.replace(source, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(source, target)
+    descriptor = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

@@ -1,0 +1,380 @@
+"""Sample files -> packed training rows: the data side of the data -> trainer contract.
+
+The contract (what every training step receives, per rank):
+
+    PackedBatch = {
+        "input_ids":                   LongTensor  [1, T]          token t+1 of each pair
+        "hidden_states":               FloatTensor [1, T, (n-1)*H] fused auxiliary states of token t
+        "verifier_last_hidden_states": FloatTensor [1, T, H]       last captured layer, token t+1
+        "loss_mask":                   LongTensor  [1, T]          1 where the predicted token is trained
+        "position_ids":                LongTensor  [1, T]          restart at 1 in every sample
+        "lengths":                     LongTensor  [k]             tokens of each packed sample (sum <= T)
+        "skipped_samples":             LongTensor  []              samples of this row dropped as unusable
+    }
+
+`T` is `--total-seq-len`. A row holds whole samples (cut only when a sample alone is longer than
+`T`), padded with zeros. Each sample is shifted by one token first (`shift_batch`): the states of
+token t are paired with token t + 1, and the draft at that position predicts token t + 2, whose
+distribution the verifier's state of token t + 1 gives. `loss_mask` therefore says whether token
+t + 2 is an assistant token (0.3.0 used token t + 1's flag: its defect D9, kept behind
+`legacy_loss_mask_shift=True`).
+
+Sample files are what datagen writes (`data_{idx}.pt` or `data_{idx}.safetensors`; format v1,
+or v0 with `standardize_data_v0`). Nothing else in the data folder is read as a sample (0.3.0's
+D12). Sample lengths come from datagen's manifest when present, else from each file's header, read
+once; never from file sizes (D5).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import re
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypedDict
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from speculators_vllm016.train.noise_transforms import TransformTensors
+
+__all__ = [
+    "BatchType",
+    "Eagle3SampleFileDataset",
+    "PackedBatch",
+    "SampleFileError",
+    "create_collate_fn",
+    "list_files",
+    "sample_lengths",
+    "shift_batch",
+    "slice_and_pad_to_length",
+    "split_files",
+    "standardize_data_v0",
+    "standardize_data_v1",
+]
+
+logger = logging.getLogger(__name__)
+
+BatchType = dict[str, Any]
+StandardizeFnSig = Callable[[dict[str, Any]], dict[str, Any]]
+
+SAMPLE_FILE = re.compile(r"^data_(\d+)\.(pt|safetensors)$")
+MODEL_INPUTS = (
+    "input_ids",
+    "hidden_states",
+    "verifier_last_hidden_states",
+    "loss_mask",
+    "position_ids",
+    "lengths",
+)
+
+
+class PackedBatch(TypedDict):
+    """One packed row per rank and step; see the module docstring for shapes and meaning."""
+
+    input_ids: torch.Tensor
+    hidden_states: torch.Tensor
+    verifier_last_hidden_states: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    lengths: torch.Tensor
+    skipped_samples: torch.Tensor
+
+
+class SampleFileError(ValueError):
+    """A sample file that cannot be used: unreadable, of the wrong layout, or not finite."""
+
+
+def list_files(path: str | os.PathLike) -> list[Path]:
+    """Every sample file under `path` (recursively), in a stable order: folder, then index."""
+    found: list[tuple[str, int, str, Path]] = []
+    for root, directories, files in os.walk(path):
+        directories[:] = [name for name in directories if not name.startswith(".")]
+        for name in files:
+            match = SAMPLE_FILE.match(name)
+            if match:
+                found.append((root, int(match.group(1)), match.group(2), Path(root) / name))
+    found.sort(key=lambda entry: entry[:3])
+    return [entry[3] for entry in found]
+
+
+def split_files(
+    datapath: str, ratio: float = 0.9, seed: int = 0
+) -> tuple[list[Path], list[Path]]:
+    """Shuffle the sample files with `seed` and split them `ratio : 1 - ratio` (train, validation)."""
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"the training share must be in (0, 1], got {ratio}")
+    files = list_files(datapath)
+    random.Random(seed).shuffle(files)
+    cut = int(len(files) * ratio)
+    if files and cut == 0:
+        cut = 1  # never an empty training set while there is data
+    return files[:cut], files[cut:]
+
+
+def slice_and_pad_to_length(tensor: torch.Tensor, length: int) -> torch.Tensor:
+    """Cut or zero-pad the first dimension of `tensor` to `length`."""
+    kept = tensor[:length]
+    missing = length - kept.shape[0]
+    if missing == 0:
+        return kept
+    padding = [0, 0] * (kept.dim() - 1) + [0, missing]
+    return F.pad(kept, padding)
+
+
+def standardize_data_v0(data: dict[str, Any]) -> dict[str, Any]:
+    """v0 files: `hidden_state` is already the fused input, `target` the last layer."""
+    return {
+        "input_ids": data["input_ids"],
+        "hidden_states": data["hidden_state"],
+        "verifier_last_hidden_states": data["target"],
+        "loss_mask": data["loss_mask"],
+    }
+
+
+def standardize_data_v1(data: dict[str, Any]) -> dict[str, Any]:
+    """v1 files (datagen's): all captured layers but the last are fused, the last is the teacher."""
+    layers = list(data["hidden_states"])
+    if len(layers) < 2:
+        raise SampleFileError(f"a v1 sample needs at least 2 captured layers, found {len(layers)}")
+    return {
+        "input_ids": data["input_ids"],
+        "hidden_states": torch.cat(layers[:-1], dim=-1),
+        "verifier_last_hidden_states": layers[-1],
+        "loss_mask": data["loss_mask"],
+    }
+
+
+def shift_batch(batch: BatchType, *, legacy_loss_mask_shift: bool = False) -> BatchType:
+    """Pair the states of token t with token t + 1 (one sample, unbatched; length drops by one).
+
+    The loss mask is taken two tokens ahead: position t predicts token t + 2. With
+    `legacy_loss_mask_shift=True` it is taken one token ahead, as 0.3.0 did.
+    """
+    loss_mask = batch["loss_mask"]
+    if legacy_loss_mask_shift:
+        shifted_mask = loss_mask[1:]
+    else:
+        shifted_mask = torch.cat([loss_mask[2:], loss_mask.new_zeros(min(1, len(loss_mask) - 1))])
+    return {
+        "input_ids": batch["input_ids"][1:],
+        "hidden_states": batch["hidden_states"][:-1],
+        "verifier_last_hidden_states": batch["verifier_last_hidden_states"][1:],
+        "loss_mask": shifted_mask,
+        "lengths": batch["lengths"] - 1,
+        "position_ids": batch["position_ids"][1:],
+    }
+
+
+def _read_length(path: Path) -> int:
+    """Tokens in one sample file, read from its header (no hidden states are loaded)."""
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as handle:
+            return int(handle.get_slice("input_ids").get_shape()[0])
+    data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return int(data["input_ids"].shape[0])
+
+
+def _manifest_lengths(folders: set[Path]) -> dict[Path, tuple[int, int]]:
+    """`{file: (tokens, bytes)}` from datagen's manifests in `folders`, where datagen wrote one."""
+    try:
+        from speculators_vllm016.data_generation.manifest import read_manifest
+    except ImportError:  # a datagen without manifests
+        return {}
+    known: dict[Path, tuple[int, int]] = {}
+    for folder in folders:
+        for name, record in read_manifest(folder).items():
+            known[folder / name] = (int(record.length), int(record.bytes))
+    return known
+
+
+def sample_lengths(
+    files: Sequence[str | os.PathLike], num_threads: int = 8
+) -> tuple[list[int], list[tuple[Path, str]]]:
+    """Token count of every sample file, and the files that could not be read with the reason.
+
+    A manifest record is trusted when the file's size matches it; other files are opened (header
+    only, in parallel threads).
+    """
+    paths = [Path(name) for name in files]
+    known = _manifest_lengths({path.parent for path in paths})
+    lengths: list[int] = [-1] * len(paths)
+    to_read: list[int] = []
+    for position, path in enumerate(paths):
+        record = known.get(path)
+        try:
+            size = path.stat().st_size
+        except OSError:
+            size = -1
+        if record is not None and record[1] == size:
+            lengths[position] = record[0]
+        else:
+            to_read.append(position)
+    failures: list[tuple[Path, str]] = []
+
+    def read(position: int) -> tuple[int, int | None, str | None]:
+        try:
+            return position, _read_length(paths[position]), None
+        except Exception as error:  # noqa: BLE001 - any unreadable file is reported, not fatal
+            return position, None, f"{type(error).__name__}: {error}".splitlines()[0][:200]
+
+    with ThreadPoolExecutor(max_workers=max(1, num_threads)) as pool:
+        for position, length, reason in pool.map(read, to_read):
+            if length is None:
+                failures.append((paths[position], reason or "unreadable"))
+            else:
+                lengths[position] = length
+    return lengths, failures
+
+
+def _noise_seed(seed: int, epoch: int, index: int) -> int:
+    """A distinct, stable seed per (run seed, epoch, sample) so noise never depends on workers."""
+    mixed = (seed * 1_000_003 + epoch) * 1_000_033 + index
+    return mixed % (2**63 - 1)
+
+
+class Eagle3SampleFileDataset(Dataset):
+    """Standardized, shifted samples read from sample files (one file per sample).
+
+    Item `i` is the shifted sample dict of `file_list[i]`, or None when the file turns out unusable
+    (unreadable, or hidden states that are not finite) and `strict` is off: the collate function
+    drops it and counts it. The transform (noise) is seeded per `(seed, epoch, index)`, so a sample
+    gets the same noise whatever worker reads it and whenever: resumed runs see the same data.
+    `lengths` are the shifted token counts that packing uses.
+    """
+
+    def __init__(
+        self,
+        max_len: int,
+        datapath: str | None = None,
+        file_list: list[str] | None = None,
+        transform: TransformTensors | None = None,
+        hidden_states_dtype: torch.dtype = torch.float,
+        standardize_fn: StandardizeFnSig = standardize_data_v1,
+        *,
+        lengths: Sequence[int] | None = None,
+        seed: int = 0,
+        strict: bool = False,
+        legacy_loss_mask_shift: bool = False,
+    ) -> None:
+        if (datapath is None) == (file_list is None):
+            raise ValueError("give exactly one of `datapath` (a folder to scan) or `file_list`")
+        files = list_files(datapath) if datapath is not None else [Path(f) for f in file_list]
+        self.max_len = max_len
+        self.transform = transform
+        self.hidden_states_dtype = hidden_states_dtype
+        self.standardize_fn = standardize_fn
+        self.seed = seed
+        self.epoch = 0
+        self.strict = strict
+        self.legacy_loss_mask_shift = legacy_loss_mask_shift
+        self.unreadable: list[tuple[Path, str]] = []
+        if lengths is None:
+            raw, self.unreadable = sample_lengths(files)
+            if self.unreadable and strict:
+                path, reason = self.unreadable[0]
+                raise SampleFileError(
+                    f"{len(self.unreadable)} sample files cannot be read, e.g. {path} ({reason}); "
+                    "delete or regenerate them, or drop --strict-data to skip them"
+                )
+            for path, reason in self.unreadable[:20]:
+                logger.warning("skipping unreadable sample file %s (%s)", path, reason)
+            kept = [(f, n) for f, n in zip(files, raw, strict=True) if n >= 0]
+            files = [f for f, _ in kept]
+            lengths = [max(n - 1, 0) for _, n in kept]
+        elif len(lengths) != len(files):
+            raise ValueError(f"{len(lengths)} lengths for {len(files)} files")
+        self.data: list[Path] = files
+        self.lengths: list[int] = [int(n) for n in lengths]
+
+    @property
+    def approx_lengths(self) -> list[int]:
+        """0.3.0's name; the lengths here are exact."""
+        return self.lengths
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def load(self, index: int) -> BatchType:
+        """The shifted sample of file `index`; raises `SampleFileError` when it is unusable."""
+        from speculators_vllm016.data_generation.sample_io import load_sample
+
+        path = self.data[index]
+        try:
+            data = self.standardize_fn(load_sample(path, mmap=True))
+        except SampleFileError as error:
+            raise SampleFileError(f"{path}: {error}") from None
+        except Exception as error:  # noqa: BLE001 - a corrupt file surfaces here, in a worker
+            raise SampleFileError(f"{path}: unreadable ({type(error).__name__}: {error})") from None
+        data = {
+            key: value.to(self.hidden_states_dtype) if "hidden_states" in key else value
+            for key, value in data.items()
+        }
+        for key in ("hidden_states", "verifier_last_hidden_states"):
+            if not bool(torch.isfinite(data[key]).all()):
+                raise SampleFileError(f"{path}: {key} holds NaN or inf values")
+        length = int(data["input_ids"].shape[0])
+        data["lengths"] = torch.tensor([length], dtype=torch.long)
+        data["position_ids"] = torch.arange(length, dtype=torch.long)
+        if self.transform is not None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(_noise_seed(self.seed, self.epoch, index))
+                data = self.transform(data)
+        return shift_batch(data, legacy_loss_mask_shift=self.legacy_loss_mask_shift)
+
+    def __getitem__(self, index: int) -> BatchType | None:
+        try:
+            return self.load(index)
+        except SampleFileError as error:
+            if self.strict:
+                raise
+            logger.warning("skipping sample: %s", error)
+            return None
+
+
+def create_collate_fn(max_len: int) -> Callable[[list[BatchType | None]], PackedBatch]:
+    """Pack a list of shifted samples into one row of `max_len` tokens (see `PackedBatch`).
+
+    Samples are laid end to end; the row is cut or zero-padded to `max_len`, and `lengths` lists
+    the samples that fit, the last one cut to what is left. None entries (unusable samples) are
+    dropped and counted in `skipped_samples`.
+    """
+
+    def collate(samples: list[BatchType | None]) -> PackedBatch:
+        usable = [sample for sample in samples if sample is not None]
+        skipped = torch.tensor(len(samples) - len(usable), dtype=torch.long)
+        if not usable:
+            raise SampleFileError("every sample of a packed row was unusable")
+        row: dict[str, Any] = {}
+        for key in usable[0]:
+            joined = torch.cat([sample[key] for sample in usable], dim=0)
+            row[key] = joined if key == "lengths" else slice_and_pad_to_length(joined, max_len)[None]
+        kept: list[int] = []
+        used = 0
+        for length in row["lengths"].tolist():
+            if used + length >= max_len:
+                kept.append(max_len - used)
+                break
+            kept.append(length)
+            used += length
+        row["lengths"] = torch.tensor(kept, dtype=torch.long)
+        row["skipped_samples"] = skipped
+        return row  # type: ignore[return-value]
+
+    return collate
+
+
+def steps_per_epoch_hint(total_tokens: int, total_seq_len: int, world_size: int) -> int:
+    """A rough count of packed rows per rank, for messages only."""
+    return max(1, math.ceil(total_tokens / max(1, total_seq_len * world_size)))

@@ -1,0 +1,90 @@
+"""Process-group set-up and model wrapping for data-parallel training (GPU or CPU).
+
+Launched by `torchrun` (LOCAL_RANK, RANK, WORLD_SIZE in the environment) the trainer joins a
+process group: NCCL on CUDA devices, gloo on CPUs. Launched as a plain process it trains alone.
+Nothing here assumes `cuda:0`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "apply_data_parallel",
+    "apply_fully_sharded",
+    "maybe_destroy_distributed",
+    "maybe_setup_distributed",
+    "training_device",
+]
+
+logger = logging.getLogger("speculators")
+
+
+def _launched_by_torchrun() -> bool:
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def training_device(local_rank: int = 0, requested: str | None = None) -> torch.device:
+    """The device this rank trains on: `requested`, else its CUDA device, else the CPU."""
+    if requested:
+        device = torch.device(requested)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", local_rank)
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def maybe_setup_distributed(device: str | None = None) -> tuple[int, int, int, bool]:
+    """Join the process group when launched by torchrun: `(local_rank, world_size, rank, is_distributed)`."""
+    if not _launched_by_torchrun():
+        return 0, 1, 0, False
+    local_rank = int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    if not dist.is_initialized():
+        target = training_device(local_rank, device)
+        if target.type == "cuda":
+            torch.cuda.set_device(target)
+            dist.init_process_group("nccl", device_id=target)
+        else:
+            dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    logger.info("rank %d of %d (local rank %d) joined", rank, world_size, local_rank)
+    return local_rank, world_size, rank, True
+
+
+def maybe_destroy_distributed() -> None:
+    """Leave the process group, if this process joined one."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def apply_fully_sharded(model: torch.nn.Module) -> torch.nn.Module:
+    """Shard the draft with FSDP2: each decoder layer, then the rest (embeddings, heads).
+
+    Parameters stay in their dtype (fp32 master weights); bf16 compute comes from autocast, so the
+    numerics match single-process and DDP training. The model must already be on its device with
+    its weights loaded: nothing is re-initialised here (0.3.0 reset the shared weights).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no `layers` to shard")
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def apply_data_parallel(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Replicate the draft with DDP (gradients averaged across ranks)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [device] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids)

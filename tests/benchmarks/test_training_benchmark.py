@@ -1,0 +1,36 @@
+"""The training-step benchmark runs its CPU preset end to end (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks.training import PRESETS, main
+
+
+def test_cpu_small_preset_runs_and_writes_its_records(tmp_path) -> None:
+    result = main([
+        "--preset", "cpu-small", "--packed-tokens", "256", "--steps", "2", "--warmup", "1",
+        "--output-dir", str(tmp_path), "--tag", "test",
+    ])
+    row = result["lengths"][0]
+    assert row["error"] is None
+    assert row["packed_tokens"] == 256 and len(row["step_seconds"]) == 2
+    assert row["median_tokens_per_second"] > 0 and math.isfinite(row["final_loss"])
+    saved = json.loads((tmp_path / "training-cpu-small-test.json").read_text())
+    assert saved["settings"]["precision"] == "fp32"  # auto on a CPU
+    assert saved["environment"]["torch"]
+    markdown = (tmp_path / "training-cpu-small-test.md").read_text()
+    assert "| 256 |" in markdown and "python benchmarks/training.py" in markdown
+
+
+def test_gpu_presets_refuse_a_cpu(tmp_path) -> None:
+    assert {"llama-3.1-8b-draft", "kimi-k2.5-draft", "cpu-small"} <= set(PRESETS)
+    llama = PRESETS["llama-3.1-8b-draft"]
+    assert (llama.hidden_size, llama.num_attention_heads, llama.num_key_value_heads,
+            llama.head_dim, llama.intermediate_size, llama.target_vocab_size,
+            llama.draft_vocab_size) == (4096, 32, 8, 128, 14336, 128256, 32000)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        main(["--preset", "llama-3.1-8b-draft", "--device", "cpu", "--output-dir", str(tmp_path)])

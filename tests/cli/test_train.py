@@ -1,0 +1,116 @@
+"""`speculators train`: 0.3.0's flags and defaults, and one-line errors that write nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from speculators_vllm016.cli.train import build_parser, main
+from speculators_vllm016.data_generation.sample_io import write_sample
+from speculators_vllm016.tiny_models import build_tiny_llama
+from tests.training_fixtures import train_args
+
+
+def test_030_flags_parse_with_030_defaults():
+    args = build_parser().parse_args(["--verifier-name-or-path", "m"])
+    expected = {
+        "verifier_name_or_path": "m", "data_path": "./data", "save_path": "./checkpoints",
+        "epochs": 20, "lr": 1e-4, "no_resume_from_checkpoint": False, "logger": "",
+        "total_seq_len": 8192, "data_format_version": 1, "log_dir": "./logs", "run_name": None,
+        "num_layers": 1, "d2t_path": "d2t.npy", "t2d_path": "t2d.npy", "ttt_steps": 3,
+        "ttt_step_loss_decay": 1.0,
+        # hard-coded in 0.3.0's script, flags here with the same values
+        "norm_before_residual": True, "prefetch_factor": 4, "noise_type": "uniform",
+        "noise_std": 0.05, "train_ratio": 0.9, "split_seed": 0, "scheduler_type": "linear",
+        "scheduler_warmup_steps": None, "max_grad_norm": 1.0, "weight_decay": 0.01,
+        "teacher_forcing": False,
+    }
+    assert {name: getattr(args, name) for name in expected} == expected
+    flags = build_parser().parse_args([
+        "--verifier-name-or-path", "m", "--no-resume-from-checkpoint", "--data-format-version", "0",
+        "--ttt-steps", "5", "--ttt-step-loss-decay", "0.8", "--num-layers", "2",
+        "--no-norm-before-residual", "--logger", "tensorboard,wandb",
+    ])
+    assert flags.no_resume_from_checkpoint and flags.data_format_version == 0
+    assert (flags.ttt_steps, flags.ttt_step_loss_decay, flags.num_layers) == (5, 0.8, 2)
+    assert flags.norm_before_residual is False and flags.logger == "tensorboard,wandb"
+
+
+def test_help_names_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    text = capsys.readouterr().out
+    for flag in ["--checkpoint-freq", "--max-steps", "--draft-vocab-size", "--token-freq-path",
+                 "--precision", "--parallel", "--seed", "--strict-data", "--no-verifier-norm",
+                 "--legacy-loss-mask-shift", "--noise-on-targets", "--bf16-optimizer-state"]:
+        assert flag in text
+
+
+def run_error(argv: list[str], capsys) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+@pytest.fixture(scope="module")
+def wide_verifier(tmp_path_factory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("wide") / "llama", hidden_size=128, num_attention_heads=2,
+                            num_key_value_heads=1, tokenizer_style=None)
+
+
+def test_bad_input_gets_one_line_and_writes_nothing(tiny_llama, training_data, wide_verifier, tmp_path, capsys):
+    save = tmp_path / "save"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "token_freq.pt").write_bytes(b"x")
+    message = run_error(train_args(tiny_llama, empty, save), capsys)
+    assert "no sample files" in message and "--data-path" in message
+
+    message = run_error(train_args(wide_verifier, training_data, save), capsys)
+    assert "hidden size" in message and "--verifier-name-or-path" in message
+
+    five = tmp_path / "five"
+    five.mkdir()
+    write_sample(five / "data_0.pt", {"input_ids": torch.arange(8), "loss_mask": torch.ones(8, dtype=torch.long),
+                                      "hidden_states": [torch.zeros(8, 256)] * 5})
+    message = run_error(train_args(tiny_llama, five, save), capsys)
+    assert "5 captured layers" in message and "--layer-ids" in message
+
+    maps = tmp_path / "maps"
+    maps.mkdir()
+    np.save(maps / "t2d.npy", np.ones(100, dtype=bool))
+    np.save(maps / "d2t.npy", np.zeros(100, dtype=np.int64))
+    argv = train_args(tiny_llama, training_data, save)
+    argv[argv.index("--t2d-path") + 1] = str(maps / "t2d.npy")
+    message = run_error(argv, capsys)
+    assert "t2d" in message and "512" in message
+
+    argv = train_args(tiny_llama, training_data, save)
+    argv[argv.index("--d2t-path") + 1] = str(maps / "missing.npy")
+    message = run_error(argv, capsys)
+    assert "--draft-vocab-size" in message
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    message = run_error(train_args(tiny_llama, training_data, blocker / "save"), capsys)
+    assert "--save-path" in message
+
+    message = run_error(train_args(tmp_path / "no_model", training_data, save), capsys)
+    assert "--verifier-name-or-path" in message
+    assert not save.exists(), "a refused run wrote to --save-path"
+
+
+def test_vocab_maps_from_token_counts(tiny_llama, training_data, tmp_path):
+    save = tmp_path / "save"
+    argv = train_args(tiny_llama, training_data, save, "--draft-vocab-size", "48", "--max-steps", "1")
+    argv[argv.index("--d2t-path") + 1] = str(tmp_path / "none_d2t.npy")
+    assert main(argv) == 0
+    d2t, t2d = np.load(save / "d2t.npy"), np.load(save / "t2d.npy")
+    assert d2t.shape == (48,) and t2d.sum() == 48
+    counts = torch.load(training_data / "token_freq.pt", weights_only=True)
+    most = sorted(counts, key=lambda token: (-counts[token], token))[:48]
+    assert sorted(np.flatnonzero(t2d).tolist()) == sorted(most)

@@ -1,0 +1,115 @@
+"""The hf engine: output equals the verifier's greedy output; acceptance counted as vLLM counts it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from speculators_vllm016.evaluate.speculative import speculative_generate
+from tests.evaluate.drafts import build_draft, scripted_proposer
+
+PROMPTS = [[0, 17, 250, 3, 99], [0, 5, 6, 7, 8, 9, 10, 11, 12], [0, 300, 2, 45], [0, 77] * 7]
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def verifier(tiny_llama):
+    return AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_llama):
+    return build_draft(str(tiny_llama))
+
+
+def greedy(verifier, prompt, max_new_tokens, eos=None):
+    with torch.no_grad():
+        out = verifier.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                                do_sample=False, eos_token_id=eos, pad_token_id=1)
+    return out[0].tolist()
+
+
+@pytest.fixture(scope="module")
+def continuations(verifier):
+    """Each prompt with enough greedy tokens to check any proposal of the tests below."""
+    return [torch.tensor(greedy(verifier, prompt, MAX_NEW + 8)) for prompt in PROMPTS]
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_outputs_are_the_verifiers_greedy_outputs(verifier, draft, batch_size):
+    result = speculative_generate(verifier, draft, PROMPTS, MAX_NEW, 3, batch_size=batch_size)
+    for prompt, output in zip(PROMPTS, result.outputs):
+        assert prompt + output == greedy(verifier, prompt, MAX_NEW)
+    counts = result.counts
+    assert counts.num_drafts > 0 and counts.num_draft_tokens == 3 * counts.num_drafts
+    assert result.generated_tokens == MAX_NEW * len(PROMPTS)
+
+
+def test_generation_stops_at_eos_like_generate(verifier, draft, continuations):
+    # An EOS the verifier emits mid-way through the second prompt's output.
+    eos = int(continuations[1][len(PROMPTS[1]) + 4])
+    result = speculative_generate(verifier, draft, PROMPTS, MAX_NEW, 3, eos_token_ids=[eos],
+                                  batch_size=4)
+    for prompt, output in zip(PROMPTS, result.outputs):
+        expected = greedy(verifier, prompt, MAX_NEW, eos=eos)
+        assert prompt + output == expected
+    assert len(result.outputs[1]) <= 5 and result.outputs[1][-1] == eos
+
+
+def _scripted(monkeypatch, draft, continuations, pattern):
+    monkeypatch.setattr(draft, "propose_tokens", scripted_proposer(continuations, pattern))
+
+
+@pytest.mark.parametrize("k", [1, 3, 4])
+def test_an_oracle_draft_reaches_one_plus_k(verifier, draft, continuations, monkeypatch, k):
+    _scripted(monkeypatch, draft, continuations, [True] * k)
+    result = speculative_generate(verifier, draft, PROMPTS, MAX_NEW, k, batch_size=2)
+    assert result.counts.acceptance_length == 1 + k
+    assert result.counts.per_position_rates == [1.0] * k
+    for prompt, output, full in zip(PROMPTS, result.outputs, continuations):
+        assert prompt + output == full[: len(prompt) + MAX_NEW].tolist()
+
+
+def test_an_always_wrong_draft_gets_tau_one(verifier, draft, continuations, monkeypatch):
+    _scripted(monkeypatch, draft, continuations, [False] * 3)
+    result = speculative_generate(verifier, draft, PROMPTS, MAX_NEW, 3, batch_size=2)
+    counts = result.counts
+    assert counts.acceptance_length == 1.0 and counts.num_accepted_tokens == 0
+    # The prefill yields one token, every verification exactly one more.
+    assert counts.num_drafts == (MAX_NEW - 1) * len(PROMPTS)
+    for prompt, output, full in zip(PROMPTS, result.outputs, continuations):
+        assert prompt + output == full[: len(prompt) + MAX_NEW].tolist()
+
+
+@pytest.mark.parametrize(
+    ("pattern", "rounds", "per_position"),
+    [
+        # right, right, wrong: 2 accepted + 1 free token a round; 1 + 3 * 4 >= 12 -> 4 rounds.
+        ([True, True, False], 4, [4, 4, 0]),
+        # right, wrong, right: only the prefix before the first miss counts; 1 + 2 * 6 -> 6 rounds.
+        ([True, False, True], 6, [6, 0, 0]),
+        # wrong first: nothing after it is accepted even if right.
+        ([False, True, True], 11, [0, 0, 0]),
+    ],
+)
+def test_per_position_counts_follow_the_first_miss(
+    verifier, draft, continuations, monkeypatch, pattern, rounds, per_position
+):
+    _scripted(monkeypatch, draft, continuations, pattern)
+    result = speculative_generate(verifier, draft, PROMPTS, MAX_NEW, 3, batch_size=3)
+    counts = result.counts
+    prompts = len(PROMPTS)
+    assert counts.num_drafts == rounds * prompts
+    assert counts.accepted_per_position == [n * prompts for n in per_position]
+    assert counts.num_accepted_tokens == sum(per_position) * prompts
+    assert counts.acceptance_length == pytest.approx(1 + sum(per_position) / rounds)
+    for prompt, output, full in zip(PROMPTS, result.outputs, continuations):
+        assert prompt + output == full[: len(prompt) + MAX_NEW].tolist()
+
+
+def test_bad_arguments_are_refused(verifier, draft):
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        speculative_generate(verifier, draft, PROMPTS, 0, 3)
+    with pytest.raises(ValueError, match="empty"):
+        speculative_generate(verifier, draft, [[]], 4, 3)

@@ -1,0 +1,55 @@
+"""The vllm engine's reading of vLLM's spec-decode counters, and its refusal on the CPU build."""
+
+from __future__ import annotations
+
+import pytest
+from vllm.v1.metrics.reader import Counter, Gauge, Vector
+
+from speculators_vllm016.evaluate.runner import resolve_engine
+from speculators_vllm016.evaluate.vllm_engine import (
+    _difference,
+    counts_from_metrics,
+    speculative_decoding_unavailable,
+)
+
+
+def snapshot(drafts, draft_tokens, accepted, per_position):
+    """What `LLM.get_metrics()` returns, for two engines (data parallel) splitting the work."""
+    metrics = [Gauge(name="vllm:num_requests_running", labels={}, value=0.0)]
+    for engine, share in (("0", 0.5), ("1", 0.5)):
+        labels = {"engine": engine, "model_name": "m"}
+        metrics += [
+            Counter(name="vllm:spec_decode_num_drafts", labels=labels, value=int(drafts * share)),
+            Counter(name="vllm:spec_decode_num_draft_tokens", labels=labels, value=int(draft_tokens * share)),
+            Counter(name="vllm:spec_decode_num_accepted_tokens", labels=labels, value=int(accepted * share)),
+            Vector(name="vllm:spec_decode_num_accepted_tokens_per_pos", labels=labels,
+                   values=[int(v * share) for v in per_position]),
+        ]
+    return metrics
+
+
+def test_counters_are_summed_over_engines_and_differenced():
+    before = counts_from_metrics(snapshot(20, 60, 10, [6, 4, 0]), 3)
+    after = counts_from_metrics(snapshot(120, 360, 130, [80, 40, 10]), 3)
+    assert (after.num_drafts, after.num_draft_tokens, after.num_accepted_tokens) == (120, 360, 130)
+    run = _difference(after, before)
+    assert (run.num_drafts, run.num_draft_tokens, run.num_accepted_tokens) == (100, 300, 120)
+    assert run.accepted_per_position == [74, 36, 10]
+    assert run.acceptance_length == pytest.approx(2.2)
+    assert run.per_position_rates == pytest.approx([0.74, 0.36, 0.10])
+
+
+def _cpu_build() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+@pytest.mark.skipif(not _cpu_build(), reason="checks the refusal of vLLM's CPU build")
+def test_the_cpu_build_cannot_speculate_and_auto_falls_back_to_hf():
+    assert speculative_decoding_unavailable() == "vLLM's CPU build refuses speculative decoding"
+    assert resolve_engine("auto") == "hf"
+    with pytest.raises(ValueError, match="use --engine hf"):
+        resolve_engine("vllm")
+    with pytest.raises(ValueError, match="unknown engine"):
+        resolve_engine("tgi")

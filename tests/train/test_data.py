@@ -1,0 +1,192 @@
+"""Sample files -> shifted samples -> packed rows: the data side of the trainer contract."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from speculators_vllm016.data_generation.preprocessing import normalize_conversation, tokenize_conversation
+from speculators_vllm016.data_generation.sample_io import write_sample
+from speculators_vllm016.tiny_models import build_tokenizer
+from speculators_vllm016.train.data import (
+    Eagle3SampleFileDataset,
+    SampleFileError,
+    create_collate_fn,
+    list_files,
+    sample_lengths,
+    shift_batch,
+    split_files,
+)
+from speculators_vllm016.train.noise_transforms import AddUniformNoise
+
+HIDDEN = 8
+
+
+def sample(length: int, seed: int = 0, layers: int = 4) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "input_ids": torch.randint(0, 100, (length,), generator=generator),
+        "hidden_states": [torch.randn(length, HIDDEN, generator=generator) for _ in range(layers)],
+        "loss_mask": torch.ones(length, dtype=torch.long),
+    }
+
+
+def test_only_sample_files_are_listed_in_index_order(tmp_path):
+    for name in ["data_10.pt", "data_2.pt", "data_1.safetensors", "token_freq.pt", "other.pt",
+                 "data_config.json", "data_x.pt", ".tmp-ab12-data_5.pt"]:
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "shard").mkdir()
+    (tmp_path / "shard" / "data_0.pt").write_bytes(b"")
+    names = [path.relative_to(tmp_path).as_posix() for path in list_files(tmp_path)]
+    assert names == ["data_1.safetensors", "data_2.pt", "data_10.pt", "shard/data_0.pt"]
+
+
+def test_split_is_seeded_disjoint_and_never_leaves_training_empty(tmp_path):
+    for index in range(20):
+        (tmp_path / f"data_{index}.pt").write_bytes(b"")
+    train, val = split_files(str(tmp_path), 0.9, seed=0)
+    assert len(train) == 18 and len(val) == 2 and not set(train) & set(val)
+    assert split_files(str(tmp_path), 0.9, seed=0) == (train, val)
+    assert split_files(str(tmp_path), 0.9, seed=1) != (train, val)
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "data_0.pt").write_bytes(b"")
+    assert len(split_files(str(one), 0.9)[0]) == 1
+
+
+def test_lengths_are_read_from_headers_not_guessed_from_sizes(tmp_path):
+    lengths = [3, 500, 17, 1, 64]
+    for index, length in enumerate(lengths):
+        fmt = "pt" if index % 2 == 0 else "safetensors"
+        write_sample(tmp_path / f"data_{index}.{fmt}", sample(length, index), output_format=fmt)
+    files = list_files(tmp_path)
+    found, failures = sample_lengths(files)
+    assert failures == []
+    assert found == lengths
+    dataset = Eagle3SampleFileDataset(128, datapath=str(tmp_path))
+    assert dataset.lengths == [length - 1 for length in lengths]  # packed after the shift
+
+
+def test_shift_pairs_states_of_token_t_with_token_t_plus_one():
+    length = 6
+    data = {
+        "input_ids": torch.arange(10, 10 + length),
+        "hidden_states": torch.arange(length)[:, None].float(),
+        "verifier_last_hidden_states": torch.arange(100, 100 + length)[:, None].float(),
+        "loss_mask": torch.tensor([0, 0, 1, 1, 0, 1]),
+        "lengths": torch.tensor([length]),
+        "position_ids": torch.arange(length),
+    }
+    shifted = shift_batch(data)
+    assert shifted["input_ids"].tolist() == [11, 12, 13, 14, 15]
+    assert shifted["hidden_states"][:, 0].tolist() == [0, 1, 2, 3, 4]
+    assert shifted["verifier_last_hidden_states"][:, 0].tolist() == [101, 102, 103, 104, 105]
+    # Position t predicts token t + 2: its mask is token t + 2's flag.
+    assert shifted["loss_mask"].tolist() == [1, 1, 0, 1, 0]
+    assert shifted["position_ids"].tolist() == [1, 2, 3, 4, 5]
+    assert shifted["lengths"].tolist() == [5]
+    assert shift_batch(data, legacy_loss_mask_shift=True)["loss_mask"].tolist() == [0, 1, 1, 0, 1]
+
+
+CHAT = [
+    {"from": "system", "value": "Be brief."},
+    {"from": "human", "value": "Name a colour."},
+    {"from": "gpt", "value": "Blue is a colour."},
+    {"from": "human", "value": "Another one?"},
+    {"from": "gpt", "value": "Green works too."},
+    {"from": "human", "value": "Thanks."},
+]
+
+
+@pytest.mark.parametrize("style", ["llama3", "chatml"])
+def test_d9_every_assistant_token_is_trained_and_nothing_after_the_turn(tmp_path, style):
+    """Which prediction each position makes, and whether it is trained, on a rendered chat.
+
+    After the shift, position j holds the verifier's state of token j + 1 and predicts token j + 2.
+    The prediction must be trained exactly when token j + 2 belongs to an assistant turn: the first
+    token of each assistant turn is trained, the token after its end-of-turn marker is not.
+    """
+    tokenizer = build_tokenizer(tmp_path, style, corpus=[t["value"] for t in CHAT] * 3, vocab_size=300)
+    ids, mask = tokenize_conversation(tokenizer, normalize_conversation(CHAT), 4096)
+    length = len(ids)
+    data = {
+        "input_ids": torch.tensor(ids),
+        "hidden_states": torch.zeros(length, 1),
+        "verifier_last_hidden_states": torch.zeros(length, 1),
+        "loss_mask": torch.tensor(mask),
+        "lengths": torch.tensor([length]),
+        "position_ids": torch.arange(length),
+    }
+    starts = [t for t in range(1, length) if mask[t] == 1 and mask[t - 1] == 0]
+    ends = [t for t in range(length - 1) if mask[t] == 1 and mask[t + 1] == 0]
+    assert len(starts) == 2 and len(ends) == 2
+    for legacy in (False, True):
+        shifted = shift_batch(data, legacy_loss_mask_shift=legacy)
+        # predicted token (index into ids) -> trained?
+        trained = {j + 2: bool(flag) for j, flag in enumerate(shifted["loss_mask"].tolist()) if j + 2 < length}
+        if not legacy:
+            assert trained == {t: bool(mask[t]) for t in range(2, length)}
+            assert all(trained[t] for t in starts), "first assistant token of a turn not trained"
+            assert not any(trained.get(t + 1, False) for t in ends), "token after end-of-turn trained"
+        else:  # 0.3.0: off by one, the defect D9 is real
+            assert not any(trained[t] for t in starts)
+            assert all(trained[t + 1] for t in ends if t + 1 < length)
+
+
+def test_collate_packs_whole_samples_and_cuts_the_last(tmp_path):
+    for index, length in enumerate([11, 21, 31]):
+        write_sample(tmp_path / f"data_{index}.pt", sample(length, index))
+    dataset = Eagle3SampleFileDataset(40, datapath=str(tmp_path))
+    collate = create_collate_fn(40)
+    row = collate([dataset[0], dataset[1], dataset[2]])
+    assert row["lengths"].tolist() == [10, 20, 10]
+    assert row["input_ids"].shape == (1, 40)
+    assert row["hidden_states"].shape == (1, 40, 3 * HIDDEN)
+    assert row["verifier_last_hidden_states"].shape == (1, 40, HIDDEN)
+    assert row["position_ids"][0, :12].tolist() == list(range(1, 11)) + [1, 2]
+    assert int(row["skipped_samples"]) == 0
+    short = collate([dataset[0]])
+    assert short["lengths"].tolist() == [10]
+    assert short["loss_mask"][0, 10:].sum() == 0 and short["input_ids"][0, 10:].sum() == 0
+
+
+def test_unusable_samples_are_skipped_counted_and_named(tmp_path, caplog):
+    write_sample(tmp_path / "data_0.pt", sample(12, 0))
+    bad = sample(12, 1)
+    bad["hidden_states"][1][3, 2] = float("nan")
+    write_sample(tmp_path / "data_1.pt", bad)
+    write_sample(tmp_path / "data_2.pt", sample(12, 2))
+    (tmp_path / "data_3.pt").write_bytes(b"not a torch file")
+    with caplog.at_level(logging.WARNING):
+        dataset = Eagle3SampleFileDataset(64, datapath=str(tmp_path))
+    assert [path.name for path, _ in dataset.unreadable] == ["data_3.pt"]
+    assert "data_3.pt" in caplog.text
+    assert len(dataset) == 3
+    with caplog.at_level(logging.WARNING):
+        items = [dataset[i] for i in range(3)]
+    assert items[1] is None and "data_1.pt" in caplog.text and "NaN" in caplog.text
+    row = create_collate_fn(64)(items)
+    assert int(row["skipped_samples"]) == 1 and row["lengths"].tolist() == [11, 11]
+    strict = Eagle3SampleFileDataset(64, file_list=[str(tmp_path / f"data_{i}.pt") for i in range(3)], strict=True)
+    with pytest.raises(SampleFileError, match="data_1.pt"):
+        strict[1]
+    with pytest.raises(SampleFileError, match="cannot be read"):
+        Eagle3SampleFileDataset(64, datapath=str(tmp_path), strict=True)
+
+
+def test_noise_is_on_inputs_only_and_the_same_for_every_reader(tmp_path):
+    write_sample(tmp_path / "data_0.pt", sample(30, 0))
+    clean = Eagle3SampleFileDataset(64, datapath=str(tmp_path))[0]
+    noisy = Eagle3SampleFileDataset(64, datapath=str(tmp_path), transform=AddUniformNoise(0.05), seed=5)
+    first = noisy[0]
+    torch.manual_seed(123)  # global RNG state must not matter
+    again = noisy[0]
+    assert torch.equal(first["hidden_states"], again["hidden_states"])
+    difference = first["hidden_states"] - clean["hidden_states"]
+    assert 0 < difference.abs().max() <= 0.05
+    assert torch.equal(first["verifier_last_hidden_states"], clean["verifier_last_hidden_states"])
+    noisy.set_epoch(1)
+    assert not torch.equal(noisy[0]["hidden_states"], first["hidden_states"])

@@ -1,0 +1,63 @@
+"""Two processes (gloo, CPU) train exactly like one process on the same packed rows."""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from speculators_vllm016.cli.train import _verifier_text_config, build_draft_config, build_parser
+from speculators_vllm016.models.eagle3 import Eagle3DraftModel
+from speculators_vllm016.train.data import Eagle3SampleFileDataset, create_collate_fn, split_files
+from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+from tests.training_fixtures import cli_env, train_args, train_command
+
+
+def reference_step(argv: list[str]) -> dict[str, torch.Tensor]:
+    """One optimizer step in this process on both ranks' rows, losses averaged (what DP computes)."""
+    args = build_parser().parse_args(argv)
+    verifier_config, text = _verifier_text_config(args.verifier_name_or_path)
+    d2t = torch.from_numpy(np.load(args.d2t_path)).long()
+    t2d = torch.from_numpy(np.load(args.t2d_path)).bool()
+    torch.manual_seed(args.seed)
+    config = build_draft_config(
+        args.verifier_name_or_path, verifier_config, text, draft_vocab=len(d2t), num_layers=1,
+        norm_before_residual=True, ttt_steps=3, aux_layer_ids=[1, 2, 3],
+    )
+    model = Eagle3DraftModel(config, t2d=t2d, d2t=d2t)
+    train_files, _ = split_files(args.data_path, 0.9, 0)
+    dataset = Eagle3SampleFileDataset(args.total_seq_len, file_list=[str(f) for f in train_files])
+    collate = create_collate_fn(args.total_seq_len)
+    rows = []
+    for rank in range(2):
+        sampler = MultipackDistributedBatchSamplerV2(args.total_seq_len, dataset.lengths, 2, rank, seed=0)
+        rows.append(collate([dataset[i] for i in sampler.batches(0)[0]]))
+    optimizer = torch.optim.AdamW(list(model.named_parameters()), lr=args.lr, weight_decay=0.01)
+    losses = []
+    for row in rows:
+        inputs = {k: v for k, v in row.items() if k != "skipped_samples"}
+        output = model(**inputs, ttt_steps=3, ttt_step_loss_decay=1.0)
+        losses.append(output.loss if hasattr(output, "loss") else output[1])
+    (sum(losses) / 2).backward()
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+    optimizer.step()
+    return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+def test_one_step_on_two_processes_equals_one_process(tiny_llama, training_data, tmp_path, parallel):
+    save = tmp_path / "ckpt"
+    argv = train_args(tiny_llama, training_data, save, "--max-steps", "1", "--noise-type", "none",
+                      "--parallel", parallel)
+    done = subprocess.run(train_command(argv, processes=2), env=cli_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    trained = load_file(save / "0-step1" / "master_weights.safetensors")
+    expected = reference_step(argv)
+    assert sorted(trained) == sorted(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(trained[name], tensor, rtol=1e-5, atol=1e-5, msg=name)

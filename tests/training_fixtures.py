@@ -1,0 +1,97 @@
+"""Training test helpers: sample files from a tiny verifier's real hidden states, CLI runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from speculators_vllm016.data_generation.sample_io import write_sample
+from speculators_vllm016.train.vocab_mapping import build_vocab_mappings_from_distribution
+from tests.hf_reference import HFReference
+
+LAYER_IDS = [0, 1, 2, 3]  # the tiny Llama has 4 layers: 3 fused + the last
+DRAFT_VOCAB = 64
+
+
+def write_dataset(
+    verifier: Path, out: Path, lengths: list[int], seed: int = 0, output_format: str = "pt"
+) -> Path:
+    """Sample files in datagen's layout from the verifier's own (fp32) hidden states."""
+    reference = HFReference(verifier)
+    vocab = reference.model.config.vocab_size
+    generator = torch.Generator().manual_seed(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    counts: dict[int, int] = {}
+    for index, length in enumerate(lengths):
+        ids = torch.randint(0, vocab, (length,), generator=generator)
+        mask = (torch.rand(length, generator=generator) > 0.3).long()
+        states = reference.streams(ids.tolist(), LAYER_IDS)
+        suffix = "pt" if output_format == "pt" else "safetensors"
+        write_sample(
+            out / f"data_{index}.{suffix}",
+            {"input_ids": ids, "hidden_states": states, "loss_mask": mask},
+            output_format=output_format,
+        )
+        for token in ids[mask.bool()].tolist():
+            counts[token] = counts.get(token, 0) + 1
+    (out / "data_config.json").write_text(json.dumps({"hidden_states": {"layer_ids": LAYER_IDS}}))
+    torch.save(counts, out / "token_freq.pt")
+    return out
+
+
+def write_vocab_maps(data: Path, target_vocab: int, out: Path) -> tuple[Path, Path]:
+    counts = torch.load(data / "token_freq.pt", weights_only=True)
+    d2t, t2d = build_vocab_mappings_from_distribution(counts, DRAFT_VOCAB, target_vocab)
+    np.save(out / "d2t.npy", d2t.numpy())
+    np.save(out / "t2d.npy", t2d.numpy())
+    return out / "d2t.npy", out / "t2d.npy"
+
+
+def train_args(verifier: Path, data: Path, save: Path, *extra: str) -> list[str]:
+    """A small, fast, deterministic training command line."""
+    return [
+        "--verifier-name-or-path", str(verifier), "--data-path", str(data),
+        "--save-path", str(save), "--d2t-path", str(data.parent / "d2t.npy"),
+        "--t2d-path", str(data.parent / "t2d.npy"), "--total-seq-len", "256",
+        "--epochs", "2", "--lr", "1e-3", "--num-workers", "0", "--no-progress",
+        "--log-dir", str(save.parent / "logs"), *extra,
+    ]
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def cli_env() -> dict[str, str]:
+    import os
+
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    return env
+
+
+def train_command(args: list[str], processes: int = 1) -> list[str]:
+    """`speculators train` in a fresh interpreter; under torchrun (gloo) for several processes."""
+    import sys
+
+    if processes == 1:
+        return [sys.executable, "-m", "speculators_vllm016", "train", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={processes}", "-m", "speculators_vllm016", "train", *args]
+
+
+def load_checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Weights (master where present) and every optimizer-state tensor of a checkpoint, by name."""
+    from safetensors.torch import load_file
+
+    tensors = {f"model/{k}": v for k, v in load_file(folder / "model.safetensors").items()}
+    if (folder / "master_weights.safetensors").exists():
+        tensors.update({f"master/{k}": v for k, v in load_file(folder / "master_weights.safetensors").items()})
+    optimizer = torch.load(folder / "optimizer_state_dict.pt", weights_only=True)
+    for name, state in optimizer["state"].items():
+        for key, value in state.items():
+            tensors[f"optim/{name}/{key}"] = torch.as_tensor(value)
+    return tensors
