@@ -57,6 +57,8 @@ def greedy(verifier, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
 
 
 def speculate(draft, verifier, prompt: torch.Tensor, max_new_tokens: int, k: int) -> torch.Tensor:
+    if draft.verifier_attachment_mode != "detached":  # a draft built for training holds its verifier
+        draft.detach_verifier()
     draft.attach_verifier(verifier, mode="full")
     try:
         return draft.generate(prompt, max_new_tokens=max_new_tokens, num_speculative_tokens=k)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -104,7 +105,9 @@ class TestLlama:
         results_second = llama_generator.generate(second)
         results_again = llama_generator.generate(first)
         assert_matches_reference(results_second, second, llama_reference, LLAMA_LAYERS)
+        assert len(results_first) == len(results_again) == len(first)
         for a, b in zip(results_first, results_again):
+            assert len(a["hidden_states"]) == len(b["hidden_states"]) == len(LLAMA_LAYERS)
             for layer_a, layer_b in zip(a["hidden_states"], b["hidden_states"]):
                 assert torch.equal(layer_a, layer_b)
         assert_matches_reference(results_again, first, llama_reference, LLAMA_LAYERS)
@@ -172,7 +175,12 @@ QWEN_LAYERS = [1, -2, -1]
 
 
 @pytest.fixture(scope="class")
-def qwen_generator(tiny_qwen3):
+def transfer_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("transfer_root")
+
+
+@pytest.fixture(scope="class")
+def qwen_generator(tiny_qwen3, transfer_root):
     with VllmHiddenStatesGenerator(
         str(tiny_qwen3),
         layer_ids=QWEN_LAYERS,
@@ -181,14 +189,24 @@ def qwen_generator(tiny_qwen3):
         max_num_seqs=8,
         max_num_batched_tokens=128,
         enable_prefix_caching=True,
+        transfer_root=transfer_root,
     ) as generator:
         yield generator
+    assert list(transfer_root.iterdir()) == [], "close() left the transfer directory behind"
 
 
 class TestQwen3PrefixCaching:
     def test_negative_layer_ids_count_from_the_end(self, qwen_generator):
         assert qwen_generator.layer_ids == [1, 2, 3]
         assert qwen_generator._block_hasher is not None  # prefix caching on: hasher built
+
+    def test_transfer_files_go_under_transfer_root(self, qwen_generator, transfer_root):
+        assert qwen_generator._transfer.path.parent == transfer_root
+        seen = []
+        for index, _ in qwen_generator.generate_stream(mixed_batch(VOCAB, [300, 200, 100, 50], seed=15)):
+            seen.extend(p.name for p in qwen_generator._transfer.path.iterdir())
+        assert seen, "no transfer file was ever under transfer_root"
+        assert list(qwen_generator._transfer.path.iterdir()) == []
 
     def test_heavy_batch_with_cached_prefixes_matches_transformers(self, qwen_generator, tiny_qwen3):
         reference = HFReference(tiny_qwen3)
@@ -200,7 +218,9 @@ class TestQwen3PrefixCaching:
         first = qwen_generator.generate(batch)
         second = qwen_generator.generate(batch)
         assert_matches_reference(second, batch, reference, [1, 2, 3])
+        assert len(first) == len(second) == len(batch)
         for a, b in zip(first, second):
+            assert len(a["hidden_states"]) == len(b["hidden_states"]) == len(QWEN_LAYERS)
             for layer_a, layer_b in zip(a["hidden_states"], b["hidden_states"]):
                 assert torch.equal(layer_a, layer_b)
 
@@ -311,8 +331,11 @@ class TestDeepseekV3:
     def test_every_layer_captured_and_batching_changes_nothing(self, deepseek_generator):
         batch = mixed_batch(VOCAB, DEEPSEEK_BATCH_LENGTHS, seed=9)
         batched = deepseek_generator.generate(batch)
+        assert len(batched) == len(batch)
         for index in range(0, len(batch), 5):
             alone = deepseek_generator.generate([batch[index]])[0]
+            assert len(batched[index]["hidden_states"]) == len(DEEPSEEK_LAYERS)
+            assert len(alone["hidden_states"]) == len(DEEPSEEK_LAYERS)
             for layer, got, want in zip(
                 DEEPSEEK_LAYERS, batched[index]["hidden_states"], alone["hidden_states"]
             ):
@@ -323,6 +346,39 @@ class TestDeepseekV3:
         batch = mixed_batch(VOCAB, DEEPSEEK_BATCH_LENGTHS[:12], seed=10)
         results = deepseek_generator.generate(batch)
         assert_matches_reference(results, batch, deepseek_reference, DEEPSEEK_LAYERS)
+
+
+class TestDeepseekV3Float16:
+    def test_residual_rescaling_is_undone(self, tiny_deepseek_v3, deepseek_reference):
+        """In float16 vLLM divides DeepSeek's residual stream by routed_scaling_factor (2.5 here)
+        from layer 0 on; the captured states must be the model's own (transformers, float32)."""
+        batch = mixed_batch(VOCAB, [1, 200, 31, 90, 5, 140], seed=11)
+        with VllmHiddenStatesGenerator(
+            str(tiny_deepseek_v3),
+            layer_ids=DEEPSEEK_LAYERS,
+            max_model_len=512,
+            dtype="float16",
+            max_num_seqs=4,
+            max_num_batched_tokens=128,
+        ) as generator:
+            results = generator.generate(batch)
+        assert len(results) == len(batch)
+        for index, (result, ids) in enumerate(zip(results, batch)):
+            assert result["input_ids"].tolist() == ids
+            expected = deepseek_reference.streams(ids, DEEPSEEK_LAYERS)
+            assert len(result["hidden_states"]) == len(DEEPSEEK_LAYERS)
+            for layer, got, want in zip(DEEPSEEK_LAYERS, result["hidden_states"], expected):
+                assert got.dtype == torch.float16 and got.shape == want.shape
+                got = got.to(torch.float64)
+                want = want.to(torch.float64)
+                per_token = (got - want).norm(dim=-1) / want.norm(dim=-1)
+                if layer == 0:  # dense: float16 rounding only
+                    assert float(per_token.max()) <= 1e-2, f"sample {index} layer 0"
+                # MoE layers: float16 routing may pick another of two near-tied experts (or
+                # expert groups) for some tokens, which changes those tokens' states; most
+                # tokens match. Left scaled, every token would be off by 1 - 1/2.5 = 60%.
+                median = float(per_token.median())
+                assert median <= 1e-2, f"sample {index} layer {layer}: median error {median:.2e}"
 
 
 class TestKimiK25:
@@ -354,6 +410,12 @@ def test_layer_ids_out_of_range_refused_before_any_worker_starts(tiny_llama):
     assert live_children() == []
 
 
+def test_enforce_eager_false_refused_before_any_worker_starts(tiny_llama):
+    with pytest.raises(ValueError, match="enforce_eager=False is not supported"):
+        VllmHiddenStatesGenerator(str(tiny_llama), max_model_len=64, enforce_eager=False)
+    assert live_children() == []
+
+
 def test_failure_during_startup_leaves_no_worker(tiny_llama, monkeypatch):
     def broken_setup(self):
         assert len(live_children()) >= 1  # the workers were running
@@ -365,19 +427,34 @@ def test_failure_during_startup_leaves_no_worker(tiny_llama, monkeypatch):
     assert wait_for_no_children() == []
 
 
-def test_workers_do_not_outlive_the_interpreter(tiny_llama, tmp_path):
+def test_needs_no_environment_and_workers_do_not_outlive_the_interpreter(tiny_llama, tmp_path):
+    """A fresh interpreter with none of vLLM's CPU variables set (the test session presets
+    VLLM_CPU_KVCACHE_SPACE for every other test): the generator picks the KV cache space itself,
+    vLLM sizes the cache by it, and the workers die with the interpreter though close() is never
+    called."""
     script = textwrap.dedent(
         f"""
+        import logging, os
         import psutil
         from speculators_vllm016.data_generation import VllmHiddenStatesGenerator
 
         if __name__ == "__main__":
+            logging.basicConfig(level=logging.INFO, format="LOG %(message)s")
+            assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ
             generator = VllmHiddenStatesGenerator({str(tiny_llama)!r}, max_model_len=64,
                                                   dtype="float32")
+            assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ, "the choice leaked out"
             states = generator.generate([[1, 2, 3]])[0]["hidden_states"]
             # 0.3.0's default layers for 4 layers are [2, 2, 1, 3]: layer 2 comes twice.
             assert generator.layer_ids == [2, 2, 1, 3], generator.layer_ids
             assert len(states) == 4 and (states[0] == states[1]).all()
+            config = generator.vllm_config
+            text = config.model_config.hf_text_config
+            head_dim = text.hidden_size // text.num_attention_heads
+            # K and V, every layer, float32, per block.
+            block_bytes = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * 4
+            block_bytes *= config.cache_config.block_size
+            print("KVBYTES", generator.num_kv_blocks * block_bytes, flush=True)
             pids = [
                 p.pid
                 for p in psutil.Process().children(recursive=True)
@@ -389,10 +466,23 @@ def test_workers_do_not_outlive_the_interpreter(tiny_llama, tmp_path):
     )
     path = tmp_path / "leave_open.py"
     path.write_text(script)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU_")}
+    # This checkout's package, not whichever one the interpreter would find from the script's folder.
+    repo = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([repo, *filter(None, [env.get("PYTHONPATH")])])
     completed = subprocess.run(
-        [sys.executable, str(path)], capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, str(path)], capture_output=True, text=True, timeout=300, check=False,
+        env=env,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
+    output = completed.stdout + completed.stderr
+    chosen = [line for line in output.splitlines() if "VLLM_CPU_KVCACHE_SPACE=" in line]
+    assert chosen, "the generator did not say which KV cache space it chose"
+    gib = int(chosen[0].split("VLLM_CPU_KVCACHE_SPACE=")[1].split()[0])
+    # Bounded (vLLM's own default would take half the RAM), and what vLLM sized the cache by.
+    assert 1 <= gib <= 8 and gib * 1024**3 <= psutil.virtual_memory().total / 4
+    kv_bytes = int(next(x for x in completed.stdout.splitlines() if x.startswith("KVBYTES")).split()[1])
+    assert abs(kv_bytes - gib * 1024**3) <= 0.05 * gib * 1024**3, (kv_bytes, gib)
     line = next(x for x in completed.stdout.splitlines() if x.startswith("PIDS"))
     pids = [int(pid) for pid in line.split()[1:]]
     assert pids, "the generator started no worker process"
