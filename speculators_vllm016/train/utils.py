@@ -81,7 +81,10 @@ def apply_fully_sharded(model: torch.nn.Module) -> torch.nn.Module:
         raise ValueError(f"{type(model).__name__} has no `layers` to shard")
     frozen = {parameter for parameter in model.parameters() if not parameter.requires_grad}
     for layer in layers:
-        fully_shard(layer, ignored_params=frozen or None)
+        # Each layer runs once per TTT step, forward and backward: resharding after every call
+        # would gather its weights 2 x ttt_steps times a step. A draft has one or a few layers,
+        # so keeping them gathered until the backward pass costs little memory.
+        fully_shard(layer, reshard_after_forward=False, ignored_params=frozen or None)
     fully_shard(model, ignored_params=frozen or None)
     return model
 
@@ -91,4 +94,5 @@ def apply_data_parallel(model: torch.nn.Module, device: torch.device) -> torch.n
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [device] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids)
+    # Gradients live in the communication buckets: no copy in and out of them every step.
+    return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
