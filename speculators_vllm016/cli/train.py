@@ -331,7 +331,11 @@ def run(args: argparse.Namespace) -> int:
     from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
     from speculators_vllm016.train.logger import setup_metric_logger, setup_root_logger
     from speculators_vllm016.train.trainer import Trainer, TrainerConfig
-    from speculators_vllm016.train.utils import maybe_destroy_distributed, maybe_setup_distributed
+    from speculators_vllm016.train.utils import (
+        maybe_destroy_distributed,
+        maybe_setup_distributed,
+        training_device,
+    )
 
     # -- everything that can be checked before anything is written ------------------------------
     for name in ("epochs", "total_seq_len", "ttt_steps", "num_layers", "prefetch_factor"):
@@ -394,6 +398,8 @@ def run(args: argparse.Namespace) -> int:
 
         train_files, val_files = split_files(str(data_path), args.train_ratio, args.split_seed)
         workers = args.num_workers if args.num_workers is not None else min(12, os.cpu_count() or 1)
+        device = training_device(local_rank, args.device)
+        bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
 
         def loader(file_list: list[Path], transform: Any) -> DataLoader | None:
             if not file_list:
@@ -402,6 +408,7 @@ def run(args: argparse.Namespace) -> int:
                 args.total_seq_len, file_list=[str(f) for f in file_list], transform=transform,
                 standardize_fn=standardize, seed=args.seed, strict=args.strict_data,
                 legacy_loss_mask_shift=args.legacy_loss_mask_shift,
+                output_dtype=torch.bfloat16 if bf16 else None,
             )
             sampler = MultipackDistributedBatchSamplerV2(
                 args.total_seq_len, dataset.lengths, world_size, rank, seed=args.seed
@@ -409,7 +416,7 @@ def run(args: argparse.Namespace) -> int:
             return DataLoader(
                 dataset, batch_sampler=sampler, collate_fn=create_collate_fn(args.total_seq_len),
                 num_workers=workers, prefetch_factor=args.prefetch_factor if workers else None,
-                pin_memory=torch.cuda.is_available() and args.device != "cpu",
+                pin_memory=device.type == "cuda",
             )
 
         train_loader = loader(train_files, _noise(args))

@@ -70,15 +70,22 @@ def apply_fully_sharded(model: torch.nn.Module) -> torch.nn.Module:
     Parameters stay in their dtype (fp32 master weights); bf16 compute comes from autocast, so the
     numerics match single-process and DDP training. The model must already be on its device with
     its weights loaded: nothing is re-initialised here (0.3.0 reset the shared weights).
+    Frozen parameters (the verifier's embeddings, norm and head) stay whole on every rank: they
+    get no gradient or optimizer state to shard, gathering the 1 GB embedding table at every use
+    would cost more than it saves, and they may be stored in another dtype than the rest.
     """
     from torch.distributed.fsdp import fully_shard
 
     layers = getattr(model, "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no `layers` to shard")
+    frozen = {parameter for parameter in model.parameters() if not parameter.requires_grad}
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
+        # Each layer runs once per TTT step, forward and backward: resharding after every call
+        # would gather its weights 2 x ttt_steps times a step. A draft has one or a few layers,
+        # so keeping them gathered until the backward pass costs little memory.
+        fully_shard(layer, reshard_after_forward=False, ignored_params=frozen or None)
+    fully_shard(model, ignored_params=frozen or None)
     return model
 
 
@@ -87,4 +94,5 @@ def apply_data_parallel(model: torch.nn.Module, device: torch.device) -> torch.n
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [device] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids)
+    # Gradients live in the communication buckets: no copy in and out of them every step.
+    return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)

@@ -190,3 +190,19 @@ def test_noise_is_on_inputs_only_and_the_same_for_every_reader(tmp_path):
     assert torch.equal(first["verifier_last_hidden_states"], clean["verifier_last_hidden_states"])
     noisy.set_epoch(1)
     assert not torch.equal(noisy[0]["hidden_states"], first["hidden_states"])
+
+
+def test_output_dtype_rounds_the_finished_noisy_states_once(tmp_path):
+    # bf16 rows for bf16 training: the noise is drawn and added in fp32 as before, and only the
+    # result is rounded (what autocast does to fc's input), so the draft sees the same values.
+    write_sample(tmp_path / "data_0.pt", sample(30, 0))
+    noise = AddUniformNoise(0.05)
+    full = Eagle3SampleFileDataset(64, datapath=str(tmp_path), transform=noise, seed=5)[0]
+    small = Eagle3SampleFileDataset(
+        64, datapath=str(tmp_path), transform=noise, seed=5, output_dtype=torch.bfloat16
+    )[0]
+    for key in ("hidden_states", "verifier_last_hidden_states"):
+        assert small[key].dtype == torch.bfloat16
+        assert torch.equal(small[key], full[key].to(torch.bfloat16))
+    assert torch.equal(small["input_ids"], full["input_ids"])
+    assert small["loss_mask"].dtype == full["loss_mask"].dtype

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import numpy as np
@@ -56,6 +57,10 @@ def test_one_step_on_two_processes_equals_one_process(tiny_llama, training_data,
     done = subprocess.run(train_command(argv, processes=2), env=cli_env(), capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # Throughput is read off the metrics: every step logs its tokens and wall-clock seconds.
+    lines = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    steps = [line["train"] for line in lines if "train" in line]
+    assert steps and all(step["step_seconds"] > 0 and step["tokens"] > 0 for step in steps)
     trained = load_file(save / "0-step1" / "master_weights.safetensors")
     expected = reference_step(argv)
     assert sorted(trained) == sorted(expected)

@@ -1,0 +1,400 @@
+"""The real trainer (`speculators train`) on sample files, against the step benchmark.
+
+    python benchmarks/trainer_gpu.py --preset llama-3.1-8b-draft --runs single ddp fsdp
+
+Writes synthetic sample files in datagen's layout (`write_sample`: bf16 hidden states of 4
+captured layers, `--sample-tokens` per sample) and a small synthetic verifier folder (config,
+embeddings, final norm and LM head only: what the draft loads), then runs `speculators train` on
+them for `--max-steps` steps: `single` in one process on the first device, `ddp` and `fsdp` under
+torchrun on `--gpus` devices. Throughput comes from the trainer's own `metrics.jsonl`
+(`train/tokens` over `train/step_seconds`, the wall clock between step ends, waiting for data
+included); the first `--warmup-steps` steps (compilation) are left out; median and spread per
+step, and the total tokens over the total seconds of the timed steps. `--step-benchmark` also runs
+`benchmarks/training.py` on the same shapes in this run, for the ratio trainer / step benchmark.
+JSON and markdown go to --output-dir. NCCL's NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.training import PRESETS, TrainingPreset
+
+__all__ = ["RunResult", "main", "summarize_metrics", "write_synthetic_inputs"]
+
+ROOT = Path(__file__).resolve().parent.parent
+NUM_CAPTURED_LAYERS = 4
+VERIFIER_LAYERS = 32
+# Keep NVLink multicast off everywhere (it can take a shared host's GPUs out of service).
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@dataclass
+class RunResult:
+    name: str
+    processes: int
+    command: str
+    returncode: int | None
+    seconds: float
+    steps_logged: int
+    timed_steps: int
+    tokens_per_step: float | None = None
+    median_tokens_per_second: float | None = None
+    min_tokens_per_second: float | None = None
+    max_tokens_per_second: float | None = None
+    spread_percent: float | None = None
+    aggregate_tokens_per_second: float | None = None
+    median_step_seconds: float | None = None
+    peak_memory_gib: float | None = None
+    final_loss: float | None = None
+    error: str | None = None
+
+
+# -- inputs --------------------------------------------------------------------------------------
+def write_verifier(preset: TrainingPreset, folder: Path, seed: int = 0) -> Path:
+    """A Llama-shaped verifier folder holding only embeddings, final norm and LM head (bf16)."""
+    import torch
+    from safetensors.torch import save_file
+
+    if (folder / "model.safetensors").is_file():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": preset.hidden_size, "intermediate_size": preset.intermediate_size,
+        "num_attention_heads": preset.num_attention_heads,
+        "num_key_value_heads": preset.num_key_value_heads, "head_dim": preset.head_dim,
+        "num_hidden_layers": VERIFIER_LAYERS, "vocab_size": preset.target_vocab_size,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    generator = torch.Generator().manual_seed(seed)
+
+    def table() -> torch.Tensor:  # random rows, tiled: drawing 0.5 G normals would take long
+        block = (torch.randn(4096, preset.hidden_size, generator=generator) * 0.02).bfloat16()
+        repeats = -(-preset.target_vocab_size // block.shape[0])
+        return block.repeat(repeats, 1)[: preset.target_vocab_size].contiguous()
+
+    tensors = {
+        "model.embed_tokens.weight": table(),
+        "model.norm.weight": torch.ones(preset.hidden_size, dtype=torch.bfloat16),
+        "lm_head.weight": table(),
+    }
+    temporary = folder / ".model.safetensors.tmp"
+    save_file(tensors, str(temporary), metadata={"format": "pt"})
+    temporary.replace(folder / "model.safetensors")
+    return folder
+
+
+def write_vocab_maps(preset: TrainingPreset, folder: Path, seed: int = 0) -> tuple[Path, Path]:
+    import numpy as np
+    import torch
+
+    d2t_path, t2d_path = folder / "d2t.npy", folder / "t2d.npy"
+    if d2t_path.is_file() and t2d_path.is_file():
+        return d2t_path, t2d_path
+    generator = torch.Generator().manual_seed(seed)
+    keep = torch.randperm(preset.target_vocab_size, generator=generator)[: preset.draft_vocab_size]
+    keep = keep.sort().values
+    t2d = torch.zeros(preset.target_vocab_size, dtype=torch.bool)
+    t2d[keep] = True
+    np.save(d2t_path, (keep - torch.arange(preset.draft_vocab_size)).numpy())
+    np.save(t2d_path, t2d.numpy())
+    return d2t_path, t2d_path
+
+
+def write_samples(
+    preset: TrainingPreset, folder: Path, count: int, tokens: int, seed: int = 0,
+    distinct: int = 4, threads: int = 8,
+) -> Path:
+    """`count` sample files of `tokens` tokens; hidden states come from `distinct` random draws
+    (their values do not change the cost), token ids and masks differ per file."""
+    import torch
+    from tqdm import tqdm
+
+    from speculators_vllm016.data_generation.sample_io import write_sample
+
+    folder.mkdir(parents=True, exist_ok=True)
+    layer_ids = [1, VERIFIER_LAYERS // 2, VERIFIER_LAYERS - 3, VERIFIER_LAYERS - 1]
+    (folder / "data_config.json").write_text(json.dumps({"hidden_states": {"layer_ids": layer_ids}}))
+    generator = torch.Generator().manual_seed(seed)
+    pool = [
+        [torch.randn(tokens, preset.hidden_size, generator=generator).bfloat16()
+         for _ in range(NUM_CAPTURED_LAYERS)]
+        for _ in range(distinct)
+    ]
+
+    def write(index: int) -> None:
+        path = folder / f"data_{index}.pt"
+        if path.is_file():
+            return
+        local = torch.Generator().manual_seed(seed * 1_000_003 + index)
+        ids = torch.randint(0, preset.target_vocab_size, (tokens,), generator=local)
+        mask = torch.ones(tokens, dtype=torch.long)
+        mask[: tokens // 10] = 0  # a prompt, then the answer
+        write_sample(path, {"input_ids": ids, "hidden_states": pool[index % distinct],
+                            "loss_mask": mask})
+
+    with ThreadPoolExecutor(max_workers=threads) as pool_executor:
+        list(tqdm(pool_executor.map(write, range(count)), total=count, desc="sample files"))
+    return folder
+
+
+def write_synthetic_inputs(preset: TrainingPreset, work: Path, samples: int, tokens: int) -> dict[str, Path]:
+    started = time.perf_counter()
+    verifier = write_verifier(preset, work / "verifier")
+    d2t, t2d = write_vocab_maps(preset, work)
+    data = write_samples(preset, work / "data", samples, tokens)
+    print(f"inputs ready in {time.perf_counter() - started:.1f} s", flush=True)
+    return {"verifier": verifier, "data": data, "d2t": d2t, "t2d": t2d}
+
+
+# -- runs ----------------------------------------------------------------------------------------
+def train_command(name: str, processes: int, paths: dict[str, Path], save: Path,
+                  args: argparse.Namespace) -> list[str]:
+    train = [
+        "train", "--verifier-name-or-path", str(paths["verifier"]), "--data-path", str(paths["data"]),
+        "--save-path", str(save), "--d2t-path", str(paths["d2t"]), "--t2d-path", str(paths["t2d"]),
+        "--total-seq-len", str(args.total_seq_len), "--max-steps", str(args.max_steps),
+        "--epochs", "1", "--train-ratio", "1.0", "--no-progress", "--no-resume-from-checkpoint",
+        "--log-dir", str(save.parent / "logs"),
+    ]
+    if args.device:
+        train += ["--device", args.device]
+    if args.num_workers is not None:
+        train += ["--num-workers", str(args.num_workers)]
+    train += list(args.train_args)
+    if name == "single":
+        return [sys.executable, "-m", "speculators_vllm016", *train]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={processes}", "-m", "speculators_vllm016", *train,
+            "--parallel", name]
+
+
+def summarize_metrics(path: Path, warmup_steps: int) -> dict[str, Any]:
+    """Throughput of the timed steps in a trainer's metrics.jsonl (train lines only)."""
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    steps = sorted((entry for entry in lines if "train" in entry), key=lambda entry: entry["step"])
+    timed = steps[warmup_steps:]
+    summary: dict[str, Any] = {"steps_logged": len(steps), "timed_steps": len(timed)}
+    if not timed:
+        return summary
+    tokens = [entry["train"]["tokens"] for entry in timed]
+    seconds = [entry["train"]["step_seconds"] for entry in timed]
+    rates = [n / s for n, s in zip(tokens, seconds, strict=True)]
+    median = statistics.median(rates)
+    memory = [entry["train"].get("peak_memory_gib") for entry in steps]
+    memory = [value for value in memory if value is not None]
+    summary.update(
+        tokens_per_step=round(statistics.mean(tokens), 1),
+        median_tokens_per_second=round(median, 1),
+        min_tokens_per_second=round(min(rates), 1),
+        max_tokens_per_second=round(max(rates), 1),
+        spread_percent=round(100 * (max(rates) - min(rates)) / median, 2),
+        aggregate_tokens_per_second=round(sum(tokens) / sum(seconds), 1),
+        median_step_seconds=round(statistics.median(seconds), 5),
+        peak_memory_gib=round(max(memory), 3) if memory else None,
+        final_loss=timed[-1]["train"].get("loss"),
+    )
+    return summary
+
+
+def run_trainer(name: str, processes: int, paths: dict[str, Path], work: Path,
+                args: argparse.Namespace) -> RunResult:
+    save = work / f"run-{name}" / "checkpoints"
+    command = train_command(name, processes, paths, save, args)
+    env = {**os.environ, **SAFE_ENV, "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    if name == "single" and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        env["CUDA_VISIBLE_DEVICES"] = "0"
+    log = work / f"run-{name}.log"
+    print(f"$ {shlex.join(command)}", flush=True)
+    started = time.perf_counter()
+    returncode, error = None, None
+    with open(log, "w") as handle:
+        try:
+            done = subprocess.run(command, env=env, stdout=handle, stderr=subprocess.STDOUT,
+                                  timeout=args.run_timeout, check=False)
+            returncode = done.returncode
+        except subprocess.TimeoutExpired:
+            error = f"timed out after {args.run_timeout} s"
+    seconds = time.perf_counter() - started
+    if returncode not in (0, None):
+        tail = log.read_text(errors="replace").strip().splitlines()[-25:]
+        print("\n".join(tail), flush=True)
+        error = f"exit {returncode}: " + (tail[-1][:300] if tail else "")
+    metrics = save / "metrics.jsonl"
+    summary = summarize_metrics(metrics, args.warmup_steps) if metrics.is_file() else {
+        "steps_logged": 0, "timed_steps": 0}
+    result = RunResult(name=name, processes=processes, command=shlex.join(command),
+                       returncode=returncode, seconds=round(seconds, 1), error=error, **summary)
+    print(json.dumps(asdict(result)), flush=True)
+    return result
+
+
+def run_step_benchmark(preset: TrainingPreset, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """benchmarks/training.py on the same shapes and row length, in its own process."""
+    out = work / "step-benchmark"
+    command = [sys.executable, str(ROOT / "benchmarks" / "training.py"), "--preset", preset.name,
+               "--packed-tokens", str(args.total_seq_len), "--steps", str(args.step_benchmark_steps),
+               "--warmup", "3", "--output-dir", str(out), "--tag", "trainer-cmp"]
+    if args.device:
+        command += ["--device", args.device]
+    env = {**os.environ, **SAFE_ENV, "PYTHONUNBUFFERED": "1"}
+    if "CUDA_VISIBLE_DEVICES" not in os.environ:
+        env["CUDA_VISIBLE_DEVICES"] = "0"
+    print(f"$ {shlex.join(command)}", flush=True)
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True,
+                              timeout=args.run_timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"command": shlex.join(command), "error": "timed out"}
+    result_file = out / f"training-{preset.name}-trainer-cmp.json"
+    if done.returncode != 0 or not result_file.is_file():
+        print(done.stdout[-2000:], done.stderr[-3000:], flush=True)
+        return {"command": shlex.join(command), "error": f"exit {done.returncode}"}
+    row = json.loads(result_file.read_text())["lengths"][0]
+    row["command"] = shlex.join(command)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+# -- report --------------------------------------------------------------------------------------
+def write_markdown(result: dict[str, Any], path: Path) -> None:
+    env = result["environment"]
+    step = result.get("step_benchmark") or {}
+    runs = result["runs"]
+    single = next((run for run in runs if run["name"] == "single" and run.get("median_tokens_per_second")), None)
+    lines = [
+        f"# Trainer on sample files: `{result['preset']}`",
+        "",
+        f"- command: `{result['command']}`",
+        f"- device: {env.get('gpu_name') or env.get('cpu_model') or 'cpu'} x{env.get('gpu_count', 0)}; "
+        f"torch {env.get('torch')}, transformers {env.get('transformers')}",
+        f"- {result['samples']} sample files of {result['sample_tokens']} tokens (bf16, "
+        f"{NUM_CAPTURED_LAYERS} layers), rows of {result['total_seq_len']} tokens, "
+        f"{result['max_steps']} steps per run, the first {result['warmup_steps']} not timed; "
+        "files written just before (page cache warm)",
+        "- tokens/s: train/tokens (all ranks) over the wall clock between step ends",
+        "",
+        "| run | GPUs | median tokens/s | min | max | spread % | total tokens / total s | "
+        "vs 1 GPU | vs step benchmark | peak GiB | note |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    step_rate = step.get("median_tokens_per_second")
+    for run in runs:
+        rate = run.get("median_tokens_per_second")
+        if not rate:
+            lines.append(f"| {run['name']} | {run['processes']} | | | | | | | | | {run.get('error') or 'no timed steps'} |")
+            continue
+        scale = f"{rate / single['median_tokens_per_second']:.2f}x" if single else ""
+        versus = f"{rate / step_rate:.2f}x" if step_rate and run["processes"] == 1 else ""
+        peak = "" if run.get("peak_memory_gib") is None else f"{run['peak_memory_gib']:.2f}"
+        lines.append(
+            f"| {run['name']} | {run['processes']} | {rate:,.0f} | {run['min_tokens_per_second']:,.0f} | "
+            f"{run['max_tokens_per_second']:,.0f} | {run['spread_percent']:.1f} | "
+            f"{run['aggregate_tokens_per_second']:,.0f} | {scale} | {versus} | {peak} | "
+            f"{run.get('error') or ''} |"
+        )
+    if step_rate:
+        lines.append(
+            f"| step benchmark | 1 | {step_rate:,.0f} | {step['min_tokens_per_second']:,.0f} | "
+            f"{step['max_tokens_per_second']:,.0f} | {step['spread_percent']:.1f} | | | 1.00x | "
+            f"{step.get('peak_memory_gib') or ''} | synthetic rows on the GPU |"
+        )
+    elif step:
+        lines.append(f"| step benchmark | 1 | | | | | | | | | {step.get('error')} |")
+    lines += ["", "Commands:", ""]
+    lines += [f"- `{run['command']}`" for run in runs]
+    if step.get("command"):
+        lines.append(f"- `{step['command']}`")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python benchmarks/trainer_gpu.py", description=__doc__.split("\n\n")[2],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--preset", default="llama-3.1-8b-draft", choices=sorted(PRESETS))
+    parser.add_argument("--runs", nargs="+", choices=("single", "ddp", "fsdp"),
+                        default=["single", "ddp", "fsdp"])
+    parser.add_argument("--gpus", type=int, default=None, help="processes of ddp/fsdp (default: all GPUs)")
+    parser.add_argument("--work-dir", default="/tmp/trainer-gpu", help="inputs and checkpoints")
+    parser.add_argument("--sample-tokens", type=int, default=None, help="default: the preset's")
+    parser.add_argument("--samples", type=int, default=None,
+                        help="sample files (default: enough for --max-steps on --gpus ranks)")
+    parser.add_argument("--total-seq-len", type=int, default=8192)
+    parser.add_argument("--max-steps", type=int, default=30)
+    parser.add_argument("--warmup-steps", type=int, default=5)
+    parser.add_argument("--num-workers", type=int, default=None, help="loader processes per rank")
+    parser.add_argument("--device", default=None, help="passed to the trainer (default: its own)")
+    parser.add_argument("--step-benchmark", action="store_true",
+                        help="also run benchmarks/training.py on the same shapes")
+    parser.add_argument("--step-benchmark-steps", type=int, default=20)
+    parser.add_argument("--run-timeout", type=int, default=300, help="seconds per run")
+    parser.add_argument("--train-args", nargs=argparse.REMAINDER, default=[],
+                        help="further `speculators train` flags (last on the line)")
+    parser.add_argument("--output-dir", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--tag", default="")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = make_parser().parse_args(argv)
+    import torch
+
+    from benchmarks.training import environment
+
+    preset = PRESETS[args.preset]
+    gpus = args.gpus or max(torch.cuda.device_count(), 1)
+    tokens = args.sample_tokens or preset.sample_tokens
+    per_row = max(1, args.total_seq_len // (tokens - 1))
+    samples = args.samples or (args.max_steps + 2) * per_row * (gpus if set(args.runs) - {"single"} else 1)
+    work = Path(args.work_dir)
+    paths = write_synthetic_inputs(preset, work, samples, tokens)
+    command = "python benchmarks/trainer_gpu.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"trainer-{preset.name}" + (f"-{args.tag}" if args.tag else "")
+    result: dict[str, Any] = {
+        "preset": preset.name, "command": command, "samples": samples, "sample_tokens": tokens,
+        "total_seq_len": args.total_seq_len, "max_steps": args.max_steps,
+        "warmup_steps": args.warmup_steps, "runs": [], "step_benchmark": None,
+    }
+
+    def save() -> None:  # after every run: a run killed later loses nothing measured before
+        described = environment()
+        described["gpu_count"] = torch.cuda.device_count()
+        result["environment"] = described
+        (out / f"{stem}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+        write_markdown(result, out / f"{stem}.md")
+
+    if args.step_benchmark:
+        result["step_benchmark"] = run_step_benchmark(preset, work, args)
+        save()
+    for name in args.runs:
+        result["runs"].append(asdict(run_trainer(name, 1 if name == "single" else gpus, paths, work, args)))
+        save()
+    print((out / f"{stem}.md").read_text(), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
