@@ -508,6 +508,11 @@ class SampleWriterPool:
         self._pending.popleft().result()
         self.written += 1
 
+    def drain(self) -> None:
+        """Wait for every write submitted so far; re-raise the first failure."""
+        while self._pending:
+            self._collect_oldest()
+
     def finish(self) -> int:
         """Wait for every write; re-raise the first failure. Returns samples written."""
         try:

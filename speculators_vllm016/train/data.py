@@ -46,6 +46,7 @@ from speculators_vllm016.train.noise_transforms import TransformTensors
 
 __all__ = [
     "BatchType",
+    "DataSourceError",
     "Eagle3SampleFileDataset",
     "PackedBatch",
     "SampleFileError",
@@ -92,6 +93,10 @@ class PackedBatch(TypedDict):
 
 class SampleFileError(ValueError):
     """A sample file that cannot be used: unreadable, of the wrong layout, or not finite."""
+
+
+class DataSourceError(RuntimeError):
+    """The source of rows failed (e.g. online extraction's engine died); the trainer checkpoints."""
 
 
 def list_files(path: str | os.PathLike) -> list[Path]:
@@ -379,8 +384,13 @@ class Eagle3SampleFileDataset(Dataset):
         )
 
     def __getitem__(self, index: int) -> BatchType | None:
+        return self.item(index)
+
+    def item(self, index: int, raw: dict[str, Any] | None = None) -> BatchType | None:
+        """Sample `index` prepared from `raw` (given: online extraction) or from its file;
+        None when unusable and `strict` is off."""
         try:
-            return self.load(index)
+            return self.load(index) if raw is None else self.prepare(raw, index, str(self.data[index]))
         except SampleFileError as error:
             if self.strict:
                 raise
