@@ -21,10 +21,9 @@ from safetensors.torch import load_file
 from speculators_vllm016.cli.train import main as train_main
 from speculators_vllm016.data_generation.offline import DatagenOptions, run_datagen
 from speculators_vllm016.demo import demo_conversations_path
+from speculators_vllm016.train.data import list_files
 from speculators_vllm016.train.vocab_mapping import build_vocab_mappings_from_distribution
 from tests.training_fixtures import cli_env
-
-pytestmark = pytest.mark.engine
 
 ROWS = 12
 SEQ_LENGTH = 96
@@ -108,6 +107,7 @@ def assert_same_weights(a: Path, b: Path) -> None:
     assert not different, f"not bit-identical: {different[:5]}"
 
 
+@pytest.mark.engine
 def test_online_steps_equal_offline_steps_on_datagens_files(hybrid_run, offline_run):
     save, _, _ = hybrid_run
     for epoch in ("0", "1"):
@@ -117,9 +117,10 @@ def test_online_steps_equal_offline_steps_on_datagens_files(hybrid_run, offline_
 
 
 def sample_files(folder: Path) -> list[str]:
-    return sorted(path.name for path in folder.glob("data_*"))
+    return [path.name for path in list_files(folder)]
 
 
+@pytest.mark.engine
 def test_cache_folder_is_datagens_folder_and_epoch_two_starts_no_engine(hybrid_run, setup):
     _, cache, records = hybrid_run
     _, _, datagen = setup
@@ -134,6 +135,7 @@ def test_cache_folder_is_datagens_folder_and_epoch_two_starts_no_engine(hybrid_r
     assert any("every sample of this epoch is in the cache" in message for message in records), records
 
 
+@pytest.mark.engine
 def test_sigkill_then_the_same_command_ends_at_the_uninterrupted_checkpoint(setup, tiny_llama, offline_run):
     root, chats, _ = setup
     save = root / "killed"
@@ -153,3 +155,55 @@ def test_sigkill_then_the_same_command_ends_at_the_uninterrupted_checkpoint(setu
     finished = subprocess.run(command, env=cli_env(), capture_output=True, text=True)
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert_same_weights(save / "1", offline_run / "1")
+
+
+class StandInGenerator:
+    """Stands in for the engine in the failure test only: seeded states of the tiny Llama's
+    width, and a RuntimeError after `fail_after` samples (a worker that died)."""
+
+    def __init__(self, fail_after: int | None) -> None:
+        self.fail_after = fail_after
+        self.closed = False
+
+    def generate_stream(self, sequences):
+        for k, ids in enumerate(sequences):
+            if self.fail_after is not None and self.fail_after <= 0:
+                raise RuntimeError("engine worker died")
+            if self.fail_after is not None:
+                self.fail_after -= 1
+            seed = torch.Generator().manual_seed(sum(ids))
+            yield k, {"input_ids": torch.tensor(ids), "loss_mask": None,
+                      "hidden_states": [torch.randn(len(ids), 256, generator=seed) for _ in range(4)]}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_dying_engine_leaves_a_checkpoint_and_a_clear_message_then_resumes(
+    tiny_llama, tmp_path, monkeypatch, capsys
+):
+    from speculators_vllm016.data_generation import offline
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:ROWS]) + "\n")
+    save = tmp_path / "save"
+    argv = [
+        "--verifier-name-or-path", str(tiny_llama), "--save-path", str(save),
+        "--draft-vocab-size", "64", "--total-seq-len", "160", "--epochs", "1", "--lr", "1e-3",
+        "--no-progress", "--log-dir", str(tmp_path / "logs"), "--device", "cpu",
+        "--precision", "fp32", "--checkpoint-dtype", "fp32",
+        *online_flags(chats, tmp_path), "--max-num-seqs", "2",
+    ]
+    generators = [StandInGenerator(fail_after=5), StandInGenerator(fail_after=None)]
+    monkeypatch.setattr(offline, "start_generator", lambda options, facts: generators.pop(0))
+    assert train_main(argv) == 143
+    err = capsys.readouterr().err
+    assert "the target model's engine failed (RuntimeError: engine worker died)" in err
+    assert "run the same command again to resume" in err
+    saved = [json.loads(path.read_text()) for path in save.glob("0-step*/training_state.json")]
+    assert len(saved) == 1 and saved[0]["global_step"] >= 1
+    assert train_main(argv) == 0
+    uninterrupted = tmp_path / "uninterrupted"
+    generators.append(StandInGenerator(fail_after=None))
+    assert train_main([*argv[:3], str(uninterrupted), *argv[4:]]) == 0
+    assert_same_weights(save / "0", uninterrupted / "0")
