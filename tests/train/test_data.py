@@ -190,3 +190,16 @@ def test_noise_is_on_inputs_only_and_the_same_for_every_reader(tmp_path):
     assert torch.equal(first["verifier_last_hidden_states"], clean["verifier_last_hidden_states"])
     noisy.set_epoch(1)
     assert not torch.equal(noisy[0]["hidden_states"], first["hidden_states"])
+
+
+def test_split_items_over_indices_is_split_files_over_datagens_files(tmp_path):
+    """Online training splits sample indices; it must pick the same samples as offline's split."""
+    from speculators_vllm016.train.data import split_files, split_items
+
+    for index in range(13):
+        (tmp_path / f"data_{index}.pt").write_bytes(b"")
+    (tmp_path / "data_config.json").write_text("{}")
+    for seed in (0, 3):
+        files = split_files(str(tmp_path), 0.75, seed)
+        items = split_items(list(range(13)), 0.75, seed)
+        assert [[int(f.stem.split("_")[1]) for f in part] for part in files] == [list(p) for p in items]
