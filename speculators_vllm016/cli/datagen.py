@@ -13,7 +13,15 @@ from collections.abc import Callable, Sequence
 
 from speculators_vllm016.data_generation.offline import DTYPES, DatagenOptions
 
-__all__ = ["build_parser", "main", "options_from_args", "report_errors"]
+__all__ = [
+    "add_preprocessing_arguments",
+    "add_sample_file_arguments",
+    "add_target_model_arguments",
+    "build_parser",
+    "main",
+    "options_from_args",
+    "report_errors",
+]
 
 EPILOG = """\
 Sharding: run one process per machine with the same flags and --num-shards N --shard-index I,
@@ -24,6 +32,109 @@ where it stopped when started again with the same command. Token counts go to
 """
 
 
+def add_target_model_arguments(group, required: bool = True) -> None:
+    """The target model and engine flags (shared with `speculators train --online`)."""
+    group.add_argument("--target-model-path", required=required, default=None,
+                       help="HF model id or local folder")
+    group.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="GPUs (or CPU workers) per model copy; 0.3.0 used every visible GPU, now 1",
+    )
+    group.add_argument(
+        "--pipeline-parallel-size", type=int, default=1, help="pipeline stages per model copy"
+    )
+    group.add_argument(
+        "--max-model-len", type=int, default=None, help="engine context length; None: --seq-length + 1"
+    )
+    group.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.8, help="share of GPU memory vLLM may use"
+    )
+    group.add_argument("--dtype", default="auto", choices=DTYPES, help="model dtype")
+    group.add_argument(
+        "--max-num-seqs", type=int, default=None, help="engine batch; None: max(32, --batch-size)"
+    )
+    group.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens per engine step; None: max(8192, max model len)",
+    )
+    group.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run Python code shipped in the model folder (some models need it, e.g. Kimi-K2.5); "
+        "off by default (0.3.0 always ran it)",
+    )
+    group.add_argument(
+        "--transfer-root",
+        default=None,
+        help="folder for the shared-memory files that carry hidden states from the engine; "
+        "None: $SPECULATORS_TRANSFER_ROOT, else /dev/shm, else the temp dir",
+    )
+
+
+def add_preprocessing_arguments(
+    group, required: bool = True, seed_flag: str = "--seed", token_freq: bool = True
+) -> None:
+    """The chat-data flags: which rows, how they are tokenized and masked (shared with train)."""
+    group.add_argument(
+        "--train-data-path",
+        required=required,
+        default=None,
+        help="local .json/.jsonl (ShareGPT or messages shape), or 'sharegpt' / 'ultrachat'",
+    )
+    group.add_argument("--seq-length", type=int, default=2048, help="truncate samples to this")
+    group.add_argument(
+        "--max-samples", type=int, default=None, help="use at most this many conversations; None: all"
+    )
+    if token_freq:
+        group.add_argument(
+            "--token-freq-path",
+            default=None,
+            help="also write the token counts here (0.3.0's file; '.shard-I-of-N' is added when "
+            "sharded); they always go to <output-dir>/token_freq/",
+        )
+    group.add_argument("--hf-cache-dir", default=None, help="datasets cache directory")
+    group.add_argument(
+        "--assistant-pattern",
+        default=None,
+        help="regex whose first group is assistant text; None: found from the chat template",
+    )
+    group.add_argument(
+        "--turn-dropout", action="store_true", help="keep a random prefix of each conversation"
+    )
+    group.add_argument(seed_flag, type=int, default=0, dest="seed" if seed_flag == "--seed" else None,
+                       help="shuffle seed of the chat data (datagen's --seed)")
+    group.add_argument(
+        "--num-preprocessing-workers", type=int, default=8, help="processes for tokenizing"
+    )
+
+
+def add_sample_file_arguments(group) -> None:
+    """Which layers are captured and how sample files are written (shared with train)."""
+    group.add_argument(
+        "--output-format", choices=["pt", "safetensors"], default="pt", help="sample file format"
+    )
+    group.add_argument("--start-idx", type=int, default=0, help="index of the first file")
+    group.add_argument(
+        "--layer-ids",
+        type=int,
+        nargs="+",
+        default=None,
+        help="decoder layers to capture; None: [2, N/2, N-3, N-1] of N layers",
+    )
+    group.add_argument(
+        "--num-writer-threads", type=int, default=4, help="threads writing sample files"
+    )
+    group.add_argument(
+        "--fsync",
+        action="store_true",
+        help="fsync every sample file (survives power loss; files are always whole after a crash)",
+    )
+
+
 def build_parser(prog: str = "speculators datagen") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -31,89 +142,12 @@ def build_parser(prog: str = "speculators datagen") -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    model = parser.add_argument_group("target model")
-    model.add_argument("--target-model-path", required=True, help="HF model id or local folder")
-    model.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="GPUs (or CPU workers) per model copy; 0.3.0 used every visible GPU, now 1",
-    )
-    model.add_argument(
-        "--pipeline-parallel-size", type=int, default=1, help="pipeline stages per model copy"
-    )
-    model.add_argument(
-        "--max-model-len", type=int, default=None, help="engine context length; None: --seq-length + 1"
-    )
-    model.add_argument(
-        "--gpu-memory-utilization", type=float, default=0.8, help="share of GPU memory vLLM may use"
-    )
-    model.add_argument("--dtype", default="auto", choices=DTYPES, help="model dtype")
-    model.add_argument(
-        "--max-num-seqs", type=int, default=None, help="engine batch; None: max(32, --batch-size)"
-    )
-    model.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="tokens per engine step; None: max(8192, max model len)",
-    )
-    model.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="run Python code shipped in the model folder (some models need it, e.g. Kimi-K2.5); "
-        "off by default (0.3.0 always ran it)",
-    )
-    model.add_argument(
-        "--transfer-root",
-        default=None,
-        help="folder for the shared-memory files that carry hidden states from the engine; "
-        "None: $SPECULATORS_TRANSFER_ROOT, else /dev/shm, else the temp dir",
-    )
-
-    data = parser.add_argument_group("data")
-    data.add_argument(
-        "--train-data-path",
-        required=True,
-        help="local .json/.jsonl (ShareGPT or messages shape), or 'sharegpt' / 'ultrachat'",
-    )
-    data.add_argument("--seq-length", type=int, default=2048, help="truncate samples to this")
-    data.add_argument(
-        "--max-samples", type=int, default=None, help="use at most this many conversations; None: all"
-    )
-    data.add_argument(
-        "--token-freq-path",
-        default=None,
-        help="also write the token counts here (0.3.0's file; '.shard-I-of-N' is added when "
-        "sharded); they always go to <output-dir>/token_freq/",
-    )
-    data.add_argument("--hf-cache-dir", default=None, help="datasets cache directory")
-    data.add_argument(
-        "--assistant-pattern",
-        default=None,
-        help="regex whose first group is assistant text; None: found from the chat template",
-    )
-    data.add_argument(
-        "--turn-dropout", action="store_true", help="keep a random prefix of each conversation"
-    )
-    data.add_argument("--seed", type=int, default=0, help="shuffle seed")
-    data.add_argument(
-        "--num-preprocessing-workers", type=int, default=8, help="processes for tokenizing"
-    )
+    add_target_model_arguments(parser.add_argument_group("target model"))
+    add_preprocessing_arguments(parser.add_argument_group("data"))
 
     output = parser.add_argument_group("output")
     output.add_argument("--output-dir", required=True, help="folder for the sample files")
-    output.add_argument(
-        "--output-format", choices=["pt", "safetensors"], default="pt", help="sample file format"
-    )
-    output.add_argument("--start-idx", type=int, default=0, help="index of the first file")
-    output.add_argument(
-        "--layer-ids",
-        type=int,
-        nargs="+",
-        default=None,
-        help="decoder layers to capture; None: [2, N/2, N-3, N-1] of N layers",
-    )
+    add_sample_file_arguments(output)
     output.add_argument(
         "--batch-size",
         type=int,
@@ -126,14 +160,6 @@ def build_parser(prog: str = "speculators datagen") -> argparse.ArgumentParser:
     )
     output.add_argument("--num-shards", type=int, default=1, help="shards of the whole job")
     output.add_argument("--shard-index", type=int, default=0, help="this process's shard")
-    output.add_argument(
-        "--num-writer-threads", type=int, default=4, help="threads writing sample files"
-    )
-    output.add_argument(
-        "--fsync",
-        action="store_true",
-        help="fsync every sample file (survives power loss; files are always whole after a crash)",
-    )
     output.add_argument(
         "--adopt-existing",
         action="store_true",

@@ -59,6 +59,8 @@ def build_parser(prog: str = "speculators train") -> argparse.ArgumentParser:
     io.add_argument("--strict-data", action="store_true",
                     help="stop at the first unreadable or non-finite sample instead of skipping it")
 
+    _add_online_arguments(parser)
+
     model = parser.add_argument_group("model (0.3.0)")
     model.add_argument("--num-layers", type=int, default=1, help="decoder layers of the draft")
     model.add_argument("--ttt-steps", type=int, default=3, help="test-time-training steps")
@@ -119,6 +121,105 @@ def build_parser(prog: str = "speculators train") -> argparse.ArgumentParser:
     legacy.add_argument("--bf16-optimizer-state", action="store_true",
                         help="save the optimizer state in bf16 (D2)")
     return parser
+
+
+@dataclass
+class OnlineSetup:
+    options: Any  # DatagenOptions
+    facts: Any  # ModelFacts
+    dataset: Any  # datagen's preprocessed samples
+
+
+def _check_online(args: argparse.Namespace) -> OnlineSetup:
+    """Datagen's checks on the online flags, then datagen's preprocessing (nothing is written)."""
+    from speculators_vllm016.data_generation.offline import DatagenOptions, preprocess_samples
+    from speculators_vllm016.data_generation.preflight import inspect_model
+    from speculators_vllm016.data_generation.transfer import check_transfer_space
+
+    if args.train_data_path is None:
+        raise TrainSetupError("--online needs --train-data-path (the chat data datagen would read)")
+    if args.online_queue_size < 1:
+        raise TrainSetupError("--online-queue-size must be at least 1")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise TrainSetupError("--online trains in one process; run it without torchrun")
+    options = DatagenOptions(
+        target_model_path=args.target_model_path or args.verifier_name_or_path,
+        train_data_path=args.train_data_path,
+        output_dir=args.cache_dir or "",
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        seq_length=args.seq_length,
+        max_samples=args.max_samples,
+        hf_cache_dir=args.hf_cache_dir,
+        assistant_pattern=args.assistant_pattern,
+        turn_dropout=args.turn_dropout,
+        layer_ids=args.layer_ids,
+        seed=args.data_seed,
+        start_idx=args.start_idx,
+        num_preprocessing_workers=args.num_preprocessing_workers,
+        output_format=args.output_format,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_writer_threads=args.num_writer_threads,
+        fsync=args.fsync,
+        show_progress=False,
+        trust_remote_code=args.trust_remote_code,
+        transfer_root=args.transfer_root,
+    )
+    try:
+        options.validate()
+        facts = inspect_model(options.target_model_path, options.layer_ids, options.trust_remote_code)
+        check_transfer_space(options, facts)
+    except ValueError as error:
+        raise TrainSetupError(str(error).strip().splitlines()[0]) from None
+    if args.cache_dir and Path(args.cache_dir).exists() and not Path(args.cache_dir).is_dir():
+        raise TrainSetupError(f"--cache-dir {args.cache_dir} is a file; name a folder")
+    dataset, _ = preprocess_samples(options, facts)
+    if len(dataset) == 0:
+        raise TrainSetupError(f"--train-data-path {args.train_data_path} gives no usable samples")
+    return OnlineSetup(options=options, facts=facts, dataset=dataset)
+
+
+def _check_online_model(online: OnlineSetup, hidden_size: int) -> list[int]:
+    """The target's layers and width against the draft's needs (what `_check_sample` checks)."""
+    if int(online.facts.hidden_size) != hidden_size:
+        raise TrainSetupError(
+            f"the target's hidden size {online.facts.hidden_size} differs from the verifier's "
+            f"{hidden_size}: --target-model-path must be --verifier-name-or-path's model"
+        )
+    if len(online.facts.layer_ids) != 4:
+        raise TrainSetupError(
+            f"{len(online.facts.layer_ids)} --layer-ids; an EAGLE-3 draft needs 4 (3 fused + the last)"
+        )
+    return list(online.facts.layer_ids)
+
+
+def _add_online_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--online`: datagen's own target-model and preprocessing flags, and the queue/cache."""
+    from speculators_vllm016.cli.datagen import (
+        add_preprocessing_arguments,
+        add_sample_file_arguments,
+        add_target_model_arguments,
+    )
+
+    online = parser.add_argument_group(
+        "online training (--online): hidden states extracted live, datagen's flags"
+    )
+    online.add_argument("--online", action="store_true",
+                        help="extract hidden states with the target model while training, instead "
+                             "of reading --data-path; the batches equal offline training's on "
+                             "datagen's files of the same samples")
+    online.add_argument("--cache-dir", default=None,
+                        help="hybrid mode: also write every extracted sample here as a datagen "
+                             "folder; later epochs (and later runs) read it and start no engine")
+    online.add_argument("--online-queue-size", type=int, default=4,
+                        help="packed rows extracted ahead of the trainer (bounds memory)")
+    add_target_model_arguments(online, required=False)
+    add_preprocessing_arguments(online, required=False, seed_flag="--data-seed", token_freq=False)
+    add_sample_file_arguments(online)
 
 
 @dataclass
@@ -216,7 +317,9 @@ def _token_counts(token_freq_path: str | None, data_path: Path) -> tuple[dict[in
     )
 
 
-def _load_vocab_maps(args: argparse.Namespace, target_vocab: int, data_path: Path) -> VocabMaps:
+def _load_vocab_maps(
+    args: argparse.Namespace, target_vocab: int, data_path: Path, counts: dict[int, int] | None = None
+) -> VocabMaps:
     import numpy as np
     import torch
 
@@ -231,7 +334,10 @@ def _load_vocab_maps(args: argparse.Namespace, target_vocab: int, data_path: Pat
     elif args.draft_vocab_size:
         from speculators_vllm016.train.vocab_mapping import build_vocab_mappings_from_distribution
 
-        counts, built_from = _token_counts(args.token_freq_path, data_path)
+        if counts is not None and not args.token_freq_path:  # online: the preprocessed samples
+            built_from = "the --train-data-path samples"
+        else:
+            counts, built_from = _token_counts(args.token_freq_path, data_path)
         try:
             d2t, t2d = build_vocab_mappings_from_distribution(counts, args.draft_vocab_size, target_vocab)
         except ValueError as error:
@@ -325,6 +431,7 @@ def run(args: argparse.Namespace) -> int:
         create_collate_fn,
         list_files,
         split_files,
+        split_items,
         standardize_data_v0,
         standardize_data_v1,
     )
@@ -346,20 +453,25 @@ def run(args: argparse.Namespace) -> int:
     if args.checkpoint_freq is not None and not 0 < args.checkpoint_freq <= 1:
         raise TrainSetupError("--checkpoint-freq is a fraction of an epoch in (0, 1]")
     data_path, save_path = Path(args.data_path), Path(args.save_path)
-    if not data_path.is_dir():
-        raise TrainSetupError(f"--data-path {data_path} is not a folder; run `speculators datagen` first")
-    files = list_files(data_path)
-    if not files:
-        raise TrainSetupError(
-            f"no sample files (data_<i>.pt / data_<i>.safetensors) under {data_path}; "
-            "point --data-path at datagen's --output-dir"
-        )
+    online = _check_online(args) if args.online else None
+    if online is None:
+        if not data_path.is_dir():
+            raise TrainSetupError(f"--data-path {data_path} is not a folder; run `speculators datagen` first")
+        files = list_files(data_path)
+        if not files:
+            raise TrainSetupError(
+                f"no sample files (data_<i>.pt / data_<i>.safetensors) under {data_path}; "
+                "point --data-path at datagen's --output-dir"
+            )
     _check_save_path(save_path)
     verifier_config, text_config = _verifier_text_config(args.verifier_name_or_path)
     hidden_size, target_vocab = int(text_config.hidden_size), int(text_config.vocab_size)
     standardize = standardize_data_v1 if args.data_format_version == 1 else standardize_data_v0
-    _check_sample(files[0], standardize, hidden_size)
-    layer_ids = _data_layer_ids(data_path)
+    if online is None:
+        _check_sample(files[0], standardize, hidden_size)
+        layer_ids = _data_layer_ids(data_path)
+    else:
+        layer_ids = _check_online_model(online, hidden_size)
     aux_ids = None
     if layer_ids is not None:
         num_target_layers = int(text_config.num_hidden_layers)
@@ -370,10 +482,16 @@ def run(args: argparse.Namespace) -> int:
             )
         # datagen's id i is the output of layer i; vLLM's aux id counts layer inputs (D8).
         aux_ids = [int(i) + 1 for i in layer_ids[:-1]]
-    vocab = _load_vocab_maps(args, target_vocab, data_path)
+    counts = None
+    if online is not None and args.draft_vocab_size and not args.token_freq_path:
+        from speculators_vllm016.train.vocab_mapping import count_trained_tokens
+
+        counts = {int(k): int(v) for k, v in dict(count_trained_tokens(online.dataset)).items()}
+    vocab = _load_vocab_maps(args, target_vocab, data_path, counts)
 
     # -- the run ---------------------------------------------------------------------------------
     local_rank, world_size, rank, distributed = maybe_setup_distributed(args.device)
+    closers: list[Any] = []
     try:
         setup_root_logger("INFO")
         if layer_ids is None:
@@ -396,23 +514,44 @@ def run(args: argparse.Namespace) -> int:
             model_kwargs["use_verifier_norm"] = False
         model = Eagle3DraftModel(config, t2d=vocab.t2d, d2t=vocab.d2t, **model_kwargs)
 
-        train_files, val_files = split_files(str(data_path), args.train_ratio, args.split_seed)
         workers = args.num_workers if args.num_workers is not None else min(12, os.cpu_count() or 1)
         device = training_device(local_rank, args.device)
         bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
+        if online is not None:
+            from speculators_vllm016.train.online import OnlineExtractor, OnlineLoader
+
+            extractor = OnlineExtractor(
+                online.options, online.facts, online.dataset,
+                Path(args.cache_dir) if args.cache_dir else None,
+            )
+            closers.append(extractor.close)
+            train_items, val_items = split_items(extractor.indices, args.train_ratio, args.split_seed)
+            train_files = [extractor.sample_path(index) for index in train_items]
+            val_files = [extractor.sample_path(index) for index in val_items]
+        else:
+            train_files, val_files = split_files(str(data_path), args.train_ratio, args.split_seed)
 
         def loader(file_list: list[Path], transform: Any) -> DataLoader | None:
             if not file_list:
                 return None
+            lengths = None
+            if online is not None:  # the sample index is in the (cache) file name
+                items = [int(Path(f).stem.split("_")[-1]) for f in file_list]
+                lengths = extractor.lengths(items)
             dataset = Eagle3SampleFileDataset(
                 args.total_seq_len, file_list=[str(f) for f in file_list], transform=transform,
                 standardize_fn=standardize, seed=args.seed, strict=args.strict_data,
-                legacy_loss_mask_shift=args.legacy_loss_mask_shift,
+                legacy_loss_mask_shift=args.legacy_loss_mask_shift, lengths=lengths,
                 output_dtype=torch.bfloat16 if bf16 else None,
             )
             sampler = MultipackDistributedBatchSamplerV2(
                 args.total_seq_len, dataset.lengths, world_size, rank, seed=args.seed
             )
+            if online is not None:
+                return OnlineLoader(
+                    extractor, dataset, items, sampler, create_collate_fn(args.total_seq_len),
+                    args.online_queue_size,
+                )
             return DataLoader(
                 dataset, batch_sampler=sampler, collate_fn=create_collate_fn(args.total_seq_len),
                 num_workers=workers, prefetch_factor=args.prefetch_factor if workers else None,
@@ -448,8 +587,15 @@ def run(args: argparse.Namespace) -> int:
         state = trainer.run_training()
         if rank == 0:
             skipped = f", {state.skipped_samples} unusable samples skipped" if state.skipped_samples else ""
+            if online is not None:
+                stats = extractor.stats
+                skipped += (f"; online: {stats.extracted_samples} samples extracted, "
+                            f"{stats.cached_reads} read from the cache, engine started "
+                            f"{stats.engine_starts} times")
             print(f"Done: {state.global_step} steps, checkpoints in {save_path}{skipped}")
     finally:
+        for close in closers:
+            close()
         maybe_destroy_distributed()
     return 0
 

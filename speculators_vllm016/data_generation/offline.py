@@ -54,7 +54,14 @@ from speculators_vllm016.data_generation.sample_io import (
     write_sample_file,
 )
 
-__all__ = ["DatagenOptions", "DatagenSummary", "run_datagen", "shard_positions"]
+__all__ = [
+    "DatagenOptions",
+    "DatagenSummary",
+    "preprocess_samples",
+    "run_datagen",
+    "shard_positions",
+    "start_generator",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -232,6 +239,54 @@ def _prepare_output_dir(output_dir: Path) -> bool:
     return created
 
 
+def preprocess_samples(options: DatagenOptions, facts: ModelFacts):
+    """The chat data as datagen samples (row i is sample `start_idx + i`); and rows dropped."""
+    from speculators_vllm016.data_generation.preprocessing import load_and_preprocess_dataset
+
+    dataset, _ = load_and_preprocess_dataset(
+        target_model_path=facts.path,
+        train_data_path=options.train_data_path,
+        seq_length=options.seq_length,
+        build_dataset_num_proc=options.num_preprocessing_workers,
+        seed=options.seed,
+        max_samples=options.max_samples,
+        token_freq_path=None,
+        cache_dir=options.hf_cache_dir,
+        assistant_pattern=options.assistant_pattern,
+        turn_dropout=options.turn_dropout,
+        trust_remote_code=options.trust_remote_code,
+    )
+    skipped_rows = int((dataset.info.description or "skipped_rows=0").split("=")[-1] or 0)
+    return dataset, skipped_rows
+
+
+def start_generator(options: DatagenOptions, facts: ModelFacts, generator_class=None):
+    """The hidden-states generator these options describe (the remote-code ask made readable)."""
+    if generator_class is None:
+        from speculators_vllm016.data_generation.vllm_hidden_states_generator import (
+            VllmHiddenStatesGenerator as generator_class,
+        )
+    try:
+        return generator_class(
+            model_path=facts.path,
+            layer_ids=facts.layer_ids,
+            max_model_len=options.resolved_max_model_len,
+            gpu_memory_utilization=options.gpu_memory_utilization,
+            tensor_parallel_size=options.tensor_parallel_size,
+            pipeline_parallel_size=options.pipeline_parallel_size,
+            dtype=options.dtype,
+            max_num_seqs=options.resolved_max_num_seqs,
+            max_num_batched_tokens=options.max_num_batched_tokens,
+            trust_remote_code=options.trust_remote_code,
+            transfer_root=options.transfer_root,
+        )
+    except Exception as error:  # noqa: BLE001 - translated when it is the remote-code ask
+        hint = remote_code_hint(error, options.target_model_path)
+        if hint is not None:
+            raise hint from None
+        raise
+
+
 def run_datagen(options: DatagenOptions) -> DatagenSummary:
     """Run (or resume) one shard of a datagen job; returns what was done.
 
@@ -301,7 +356,6 @@ def _write_token_counts(options: DatagenOptions, dataset, positions: list[int]) 
 def _run_locked(
     options: DatagenOptions, facts: ModelFacts, output_dir: Path, slot: WriterSlot, started: float
 ) -> DatagenSummary:
-    from speculators_vllm016.data_generation.preprocessing import load_and_preprocess_dataset
     from speculators_vllm016.data_generation.vllm_hidden_states_generator import (
         VllmHiddenStatesGenerator,
     )
@@ -311,20 +365,7 @@ def _run_locked(
         logger.info("removed %d partial files left by an interrupted run", removed)
     refuse_unrecorded(output_dir, options.adopt_existing)  # before the preprocessing it would waste
 
-    dataset, _ = load_and_preprocess_dataset(
-        target_model_path=facts.path,
-        train_data_path=options.train_data_path,
-        seq_length=options.seq_length,
-        build_dataset_num_proc=options.num_preprocessing_workers,
-        seed=options.seed,
-        max_samples=options.max_samples,
-        token_freq_path=None,
-        cache_dir=options.hf_cache_dir,
-        assistant_pattern=options.assistant_pattern,
-        turn_dropout=options.turn_dropout,
-        trust_remote_code=options.trust_remote_code,
-    )
-    skipped_rows = int((dataset.info.description or "skipped_rows=0").split("=")[-1] or 0)
+    dataset, skipped_rows = preprocess_samples(options, facts)
     identity = _run_identity(options, facts, samples_digest(dataset))
     must_record = check_identity(output_dir, identity, options.adopt_existing)
 
@@ -379,25 +420,7 @@ def _extract_shard(
     generator = None
     try:
         if todo:
-            try:
-                generator = generator_class(
-                    model_path=facts.path,
-                    layer_ids=facts.layer_ids,
-                    max_model_len=options.resolved_max_model_len,
-                    gpu_memory_utilization=options.gpu_memory_utilization,
-                    tensor_parallel_size=options.tensor_parallel_size,
-                    pipeline_parallel_size=options.pipeline_parallel_size,
-                    dtype=options.dtype,
-                    max_num_seqs=options.resolved_max_num_seqs,
-                    max_num_batched_tokens=options.max_num_batched_tokens,
-                    trust_remote_code=options.trust_remote_code,
-                    transfer_root=options.transfer_root,
-                )
-            except Exception as error:  # noqa: BLE001 - translated when it is the remote-code ask
-                hint = remote_code_hint(error, options.target_model_path)
-                if hint is not None:
-                    raise hint from None
-                raise
+            generator = start_generator(options, facts, generator_class)
         if must_record:  # the run is known to start: a typo never locks the folder
             record_identity(output_dir, identity)
         if generator is not None:
@@ -486,6 +509,11 @@ class SampleWriterPool:
     def _collect_oldest(self) -> None:
         self._pending.popleft().result()
         self.written += 1
+
+    def drain(self) -> None:
+        """Wait for every write submitted so far; re-raise the first failure."""
+        while self._pending:
+            self._collect_oldest()
 
     def finish(self) -> int:
         """Wait for every write; re-raise the first failure. Returns samples written."""

@@ -34,7 +34,7 @@ import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, TypedDict, TypeVar
 
 import numpy as np
 import torch
@@ -45,6 +45,7 @@ from speculators_vllm016.train.noise_transforms import TransformTensors
 
 __all__ = [
     "BatchType",
+    "DataSourceError",
     "Eagle3SampleFileDataset",
     "PackedBatch",
     "SampleFileError",
@@ -53,7 +54,9 @@ __all__ = [
     "sample_lengths",
     "shift_batch",
     "slice_and_pad_to_length",
+    "prepare_sample",
     "split_files",
+    "split_items",
     "standardize_data_v0",
     "standardize_data_v1",
 ]
@@ -61,6 +64,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 BatchType = dict[str, Any]
+T = TypeVar("T")
 StandardizeFnSig = Callable[[dict[str, Any]], dict[str, Any]]
 
 SAMPLE_FILE = re.compile(r"^data_(\d+)\.(pt|safetensors)$")
@@ -90,6 +94,10 @@ class SampleFileError(ValueError):
     """A sample file that cannot be used: unreadable, of the wrong layout, or not finite."""
 
 
+class DataSourceError(RuntimeError):
+    """The source of rows failed (e.g. online extraction's engine died); the trainer checkpoints."""
+
+
 def list_files(path: str | os.PathLike) -> list[Path]:
     """Every sample file under `path` (recursively), in a stable order: folder, then index."""
     found: list[tuple[str, int, str, Path]] = []
@@ -107,14 +115,23 @@ def split_files(
     datapath: str, ratio: float = 0.9, seed: int = 0
 ) -> tuple[list[Path], list[Path]]:
     """Shuffle the sample files with `seed` and split them `ratio : 1 - ratio` (train, validation)."""
+    return split_items(list_files(datapath), ratio, seed)
+
+
+def split_items(items: Sequence[T], ratio: float = 0.9, seed: int = 0) -> tuple[list[T], list[T]]:
+    """`split_files` over any list in its stable order (online training splits sample indices).
+
+    The shuffle depends only on `seed` and the list's length, so datagen's files in index order and
+    the same indices split alike.
+    """
     if not 0.0 < ratio <= 1.0:
         raise ValueError(f"the training share must be in (0, 1], got {ratio}")
-    files = list_files(datapath)
-    random.Random(seed).shuffle(files)
-    cut = int(len(files) * ratio)
-    if files and cut == 0:
+    shuffled = list(items)
+    random.Random(seed).shuffle(shuffled)
+    cut = int(len(shuffled) * ratio)
+    if shuffled and cut == 0:
         cut = 1  # never an empty training set while there is data
-    return files[:cut], files[cut:]
+    return shuffled[:cut], shuffled[cut:]
 
 
 def slice_and_pad_to_length(tensor: torch.Tensor, length: int) -> torch.Tensor:
@@ -240,6 +257,54 @@ def _noise_seed(seed: int, epoch: int, index: int) -> int:
     return mixed % (2**63 - 1)
 
 
+def prepare_sample(
+    raw: dict[str, Any],
+    index: int,
+    *,
+    name: str,
+    standardize_fn: StandardizeFnSig = standardize_data_v1,
+    hidden_states_dtype: torch.dtype = torch.float,
+    transform: TransformTensors | None = None,
+    seed: int = 0,
+    epoch: int = 0,
+    legacy_loss_mask_shift: bool = False,
+    output_dtype: torch.dtype | None = None,
+) -> BatchType:
+    """One raw sample (a file's dict, or the generator's result) -> the shifted training sample.
+
+    The one place a sample is prepared, for files and for online extraction alike: standardize,
+    cast the states, refuse non-finite states (`SampleFileError`), add the noise seeded by
+    `(seed, epoch, index)`, shift. `name` says which sample in error messages.
+    """
+    try:
+        data = standardize_fn(raw)
+    except SampleFileError as error:
+        raise SampleFileError(f"{name}: {error}") from None
+    except Exception as error:  # noqa: BLE001 - a malformed sample surfaces here, in a worker
+        raise SampleFileError(f"{name}: unreadable ({type(error).__name__}: {error})") from None
+    data = {
+        key: value.to(hidden_states_dtype) if "hidden_states" in key else value
+        for key, value in data.items()
+    }
+    for key in ("hidden_states", "verifier_last_hidden_states"):
+        if not bool(torch.isfinite(data[key]).all()):
+            raise SampleFileError(f"{name}: {key} holds NaN or inf values")
+    length = int(data["input_ids"].shape[0])
+    data["lengths"] = torch.tensor([length], dtype=torch.long)
+    data["position_ids"] = torch.arange(length, dtype=torch.long)
+    if transform is not None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_noise_seed(seed, epoch, index))
+            data = transform(data)
+    if output_dtype is not None:
+        # After the noise, so only the finished values are rounded (what autocast would do).
+        data = {
+            key: value.to(output_dtype) if "hidden_states" in key else value
+            for key, value in data.items()
+        }
+    return shift_batch(data, legacy_loss_mask_shift=legacy_loss_mask_shift)
+
+
 class Eagle3SampleFileDataset(Dataset):
     """Standardized, shifted samples read from sample files (one file per sample).
 
@@ -316,36 +381,28 @@ class Eagle3SampleFileDataset(Dataset):
 
         path = self.data[index]
         try:
-            data = self.standardize_fn(load_sample(path, mmap=True))
-        except SampleFileError as error:
-            raise SampleFileError(f"{path}: {error}") from None
+            raw = load_sample(path, mmap=True)
         except Exception as error:  # noqa: BLE001 - a corrupt file surfaces here, in a worker
             raise SampleFileError(f"{path}: unreadable ({type(error).__name__}: {error})") from None
-        data = {
-            key: value.to(self.hidden_states_dtype) if "hidden_states" in key else value
-            for key, value in data.items()
-        }
-        for key in ("hidden_states", "verifier_last_hidden_states"):
-            if not bool(torch.isfinite(data[key]).all()):
-                raise SampleFileError(f"{path}: {key} holds NaN or inf values")
-        length = int(data["input_ids"].shape[0])
-        data["lengths"] = torch.tensor([length], dtype=torch.long)
-        data["position_ids"] = torch.arange(length, dtype=torch.long)
-        if self.transform is not None:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(_noise_seed(self.seed, self.epoch, index))
-                data = self.transform(data)
-        if self.output_dtype is not None:
-            # After the noise, so only the finished values are rounded (what autocast would do).
-            data = {
-                key: value.to(self.output_dtype) if "hidden_states" in key else value
-                for key, value in data.items()
-            }
-        return shift_batch(data, legacy_loss_mask_shift=self.legacy_loss_mask_shift)
+        return self.prepare(raw, index, str(path))
+
+    def prepare(self, raw: dict[str, Any], index: int, name: str) -> BatchType:
+        """`prepare_sample` with this dataset's settings (epoch, seed, transform, dtype)."""
+        return prepare_sample(
+            raw, index, name=name, standardize_fn=self.standardize_fn,
+            hidden_states_dtype=self.hidden_states_dtype, transform=self.transform, seed=self.seed,
+            epoch=self.epoch, legacy_loss_mask_shift=self.legacy_loss_mask_shift,
+            output_dtype=self.output_dtype,
+        )
 
     def __getitem__(self, index: int) -> BatchType | None:
+        return self.item(index)
+
+    def item(self, index: int, raw: dict[str, Any] | None = None) -> BatchType | None:
+        """Sample `index` prepared from `raw` (given: online extraction) or from its file;
+        None when unusable and `strict` is off."""
         try:
-            return self.load(index)
+            return self.load(index) if raw is None else self.prepare(raw, index, str(self.data[index]))
         except SampleFileError as error:
             if self.strict:
                 raise

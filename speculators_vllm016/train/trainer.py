@@ -42,7 +42,7 @@ from speculators_vllm016.train.checkpointer import (
     remove_temporary_folders,
     restore_rng_state,
 )
-from speculators_vllm016.train.data import MODEL_INPUTS
+from speculators_vllm016.train.data import MODEL_INPUTS, DataSourceError
 from speculators_vllm016.train.utils import (
     apply_data_parallel,
     apply_fully_sharded,
@@ -444,9 +444,17 @@ class Trainer:
         started, tokens = time.perf_counter(), 0.0
         last_end = started
         self.state.epoch, self.state.epoch_complete = epoch, False
+        self.state.step_in_epoch = start_step
         try:
             for step in range(start_step, steps):
-                batch = next(batches)
+                try:
+                    batch = next(batches)
+                except DataSourceError as error:
+                    path = self._save_mid_epoch()
+                    raise TrainingInterrupted(
+                        f"{error}; checkpoint {path} at step {self.state.global_step}; "
+                        "run the same command again to resume"
+                    ) from error
                 metrics = self.train_step(batch)
                 self.state.skipped_samples += int(metrics.pop("skipped_samples"))
                 tokens += metrics["tokens"]
@@ -461,10 +469,12 @@ class Trainer:
                 self.state.step_in_epoch = step + 1
                 self.state.global_step += 1
                 rate = tokens / max(time.perf_counter() - started, 1e-9)
+                source = getattr(self.train_loader, "progress_fields", None)  # online: both sides
                 progress.set_postfix(
                     loss=f"{metrics.get('loss', float('nan')):.3f}",
                     acc=f"{metrics.get('full_acc_0', float('nan')):.3f}",
                     tok_s=f"{rate:,.0f}",
+                    **(source() if source is not None else {}),
                 )
                 progress.update(1)
                 last = step + 1 == steps

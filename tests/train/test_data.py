@@ -206,3 +206,16 @@ def test_output_dtype_rounds_the_finished_noisy_states_once(tmp_path):
         assert torch.equal(small[key], full[key].to(torch.bfloat16))
     assert torch.equal(small["input_ids"], full["input_ids"])
     assert small["loss_mask"].dtype == full["loss_mask"].dtype
+
+
+def test_split_items_over_indices_is_split_files_over_datagens_files(tmp_path):
+    """Online training splits sample indices; it must pick the same samples as offline's split."""
+    from speculators_vllm016.train.data import split_files, split_items
+
+    for index in range(13):
+        (tmp_path / f"data_{index}.pt").write_bytes(b"")
+    (tmp_path / "data_config.json").write_text("{}")
+    for seed in (0, 3):
+        files = split_files(str(tmp_path), 0.75, seed)
+        items = split_items(list(range(13)), 0.75, seed)
+        assert [[int(f.stem.split("_")[1]) for f in part] for part in files] == [list(p) for p in items]

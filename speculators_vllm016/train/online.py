@@ -1,0 +1,383 @@
+"""Online training: the target model extracts hidden states while the draft trains on them.
+
+    chat data -> datagen's preprocessing -> samples (index = datagen's file index)
+    sampler (the offline plan) -> producer thread: generator.generate_stream(samples of the next
+    steps) -> bounded queue of rows -> trainer (main thread: prepare_sample + collate, as offline)
+
+The rows equal what offline training reads from datagen's files of the same samples: the same
+split (`split_items` over the indices, in datagen's file order), the same sampler, the same
+per-sample preparation (`Eagle3SampleFileDataset.prepare`, noise seeded per sample), and the
+generator's tensors are the ones datagen writes. Noise and packing run on the main thread, so the
+process RNG is never touched by the producer.
+
+`cache_dir` (hybrid mode) writes every extracted sample with datagen's writer (atomic files,
+manifest, run identity, token counts, `data_config.json`): a normal datagen folder. An epoch whose
+samples are all in it reads them and starts no engine (a running one is closed).
+
+vLLM is imported only when an engine starts; this module imports none of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speculators_vllm016.train.data import (
+    DataSourceError,
+    Eagle3SampleFileDataset,
+    PackedBatch,
+)
+
+__all__ = ["ExtractionFailed", "OnlineExtractor", "OnlineLoader", "OnlineStats"]
+
+logger = logging.getLogger(__name__)
+
+_END = object()
+
+
+class ExtractionFailed(DataSourceError):
+    """The target model's engine failed while producing samples."""
+
+
+@dataclass
+class _Failure:
+    error: BaseException
+
+
+@dataclass
+class OnlineStats:
+    """Rates and waits of both sides, for the progress bar."""
+
+    extracted_tokens: int = 0
+    extraction_seconds: float = 0.0  # inside generate_stream
+    trainer_wait: float = 0.0  # the trainer waited for rows
+    producer_wait: float = 0.0  # the producer waited for room in the queue
+    engine_starts: int = 0
+    cached_reads: int = 0
+    extracted_samples: int = 0
+
+    def fields(self) -> dict[str, str]:
+        rate = self.extracted_tokens / self.extraction_seconds if self.extraction_seconds else 0.0
+        waiting = "trainer" if self.trainer_wait > self.producer_wait else "extractor"
+        return {"ext_tok_s": f"{rate:,.0f}", "waits": waiting}
+
+
+@dataclass
+class _Producer:
+    thread: threading.Thread
+    stop: threading.Event
+    rows: queue.Queue = field(repr=False)
+
+
+class OnlineExtractor:
+    """Owns the (lazily started) generator, the optional cache folder, and the samples.
+
+    `dataset` is datagen's preprocessed dataset (`preprocess_samples`); sample `start_idx + p`
+    is row `p`. One producer runs at a time; `close()` stops it, the engine and the writers.
+    """
+
+    def __init__(self, options: Any, facts: Any, dataset: Any, cache_dir: Path | None) -> None:
+        self.options = options
+        self.facts = facts
+        self.dataset = dataset
+        self.cache_dir = cache_dir
+        self.generator: Any = None
+        self.stats = OnlineStats()
+        self._producer: _Producer | None = None
+        self._cache: _Cache | None = _Cache(options, facts, dataset, cache_dir) if cache_dir else None
+
+    # -- samples -------------------------------------------------------------------------------
+    @property
+    def indices(self) -> list[int]:
+        """Every sample's datagen index, in datagen's file order."""
+        return [self.options.start_idx + position for position in range(len(self.dataset))]
+
+    def sample_path(self, index: int) -> Path:
+        from speculators_vllm016.data_generation.sample_io import sample_path
+
+        folder = self.cache_dir if self.cache_dir is not None else Path("<online>")
+        return sample_path(folder, index, self.options.output_format)
+
+    def lengths(self, indices: list[int]) -> list[int]:
+        """Shifted lengths (tokens - 1), what the sampler packs."""
+        ids = self.dataset["input_ids"]
+        return [max(len(ids[index - self.options.start_idx]) - 1, 0) for index in indices]
+
+    def cached(self) -> set[int]:
+        return self._cache.complete() if self._cache is not None else set()
+
+    # -- the engine ----------------------------------------------------------------------------
+    def ensure_engine(self) -> None:
+        """Start the target model's engine (main thread) unless it runs."""
+        if self.generator is not None:
+            return
+        from speculators_vllm016.data_generation.offline import start_generator
+
+        logger.info("starting the target model's engine for online extraction")
+        self.generator = start_generator(self.options, self.facts)
+        self.stats.engine_starts += 1
+        if self._cache is not None:
+            self._cache.started(self.generator)
+
+    def stop_engine(self) -> None:
+        self.stop_producer()
+        if self.generator is not None:
+            self.generator.close()
+            self.generator = None
+
+    def extract(self, indices: list[int]) -> Iterator[tuple[int, dict[str, Any]]]:
+        """`(k, raw sample)` for `indices[k]` as the engine finishes them; cached if asked."""
+        assert self.generator is not None
+        positions = [index - self.options.start_idx for index in indices]
+        rows = self.dataset.select(positions)
+        input_ids = [torch.as_tensor(ids).tolist() for ids in rows["input_ids"]]
+        masks = rows["loss_mask"]
+        clock = time.perf_counter()
+        stream = self.generator.generate_stream(input_ids)
+        try:
+            for k, result in stream:
+                self.stats.extraction_seconds += time.perf_counter() - clock
+                sample = {
+                    "input_ids": result["input_ids"],
+                    "hidden_states": result["hidden_states"],
+                    "loss_mask": torch.as_tensor(masks[k], dtype=torch.long),
+                }
+                self.stats.extracted_tokens += len(input_ids[k])
+                self.stats.extracted_samples += 1
+                if self._cache is not None:
+                    self._cache.write(indices[k], sample)
+                yield k, sample
+                clock = time.perf_counter()
+        finally:
+            stream.close()
+
+    # -- the producer --------------------------------------------------------------------------
+    def start_producer(
+        self, steps: list[list[int]], names: list[int], need: set[int], queue_size: int
+    ) -> _Producer:
+        """Extract the samples of `steps` (dataset positions; `names[i]` is i's datagen index)."""
+        self.stop_producer()
+        producer = _Producer(
+            thread=threading.Thread(target=lambda: None), stop=threading.Event(),
+            rows=queue.Queue(maxsize=max(1, queue_size)),
+        )
+        producer.thread = threading.Thread(
+            target=self._produce, args=(steps, names, need, producer), name="online-extraction",
+            daemon=True,
+        )
+        self._producer = producer
+        producer.thread.start()
+        return producer
+
+    def stop_producer(self) -> None:
+        producer, self._producer = self._producer, None
+        if producer is None:
+            return
+        producer.stop.set()
+        while producer.thread.is_alive():
+            try:  # make room so a blocked put returns
+                producer.rows.get_nowait()
+            except queue.Empty:
+                pass
+            producer.thread.join(timeout=0.1)
+
+    def _put(self, producer: _Producer, item: Any) -> bool:
+        started = time.perf_counter()
+        while not producer.stop.is_set():
+            try:
+                producer.rows.put(item, timeout=0.1)
+                self.stats.producer_wait += time.perf_counter() - started
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _produce(
+        self, steps: list[list[int]], names: list[int], need: set[int], producer: _Producer
+    ) -> None:
+        chunk = max(1, self.options.resolved_max_num_seqs)
+        try:
+            start = 0
+            while start < len(steps):
+                # The next steps whose samples fill one engine call.
+                end, todo = start, []
+                while end < len(steps) and (end == start or len(todo) < chunk):
+                    todo += [item for item in steps[end] if item in need]
+                    end += 1
+                ready: dict[int, dict] = {}
+                emitted = start
+
+                def emit_ready() -> bool:
+                    nonlocal emitted
+                    while emitted < end and all(
+                        item in ready or item not in need for item in steps[emitted]
+                    ):
+                        row = {item: ready.pop(item) for item in steps[emitted] if item in need}
+                        if not self._put(producer, row):
+                            return False
+                        emitted += 1
+                    return True
+
+                if todo:
+                    for k, sample in self.extract([names[item] for item in todo]):
+                        ready[todo[k]] = sample
+                        if not emit_ready() or producer.stop.is_set():
+                            return
+                if not emit_ready():
+                    return
+                start = end
+            self._put(producer, _END)
+        except BaseException as error:  # noqa: BLE001 - handed to the trainer's thread
+            self._put(producer, _Failure(error))
+
+    def close(self) -> None:
+        try:
+            self.stop_engine()
+        finally:
+            if self._cache is not None:
+                self._cache.close()
+                self._cache = None
+
+
+class _Cache:
+    """Hybrid mode's datagen folder: datagen's lock, writer slot, manifest, identity and config."""
+
+    def __init__(self, options: Any, facts: Any, dataset: Any, folder: Path) -> None:
+        from speculators_vllm016.data_generation.manifest import ManifestWriter, manifest_path
+        from speculators_vllm016.data_generation.offline import (
+            SampleWriterPool,
+            ShardLock,
+            _prepare_output_dir,
+            _run_identity,
+            _write_token_counts,
+        )
+        from speculators_vllm016.data_generation.resume import check_identity, samples_digest
+        from speculators_vllm016.data_generation.sample_io import WriterSlot, remove_partial_files
+
+        self.options, self.folder = options, folder
+        _prepare_output_dir(folder)
+        self._lock = ShardLock(folder, 0, 1).__enter__()
+        self._slot = WriterSlot(folder)
+        removed = remove_partial_files(folder)
+        if removed:
+            logger.info("cache: removed %d partial files of an interrupted run", removed)
+        self.identity = _run_identity(options, facts, samples_digest(dataset))
+        self._must_record = check_identity(folder, self.identity, False)
+        _write_token_counts(options, dataset, list(range(len(dataset))))
+        self._manifest = ManifestWriter(manifest_path(folder, 0, 1), fsync=options.fsync)
+        self._writers = SampleWriterPool(
+            options.num_writer_threads, options.output_format, fsync=options.fsync,
+            max_pending=64, slot=self._slot, manifest=self._manifest,
+        )
+        self._num_samples = len(dataset)
+
+    def started(self, generator: Any) -> None:
+        """The engine runs: record the run and write `data_config.json` (as datagen does)."""
+        from speculators_vllm016.data_generation.offline import (
+            CONFIG_FILE,
+            _data_config,
+            _write_json_atomic,
+        )
+        from speculators_vllm016.data_generation.resume import record_identity
+
+        if self._must_record:
+            record_identity(self.folder, self.identity)
+            self._must_record = False
+        config = _data_config(generator, self.options, self._num_samples)
+        if config is not None:
+            _write_json_atomic(self.folder / CONFIG_FILE, config)
+
+    def write(self, index: int, sample: dict) -> None:
+        from speculators_vllm016.data_generation.sample_io import sample_path
+
+        self._writers.submit(sample_path(self.folder, index, self.options.output_format), sample, index)
+
+    def complete(self) -> set[int]:
+        """Indices whose files are whole and listed in the manifest (pending writes finished)."""
+        from speculators_vllm016.data_generation.manifest import read_manifest
+
+        self._writers.drain()
+        found = set()
+        for name, record in read_manifest(self.folder).items():
+            path = self.folder / name
+            if path.is_file() and path.stat().st_size == int(record.bytes):
+                found.add(int(record.index))
+        return found
+
+    def close(self) -> None:
+        try:
+            self._writers.finish()
+        finally:
+            self._manifest.close()
+            self._slot.close()
+            self._lock.__exit__(None, None, None)
+
+
+class OnlineLoader:
+    """What the trainer needs of a DataLoader: `batch_sampler`, `dataset`, `len()`, iteration.
+
+    `dataset` is an `Eagle3SampleFileDataset` over the samples' (cache) file names, so cached
+    samples are read exactly as offline; extracted ones go through the same `prepare`.
+    """
+
+    def __init__(
+        self,
+        extractor: OnlineExtractor,
+        dataset: Eagle3SampleFileDataset,
+        indices: list[int],
+        batch_sampler: Any,
+        collate_fn: Any,
+        queue_size: int,
+    ) -> None:
+        self.extractor = extractor
+        self.dataset = dataset
+        self.indices = indices  # dataset position -> datagen index
+        self.batch_sampler = batch_sampler
+        self.collate_fn = collate_fn
+        self.queue_size = queue_size
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def progress_fields(self) -> dict[str, str]:
+        return self.extractor.stats.fields()
+
+    def __iter__(self) -> Iterator[PackedBatch]:
+        steps = [list(step) for step in self.batch_sampler]
+        cached = self.extractor.cached()
+        need = {item for step in steps for item in step if self.indices[item] not in cached}
+        if not need:
+            if self.extractor.generator is not None:
+                logger.info("every sample of this epoch is in the cache: closing the engine")
+                self.extractor.stop_engine()
+            self.extractor.stats.cached_reads += sum(len(step) for step in steps)
+            for step in steps:
+                yield self.collate_fn([self.dataset[item] for item in step])
+            return
+        self.extractor.ensure_engine()
+        producer = self.extractor.start_producer(steps, self.indices, need, self.queue_size)
+        stats = self.extractor.stats
+        try:
+            for step in steps:
+                started = time.perf_counter()
+                got = producer.rows.get()
+                stats.trainer_wait += time.perf_counter() - started
+                if isinstance(got, _Failure):
+                    raise ExtractionFailed(
+                        f"the target model's engine failed ({type(got.error).__name__}: "
+                        f"{str(got.error).strip().splitlines()[0] if str(got.error).strip() else ''})"
+                    ) from got.error
+                if got is _END:
+                    raise ExtractionFailed("the extraction ended before the epoch's last step")
+                samples = [self.dataset.item(item, got.get(item)) for item in step]
+                yield self.collate_fn(samples)
+        finally:
+            self.extractor.stop_producer()

@@ -1,0 +1,209 @@
+"""`speculators train --online` on the real engine: equal to offline, hybrid cache, exact resume.
+
+One datagen run, one online run with a cache, one offline run on datagen's folder, and one killed
+and resumed pure-online run; every assertion shares them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from speculators_vllm016.cli.train import main as train_main
+from speculators_vllm016.data_generation.offline import DatagenOptions, run_datagen
+from speculators_vllm016.demo import demo_conversations_path
+from speculators_vllm016.train.data import list_files
+from speculators_vllm016.train.vocab_mapping import build_vocab_mappings_from_distribution
+from tests.training_fixtures import cli_env
+
+ROWS = 12
+SEQ_LENGTH = 96
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_llama, tmp_path_factory):
+    """Chat data, datagen's folder of it, and vocabulary maps from its token counts."""
+    root = tmp_path_factory.mktemp("online")
+    chats = root / "chats.jsonl"
+    chats.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:ROWS]) + "\n")
+    datagen = root / "datagen"
+    run_datagen(DatagenOptions(
+        target_model_path=str(tiny_llama), train_data_path=str(chats), output_dir=str(datagen),
+        seq_length=SEQ_LENGTH, batch_size=8, dtype="float32", hf_cache_dir=str(root / "hf"),
+        num_preprocessing_workers=1, show_progress=False,
+    ))
+    counts = torch.load(next((datagen / "token_freq").iterdir()), weights_only=True)
+    d2t, t2d = build_vocab_mappings_from_distribution(dict(counts), 64, 512)
+    np.save(root / "d2t.npy", d2t.numpy())
+    np.save(root / "t2d.npy", t2d.numpy())
+    return root, chats, datagen
+
+
+def common(tiny_llama, root: Path, save: Path) -> list[str]:
+    return [
+        "--verifier-name-or-path", str(tiny_llama), "--save-path", str(save),
+        "--d2t-path", str(root / "d2t.npy"), "--t2d-path", str(root / "t2d.npy"),
+        "--total-seq-len", "160", "--epochs", "2", "--lr", "1e-3", "--num-workers", "0",
+        "--no-progress", "--log-dir", str(save.parent / f"{save.name}-logs"),
+        "--precision", "fp32", "--device", "cpu", "--checkpoint-dtype", "fp32",
+    ]
+
+
+def online_flags(chats: Path, root: Path) -> list[str]:
+    return [
+        "--online", "--train-data-path", str(chats), "--seq-length", str(SEQ_LENGTH),
+        "--dtype", "float32", "--hf-cache-dir", str(root / "hf"),
+        "--num-preprocessing-workers", "1", "--online-queue-size", "2",
+    ]
+
+
+@pytest.fixture(scope="module")
+def offline_run(setup, tiny_llama):
+    root, _, datagen = setup
+    save = root / "offline"
+    assert train_main([*common(tiny_llama, root, save), "--data-path", str(datagen)]) == 0
+    return save
+
+
+@pytest.fixture(scope="module")
+def hybrid_run(setup, tiny_llama):
+    root, chats, _ = setup
+    save, cache = root / "hybrid", root / "cache"
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Keep(level=logging.INFO)
+    online_logger = logging.getLogger("speculators_vllm016.train.online")
+    online_logger.addHandler(handler)
+    online_logger.setLevel(logging.INFO)
+    try:
+        argv = [*common(tiny_llama, root, save), *online_flags(chats, root), "--cache-dir", str(cache)]
+        assert train_main(argv) == 0
+    finally:
+        online_logger.removeHandler(handler)
+    return save, cache, records
+
+
+def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(checkpoint / "model.safetensors"))
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    left, right = weights(a), weights(b)
+    assert left.keys() == right.keys()
+    different = [name for name in left if not torch.equal(left[name], right[name])]
+    assert not different, f"not bit-identical: {different[:5]}"
+
+
+@pytest.mark.engine
+def test_online_steps_equal_offline_steps_on_datagens_files(hybrid_run, offline_run):
+    save, _, _ = hybrid_run
+    for epoch in ("0", "1"):
+        assert_same_weights(save / epoch, offline_run / epoch)
+    state = json.loads((save / "1" / "training_state.json").read_text())
+    assert state["global_step"] > 2
+
+
+def sample_files(folder: Path) -> list[str]:
+    return [path.name for path in list_files(folder)]
+
+
+@pytest.mark.engine
+def test_cache_folder_is_datagens_folder_and_epoch_two_starts_no_engine(hybrid_run, setup):
+    _, cache, records = hybrid_run
+    _, _, datagen = setup
+    assert sample_files(cache) == sample_files(datagen) and len(sample_files(cache)) >= ROWS
+    for name in sample_files(cache):
+        assert (cache / name).read_bytes() == (datagen / name).read_bytes(), name
+    assert json.loads((cache / "data_config.json").read_text())["hidden_states"] == json.loads(
+        (datagen / "data_config.json").read_text()
+    )["hidden_states"]
+    starts = [message for message in records if "starting the target model's engine" in message]
+    assert len(starts) == 1, records
+    assert any("every sample of this epoch is in the cache" in message for message in records), records
+
+
+@pytest.mark.engine
+def test_sigkill_then_the_same_command_ends_at_the_uninterrupted_checkpoint(setup, tiny_llama, offline_run):
+    root, chats, _ = setup
+    save = root / "killed"
+    argv = [*common(tiny_llama, root, save), *online_flags(chats, root), "--checkpoint-freq", "0.5"]
+    command = [sys.executable, "-m", "speculators_vllm016", "train", *argv]
+    process = subprocess.Popen(command, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 600
+        while not any(save.glob("0-step*/training_state.json")) if save.exists() else True:
+            assert process.poll() is None, process.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    finally:
+        process.kill()
+        process.wait()
+    assert not (save / "1").exists()
+    finished = subprocess.run(command, env=cli_env(), capture_output=True, text=True)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert_same_weights(save / "1", offline_run / "1")
+
+
+class StandInGenerator:
+    """Stands in for the engine in the failure test only: seeded states of the tiny Llama's
+    width, and a RuntimeError after `fail_after` samples (a worker that died)."""
+
+    def __init__(self, fail_after: int | None) -> None:
+        self.fail_after = fail_after
+        self.closed = False
+
+    def generate_stream(self, sequences):
+        for k, ids in enumerate(sequences):
+            if self.fail_after is not None and self.fail_after <= 0:
+                raise RuntimeError("engine worker died")
+            if self.fail_after is not None:
+                self.fail_after -= 1
+            seed = torch.Generator().manual_seed(sum(ids))
+            yield k, {"input_ids": torch.tensor(ids), "loss_mask": None,
+                      "hidden_states": [torch.randn(len(ids), 256, generator=seed) for _ in range(4)]}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_dying_engine_leaves_a_checkpoint_and_a_clear_message_then_resumes(
+    tiny_llama, tmp_path, monkeypatch, capsys
+):
+    from speculators_vllm016.data_generation import offline
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:ROWS]) + "\n")
+    save = tmp_path / "save"
+    argv = [
+        "--verifier-name-or-path", str(tiny_llama), "--save-path", str(save),
+        "--draft-vocab-size", "64", "--total-seq-len", "160", "--epochs", "1", "--lr", "1e-3",
+        "--no-progress", "--log-dir", str(tmp_path / "logs"), "--device", "cpu",
+        "--precision", "fp32", "--checkpoint-dtype", "fp32",
+        *online_flags(chats, tmp_path), "--max-num-seqs", "2",
+    ]
+    generators = [StandInGenerator(fail_after=5), StandInGenerator(fail_after=None)]
+    monkeypatch.setattr(offline, "start_generator", lambda options, facts: generators.pop(0))
+    assert train_main(argv) == 143
+    err = capsys.readouterr().err
+    assert "the target model's engine failed (RuntimeError: engine worker died)" in err
+    assert "run the same command again to resume" in err
+    saved = [json.loads(path.read_text()) for path in save.glob("0-step*/training_state.json")]
+    assert len(saved) == 1 and saved[0]["global_step"] >= 1
+    assert train_main(argv) == 0
+    uninterrupted = tmp_path / "uninterrupted"
+    generators.append(StandInGenerator(fail_after=None))
+    assert train_main([*argv[:3], str(uninterrupted), *argv[4:]]) == 0
+    assert_same_weights(save / "0", uninterrupted / "0")
