@@ -60,6 +60,14 @@ def train(ctx: typer.Context) -> None:
     raise typer.Exit(main(ctx.args))
 
 
+@app.command(name="gen-and-train", context_settings=_PASSTHROUGH, add_help_option=False)
+def gen_and_train(ctx: typer.Context) -> None:
+    """Datagen, vocabulary maps and draft training, each resumable. See `gen-and-train --help`."""
+    from speculators_vllm016.cli.gen_and_train import main
+
+    raise typer.Exit(main(ctx.args))
+
+
 def _register_convert() -> None:
     from speculators_vllm016.cli.convert import convert
 
