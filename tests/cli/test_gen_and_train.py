@@ -61,7 +61,10 @@ def _pipeline(root: Path, target: Path) -> list[str]:
 
 
 def _checkpoint_files(save: Path) -> int:
-    return sum(1 for _ in save.glob("*/training_state.json")) if save.is_dir() else 0
+    """Finished checkpoints (renamed into place; a hidden folder is a save in progress)."""
+    if not save.is_dir():
+        return 0
+    return sum(1 for p in save.glob("*/training_state.json") if not p.parent.name.startswith("."))
 
 
 @pytest.mark.engine
