@@ -22,7 +22,8 @@ def build_parser(prog: str = "speculators demo") -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--output-dir", default="output/demo", help="folder for everything the demo writes")
-    parser.add_argument("--max-samples", type=int, default=None, help="conversations for datagen; None: all")
+    parser.add_argument("--max-samples", type=int, default=160,
+                        help="conversations for datagen (the package ships 320); None: all")
     parser.add_argument("--seq-length", type=int, default=1024, help="truncate samples to this")
     parser.add_argument("--batch-size", type=int, default=128, help="sequences per extraction call")
     parser.add_argument("--output-format", choices=["pt", "safetensors"], default="pt",
