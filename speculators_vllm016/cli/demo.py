@@ -23,7 +23,7 @@ def build_parser(prog: str = "speculators demo") -> argparse.ArgumentParser:
     )
     parser.add_argument("--output-dir", default="output/demo", help="folder for everything the demo writes")
     parser.add_argument("--max-samples", type=int, default=160,
-                        help="conversations for datagen (the package ships 320); None: all")
+                        help="conversations for datagen (the package ships 320)")
     parser.add_argument("--seq-length", type=int, default=1024, help="truncate samples to this")
     parser.add_argument("--batch-size", type=int, default=128, help="sequences per extraction call")
     parser.add_argument("--output-format", choices=["pt", "safetensors"], default="pt",
