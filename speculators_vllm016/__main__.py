@@ -46,7 +46,7 @@ def datagen(ctx: typer.Context) -> None:
 
 @app.command(context_settings=_PASSTHROUGH, add_help_option=False)
 def demo(ctx: typer.Context) -> None:
-    """Run datagen on a tiny local model and shipped conversations (offline). See `demo --help`."""
+    """The whole job on a tiny local model, offline: data, draft, measured acceptance. See `demo --help`."""
     from speculators_vllm016.cli.demo import main
 
     raise typer.Exit(main(ctx.args))
@@ -56,6 +56,14 @@ def demo(ctx: typer.Context) -> None:
 def train(ctx: typer.Context) -> None:
     """Train an EAGLE-3 draft on datagen's hidden states. See `train --help`."""
     from speculators_vllm016.cli.train import main
+
+    raise typer.Exit(main(ctx.args))
+
+
+@app.command(name="gen-and-train", context_settings=_PASSTHROUGH, add_help_option=False)
+def gen_and_train(ctx: typer.Context) -> None:
+    """Datagen, vocabulary maps and draft training, each resumable. See `gen-and-train --help`."""
+    from speculators_vllm016.cli.gen_and_train import main
 
     raise typer.Exit(main(ctx.args))
 

@@ -1,4 +1,4 @@
-"""`speculators demo`: datagen on the embedded default, end to end, offline."""
+"""`speculators demo`: the main job end to end on a tiny local model, offline, on the CPU."""
 
 from __future__ import annotations
 
@@ -6,65 +6,84 @@ import argparse
 import logging
 import os
 from collections.abc import Sequence
-from pathlib import Path
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main", "print_summary"]
 
 
 def build_parser(prog: str = "speculators demo") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         description=(
-            "Build a tiny Llama locally and run datagen on the conversations shipped with the "
-            "package (fully offline). Prints where the data went and the throughput."
+            "The whole job on a tiny Llama built locally and the conversations shipped with the "
+            "package, fully offline: train the target briefly, extract hidden states, build the "
+            "vocabulary maps, train an EAGLE-3 draft, and measure the untrained and the trained "
+            "draft's acceptance side by side. Every stage is reused when run again."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument(
-        "--output-dir", default="output/demo", help="folder for the demo model and its data"
-    )
-    parser.add_argument(
-        "--max-samples", type=int, default=None, help="conversations to use; None: all"
-    )
+    parser.add_argument("--output-dir", default="output/demo", help="folder for everything the demo writes")
+    parser.add_argument("--max-samples", type=int, default=160,
+                        help="conversations for datagen (the package ships 320)")
     parser.add_argument("--seq-length", type=int, default=1024, help="truncate samples to this")
-    parser.add_argument(
-        "--batch-size", type=int, default=128, help="sequences per extraction call"
-    )
-    parser.add_argument(
-        "--output-format", choices=["pt", "safetensors"], default="pt", help="sample file format"
-    )
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--batch-size", type=int, default=128, help="sequences per extraction call")
+    parser.add_argument("--output-format", choices=["pt", "safetensors"], default="pt",
+                        help="sample file format")
+    parser.add_argument("--target-steps", type=int, default=40, help="training steps of the target")
+    parser.add_argument("--target-row-tokens", type=int, default=128, help="tokens per target training row")
+    parser.add_argument("--target-rows-per-step", type=int, default=8, help="rows per target step")
+    parser.add_argument("--draft-vocab-size", type=int, default=512, help="tokens the draft predicts")
+    parser.add_argument("--epochs", type=int, default=3, help="draft training epochs")
+    parser.add_argument("--lr", type=float, default=1e-3, help="draft learning rate")
+    parser.add_argument("--total-seq-len", type=int, default=2048, help="tokens per packed draft row")
+    parser.add_argument("--eval-prompts", type=int, default=24, help="prompts for the evaluation")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per prompt")
+    parser.add_argument("--seed", type=int, default=0, help="seeds every stage")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     return parser
 
 
+def print_summary(result) -> None:
+    """Where everything went, the time of each stage, throughputs, and tau before and after."""
+    print("\n== speculators demo: summary ==")
+    print(f"output folder: {result.root}")
+    for stage in result.stages:
+        reused = " (reused from an earlier run)" if stage.reused else ""
+        print(f"  {stage.name:<14} {stage.seconds:7.1f} s{reused}")
+        for name, path in stage.outputs.items():
+            print(f"      {name}: {path}")
+    target, datagen, train, evaluation = (
+        result.stage("target"), result.stage("datagen"), result.stage("train"), result.stage("eval")
+    )
+    print(f"target training: loss {target.figures['first_loss']:.3f} -> {target.figures['last_loss']:.3f}, "
+          f"{target.figures['tokens_per_second']:.0f} tokens/s")
+    print(f"extraction: {datagen.figures['samples']} samples, {datagen.figures['tokens']} tokens, "
+          f"{datagen.figures['tokens_per_second']:.0f} tokens/s")
+    first, last = train.figures["first_loss"], train.figures["last_loss"]
+    losses = f"loss {first:.3f} -> {last:.3f}, " if first is not None and last is not None else ""
+    print(f"draft training: {train.figures['steps']} steps, {losses}"
+          f"{train.figures['tokens_per_second']:.0f} tokens/s")
+    print(f"acceptance on {evaluation.figures['prompts']} prompts (hf engine, greedy):")
+    print(evaluation.figures["table"])
+    before, after = evaluation.figures["tau_untrained"], evaluation.figures["tau_trained"]
+    print(f"tau: untrained {before:.3f} -> trained {after:.3f}")
+    print(f"total: {sum(s.seconds for s in result.stages):.1f} s")
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "speculators demo") -> int:
     from speculators_vllm016.cli.datagen import report_errors
-    from speculators_vllm016.data_generation.offline import DatagenOptions, run_datagen, summary_json
-    from speculators_vllm016.demo import build_demo_model, demo_conversations_path
+    from speculators_vllm016.demo.pipeline import DemoOptions, run_demo
 
     args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    root = Path(args.output_dir)
-    model = build_demo_model(root / "model")
-    options = DatagenOptions(
-        target_model_path=str(model),
-        train_data_path=str(demo_conversations_path()),
-        output_dir=str(root / "data"),
-        seq_length=args.seq_length,
-        max_samples=args.max_samples,
-        hf_cache_dir=str(root / "hf-datasets-cache"),
-        batch_size=args.batch_size,
-        output_format=args.output_format,
-        num_preprocessing_workers=2,
-        show_progress=not args.no_progress,
-    )
+    values = vars(args).copy()
+    debug = values.pop("debug")
+    values["show_progress"] = not values.pop("no_progress")
+    options = DemoOptions(**values)
+
     def run() -> int:
-        summary = run_datagen(options)
-        print(f"Demo model: {model}")
-        print(f"Done: {summary.describe()}")
-        print(f"SUMMARY {summary_json(summary)}")
+        print_summary(run_demo(options))
         return 0
 
-    return report_errors(run, args.debug)
+    return report_errors(run, debug)

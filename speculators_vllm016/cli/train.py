@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TrainSetupError", "build_parser", "main"]
+__all__ = ["TrainSetup", "TrainSetupError", "build_model", "build_parser", "main", "prepare"]
 
 logger = logging.getLogger("speculators")
 
@@ -420,29 +420,24 @@ def _noise(args: argparse.Namespace) -> Any:
     return cls(std=args.noise_std, tensors=tensors)
 
 
-def run(args: argparse.Namespace) -> int:
-    import numpy as np
-    import torch
-    from torch.utils.data import DataLoader
+@dataclass
+class TrainSetup:
+    """What `prepare` checked and read before anything is written."""
 
-    from speculators_vllm016.models.eagle3 import Eagle3DraftModel
-    from speculators_vllm016.train.data import (
-        Eagle3SampleFileDataset,
-        create_collate_fn,
-        list_files,
-        split_files,
-        split_items,
-        standardize_data_v0,
-        standardize_data_v1,
-    )
-    from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
-    from speculators_vllm016.train.logger import setup_metric_logger, setup_root_logger
-    from speculators_vllm016.train.trainer import Trainer, TrainerConfig
-    from speculators_vllm016.train.utils import (
-        maybe_destroy_distributed,
-        maybe_setup_distributed,
-        training_device,
-    )
+    data_path: Path
+    save_path: Path
+    verifier_config: Any
+    text_config: Any
+    standardize: Any
+    layer_ids: list[int] | None
+    aux_ids: list[int] | None
+    vocab: VocabMaps
+    online: Any = None  # the online extraction set-up (`--online`), else None
+
+
+def prepare(args: argparse.Namespace) -> TrainSetup:
+    """Every check that can be made before anything is written; errors are `TrainSetupError`s."""
+    from speculators_vllm016.train.data import list_files, standardize_data_v0, standardize_data_v1
 
     # -- everything that can be checked before anything is written ------------------------------
     for name in ("epochs", "total_seq_len", "ttt_steps", "num_layers", "prefetch_factor"):
@@ -488,6 +483,55 @@ def run(args: argparse.Namespace) -> int:
 
         counts = {int(k): int(v) for k, v in dict(count_trained_tokens(online.dataset)).items()}
     vocab = _load_vocab_maps(args, target_vocab, data_path, counts)
+    return TrainSetup(
+        data_path=data_path, save_path=save_path, verifier_config=verifier_config,
+        text_config=text_config, standardize=standardize, layer_ids=layer_ids, aux_ids=aux_ids,
+        vocab=vocab, online=online,
+    )
+
+
+def build_model(args: argparse.Namespace, setup: TrainSetup) -> Any:
+    """The draft with its initial weights (seeded by --seed): what training starts from."""
+    import torch
+
+    from speculators_vllm016.models.eagle3 import Eagle3DraftModel
+
+    torch.manual_seed(args.seed)
+    config = build_draft_config(
+        args.verifier_name_or_path, setup.verifier_config, setup.text_config,
+        draft_vocab=int(setup.vocab.d2t.shape[0]), num_layers=args.num_layers,
+        norm_before_residual=args.norm_before_residual, ttt_steps=args.ttt_steps,
+        aux_layer_ids=setup.aux_ids,
+    )
+    model_kwargs = {}
+    if args.no_verifier_norm:
+        model_kwargs["use_verifier_norm"] = False
+    return Eagle3DraftModel(config, t2d=setup.vocab.t2d, d2t=setup.vocab.d2t, **model_kwargs)
+
+
+def run(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+    from torch.utils.data import DataLoader
+
+    from speculators_vllm016.train.data import (
+        Eagle3SampleFileDataset,
+        create_collate_fn,
+        split_files,
+        split_items,
+    )
+    from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+    from speculators_vllm016.train.logger import setup_metric_logger, setup_root_logger
+    from speculators_vllm016.train.trainer import Trainer, TrainerConfig
+    from speculators_vllm016.train.utils import (
+        maybe_destroy_distributed,
+        maybe_setup_distributed,
+        training_device,
+    )
+
+    setup = prepare(args)
+    data_path, save_path, vocab = setup.data_path, setup.save_path, setup.vocab
+    standardize, layer_ids, online = setup.standardize, setup.layer_ids, setup.online
 
     # -- the run ---------------------------------------------------------------------------------
     local_rank, world_size, rank, distributed = maybe_setup_distributed(args.device)
@@ -502,17 +546,7 @@ def run(args: argparse.Namespace) -> int:
             np.save(save_path / "t2d.npy", vocab.t2d.numpy())
             logger.info("vocabulary maps built from %s -> %s/{d2t,t2d}.npy", vocab.built_from, save_path)
         setup_metric_logger(args.logger, args.run_name, args.log_dir, jsonl_path=save_path / "metrics.jsonl")
-        torch.manual_seed(args.seed)
-        config = build_draft_config(
-            args.verifier_name_or_path, verifier_config, text_config,
-            draft_vocab=int(vocab.d2t.shape[0]), num_layers=args.num_layers,
-            norm_before_residual=args.norm_before_residual, ttt_steps=args.ttt_steps,
-            aux_layer_ids=aux_ids,
-        )
-        model_kwargs = {}
-        if args.no_verifier_norm:
-            model_kwargs["use_verifier_norm"] = False
-        model = Eagle3DraftModel(config, t2d=vocab.t2d, d2t=vocab.d2t, **model_kwargs)
+        model = build_model(args, setup)
 
         workers = args.num_workers if args.num_workers is not None else min(12, os.cpu_count() or 1)
         device = training_device(local_rank, args.device)

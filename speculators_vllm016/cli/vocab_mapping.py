@@ -11,7 +11,8 @@ from typing import NoReturn
 
 import typer
 
-__all__ = ["D2T_FILE", "T2D_FILE", "target_vocab_size_of", "vocab_mapping", "write_vocab_mappings"]
+__all__ = ["D2T_FILE", "T2D_FILE", "target_vocab_size_of", "vocab_mapping", "write_vocab_mappings",
+           "write_vocab_mappings_from_counts"]
 
 D2T_FILE = "d2t.npy"
 T2D_FILE = "t2d.npy"
@@ -31,11 +32,7 @@ def write_vocab_mappings(
     token_freq_path: str | Path, draft_vocab_size: int, target_vocab_size: int, output_path: str | Path
 ) -> tuple[Path, Path]:
     """Build the maps from a `token_freq.pt` and write `d2t.npy`, `t2d.npy` (each whole or not at all)."""
-    import numpy as np
     import torch
-
-    from speculators_vllm016.data_generation.sample_io import _atomic_write
-    from speculators_vllm016.train.vocab_mapping import build_vocab_mappings_from_distribution
 
     token_freq_path = Path(token_freq_path)
     if not token_freq_path.is_file():
@@ -45,6 +42,18 @@ def write_vocab_mappings(
     counts = torch.load(token_freq_path, weights_only=True)
     if not isinstance(counts, dict) or not counts:
         raise ValueError(f"{token_freq_path} is not a non-empty {{token_id: count}} mapping")
+    return write_vocab_mappings_from_counts(counts, draft_vocab_size, target_vocab_size, output_path)
+
+
+def write_vocab_mappings_from_counts(
+    counts: dict[int, int], draft_vocab_size: int, target_vocab_size: int, output_path: str | Path
+) -> tuple[Path, Path]:
+    """`d2t.npy` and `t2d.npy` in `output_path` from `{token_id: count}` (e.g. datagen's summed shards)."""
+    import numpy as np
+
+    from speculators_vllm016.data_generation.sample_io import _atomic_write
+    from speculators_vllm016.train.vocab_mapping import build_vocab_mappings_from_distribution
+
     d2t, t2d = build_vocab_mappings_from_distribution(
         token_freq_dict=counts, draft_vocab_size=draft_vocab_size, target_vocab_size=target_vocab_size
     )

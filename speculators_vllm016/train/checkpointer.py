@@ -129,6 +129,10 @@ def find_checkpoints(save_path: str | os.PathLike) -> list[CheckpointRef]:
         return []
     found: list[CheckpointRef] = []
     for folder in root.iterdir():
+        # A save killed after writing its last file but before the rename leaves a complete-looking
+        # temporary folder; it was never a checkpoint (and the trainer removes it at start).
+        if folder.name.startswith(_TEMP_PREFIX):
+            continue
         if folder.is_symlink() or not folder.is_dir() or not _is_complete(folder):
             continue
         state_file = folder / STATE_FILE

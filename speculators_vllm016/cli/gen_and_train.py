@@ -1,0 +1,194 @@
+"""`speculators gen-and-train`: datagen, vocabulary maps and draft training in one resumable command.
+
+The successor of 0.3.0's `scripts/gen_and_train.py`. Its own flags name the job and its folder;
+every other flag belongs to `speculators datagen` or `speculators train` and is handed to that
+stage unchanged. Layout under --output-dir: `data/` (datagen), `vocab/{d2t,t2d}.npy`,
+`checkpoints/` (training). Run the same command again after a crash: datagen computes only missing
+samples, the maps are kept once written, and training resumes from its newest checkpoint, ending
+bit-identical to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["PipelinePlan", "build_parser", "main", "plan_from_argv"]
+
+DATAGEN_DONE = ".datagen_done.json"  # in data/: the datagen flags of the finished run
+
+
+def build_parser(prog: str = "speculators gen-and-train") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=(
+            "Generate hidden states, build the draft vocabulary maps and train an EAGLE-3 draft, "
+            "each stage resumable. Any other flag of `speculators datagen --help` or "
+            "`speculators train --help` is passed to that stage."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        add_help=False,
+        allow_abbrev=False,
+    )
+    parser.add_argument("-h", "--help", action="store_true", help="show this help and the stages' flags")
+    parser.add_argument("--target-model-path", help="the target (verifier) model: hub id or local folder")
+    parser.add_argument("--train-data-path", help="chat data, as for datagen")
+    parser.add_argument("--output-dir", help="folder for data/, vocab/ and checkpoints/")
+    parser.add_argument("--draft-vocab-size", type=int, default=32000, help="tokens the draft predicts")
+    parser.add_argument("--target-vocab-size", type=int, default=None,
+                        help="target vocabulary size; None: from the target's config")
+    parser.add_argument("--seed", type=int, default=0, help="seed of datagen's shuffle and of training")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    return parser
+
+
+@dataclass
+class PipelinePlan:
+    """The three stages' arguments, as their own parsers read them."""
+
+    root: Path
+    datagen: argparse.Namespace
+    datagen_argv: list[str]
+    train: argparse.Namespace
+    train_argv: list[str]
+    draft_vocab_size: int
+    target_vocab_size: int | None
+    debug: bool
+
+    @property
+    def vocab_dir(self) -> Path:
+        return self.root / "vocab"
+
+
+def _strict(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.allow_abbrev = False  # a train flag must never be read as a prefix of a datagen flag
+    return parser
+
+
+def plan_from_argv(argv: Sequence[str]) -> PipelinePlan:
+    """Split the command line among the stages; an unknown flag is an error naming it."""
+    from speculators_vllm016.cli import datagen as datagen_cli
+    from speculators_vllm016.cli import train as train_cli
+
+    own, rest = build_parser().parse_known_args(list(argv))
+    missing = [f for f in ("target_model_path", "train_data_path", "output_dir") if not getattr(own, f)]
+    if missing:
+        flags = ", ".join("--" + name.replace("_", "-") for name in missing)
+        raise SystemExit(f"error: gen-and-train needs {flags} (see --help)")
+    root = Path(own.output_dir)
+    shared = ["--seed", str(own.seed)] + (["--no-progress"] if own.no_progress else [])
+    shared += ["--debug"] if own.debug else []
+    for flag in ("--output-dir", "--data-path", "--verifier-name-or-path", "--d2t-path", "--t2d-path"):
+        if flag in rest:
+            raise SystemExit(f"error: {flag} is set by gen-and-train from --output-dir/--target-model-path")
+    datagen_argv = [
+        "--target-model-path", own.target_model_path, "--train-data-path", own.train_data_path,
+        "--output-dir", str(root / "data"), *shared,
+    ]
+    datagen_args, rest = _strict(datagen_cli.build_parser()).parse_known_args(datagen_argv + rest)
+    train_argv = [
+        "--verifier-name-or-path", own.target_model_path, "--data-path", str(root / "data"),
+        "--d2t-path", str(root / "vocab" / "d2t.npy"), "--t2d-path", str(root / "vocab" / "t2d.npy"),
+        "--save-path", str(root / "checkpoints"), *shared,
+    ]
+    train_parser = _strict(train_cli.build_parser())
+    _, unknown = train_parser.parse_known_args(train_argv + rest)
+    if unknown:
+        raise SystemExit(
+            f"error: unknown flag(s) {' '.join(unknown)}: not a flag of gen-and-train, "
+            "datagen or train (see --help)"
+        )
+    # --save-path may be given to put checkpoints elsewhere; a later value wins in argparse.
+    train_args = train_parser.parse_args(train_argv + rest)
+    return PipelinePlan(
+        root=root, datagen=datagen_args, datagen_argv=sorted(datagen_argv + list(rest)),
+        train=train_args, train_argv=train_argv + rest, draft_vocab_size=own.draft_vocab_size,
+        target_vocab_size=own.target_vocab_size, debug=own.debug,
+    )
+
+
+def _datagen_record(plan: PipelinePlan) -> dict:
+    # The folder itself is not recorded: a data folder moved or copied elsewhere stays done.
+    skip = ("no_progress", "debug", "output_dir")
+    values = {k: v for k, v in vars(plan.datagen).items() if k not in skip}
+    return json.loads(json.dumps(values, default=str))
+
+
+def run_datagen_stage(plan: PipelinePlan) -> None:
+    """Datagen, skipped when this folder's record says the same flags already finished."""
+    from speculators_vllm016.cli.datagen import options_from_args
+    from speculators_vllm016.data_generation.offline import run_datagen
+
+    data = Path(plan.datagen.output_dir)
+    done = data / DATAGEN_DONE
+    record = _datagen_record(plan)
+    if done.is_file() and json.loads(done.read_text()) == record:
+        print(f"[1/3] datagen: done earlier in {data}")
+        return
+    print(f"[1/3] datagen -> {data}")
+    summary = run_datagen(options_from_args(plan.datagen))
+    print(f"      {summary.describe()}")
+    temporary = done.with_name(f".{done.name}.tmp")
+    temporary.write_text(json.dumps(record, indent=2) + "\n")
+    temporary.replace(done)
+
+
+def run_vocab_stage(plan: PipelinePlan) -> None:
+    """The maps from datagen's token counts; kept once both files exist."""
+    from speculators_vllm016.cli.vocab_mapping import (
+        D2T_FILE,
+        T2D_FILE,
+        target_vocab_size_of,
+        write_vocab_mappings_from_counts,
+    )
+    from speculators_vllm016.data_generation.token_counts import load_token_freq
+
+    folder = plan.vocab_dir
+    if (folder / D2T_FILE).is_file() and (folder / T2D_FILE).is_file():
+        print(f"[2/3] vocabulary maps: done earlier in {folder}")
+        return
+    size = plan.target_vocab_size or target_vocab_size_of(plan.datagen.target_model_path)
+    counts = load_token_freq(plan.datagen.output_dir)
+    write_vocab_mappings_from_counts(counts, plan.draft_vocab_size, size, folder)
+    print(f"[2/3] vocabulary maps: {plan.draft_vocab_size} of {size} tokens -> {folder}")
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "speculators gen-and-train") -> int:
+    from speculators_vllm016.cli import datagen as datagen_cli
+    from speculators_vllm016.cli import train as train_cli
+    from speculators_vllm016.cli.datagen import report_errors
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        build_parser(prog).print_help()
+        print("\n--- datagen stage (flags other than --target-model-path/--train-data-path/--output-dir) ---")
+        datagen_cli.build_parser().print_help()
+        print("\n--- training stage (data, maps and --save-path are set from --output-dir) ---")
+        train_cli.build_parser().print_help()
+        return 0
+    try:
+        plan = plan_from_argv(argv)
+    except SystemExit as stop:
+        if isinstance(stop.code, str):
+            print(stop.code, file=sys.stderr)
+            return 2
+        return int(stop.code or 0)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def stages() -> int:
+        run_datagen_stage(plan)
+        run_vocab_stage(plan)
+        return 0
+
+    rc = report_errors(stages, plan.debug)
+    if rc != 0:
+        return rc
+    print(f"[3/3] training -> {plan.train.save_path}")
+    return train_cli.main(plan.train_argv)
+

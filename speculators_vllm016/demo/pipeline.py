@@ -1,0 +1,295 @@
+"""The demo's stages, from a random tiny Llama to a measured trained draft.
+
+1. target: the tiny Llama trained briefly on the shipped conversations (`demo.target`);
+2. datagen: its hidden states for the conversations (`data_generation.offline.run_datagen`);
+3. vocab: the draft vocabulary maps from datagen's token counts (`cli.vocab_mapping`);
+4. draft: the draft with its initial weights, built by the trainer's own construction;
+5. train: `speculators train` (its CLI `main`, in this process);
+6. eval: both drafts with `evaluate.runner.run_evaluation` (hf engine), side by side.
+
+Each stage's result is recorded in `<output>/demo_state.json` once the stage finished; a rerun
+skips recorded stages (and datagen, training and the target resume on their own after a crash).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DemoOptions", "DemoResult", "StageRecord", "plot_training_curves", "run_demo"]
+
+STATE_FILE = "demo_state.json"
+
+
+@dataclass
+class DemoOptions:
+    output_dir: str = "output/demo"
+    max_samples: int | None = 160
+    seq_length: int = 1024
+    batch_size: int = 128
+    output_format: str = "pt"
+    target_steps: int = 40
+    target_row_tokens: int = 128
+    target_rows_per_step: int = 8
+    draft_vocab_size: int = 512
+    epochs: int = 3
+    lr: float = 1e-3
+    total_seq_len: int = 2048
+    eval_prompts: int = 24
+    max_new_tokens: int = 32
+    seed: int = 0
+    show_progress: bool = True
+
+
+@dataclass
+class StageRecord:
+    name: str
+    seconds: float
+    outputs: dict[str, str]
+    figures: dict[str, Any] = field(default_factory=dict)
+    reused: bool = False
+
+
+@dataclass
+class DemoResult:
+    root: Path
+    stages: list[StageRecord]
+
+    def stage(self, name: str) -> StageRecord:
+        return next(s for s in self.stages if s.name == name)
+
+
+def _load_state(root: Path) -> dict[str, dict]:
+    path = root / STATE_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _save_state(root: Path, state: dict[str, dict]) -> None:
+    temporary = root / f".{STATE_FILE}.tmp"
+    temporary.write_text(json.dumps(state, indent=2) + "\n")
+    temporary.replace(root / STATE_FILE)
+
+
+def _run_stage(
+    root: Path, state: dict[str, dict], name: str, work: Callable[[], tuple[dict, dict]]
+) -> StageRecord:
+    """Run `work` unless the state records the stage; record it once it finished."""
+    if name in state:
+        saved = state[name]
+        return StageRecord(name=name, seconds=saved["seconds"], outputs=saved["outputs"],
+                           figures=saved["figures"], reused=True)
+    started = time.perf_counter()
+    outputs, figures = work()
+    record = StageRecord(name=name, seconds=time.perf_counter() - started, outputs=outputs,
+                         figures=figures)
+    state[name] = {"seconds": record.seconds, "outputs": outputs, "figures": figures}
+    _save_state(root, state)
+    return record
+
+
+def _train_argv(options: DemoOptions, root: Path, target: Path) -> list[str]:
+    argv = [
+        "--verifier-name-or-path", str(target), "--data-path", str(root / "data"),
+        "--save-path", str(root / "checkpoints"),
+        "--d2t-path", str(root / "vocab" / "d2t.npy"), "--t2d-path", str(root / "vocab" / "t2d.npy"),
+        "--epochs", str(options.epochs), "--lr", str(options.lr),
+        "--total-seq-len", str(options.total_seq_len), "--seed", str(options.seed),
+        "--num-workers", "0", "--device", "cpu", "--log-dir", str(root / "logs"),
+    ]
+    return argv + (["--no-progress"] if not options.show_progress else [])
+
+
+def _save_initial_draft(train_argv: list[str], output: Path) -> None:
+    """The draft exactly as training starts from it (the trainer's construction and seed)."""
+    import torch
+
+    from speculators_vllm016.cli.train import build_model, build_parser, prepare
+    from speculators_vllm016.train.checkpointer import convert_float_dtype
+
+    args = build_parser().parse_args(train_argv)
+    model = build_model(args, prepare(args))
+    temporary = output.with_name(f".{output.name}.partial")
+    shutil.rmtree(temporary, ignore_errors=True)
+    weights = {k: v.detach() for k, v in model.state_dict().items()}
+    model.save_pretrained(temporary, state_dict=convert_float_dtype(weights, torch.bfloat16),
+                          safe_serialization=True)
+    shutil.rmtree(output, ignore_errors=True)
+    temporary.rename(output)
+
+
+def read_training_metrics(path: Path) -> list[dict]:
+    """The train lines of the trainer's metrics.jsonl: `{"step", "loss", "full_acc_0", "tokens"}`."""
+    lines = []
+    if not path.is_file():
+        return lines
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(entry.get("train"), dict):
+            lines.append({"step": entry.get("step"), **entry["train"]})
+    return lines
+
+
+def plot_training_curves(metrics: list[dict], path: Path) -> None:
+    """A PNG of the draft's training loss and first-position accuracy per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [m["step"] for m in metrics]
+    figure, (loss_axes, acc_axes) = plt.subplots(1, 2, figsize=(9.6, 3.6), dpi=100)
+    loss_axes.plot(steps, [m.get("loss") for m in metrics], color="tab:red")
+    loss_axes.set_xlabel("step")
+    loss_axes.set_ylabel("training loss")
+    acc_axes.plot(steps, [m.get("full_acc_0") for m in metrics], color="tab:blue")
+    acc_axes.set_xlabel("step")
+    acc_axes.set_ylabel("full_acc_0 (first draft token)")
+    acc_axes.set_ylim(0.0, 1.0)
+    for axes in (loss_axes, acc_axes):
+        axes.grid(alpha=0.3)
+    figure.suptitle("Draft training (speculators demo)")
+    figure.tight_layout()
+    temporary = path.with_name(f".{path.name}.tmp")
+    try:
+        figure.savefig(temporary, format="png")
+        temporary.replace(path)
+    finally:
+        plt.close(figure)
+
+
+def run_demo(options: DemoOptions) -> DemoResult:
+    """Run (or resume) every stage; returns what each stage wrote and measured."""
+    from speculators_vllm016.demo import build_demo_model, demo_conversations_path
+
+    root = Path(options.output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    state = _load_state(root)
+    conversations = demo_conversations_path()
+    stages: list[StageRecord] = []
+    target = root / "target"
+
+    def target_stage() -> tuple[dict, dict]:
+        from speculators_vllm016.demo.target import TargetTraining, train_demo_target
+
+        initial = build_demo_model(root / "model-init")
+        result = train_demo_target(initial, target, conversations, TargetTraining(
+            steps=options.target_steps, row_tokens=options.target_row_tokens,
+            rows_per_step=options.target_rows_per_step, seed=options.seed,
+            show_progress=options.show_progress,
+        ))
+        return {"target": str(target)}, {
+            "tokens": result.tokens, "tokens_per_second": result.tokens_per_second,
+            "first_loss": result.first_loss, "last_loss": result.last_loss,
+        }
+
+    stages.append(_run_stage(root, state, "target", target_stage))
+
+    def datagen_stage() -> tuple[dict, dict]:
+        from speculators_vllm016.data_generation.offline import DatagenOptions, run_datagen
+
+        summary = run_datagen(DatagenOptions(
+            target_model_path=str(target), train_data_path=str(conversations),
+            output_dir=str(root / "data"), seq_length=options.seq_length,
+            max_samples=options.max_samples, hf_cache_dir=str(root / "hf-datasets-cache"),
+            batch_size=options.batch_size, output_format=options.output_format,
+            num_preprocessing_workers=min(2, os.cpu_count() or 1),
+            show_progress=options.show_progress, seed=options.seed,
+        ))
+        return {"data": summary.output_dir}, {
+            "samples": summary.samples_total, "tokens": summary.tokens_extracted,
+            "tokens_per_second": summary.tokens_per_second,
+        }
+
+    stages.append(_run_stage(root, state, "datagen", datagen_stage))
+
+    def vocab_stage() -> tuple[dict, dict]:
+        from transformers import AutoConfig
+
+        from speculators_vllm016.cli.vocab_mapping import write_vocab_mappings_from_counts
+        from speculators_vllm016.data_generation.token_counts import load_token_freq
+
+        target_vocab = int(AutoConfig.from_pretrained(target).vocab_size)
+        counts = load_token_freq(root / "data")
+        d2t, t2d = write_vocab_mappings_from_counts(
+            counts, options.draft_vocab_size, target_vocab, root / "vocab"
+        )
+        return {"d2t": str(d2t), "t2d": str(t2d)}, {
+            "draft_vocab_size": options.draft_vocab_size, "target_vocab_size": target_vocab,
+            "distinct_tokens_seen": len(counts),
+        }
+
+    stages.append(_run_stage(root, state, "vocab", vocab_stage))
+    train_argv = _train_argv(options, root, target)
+    untrained = root / "draft-untrained"
+
+    def draft_stage() -> tuple[dict, dict]:
+        _save_initial_draft(train_argv, untrained)
+        return {"untrained_draft": str(untrained)}, {}
+
+    stages.append(_run_stage(root, state, "initial draft", draft_stage))
+    save = root / "checkpoints"
+    trained = save / str(options.epochs - 1)
+
+    def train_stage() -> tuple[dict, dict]:
+        from speculators_vllm016.cli.train import main as train_main
+
+        started = time.perf_counter()
+        rc = train_main(train_argv)
+        if rc != 0:
+            raise RuntimeError(f"draft training failed (exit status {rc}); see the error above")
+        seconds = time.perf_counter() - started
+        metrics = read_training_metrics(save / "metrics.jsonl")
+        tokens = int(sum(m.get("tokens", 0) for m in metrics))
+        curves = root / "training_curves.png"
+        try:
+            plot_training_curves(metrics, curves)
+        except ImportError:
+            curves = Path("(no PNG: pip install matplotlib)")
+        return {"checkpoints": str(save), "trained_draft": str(trained), "curves": str(curves),
+                "metrics": str(save / "metrics.jsonl")}, {
+            "steps": len(metrics), "tokens": tokens, "tokens_per_second": tokens / seconds,
+            "first_loss": metrics[0].get("loss") if metrics else None,
+            "last_loss": metrics[-1].get("loss") if metrics else None,
+        }
+
+    stages.append(_run_stage(root, state, "train", train_stage))
+
+    def eval_stage() -> tuple[dict, dict]:
+        from speculators_vllm016.evaluate.report import format_table, write_json, write_plot
+        from speculators_vllm016.evaluate.runner import EvalOptions, run_evaluation
+
+        report = run_evaluation(EvalOptions(
+            drafts=[str(untrained), str(trained)], data_path=str(conversations),
+            verifier=str(target), max_prompts=options.eval_prompts,
+            max_new_tokens=options.max_new_tokens, engine="hf", device="cpu",
+            hf_cache_dir=str(root / "hf-datasets-cache"), show_progress=options.show_progress,
+            labels=["untrained", "trained"],
+        ))
+        folder = root / "eval"
+        write_json(report, folder / "eval.json")
+        plot = folder / "acceptance.png"
+        try:
+            write_plot(report.drafts, plot, title="Demo: untrained vs trained draft")
+        except ImportError:
+            plot = Path("(no PNG: pip install matplotlib)")
+        before, after = report.drafts
+        return {"json": str(folder / "eval.json"), "plot": str(plot)}, {
+            "table": format_table(report.drafts),
+            "tau_untrained": before.counts.acceptance_length,
+            "tau_trained": after.counts.acceptance_length,
+            "rates_untrained": before.counts.per_position_rates,
+            "rates_trained": after.counts.per_position_rates,
+            "prompts": report.num_prompts,
+        }
+
+    stages.append(_run_stage(root, state, "eval", eval_stage))
+    return DemoResult(root=root, stages=stages)

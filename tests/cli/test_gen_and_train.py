@@ -1,0 +1,106 @@
+"""`speculators gen-and-train`: flags split among the stages; killed in training, run again, same result."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from speculators_vllm016.cli.gen_and_train import main, plan_from_argv
+from speculators_vllm016.demo import demo_conversations_path
+from tests.train.test_trainer import assert_same_checkpoint
+from tests.training_fixtures import cli_env
+
+BASE = ["--target-model-path", "model", "--train-data-path", "chat.jsonl", "--output-dir", "out"]
+
+
+def test_flags_go_to_their_stage_and_the_layout_comes_from_output_dir():
+    plan = plan_from_argv(BASE + ["--layer-ids", "0", "1", "2", "3", "--epochs", "2",
+                                  "--max-samples", "5", "--lr", "0.01", "--seed", "7", "--no-progress"])
+    assert plan.datagen.layer_ids == [0, 1, 2, 3] and plan.datagen.max_samples == 5
+    assert plan.datagen.output_dir == str(Path("out") / "data") and plan.datagen.seed == 7
+    assert plan.train.epochs == 2 and plan.train.lr == 0.01 and plan.train.seed == 7
+    assert plan.train.data_path == str(Path("out") / "data")
+    assert plan.train.d2t_path == str(Path("out") / "vocab" / "d2t.npy")
+    assert plan.train.save_path == str(Path("out") / "checkpoints")
+    assert plan.train.verifier_name_or_path == "model" and plan.train.no_progress
+    assert plan.datagen.no_progress
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (BASE + ["--bogus", "1"], "unknown flag(s) --bogus 1"),
+        (BASE + ["--data-path", "x"], "--data-path is set by gen-and-train"),
+        (["--train-data-path", "chat.jsonl"], "needs --target-model-path, --output-dir"),
+        (BASE + ["--epoch", "2"], "unknown flag(s) --epoch 2"),  # no prefix matching
+    ],
+)
+def test_bad_flags_are_one_line_errors(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def _pipeline(root: Path, target: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "speculators_vllm016", "gen-and-train",
+        "--target-model-path", str(target), "--train-data-path", str(demo_conversations_path()),
+        "--output-dir", str(root), "--max-samples", "16", "--seq-length", "64",
+        "--draft-vocab-size", "64", "--layer-ids", "0", "1", "2", "3", "--batch-size", "8",
+        "--num-preprocessing-workers", "1", "--total-seq-len", "256", "--epochs", "3",
+        "--lr", "1e-3", "--num-workers", "0", "--checkpoint-freq", "0.25", "--no-progress",
+        "--log-dir", str(root / "logs"),
+    ]
+
+
+def _checkpoint_files(save: Path) -> int:
+    """Finished checkpoints (renamed into place; a hidden folder is a save in progress)."""
+    if not save.is_dir():
+        return 0
+    return sum(1 for p in save.glob("*/training_state.json") if not p.parent.name.startswith("."))
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_killed_in_training_and_run_again_ends_with_the_uninterrupted_checkpoint(tiny_llama, tmp_path):
+    straight = tmp_path / "straight"
+    done = subprocess.run(_pipeline(straight, tiny_llama), env=cli_env(), capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    last = straight / "checkpoints" / "2"
+    total = json.loads((last / "training_state.json").read_text())["global_step"]
+    assert total >= 8
+
+    # The resumed job starts from the same finished data (datagen's own resume is tested in
+    # tests/data_generation); it is killed mid-training, once a mid-epoch checkpoint exists.
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(straight / "data", resumed / "data")
+    command = _pipeline(resumed, tiny_llama)
+    process = subprocess.Popen(command, env=cli_env(), start_new_session=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while process.poll() is None and _checkpoint_files(resumed / "checkpoints") < 1:
+            time.sleep(0.02)
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode != 0, "the pipeline finished before the kill"
+    assert not (resumed / "checkpoints" / "2").exists()
+
+    again = subprocess.run(command, env=cli_env(), capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "[1/3] datagen: done earlier" in again.stdout
+    assert "[2/3] vocabulary maps: done earlier" in again.stdout
+    assert "resuming from" in again.stderr
+    assert_same_checkpoint(last, resumed / "checkpoints" / "2")
