@@ -99,10 +99,17 @@ class _HashingWriter:
     def __init__(self, handle) -> None:
         self._handle = handle
         self.digest = hashlib.sha256()
+        self.error: OSError | None = None
 
     def write(self, data) -> int:
         self.digest.update(data)
-        return self._handle.write(data)
+        try:
+            return self._handle.write(data)
+        except OSError as error:
+            # torch.save's zip writer swallows this and fails with a position mismatch instead;
+            # keep it so the caller can report the real cause (e.g. a full disk).
+            self.error = error
+            raise
 
     def flush(self) -> None:
         self._handle.flush()
@@ -118,6 +125,7 @@ def _atomic_write(path: Path, write, fsync: bool, slot: WriterSlot | None = None
         temp = slot.temp_for(path)
     else:
         temp = path.with_name(f"{_TEMP_PREFIX}{uuid.uuid4().hex[:8]}-{path.name}{_PART_SUFFIX}")
+    hashing: _HashingWriter | None = None
     try:
         with open(temp, "wb") as handle:
             hashing = _HashingWriter(handle)
@@ -126,8 +134,10 @@ def _atomic_write(path: Path, write, fsync: bool, slot: WriterSlot | None = None
                 handle.flush()
                 os.fsync(handle.fileno())
         os.replace(temp, path)
-    except BaseException:
+    except BaseException as failure:
         temp.unlink(missing_ok=True)
+        if hashing is not None and hashing.error is not None and hashing.error is not failure:
+            raise hashing.error from failure
         raise
     return hashing.digest.hexdigest()
 
