@@ -119,7 +119,7 @@ def train_demo_target(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         bar.update(1)
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     bar.close()
