@@ -142,6 +142,10 @@ class TransferDir:
     def file_for(self, request_id: str) -> Path:
         return self.path / f"{request_id}.bin"
 
+    def request_files(self) -> list[Path]:
+        """The per-request files present now (the directory's own lock file is not one)."""
+        return sorted(entry for entry in self.path.iterdir() if entry.name != _LOCK)
+
     def free_bytes(self) -> int:
         return shutil.disk_usage(self.path).free
 

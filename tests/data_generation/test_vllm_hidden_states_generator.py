@@ -160,13 +160,13 @@ class TestLlama:
         next(stream)
         stream.close()  # abandon the rest: they are aborted, nothing leaks
         assert not llama_generator._scheduler.has_requests()
-        assert list(llama_generator._transfer.path.iterdir()) == []
+        assert llama_generator._transfer.request_files() == []
         small = [[3, 4, 5]]
         assert_matches_reference(llama_generator.generate(small), small, llama_reference, LLAMA_LAYERS)
 
     def test_transfer_files_are_removed(self, llama_generator):
         llama_generator.generate([[1, 2, 3], [4, 5]])
-        assert list(llama_generator._transfer.path.iterdir()) == []
+        assert llama_generator._transfer.request_files() == []
 
 
 # -- Qwen3 with prefix caching on, negative layer ids ----------------------------------------------
@@ -204,9 +204,9 @@ class TestQwen3PrefixCaching:
         assert qwen_generator._transfer.path.parent == transfer_root
         seen = []
         for index, _ in qwen_generator.generate_stream(mixed_batch(VOCAB, [300, 200, 100, 50], seed=15)):
-            seen.extend(p.name for p in qwen_generator._transfer.path.iterdir())
+            seen.extend(p.name for p in qwen_generator._transfer.request_files())
         assert seen, "no transfer file was ever under transfer_root"
-        assert list(qwen_generator._transfer.path.iterdir()) == []
+        assert qwen_generator._transfer.request_files() == []
 
     def test_heavy_batch_with_cached_prefixes_matches_transformers(self, qwen_generator, tiny_qwen3):
         reference = HFReference(tiny_qwen3)
