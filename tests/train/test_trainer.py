@@ -20,6 +20,7 @@ from safetensors import safe_open
 from speculators_vllm016.cli.train import main
 from tests.training_fixtures import (
     cli_env,
+    finished_checkpoints,
     load_checkpoint_tensors,
     train_args,
     train_command,
@@ -96,14 +97,6 @@ def test_saved_draft_loads_back_with_the_trained_weights(trained):
         assert torch.equal(state[name].to(tensor.dtype), tensor), name
 
 
-def complete_checkpoints(save: Path) -> list[str]:
-    """Checkpoint folders that a save finished (a killed save leaves only a hidden `.tmp-` folder)."""
-    if not save.is_dir():
-        return []
-    return [p.name for p in save.iterdir()
-            if p.is_dir() and not p.name.startswith(".") and (p / "training_state.json").is_file()]
-
-
 def _run_killed(command: list[str], save: Path, kill_at: int, sig: int,
                 need_checkpoint: bool = False) -> tuple[int, str]:
     """Start `command`, stop it with `sig` once `kill_at` steps are logged (and, with
@@ -112,7 +105,7 @@ def _run_killed(command: list[str], save: Path, kill_at: int, sig: int,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def ready() -> bool:
-        return metric_steps(save) >= kill_at and (not need_checkpoint or bool(complete_checkpoints(save)))
+        return metric_steps(save) >= kill_at and (not need_checkpoint or bool(finished_checkpoints(save)))
 
     try:
         while process.poll() is None and not ready():
