@@ -177,7 +177,7 @@ def _check_online(args: argparse.Namespace) -> OnlineSetup:
         raise TrainSetupError(str(error).strip().splitlines()[0]) from None
     if args.cache_dir and Path(args.cache_dir).exists() and not Path(args.cache_dir).is_dir():
         raise TrainSetupError(f"--cache-dir {args.cache_dir} is a file; name a folder")
-    dataset, _ = preprocess_samples(options, facts)
+    dataset = preprocess_samples(options, facts).dataset
     if len(dataset) == 0:
         raise TrainSetupError(f"--train-data-path {args.train_data_path} gives no usable samples")
     return OnlineSetup(options=options, facts=facts, dataset=dataset)

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -54,6 +55,9 @@ from speculators_vllm016.data_generation.sample_io import (
     sample_path,
     write_sample_file,
 )
+
+if TYPE_CHECKING:
+    from speculators_vllm016.data_generation.preprocessing import PreprocessResult
 
 __all__ = [
     "DatagenOptions",
@@ -244,11 +248,11 @@ def _prepare_output_dir(output_dir: Path) -> bool:
     return created
 
 
-def preprocess_samples(options: DatagenOptions, facts: ModelFacts):
-    """The chat data as datagen samples (row i is sample `start_idx + i`); and rows dropped."""
-    from speculators_vllm016.data_generation.preprocessing import load_and_preprocess_dataset
+def preprocess_samples(options: DatagenOptions, facts: ModelFacts) -> PreprocessResult:
+    """The chat data as datagen samples (row i is sample `start_idx + i`), and rows dropped."""
+    from speculators_vllm016.data_generation.preprocessing import load_and_preprocess
 
-    dataset, _ = load_and_preprocess_dataset(
+    return load_and_preprocess(
         target_model_path=facts.path,
         train_data_path=options.train_data_path,
         seq_length=options.seq_length,
@@ -261,8 +265,6 @@ def preprocess_samples(options: DatagenOptions, facts: ModelFacts):
         turn_dropout=options.turn_dropout,
         trust_remote_code=options.trust_remote_code,
     )
-    skipped_rows = int((dataset.info.description or "skipped_rows=0").split("=")[-1] or 0)
-    return dataset, skipped_rows
 
 
 def start_generator(options: DatagenOptions, facts: ModelFacts, generator_class=None):
@@ -370,7 +372,8 @@ def _run_locked(
         logger.info("removed %d partial files left by an interrupted run", removed)
     refuse_unrecorded(output_dir, options.adopt_existing)  # before the preprocessing it would waste
 
-    dataset, skipped_rows = preprocess_samples(options, facts)
+    preprocessed = preprocess_samples(options, facts)
+    dataset, skipped_rows = preprocessed.dataset, preprocessed.skipped_rows
     identity = _run_identity(options, facts, samples_digest(dataset))
     must_record = check_identity(output_dir, identity, options.adopt_existing)
 

@@ -17,6 +17,7 @@ import os
 import random
 import re
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from datasets import Dataset as HFDataset
@@ -24,7 +25,14 @@ from transformers import PreTrainedTokenizer
 
 from speculators_vllm016.data_generation.configs import DATASET_CONFIGS
 
-__all__ = ["build_eagle3_dataset", "load_and_preprocess_dataset", "load_raw_dataset"]
+__all__ = [
+    "PreprocessResult",
+    "build_eagle3_dataset",
+    "load_and_preprocess",
+    "load_and_preprocess_dataset",
+    "load_raw_dataset",
+    "preprocess_conversations",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +44,20 @@ _MAX_NAMED_ROWS = 20
 
 class MalformedRowError(ValueError):
     """A conversation that cannot be turned into a training sample."""
+
+
+@dataclass(frozen=True)
+class PreprocessResult:
+    """What preprocessing produced: the usable samples and how many rows it dropped.
+
+    `dataset` has `input_ids` and `loss_mask` (torch format) and `source_row`; `skipped_rows`
+    counts rows dropped as unusable (malformed, no assistant token left after truncation, ...).
+    `tokenizer` is set by `load_and_preprocess`, which loads it.
+    """
+
+    dataset: HFDataset
+    skipped_rows: int
+    tokenizer: PreTrainedTokenizer | None = None
 
 
 def normalize_conversation(turns: Any) -> list[dict[str, str]]:
@@ -210,10 +232,27 @@ def build_eagle3_dataset(
     *,
     seed: int = 0,
 ) -> HFDataset:
+    """0.3.0's entry point: `preprocess_conversations(...).dataset`."""
+    return preprocess_conversations(
+        dataset, tokenizer, max_length, num_proc, assistant_pattern, turn_dropout, seed=seed
+    ).dataset
+
+
+def preprocess_conversations(
+    dataset: HFDataset,
+    tokenizer: PreTrainedTokenizer,
+    max_length: int = 2048,
+    num_proc: int = 8,
+    assistant_pattern: str | None = None,
+    turn_dropout: bool = False,
+    *,
+    seed: int = 0,
+) -> PreprocessResult:
     """Tokenize conversations into `input_ids` and `loss_mask` (torch format).
 
     Malformed rows are dropped with a warning naming them (by `source_row`, the row's index in
-    the raw dataset); a `ValueError` is raised only when no row is usable.
+    the raw dataset) and counted in the result; a `ValueError` is raised only when no row is
+    usable.
     """
     if tokenizer.chat_template is None:
         raise ValueError("the tokenizer has no chat template; one is needed to render chats")
@@ -254,9 +293,8 @@ def build_eagle3_dataset(
         )
     good = processed.filter(lambda error: not error, input_columns="error")
     good = good.remove_columns("error")
-    good.info.description = f"skipped_rows={len(errors)}"
     good.set_format(type="torch", columns=["input_ids", "loss_mask"], output_all_columns=True)
-    return good
+    return PreprocessResult(dataset=good, skipped_rows=len(errors))
 
 
 def _load_json_rows(path: str) -> HFDataset:
@@ -332,6 +370,36 @@ def load_and_preprocess_dataset(
     turn_dropout: bool = False,
     trust_remote_code: bool = False,
 ) -> tuple[HFDataset, PreTrainedTokenizer]:
+    """0.3.0's entry point: `load_and_preprocess(...)` as `(dataset, tokenizer)`."""
+    result = load_and_preprocess(
+        target_model_path,
+        train_data_path,
+        seq_length,
+        build_dataset_num_proc=build_dataset_num_proc,
+        seed=seed,
+        max_samples=max_samples,
+        token_freq_path=token_freq_path,
+        cache_dir=cache_dir,
+        assistant_pattern=assistant_pattern,
+        turn_dropout=turn_dropout,
+        trust_remote_code=trust_remote_code,
+    )
+    return result.dataset, result.tokenizer
+
+
+def load_and_preprocess(
+    target_model_path: str,
+    train_data_path: str,
+    seq_length: int,
+    build_dataset_num_proc: int = 8,
+    seed: int = 0,
+    max_samples: int | None = None,
+    token_freq_path: str | None = "./token_freq.pt",
+    cache_dir: str | None = None,
+    assistant_pattern: str | None = None,
+    turn_dropout: bool = False,
+    trust_remote_code: bool = False,
+) -> PreprocessResult:
     """Load, shuffle (by `seed`), cap at `max_samples`, tokenize; save token frequencies.
 
     `token_freq_path=None` skips the counts (datagen writes them itself, once the run is
@@ -367,7 +435,7 @@ def load_and_preprocess_dataset(
     raw = raw.shuffle(seed=seed)
     if max_samples is not None and len(raw) > max_samples:
         raw = raw.select(range(max_samples))
-    dataset = build_eagle3_dataset(
+    result = preprocess_conversations(
         raw,
         tokenizer,
         max_length=seq_length,
@@ -377,6 +445,6 @@ def load_and_preprocess_dataset(
         seed=seed,
     )
     if token_freq_path is not None:
-        save_token_frequency_distribution(dataset, token_freq_path)
-    return dataset, tokenizer
+        save_token_frequency_distribution(result.dataset, token_freq_path)
+    return PreprocessResult(result.dataset, result.skipped_rows, tokenizer)
 
