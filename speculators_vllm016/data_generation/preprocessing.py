@@ -18,12 +18,17 @@ import random
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
 
 from datasets import Dataset as HFDataset
 from transformers import PreTrainedTokenizer
 
 from speculators_vllm016.data_generation.configs import DATASET_CONFIGS
+from speculators_vllm016.data_generation.conversations import (
+    MalformedRowError,
+    conversation_of,
+    normalize_conversation,
+    skip_reason,
+)
 
 __all__ = [
     "PreprocessResult",
@@ -37,13 +42,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ROW_COLUMN = "source_row"
-_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-          "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
 _MAX_NAMED_ROWS = 20
-
-
-class MalformedRowError(ValueError):
-    """A conversation that cannot be turned into a training sample."""
 
 
 @dataclass(frozen=True)
@@ -58,42 +57,6 @@ class PreprocessResult:
     dataset: HFDataset
     skipped_rows: int
     tokenizer: PreTrainedTokenizer | None = None
-
-
-def normalize_conversation(turns: Any) -> list[dict[str, str]]:
-    """Bring one conversation to `[{"role", "content"}]`; raise `MalformedRowError` if unusable.
-
-    `turns` is a list of turn mappings, or that list JSON-encoded (how rows of mixed shapes are
-    kept, see `load_raw_dataset`).
-    """
-    if isinstance(turns, str):
-        try:
-            turns = json.loads(turns)
-        except json.JSONDecodeError as exc:
-            raise MalformedRowError(f"conversation is not valid JSON ({exc.msg})") from None
-    if not isinstance(turns, list) or not turns:
-        raise MalformedRowError("no turns")
-    messages = []
-    for position, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            raise MalformedRowError(f"turn {position} is a {type(turn).__name__}, not a mapping")
-        raw_role = turn.get("role", turn.get("from"))
-        if raw_role is None:
-            raise MalformedRowError(f"turn {position} has no role")
-        role = _ROLES.get(str(raw_role).lower())
-        if role is None:
-            raise MalformedRowError(f"turn {position} has unknown role {raw_role!r}")
-        content = turn.get("content", turn.get("value"))
-        if not isinstance(content, str):
-            raise MalformedRowError(
-                f"turn {position} content is {type(content).__name__}, not text"
-            )
-        if not content.strip():
-            raise MalformedRowError(f"turn {position} is empty")
-        messages.append({"role": role, "content": content})
-    if not any(message["role"] == "assistant" for message in messages):
-        raise MalformedRowError("no assistant turn")
-    return messages
 
 
 def drop_turns(messages: list[dict[str, str]], rng: random.Random) -> list[dict[str, str]]:
@@ -212,9 +175,18 @@ def _preprocess_rows(
 
 
 def _ensure_conversations(dataset: HFDataset) -> HFDataset:
-    if "conversations" in dataset.column_names:
+    """The turns of every row in one `conversations` column (see `conversation_of`)."""
+    columns = dataset.column_names
+    if "conversations" in columns and "messages" in columns:
+        # A file mixing both shapes: each row's own turns, JSON-encoded as their shapes differ.
+        return dataset.map(
+            lambda row: {"conversations": json.dumps(conversation_of(row))},
+            remove_columns=["messages"],
+            desc="Reading conversations",
+        )
+    if "conversations" in columns:
         return dataset
-    if "messages" in dataset.column_names:
+    if "messages" in columns:
         return dataset.rename_column("messages", "conversations")
     raise ValueError(
         f"the dataset has no 'conversations' or 'messages' column (columns: "
@@ -279,7 +251,7 @@ def preprocess_conversations(
     )
     errors = [(row, error) for row, error in zip(processed[ROW_COLUMN], processed["error"]) if error]
     if errors:
-        reasons = Counter(re.sub(r"^turn \d+ ", "", error) for _, error in errors)
+        reasons = Counter(skip_reason(error) for _, error in errors)
         named = "; ".join(f"row {row}: {error}" for row, error in errors[:_MAX_NAMED_ROWS])
         more = f" (and {len(errors) - _MAX_NAMED_ROWS} more)" if len(errors) > _MAX_NAMED_ROWS else ""
         logger.warning(
@@ -321,7 +293,7 @@ def _load_json_rows(path: str) -> HFDataset:
         raise ValueError(f"{path} must hold a list of conversations")
     conversations = []
     for row in rows:
-        turns = row.get("conversations", row.get("messages")) if isinstance(row, dict) else row
+        turns = conversation_of(row)
         conversations.append(turns if isinstance(turns, str) else json.dumps(turns))
     return HFDataset.from_dict({"conversations": conversations})
 
@@ -354,6 +326,8 @@ def load_raw_dataset(
     dataset = load_dataset(config.hf_path, split=config.split, cache_dir=cache_dir)
     if config.normalize_fn is not None:
         dataset = dataset.map(config.normalize_fn, num_proc=max(1, min(num_proc, os.cpu_count() or 1)))
+        if "conversations" in dataset.column_names and "messages" in dataset.column_names:
+            dataset = dataset.remove_columns("messages")  # now copied into "conversations"
     return dataset
 
 

@@ -211,3 +211,18 @@ def test_load_and_preprocess_and_token_frequencies(tiny_llama, tmp_path):
     torch.save({0: 1}, freq_path)
     save_token_frequency_distribution(dataset, str(freq_path))
     assert torch.load(freq_path, weights_only=True) == frequencies
+
+
+def test_a_file_mixing_both_row_shapes_keeps_every_row(tokenizer, tmp_path):
+    """Loaded as one table, such a file has both columns; each row's own turns are used (the
+    table once gave `messages` rows None turns, while the row-by-row reader kept them)."""
+    as_messages = [
+        {"role": {"human": "user", "gpt": "assistant"}[t["from"]], "content": t["value"]}
+        for t in SHAREGPT[1:]
+    ]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text(json.dumps({"conversations": SHAREGPT}) + "\n" + json.dumps({"messages": as_messages}) + "\n")
+    raw = load_raw_dataset(str(path), cache_dir=str(tmp_path / "cache"))
+    assert {"conversations", "messages"} <= set(raw.column_names)
+    result = preprocess_conversations(raw, tokenizer, num_proc=1)
+    assert len(result.dataset) == 2 and result.skipped_rows == 0
