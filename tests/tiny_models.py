@@ -93,10 +93,10 @@ def build_tiny_deepseek_v3(
         vocab_size=vocab_size,
         max_position_embeddings=max_position_embeddings,
         rope_theta=10000.0,
-        # Real DeepSeek-V3 / Kimi-K2 configs use yarn; factor 1.0 is plain RoPE in both libraries.
-        # With rope_scaling=None vLLM 0.16's CPU build takes its C++ rotary op, which rotates the
-        # strided MLA query heads with the wrong positions (it treats [tokens, heads, dim] as
-        # tokens*heads rows), so layer 0 would not match transformers.
+        # Real DeepSeek-V3 / Kimi-K2 configs use yarn; factor 1.0 is plain RoPE in both libraries,
+        # through vLLM's yarn module. `rope_scaling: None` (vLLM's plain rotary module, which the
+        # generator's worker moves off the CPU build's C++ op for MLA) is tested on a copy of this
+        # checkpoint in tests/data_generation/test_deepseek_plain_rope.py.
         rope_scaling={
             "type": "yarn",
             "factor": 1.0,
