@@ -29,6 +29,12 @@ def states_of(ids: list[int]) -> list[torch.Tensor]:
     return list(torch.randn(LAYERS, len(ids), HIDDEN, generator=seed).unbind(0))
 
 
+class StandInResult(dict):
+    """One sequence's result, readable as 0.3.0's dict and by attribute (the typed result)."""
+
+    __getattr__ = dict.__getitem__
+
+
 class ReversedGenerator:
     """Finishes the sequences of each call last first, as an engine may; optionally dies."""
 
@@ -44,11 +50,9 @@ class ReversedGenerator:
                     raise RuntimeError("engine worker died")
                 self.fail_after -= 1
             ids = sequences[offset]
-            yield offset, {
-                "input_ids": torch.tensor(ids, dtype=torch.long),
-                "hidden_states": states_of(ids),
-                "loss_mask": None,
-            }
+            yield offset, StandInResult(
+                input_ids=torch.tensor(ids, dtype=torch.long), hidden_states=states_of(ids)
+            )
 
 
 def requests(count: int, skip: set[int] = frozenset()) -> list[SampleRequest]:
