@@ -585,7 +585,8 @@ def extract_and_write(
 
     The one loop both `speculators datagen` and the extraction benchmark run. Files are written
     atomically (`write_sample_file`); on an exception, the writes already submitted finish
-    before it propagates, so only whole files remain. `total` sizes the progress bar.
+    before it propagates, so only whole files remain. At most `2 * batch_size` samples wait for
+    a writer (memory stays bounded on a slow disk); `total` sizes the progress bar.
     """
     output_dir = Path(output_dir)
     progress = tqdm(total=total, unit="sample", desc="Extracting", disable=not show_progress)
