@@ -2,9 +2,9 @@
 
 The draft proposes `k` tokens (an EAGLE-3 draft through its incremental proposer, which keeps
 its own KV cache across rounds; any other draft through `propose_tokens`), the verifier scores
-the newest token and the `k` proposals in one forward pass over its KV cache, the longest agreeing prefix is kept, and the
-verifier's own token at the first disagreement (or after the last proposal) comes free. The output
-is therefore exactly the verifier's greedy output, whatever the draft proposes; the draft only
+the newest token and the `k` proposals in one forward pass over its KV cache, the longest
+agreeing prefix is kept, and the verifier's own token at the first disagreement (or after the
+last proposal) comes free. The output is therefore exactly the verifier's greedy output, whatever the draft proposes; the draft only
 decides how many tokens each verifier pass yields, which is what `AcceptanceCounts` records, as
 vLLM's counters do (the counts are taken before the output is cut at `max_new_tokens` or EOS).
 
@@ -113,7 +113,9 @@ class _CachedProposals:
     def propose(self, states, tokens, valid, histories: list[list[int]]) -> torch.Tensor:
         proposed = self.proposer.propose(states, tokens, valid)
         if proposed.shape != (len(histories), self.k):
-            raise ValueError(f"the draft proposed {tuple(proposed.shape)} tokens, {self.k} a row were asked for")
+            raise ValueError(
+                f"the draft proposed {tuple(proposed.shape)} tokens, {self.k} a row were asked for"
+            )
         return proposed.to(states[0].device).long()
 
 
