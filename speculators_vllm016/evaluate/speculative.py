@@ -1,12 +1,13 @@
 """Greedy speculative decoding with a transformers verifier: the `hf` engine of `speculators eval`.
 
-The draft proposes `k` tokens (an EAGLE-3 draft through its incremental proposer, which keeps
-its own KV cache across rounds; any other draft through `propose_tokens`), the verifier scores
-the newest token and the `k` proposals in one forward pass over its KV cache, the longest
-agreeing prefix is kept, and the verifier's own token at the first disagreement (or after the
-last proposal) comes free. The output is therefore exactly the verifier's greedy output, whatever the draft proposes; the draft only
-decides how many tokens each verifier pass yields, which is what `AcceptanceCounts` records, as
-vLLM's counters do (the counts are taken before the output is cut at `max_new_tokens` or EOS).
+The draft proposes `k` tokens (an EAGLE-3 draft through its incremental proposer, which keeps its
+own KV cache across rounds; any other draft through `propose_tokens`), the verifier scores the
+newest token and the `k` proposals in one forward pass over its KV cache, the longest agreeing
+prefix is kept, and the verifier's own token at the first disagreement (or after the last
+proposal) comes free. The output is therefore exactly the verifier's greedy output, whatever the
+draft proposes; the draft only decides how many tokens each verifier pass yields, which is what
+`AcceptanceCounts` records, as vLLM's counters do (the counts are taken before the output is cut
+at `max_new_tokens` or EOS).
 
 Prompts run in batches: left-padded, with per-row positions. Every verification appends `k + 1`
 slots per row to the cache; the slots of rejected proposals stay there, masked out, so rows that
