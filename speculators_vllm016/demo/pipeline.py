@@ -41,7 +41,7 @@ class DemoOptions:
     target_row_tokens: int = 128
     target_rows_per_step: int = 8
     draft_vocab_size: int = 512
-    epochs: int = 3
+    epochs: int = 2
     lr: float = 1e-3
     total_seq_len: int = 2048
     eval_prompts: int = 24
