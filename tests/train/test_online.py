@@ -157,15 +157,78 @@ def test_sigkill_then_the_same_command_ends_at_the_uninterrupted_checkpoint(setu
     assert_same_weights(save / "1", offline_run / "1")
 
 
+def engine_workers(pid: int) -> list:
+    """The vLLM worker processes (title `VLLM::Worker...`) under the trainer's process."""
+    import psutil
+
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            if "VLLM::Worker" in " ".join(child.cmdline()) or child.name().startswith("VLLM::Worker"):
+                found.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+@pytest.mark.engine
+def test_a_real_engine_worker_killed_mid_run_leaves_a_checkpoint_then_the_same_command_resumes(
+    setup, tiny_llama, offline_run
+):
+    """SIGKILL the engine's worker process (the generator runs vLLM's multiprocess executor: the
+    model runs in a child process of the trainer) once training is under way: vLLM's worker
+    monitor fails the executor, the producer's engine call raises, and the trainer must write a
+    checkpoint and exit 143 with the message; the same command then ends at the offline run's
+    final checkpoint."""
+    root, chats, _ = setup
+    save = root / "worker-killed"
+    argv = [*common(tiny_llama, root, save), *online_flags(chats, root), "--online-queue-size", "1"]
+    command = [sys.executable, "-m", "speculators_vllm016", "train", *argv]
+    process = subprocess.Popen(command, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    killed = []
+    try:
+        deadline = time.monotonic() + 600
+        metrics = save / "metrics.jsonl"
+        # The first logged step: the engine runs and the producer is at most a step ahead.
+        while not (metrics.is_file() and '"train"' in metrics.read_text()):
+            assert process.poll() is None, process.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        killed = engine_workers(process.pid)
+        assert killed, "no VLLM::Worker process under the trainer"
+        for worker in killed:
+            worker.kill()
+        _, err = process.communicate(timeout=600)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    err = err.decode()
+    assert process.returncode == 143, err[-3000:]
+    assert "stopped: the target model's engine failed" in err, err[-3000:]
+    assert "run the same command again to resume" in err
+    assert not (save / "1").exists()
+    saved = [json.loads(path.read_text()) for path in save.glob("*-step*/training_state.json")]
+    assert saved and all(state["global_step"] >= 1 for state in saved), saved
+    finished = subprocess.run(command, env=cli_env(), capture_output=True, text=True)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert_same_weights(save / "1", offline_run / "1")
+
+
 class StandInGenerator:
     """Stands in for the engine in the failure test only: seeded states of the tiny Llama's
     width, and a RuntimeError after `fail_after` samples (a worker that died)."""
 
-    def __init__(self, fail_after: int | None) -> None:
+    def __init__(self, fail_after: int | None, fail_on_call: int | None = None) -> None:
         self.fail_after = fail_after
+        self.fail_on_call = fail_on_call  # or: die at the start of this generate_stream call
+        self.calls = 0
         self.closed = False
 
     def generate_stream(self, sequences):
+        self.calls += 1
+        if self.calls == self.fail_on_call:
+            raise RuntimeError("engine worker died")
         for k, ids in enumerate(sequences):
             if self.fail_after is not None and self.fail_after <= 0:
                 raise RuntimeError("engine worker died")
@@ -207,3 +270,37 @@ def test_a_dying_engine_leaves_a_checkpoint_and_a_clear_message_then_resumes(
     generators.append(StandInGenerator(fail_after=None))
     assert train_main([*argv[:3], str(uninterrupted), *argv[4:]]) == 0
     assert_same_weights(save / "0", uninterrupted / "0")
+
+
+def test_an_engine_dying_during_validation_leaves_a_checkpoint_then_resumes(
+    tiny_llama, tmp_path, monkeypatch, capsys
+):
+    """Epoch 0's training samples are one engine call (--max-num-seqs 32), validation's the
+    second: the engine dies there, after the epoch's last step."""
+    from speculators_vllm016.data_generation import offline
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:ROWS]) + "\n")
+    save = tmp_path / "save"
+    argv = [
+        "--verifier-name-or-path", str(tiny_llama), "--save-path", str(save),
+        "--draft-vocab-size", "64", "--total-seq-len", "160", "--epochs", "2", "--lr", "1e-3",
+        "--no-progress", "--log-dir", str(tmp_path / "logs"), "--device", "cpu",
+        "--precision", "fp32", "--checkpoint-dtype", "fp32",
+        *online_flags(chats, tmp_path), "--max-num-seqs", "32",
+    ]
+    generators = [StandInGenerator(None, fail_on_call=2), StandInGenerator(None)]
+    monkeypatch.setattr(offline, "start_generator", lambda options, facts: generators.pop(0))
+    assert train_main(argv) == 143
+    err = capsys.readouterr().err
+    assert "the target model's engine failed (RuntimeError: engine worker died)" in err
+    assert "run the same command again to resume" in err
+    saved = [json.loads(path.read_text()) for path in save.glob("0-step*/training_state.json")]
+    assert len(saved) == 1 and saved[0]["step_in_epoch"] >= 1 and not saved[0]["epoch_complete"]
+    assert not (save / "0").exists()
+    assert train_main(argv) == 0
+    uninterrupted = tmp_path / "uninterrupted"
+    generators.append(StandInGenerator(None))
+    assert train_main([*argv[:3], str(uninterrupted), *argv[4:]]) == 0
+    for epoch in ("0", "1"):
+        assert_same_weights(save / epoch, uninterrupted / epoch)
