@@ -84,8 +84,12 @@ class OnlineExtractor:
     is row `p`. One producer runs at a time; `close()` stops it, the engine and the writers.
     """
 
-    def __init__(self, options: Any, facts: Any, dataset: Any, cache_dir: Path | None) -> None:
+    def __init__(
+        self, options: Any, facts: Any, dataset: Any, cache_dir: Path | None,
+        engine_devices: str | None = None,
+    ) -> None:
         self.options = options
+        self.engine_devices = engine_devices  # CUDA_VISIBLE_DEVICES of the engine (--train-devices)
         self.facts = facts
         self.dataset = dataset
         self.cache_dir = cache_dir
@@ -121,8 +125,13 @@ class OnlineExtractor:
             return
         from speculators_vllm016.data_generation.offline import start_generator
 
+        from speculators_vllm016.train.devices import engine_visible_devices
+
         logger.info("starting the target model's engine for online extraction")
-        self.generator = start_generator(self.options, self.facts)
+        if self.engine_devices is not None and torch.cuda.is_available():
+            torch.cuda.init()  # the trainer's own view of the GPUs is fixed before the engine's is set
+        with engine_visible_devices(self.engine_devices):
+            self.generator = start_generator(self.options, self.facts)
         self.stats.engine_starts += 1
         if self._cache is not None:
             self._cache.started(self.generator)

@@ -7,6 +7,7 @@ and resumed pure-online run; every assertion shares them.
 from __future__ import annotations
 
 import json
+import os
 import logging
 import subprocess
 import sys
@@ -304,3 +305,75 @@ def test_an_engine_dying_during_validation_leaves_a_checkpoint_then_resumes(
     assert train_main([*argv[:3], str(uninterrupted), *argv[4:]]) == 0
     for epoch in ("0", "1"):
         assert_same_weights(save / epoch, uninterrupted / epoch)
+
+
+def stand_in_argv(tiny_llama: Path, tmp_path: Path, save: Path) -> list[str]:
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:ROWS]) + "\n")
+    return [
+        "--verifier-name-or-path", str(tiny_llama), "--save-path", str(save),
+        "--draft-vocab-size", "64", "--total-seq-len", "160", "--epochs", "1", "--lr", "1e-3",
+        "--no-progress", "--log-dir", str(tmp_path / "logs"),
+        "--precision", "fp32", "--checkpoint-dtype", "fp32", *online_flags(chats, tmp_path),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--train-devices", "gpu7"], "error: --train-devices: 'gpu7' is not a device"),
+        (["--train-devices", "cuda:0"], "error: --train-devices 'cuda:0': no CUDA GPU is visible here"),
+        (["--train-devices", "cpu", "--device", "cpu"], "error: give --train-devices or --device, not both"),
+    ],
+)
+def test_bad_train_devices_get_a_one_line_error_and_exit_2(tiny_llama, tmp_path, capsys, flags, says):
+    save = tmp_path / "save"
+    assert train_main([*stand_in_argv(tiny_llama, tmp_path, save), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(says) and "\n" not in err, err
+    assert not save.exists()
+
+
+def test_train_devices_needs_online(tiny_llama, training_data, tmp_path, capsys):
+    from tests.training_fixtures import train_args
+
+    argv = train_args(tiny_llama, training_data, tmp_path / "save", "--train-devices", "cpu")
+    assert train_main(argv) == 2
+    assert "--train-devices places the trainer beside the engine of --online" in capsys.readouterr().err
+
+
+def test_train_devices_cpu_trains_on_the_cpu(tiny_llama, tmp_path, monkeypatch):
+    """The CPU path of --train-devices: the trainer on `cpu`, the engine started with the
+    environment as it was (no CUDA_VISIBLE_DEVICES change)."""
+    from speculators_vllm016.data_generation import offline
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    seen = []
+
+    def start(options, facts):
+        seen.append(os.environ.get("CUDA_VISIBLE_DEVICES"))
+        return StandInGenerator(None)
+
+    monkeypatch.setattr(offline, "start_generator", start)
+    save = tmp_path / "save"
+    assert train_main([*stand_in_argv(tiny_llama, tmp_path, save), "--train-devices", "cpu"]) == 0
+    assert seen == [None]
+    assert (save / "0" / "model.safetensors").is_file()
+
+
+def test_the_engine_starts_under_the_engines_cuda_visible_devices(monkeypatch):
+    """`--train-devices cuda:7` on 8 GPUs: the engine (and the worker processes it spawns) start
+    with CUDA_VISIBLE_DEVICES=0..6; the trainer's process gets its own value back."""
+    from speculators_vllm016.data_generation import offline
+    from speculators_vllm016.train.online import OnlineExtractor
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    seen = []
+    monkeypatch.setattr(
+        offline, "start_generator",
+        lambda options, facts: seen.append(os.environ["CUDA_VISIBLE_DEVICES"]) or StandInGenerator(None),
+    )
+    extractor = OnlineExtractor(object(), object(), [], None, engine_devices="0,1,2,3,4,5,6")
+    extractor.ensure_engine()
+    assert seen == ["0,1,2,3,4,5,6"]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
