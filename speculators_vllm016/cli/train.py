@@ -159,8 +159,6 @@ def _check_online(args: argparse.Namespace) -> OnlineSetup:
         raise TrainSetupError("--online needs --train-data-path (the chat data datagen would read)")
     if args.online_queue_size < 1:
         raise TrainSetupError("--online-queue-size must be at least 1")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise TrainSetupError("--online trains in one process; run it without torchrun")
     devices = _check_train_devices(args)
     options = DatagenOptions(
         target_model_path=args.target_model_path or args.verifier_name_or_path,
@@ -231,7 +229,8 @@ def _add_online_arguments(parser: argparse.ArgumentParser) -> None:
     online.add_argument("--online", action="store_true",
                         help="extract hidden states with the target model while training, instead "
                              "of reading --data-path; the batches equal offline training's on "
-                             "datagen's files of the same samples")
+                             "datagen's files of the same samples. Under torchrun, rank 0 runs "
+                             "the engine and sends each rank its samples")
     online.add_argument("--cache-dir", default=None,
                         help="hybrid mode: also write every extracted sample here as a datagen "
                              "folder; later epochs (and later runs) read it and start no engine")
@@ -583,10 +582,14 @@ def run(args: argparse.Namespace) -> int:
         if online is not None:
             from speculators_vllm016.train.online import OnlineExtractor, OnlineLoader
 
+            from speculators_vllm016.train.online import SampleExchange
+
+            exchange = SampleExchange() if distributed else None  # rank 0 extracts for all
             extractor = OnlineExtractor(
                 online.options, online.facts, online.dataset,
                 Path(args.cache_dir) if args.cache_dir else None,
                 engine_devices=online.devices.engine_visible if online.devices else None,
+                writes_cache=rank == 0,
             )
             closers.append(extractor.close)
             train_items, val_items = split_items(extractor.indices, args.train_ratio, args.split_seed)
@@ -614,7 +617,7 @@ def run(args: argparse.Namespace) -> int:
             if online is not None:
                 return OnlineLoader(
                     extractor, dataset, items, sampler, create_collate_fn(args.total_seq_len),
-                    args.online_queue_size,
+                    args.online_queue_size, exchange,
                 )
             return DataLoader(
                 dataset, batch_sampler=sampler, collate_fn=create_collate_fn(args.total_seq_len),

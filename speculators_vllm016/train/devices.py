@@ -23,6 +23,7 @@ __all__ = [
     "TrainDevices",
     "TrainDevicesError",
     "engine_visible_devices",
+    "launcher_variables_hidden",
     "parse_train_devices",
     "visible_gpus",
 ]
@@ -116,3 +117,26 @@ def engine_visible_devices(value: str | None) -> Iterator[None]:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
+# Set by torchrun for the training processes; the engine's workers must not see them.
+_LAUNCHER_VARIABLES = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+)
+
+
+@contextlib.contextmanager
+def launcher_variables_hidden() -> Iterator[None]:
+    """torchrun's variables removed while the engine (and its worker processes) start.
+
+    With `TORCHELASTIC_USE_AGENT_STORE` set, torch makes every `init_process_group` a client of
+    torchrun's store, so the engine worker's own one-process group (tcp://127.0.0.1:<port>) waits
+    forever for a server nobody starts.
+    """
+    names = [name for name in os.environ if name in _LAUNCHER_VARIABLES or name.startswith("TORCHELASTIC_")]
+    saved = {name: os.environ.pop(name) for name in names}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)

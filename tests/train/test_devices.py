@@ -70,3 +70,16 @@ def test_the_engine_window_sets_and_restores_cuda_visible_devices(monkeypatch):
     assert "CUDA_VISIBLE_DEVICES" not in os.environ
     with engine_visible_devices(None):
         assert "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
+def test_torchruns_variables_are_hidden_while_the_engine_starts(monkeypatch):
+    from speculators_vllm016.train.devices import launcher_variables_hidden
+
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with launcher_variables_hidden():
+        assert not {"TORCHELASTIC_USE_AGENT_STORE", "MASTER_PORT", "WORLD_SIZE"} & set(os.environ)
+        assert os.environ["OMP_NUM_THREADS"] == "1"
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True" and os.environ["WORLD_SIZE"] == "2"
