@@ -427,12 +427,7 @@ class OnlineLoader:
         cached = self.extractor.cached()
         need = {item for step in steps for item in step if self.indices[item] not in cached}
         if not need:
-            if self.extractor.generator is not None:
-                logger.info("every sample of this epoch is in the cache: closing the engine")
-                self.extractor.stop_engine()
-            self.extractor.stats.cached_reads += sum(len(step) for step in steps)
-            for step in steps:
-                yield self.collate_fn([self.dataset[item] for item in step])
+            yield from self._from_cache(steps)
             return
         self.extractor.ensure_engine()
         producer = self.extractor.start_producer(steps, self.indices, need, self.queue_size)
@@ -452,6 +447,15 @@ class OnlineLoader:
         finally:
             self.extractor.stop_producer()
 
+    def _from_cache(self, steps: list[list[int]]) -> Iterator[PackedBatch]:
+        """An epoch whose samples are all in the cache folder: no engine runs."""
+        if self.extractor.generator is not None:
+            logger.info("every sample of this epoch is in the cache: closing the engine")
+            self.extractor.stop_engine()
+        self.extractor.stats.cached_reads += sum(len(step) for step in steps)
+        for step in steps:
+            yield self.collate_fn([self.dataset[item] for item in step])
+
     def _iter_ranks(self, exchange: SampleExchange) -> Iterator[PackedBatch]:
         """Every rank: its own steps; rank 0 also runs the engine and scatters the samples."""
         plans = _rank_plans(self.batch_sampler, exchange.world_size)
@@ -463,12 +467,7 @@ class OnlineLoader:
         ]
         need = {item for step in union for item in step if self.indices[item] not in cached}
         if not need:  # every rank reads its samples from the cache folder
-            if self.extractor.generator is not None:
-                logger.info("every sample of this epoch is in the cache: closing the engine")
-                self.extractor.stop_engine()
-            self.extractor.stats.cached_reads += sum(len(step) for step in steps)
-            for step in steps:
-                yield self.collate_fn([self.dataset[item] for item in step])
+            yield from self._from_cache(steps)
             return
         producer = None
         if exchange.rank == 0:

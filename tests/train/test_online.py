@@ -280,16 +280,8 @@ def test_an_engine_dying_during_validation_leaves_a_checkpoint_then_resumes(
     second: the engine dies there, after the epoch's last step."""
     from speculators_vllm016.data_generation import offline
 
-    chats = tmp_path / "chats.jsonl"
-    chats.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:ROWS]) + "\n")
     save = tmp_path / "save"
-    argv = [
-        "--verifier-name-or-path", str(tiny_llama), "--save-path", str(save),
-        "--draft-vocab-size", "64", "--total-seq-len", "160", "--epochs", "2", "--lr", "1e-3",
-        "--no-progress", "--log-dir", str(tmp_path / "logs"), "--device", "cpu",
-        "--precision", "fp32", "--checkpoint-dtype", "fp32",
-        *online_flags(chats, tmp_path), "--max-num-seqs", "32",
-    ]
+    argv = [*stand_in_argv(tiny_llama, tmp_path, save), "--epochs", "2", "--max-num-seqs", "32"]
     generators = [StandInGenerator(None, fail_on_call=2), StandInGenerator(None)]
     monkeypatch.setattr(offline, "start_generator", lambda options, facts: generators.pop(0))
     assert train_main(argv) == 143
