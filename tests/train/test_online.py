@@ -375,7 +375,8 @@ def test_the_engine_starts_under_the_engines_cuda_visible_devices(monkeypatch):
 @pytest.mark.engine
 def test_two_rank_online_training_equals_two_rank_offline_training(setup, tiny_llama):
     """torchrun --nproc-per-node 2 (gloo): rank 0's engine extracts, each rank trains on its own
-    batches; the weights equal 2-rank offline training on datagen's folder, bit for bit (fp32)."""
+    batches; the weights equal 2-rank offline training on datagen's folder, bit for bit (fp32),
+    with and without --cache-dir (written by rank 0, read by both ranks in epoch 2)."""
     from tests.training_fixtures import train_command
 
     root, chats, datagen = setup
@@ -383,6 +384,7 @@ def test_two_rank_online_training_equals_two_rank_offline_training(setup, tiny_l
     for name, flags in (
         ("offline-2", ["--data-path", str(datagen)]),
         ("online-2", online_flags(chats, root)),
+        ("hybrid-2", [*online_flags(chats, root), "--cache-dir", str(root / "cache-2")]),
     ):
         save = root / name
         argv = [*common(tiny_llama, root, save), "--parallel", "ddp", *flags]
@@ -393,5 +395,11 @@ def test_two_rank_online_training_equals_two_rank_offline_training(setup, tiny_l
         runs[name] = save
     for epoch in ("0", "1"):
         assert_same_weights(runs["online-2"] / epoch, runs["offline-2"] / epoch)
+        assert_same_weights(runs["hybrid-2"] / epoch, runs["offline-2"] / epoch)
     state = json.loads((runs["online-2"] / "1" / "training_state.json").read_text())
     assert state["global_step"] >= 2
+    # Hybrid under torchrun: rank 0 wrote datagen's folder, the ranks read it in epoch 2.
+    cache = root / "cache-2"
+    assert sample_files(cache) == sample_files(datagen)
+    for name in sample_files(cache):
+        assert (cache / name).read_bytes() == (datagen / name).read_bytes(), name
