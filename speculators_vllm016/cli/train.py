@@ -127,6 +127,25 @@ class OnlineSetup:
     options: Any  # DatagenOptions
     facts: Any  # ModelFacts
     dataset: Any  # datagen's preprocessed samples
+    devices: Any = None  # TrainDevices from --train-devices, else None (time-shared)
+
+
+def _check_train_devices(args: argparse.Namespace) -> Any:
+    """`--train-devices` against the GPUs and the training processes of this node."""
+    from speculators_vllm016.train.devices import TrainDevicesError, parse_train_devices, visible_gpus
+
+    if args.train_devices is None:
+        return None
+    if args.device is not None:
+        raise TrainSetupError("give --train-devices or --device, not both (--train-devices places the trainer)")
+    try:
+        return parse_train_devices(
+            args.train_devices, visible=visible_gpus(),
+            local_processes=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+            engine_gpus_needed=args.tensor_parallel_size * args.pipeline_parallel_size,
+        )
+    except TrainDevicesError as error:
+        raise TrainSetupError(str(error)) from None
 
 
 def _check_online(args: argparse.Namespace) -> OnlineSetup:
@@ -139,8 +158,7 @@ def _check_online(args: argparse.Namespace) -> OnlineSetup:
         raise TrainSetupError("--online needs --train-data-path (the chat data datagen would read)")
     if args.online_queue_size < 1:
         raise TrainSetupError("--online-queue-size must be at least 1")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise TrainSetupError("--online trains in one process; run it without torchrun")
+    devices = _check_train_devices(args)
     options = DatagenOptions(
         target_model_path=args.target_model_path or args.verifier_name_or_path,
         train_data_path=args.train_data_path,
@@ -179,7 +197,7 @@ def _check_online(args: argparse.Namespace) -> OnlineSetup:
     dataset = preprocess_samples(options, facts).dataset
     if len(dataset) == 0:
         raise TrainSetupError(f"--train-data-path {args.train_data_path} gives no usable samples")
-    return OnlineSetup(options=options, facts=facts, dataset=dataset)
+    return OnlineSetup(options=options, facts=facts, dataset=dataset, devices=devices)
 
 
 def _check_online_model(online: OnlineSetup, hidden_size: int) -> list[int]:
@@ -210,12 +228,18 @@ def _add_online_arguments(parser: argparse.ArgumentParser) -> None:
     online.add_argument("--online", action="store_true",
                         help="extract hidden states with the target model while training, instead "
                              "of reading --data-path; the batches equal offline training's on "
-                             "datagen's files of the same samples")
+                             "datagen's files of the same samples. Under torchrun, rank 0 runs "
+                             "the engine and sends each rank its samples")
     online.add_argument("--cache-dir", default=None,
                         help="hybrid mode: also write every extracted sample here as a datagen "
                              "folder; later epochs (and later runs) read it and start no engine")
     online.add_argument("--online-queue-size", type=int, default=4,
                         help="packed rows extracted ahead of the trainer (bounds memory)")
+    online.add_argument("--train-devices", default=None,
+                        help="where the draft trains: cuda:N (one per training process, e.g. "
+                             "cuda:6,cuda:7 under torchrun --nproc-per-node 2) or cpu; the target "
+                             "model's engine gets every other visible GPU (CUDA_VISIBLE_DEVICES). "
+                             "Default: both time-share the same devices")
     add_target_model_arguments(online, required=False)
     add_preprocessing_arguments(online, required=False, seed_flag="--data-seed", token_freq=False)
     add_sample_file_arguments(online)
@@ -447,6 +471,8 @@ def prepare(args: argparse.Namespace) -> TrainSetup:
     if args.checkpoint_freq is not None and not 0 < args.checkpoint_freq <= 1:
         raise TrainSetupError("--checkpoint-freq is a fraction of an epoch in (0, 1]")
     data_path, save_path = Path(args.data_path), Path(args.save_path)
+    if args.train_devices is not None and not args.online:
+        raise TrainSetupError("--train-devices places the trainer beside the engine of --online; use --device")
     online = _check_online(args) if args.online else None
     if online is None:
         if not data_path.is_dir():
@@ -533,6 +559,8 @@ def run(args: argparse.Namespace) -> int:
     standardize, layer_ids, online = setup.standardize, setup.layer_ids, setup.online
 
     # -- the run ---------------------------------------------------------------------------------
+    if online is not None and online.devices is not None:
+        args.device = online.devices.for_rank(int(os.environ.get("LOCAL_RANK", "0")))
     local_rank, world_size, rank, distributed = maybe_setup_distributed(args.device)
     closers: list[Any] = []
     try:
@@ -553,9 +581,14 @@ def run(args: argparse.Namespace) -> int:
         if online is not None:
             from speculators_vllm016.train.online import OnlineExtractor, OnlineLoader
 
+            from speculators_vllm016.train.online import SampleExchange
+
+            exchange = SampleExchange() if distributed else None  # rank 0 extracts for all
             extractor = OnlineExtractor(
                 online.options, online.facts, online.dataset,
                 Path(args.cache_dir) if args.cache_dir else None,
+                engine_devices=online.devices.engine_visible if online.devices else None,
+                writes_cache=rank == 0,
             )
             closers.append(extractor.close)
             train_items, val_items = split_items(extractor.indices, args.train_ratio, args.split_seed)
@@ -583,7 +616,7 @@ def run(args: argparse.Namespace) -> int:
             if online is not None:
                 return OnlineLoader(
                     extractor, dataset, items, sampler, create_collate_fn(args.total_seq_len),
-                    args.online_queue_size,
+                    args.online_queue_size, exchange,
                 )
             return DataLoader(
                 dataset, batch_sampler=sampler, collate_fn=create_collate_fn(args.total_seq_len),

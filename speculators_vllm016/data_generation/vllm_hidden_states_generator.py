@@ -526,6 +526,11 @@ class VllmHiddenStatesGenerator:
 
     # -- lifetime ---------------------------------------------------------------------------------
 
+    @property
+    def worker_died(self) -> bool:
+        """A worker process exited unexpectedly (vLLM's worker monitor failed the executor)."""
+        return bool(getattr(self._executor, "is_failed", False))
+
     def close(self) -> None:
         """Stop the worker processes and remove the transfer files; safe to call twice."""
         if self._finalizer is not None:

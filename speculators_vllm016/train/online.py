@@ -19,6 +19,7 @@ vLLM is imported only when an engine starts; this module imports none of it.
 
 from __future__ import annotations
 
+import copy
 import logging
 import queue
 import threading
@@ -36,7 +37,7 @@ from speculators_vllm016.train.data import (
     PackedBatch,
 )
 
-__all__ = ["ExtractionFailed", "OnlineExtractor", "OnlineLoader", "OnlineStats"]
+__all__ = ["ExtractionFailed", "OnlineExtractor", "OnlineLoader", "OnlineStats", "SampleExchange"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,15 +85,22 @@ class OnlineExtractor:
     is row `p`. One producer runs at a time; `close()` stops it, the engine and the writers.
     """
 
-    def __init__(self, options: Any, facts: Any, dataset: Any, cache_dir: Path | None) -> None:
+    def __init__(
+        self, options: Any, facts: Any, dataset: Any, cache_dir: Path | None,
+        engine_devices: str | None = None, writes_cache: bool = True,
+    ) -> None:
         self.options = options
+        self.engine_devices = engine_devices  # CUDA_VISIBLE_DEVICES of the engine (--train-devices)
         self.facts = facts
         self.dataset = dataset
         self.cache_dir = cache_dir
         self.generator: Any = None
         self.stats = OnlineStats()
         self._producer: _Producer | None = None
-        self._cache: _Cache | None = _Cache(options, facts, dataset, cache_dir) if cache_dir else None
+        # Under torchrun only rank 0 (the one running the engine) writes the cache folder.
+        self._cache: _Cache | None = (
+            _Cache(options, facts, dataset, cache_dir) if cache_dir and writes_cache else None
+        )
 
     # -- samples -------------------------------------------------------------------------------
     @property
@@ -121,8 +129,13 @@ class OnlineExtractor:
             return
         from speculators_vllm016.data_generation.offline import start_generator
 
+        from speculators_vllm016.train.devices import engine_visible_devices, launcher_variables_hidden
+
         logger.info("starting the target model's engine for online extraction")
-        self.generator = start_generator(self.options, self.facts)
+        if self.engine_devices is not None and torch.cuda.is_available():
+            torch.cuda.init()  # the trainer's own view of the GPUs is fixed before the engine's is set
+        with engine_visible_devices(self.engine_devices), launcher_variables_hidden():
+            self.generator = start_generator(self.options, self.facts)
         self.stats.engine_starts += 1
         if self._cache is not None:
             self._cache.started(self.generator)
@@ -321,6 +334,60 @@ class _Cache:
             self._lock.__exit__(None, None, None)
 
 
+class SampleExchange:
+    """Online training under torchrun: rank 0 extracts, every rank trains on its own batches.
+
+    Why this design: the batches rank r trains on must equal what offline training with N ranks
+    reads, and the distributed sampler already says which samples those are for every rank (its
+    plan depends only on the lengths, the seed and the epoch, so any rank can compute any other
+    rank's). One engine on rank 0 then extracts the union of all ranks' samples of each step, in
+    step order, and scatters each rank its own samples; each rank prepares them (noise seeded per
+    sample) and packs them itself, exactly as offline. One engine per rank would need the GPUs to
+    be split N ways and N engine start-ups, and N copies of the target's weights; one engine
+    keeps the target's memory and start-up cost as in single-process online training and needs
+    no agreement on which rank extracts what. The transfer goes over a separate gloo group (CPU
+    tensors, pickled), so it works beside NCCL and never mixes with the trainer's collectives.
+    Cost: every hidden state passes through rank 0's memory and the gloo transfer.
+    """
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.group = dist.new_group(backend="gloo")  # every rank calls this at the same point
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's `value` on every rank."""
+        box = [value]
+        self._dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def scatter(self, values: list[Any] | None) -> Any:
+        """`values[r]` (given on rank 0) arrives on rank r."""
+        box = [None]
+        self._dist.scatter_object_list(box, values if self.rank == 0 else None, src=0, group=self.group)
+        return box[0]
+
+
+def _rank_plans(batch_sampler: Any, world_size: int) -> list[list[list[int]]]:
+    """Every rank's remaining steps of this epoch, from copies of this rank's sampler."""
+    plans = []
+    for rank in range(world_size):
+        other = copy.copy(batch_sampler)
+        other.rank, other._plan = rank, None
+        plans.append([list(step) for step in other])
+    return plans
+
+
+def _failure_message(error: BaseException, died: bool) -> str:
+    text = str(error).strip()
+    return (
+        f"the target model's engine failed{': a worker process died' if died else ''} "
+        f"({type(error).__name__}: {text.splitlines()[0] if text else ''})"
+    )
+
+
 class OnlineLoader:
     """What the trainer needs of a DataLoader: `batch_sampler`, `dataset`, `len()`, iteration.
 
@@ -336,7 +403,9 @@ class OnlineLoader:
         batch_sampler: Any,
         collate_fn: Any,
         queue_size: int,
+        exchange: SampleExchange | None = None,
     ) -> None:
+        self.exchange = exchange  # torchrun: rank 0 extracts for every rank
         self.extractor = extractor
         self.dataset = dataset
         self.indices = indices  # dataset position -> datagen index
@@ -351,16 +420,14 @@ class OnlineLoader:
         return self.extractor.stats.fields()
 
     def __iter__(self) -> Iterator[PackedBatch]:
+        if self.exchange is not None:
+            yield from self._iter_ranks(self.exchange)
+            return
         steps = [list(step) for step in self.batch_sampler]
         cached = self.extractor.cached()
         need = {item for step in steps for item in step if self.indices[item] not in cached}
         if not need:
-            if self.extractor.generator is not None:
-                logger.info("every sample of this epoch is in the cache: closing the engine")
-                self.extractor.stop_engine()
-            self.extractor.stats.cached_reads += sum(len(step) for step in steps)
-            for step in steps:
-                yield self.collate_fn([self.dataset[item] for item in step])
+            yield from self._from_cache(steps)
             return
         self.extractor.ensure_engine()
         producer = self.extractor.start_producer(steps, self.indices, need, self.queue_size)
@@ -371,13 +438,64 @@ class OnlineLoader:
                 got = producer.rows.get()
                 stats.trainer_wait += time.perf_counter() - started
                 if isinstance(got, _Failure):
-                    raise ExtractionFailed(
-                        f"the target model's engine failed ({type(got.error).__name__}: "
-                        f"{str(got.error).strip().splitlines()[0] if str(got.error).strip() else ''})"
-                    ) from got.error
+                    died = getattr(self.extractor.generator, "worker_died", False)
+                    raise ExtractionFailed(_failure_message(got.error, died)) from got.error
                 if got is _END:
                     raise ExtractionFailed("the extraction ended before the epoch's last step")
                 samples = [self.dataset.item(item, got.get(item)) for item in step]
                 yield self.collate_fn(samples)
         finally:
             self.extractor.stop_producer()
+
+    def _from_cache(self, steps: list[list[int]]) -> Iterator[PackedBatch]:
+        """An epoch whose samples are all in the cache folder: no engine runs."""
+        if self.extractor.generator is not None:
+            logger.info("every sample of this epoch is in the cache: closing the engine")
+            self.extractor.stop_engine()
+        self.extractor.stats.cached_reads += sum(len(step) for step in steps)
+        for step in steps:
+            yield self.collate_fn([self.dataset[item] for item in step])
+
+    def _iter_ranks(self, exchange: SampleExchange) -> Iterator[PackedBatch]:
+        """Every rank: its own steps; rank 0 also runs the engine and scatters the samples."""
+        plans = _rank_plans(self.batch_sampler, exchange.world_size)
+        steps = plans[exchange.rank]
+        cached = exchange.broadcast(self.extractor.cached() if exchange.rank == 0 else None)
+        union = [
+            list(dict.fromkeys(item for plan in plans for item in plan[s]))
+            for s in range(len(steps))
+        ]
+        need = {item for step in union for item in step if self.indices[item] not in cached}
+        if not need:  # every rank reads its samples from the cache folder
+            yield from self._from_cache(steps)
+            return
+        producer = None
+        if exchange.rank == 0:
+            self.extractor.ensure_engine()
+            producer = self.extractor.start_producer(union, self.indices, need, self.queue_size)
+        stats = self.extractor.stats
+        try:
+            for s, step in enumerate(steps):
+                parts = None
+                if producer is not None:
+                    started = time.perf_counter()
+                    got = producer.rows.get()
+                    stats.trainer_wait += time.perf_counter() - started
+                    if isinstance(got, _Failure) or got is _END:
+                        message = (
+                            _failure_message(got.error, getattr(self.extractor.generator, "worker_died", False))
+                            if isinstance(got, _Failure)
+                            else "the extraction ended before the epoch's last step"
+                        )
+                        parts = [_Failure(ExtractionFailed(message))] * exchange.world_size
+                    else:
+                        parts = [
+                            {item: got[item] for item in plan[s] if item in got} for plan in plans
+                        ]
+                mine = exchange.scatter(parts)
+                if isinstance(mine, _Failure):
+                    raise ExtractionFailed(str(mine.error))
+                yield self.collate_fn([self.dataset.item(item, mine.get(item)) for item in step])
+        finally:
+            if producer is not None:
+                self.extractor.stop_producer()

@@ -578,7 +578,14 @@ class Trainer:
                 finished = self.train_epoch(epoch, start_step=start_step if epoch == start_epoch else 0)
                 if not finished:
                     break
-                validation = self.val_epoch(epoch)
+                try:
+                    validation = self.val_epoch(epoch)
+                except DataSourceError as error:  # online: the engine died while validating
+                    path = self._save_mid_epoch()  # the epoch's steps are done; resume validates
+                    raise TrainingInterrupted(
+                        f"{error}; checkpoint {path} at step {self.state.global_step}; "
+                        "run the same command again to resume"
+                    ) from error
                 score = validation.get("tau_sim") if validation else None
                 self.state.val_tau_sim = score
                 improved = score is not None and (

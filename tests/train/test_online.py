@@ -7,6 +7,7 @@ and resumed pure-online run; every assertion shares them.
 from __future__ import annotations
 
 import json
+import os
 import logging
 import subprocess
 import sys
@@ -157,15 +158,78 @@ def test_sigkill_then_the_same_command_ends_at_the_uninterrupted_checkpoint(setu
     assert_same_weights(save / "1", offline_run / "1")
 
 
+def engine_workers(pid: int) -> list:
+    """The vLLM worker processes (title `VLLM::Worker...`) under the trainer's process."""
+    import psutil
+
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            if "VLLM::Worker" in " ".join(child.cmdline()) or child.name().startswith("VLLM::Worker"):
+                found.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+@pytest.mark.engine
+def test_a_real_engine_worker_killed_mid_run_leaves_a_checkpoint_then_the_same_command_resumes(
+    setup, tiny_llama, offline_run
+):
+    """SIGKILL the engine's worker process (the generator runs vLLM's multiprocess executor: the
+    model runs in a child process of the trainer) once training is under way: vLLM's worker
+    monitor fails the executor, the producer's engine call raises, and the trainer must write a
+    checkpoint and exit 143 with the message; the same command then ends at the offline run's
+    final checkpoint."""
+    root, chats, _ = setup
+    save = root / "worker-killed"
+    argv = [*common(tiny_llama, root, save), *online_flags(chats, root), "--online-queue-size", "1"]
+    command = [sys.executable, "-m", "speculators_vllm016", "train", *argv]
+    process = subprocess.Popen(command, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    killed = []
+    try:
+        deadline = time.monotonic() + 600
+        metrics = save / "metrics.jsonl"
+        # The first logged step: the engine runs and the producer is at most a step ahead.
+        while not (metrics.is_file() and '"train"' in metrics.read_text()):
+            assert process.poll() is None, process.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        killed = engine_workers(process.pid)
+        assert killed, "no VLLM::Worker process under the trainer"
+        for worker in killed:
+            worker.kill()
+        _, err = process.communicate(timeout=600)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    err = err.decode()
+    assert process.returncode == 143, err[-3000:]
+    assert "stopped: the target model's engine failed: a worker process died (" in err, err[-3000:]
+    assert "run the same command again to resume" in err
+    assert not (save / "1").exists()
+    saved = [json.loads(path.read_text()) for path in save.glob("*-step*/training_state.json")]
+    assert saved and all(state["global_step"] >= 1 for state in saved), saved
+    finished = subprocess.run(command, env=cli_env(), capture_output=True, text=True, timeout=1200)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert_same_weights(save / "1", offline_run / "1")
+
+
 class StandInGenerator:
     """Stands in for the engine in the failure test only: seeded states of the tiny Llama's
     width, and a RuntimeError after `fail_after` samples (a worker that died)."""
 
-    def __init__(self, fail_after: int | None) -> None:
+    def __init__(self, fail_after: int | None, fail_on_call: int | None = None) -> None:
         self.fail_after = fail_after
+        self.fail_on_call = fail_on_call  # or: die at the start of this generate_stream call
+        self.calls = 0
         self.closed = False
 
     def generate_stream(self, sequences):
+        self.calls += 1
+        if self.calls == self.fail_on_call:
+            raise RuntimeError("engine worker died")
         for k, ids in enumerate(sequences):
             if self.fail_after is not None and self.fail_after <= 0:
                 raise RuntimeError("engine worker died")
@@ -207,3 +271,135 @@ def test_a_dying_engine_leaves_a_checkpoint_and_a_clear_message_then_resumes(
     generators.append(StandInGenerator(fail_after=None))
     assert train_main([*argv[:3], str(uninterrupted), *argv[4:]]) == 0
     assert_same_weights(save / "0", uninterrupted / "0")
+
+
+def test_an_engine_dying_during_validation_leaves_a_checkpoint_then_resumes(
+    tiny_llama, tmp_path, monkeypatch, capsys
+):
+    """Epoch 0's training samples are one engine call (--max-num-seqs 32), validation's the
+    second: the engine dies there, after the epoch's last step."""
+    from speculators_vllm016.data_generation import offline
+
+    save = tmp_path / "save"
+    argv = [*stand_in_argv(tiny_llama, tmp_path, save), "--epochs", "2", "--max-num-seqs", "32"]
+    generators = [StandInGenerator(None, fail_on_call=2), StandInGenerator(None)]
+    monkeypatch.setattr(offline, "start_generator", lambda options, facts: generators.pop(0))
+    assert train_main(argv) == 143
+    err = capsys.readouterr().err
+    assert "the target model's engine failed (RuntimeError: engine worker died)" in err
+    assert "run the same command again to resume" in err
+    saved = [json.loads(path.read_text()) for path in save.glob("0-step*/training_state.json")]
+    assert len(saved) == 1 and saved[0]["step_in_epoch"] >= 1 and not saved[0]["epoch_complete"]
+    assert not (save / "0").exists()
+    assert train_main(argv) == 0
+    uninterrupted = tmp_path / "uninterrupted"
+    generators.append(StandInGenerator(None))
+    assert train_main([*argv[:3], str(uninterrupted), *argv[4:]]) == 0
+    for epoch in ("0", "1"):
+        assert_same_weights(save / epoch, uninterrupted / epoch)
+
+
+def stand_in_argv(tiny_llama: Path, tmp_path: Path, save: Path) -> list[str]:
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:ROWS]) + "\n")
+    return [
+        "--verifier-name-or-path", str(tiny_llama), "--save-path", str(save),
+        "--draft-vocab-size", "64", "--total-seq-len", "160", "--epochs", "1", "--lr", "1e-3",
+        "--no-progress", "--log-dir", str(tmp_path / "logs"),
+        "--precision", "fp32", "--checkpoint-dtype", "fp32", *online_flags(chats, tmp_path),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--train-devices", "gpu7"], "error: --train-devices: 'gpu7' is not a device"),
+        (["--train-devices", "cuda:0"], "error: --train-devices 'cuda:0': no CUDA GPU is visible here"),
+        (["--train-devices", "cpu", "--device", "cpu"], "error: give --train-devices or --device, not both"),
+    ],
+)
+def test_bad_train_devices_get_a_one_line_error_and_exit_2(tiny_llama, tmp_path, capsys, flags, says):
+    save = tmp_path / "save"
+    assert train_main([*stand_in_argv(tiny_llama, tmp_path, save), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(says) and "\n" not in err, err
+    assert not save.exists()
+
+
+def test_train_devices_needs_online(tiny_llama, training_data, tmp_path, capsys):
+    from tests.training_fixtures import train_args
+
+    argv = train_args(tiny_llama, training_data, tmp_path / "save", "--train-devices", "cpu")
+    assert train_main(argv) == 2
+    assert "--train-devices places the trainer beside the engine of --online" in capsys.readouterr().err
+
+
+def test_train_devices_cpu_trains_on_the_cpu(tiny_llama, tmp_path, monkeypatch):
+    """The CPU path of --train-devices: the trainer on `cpu`, the engine started with the
+    environment as it was (no CUDA_VISIBLE_DEVICES change)."""
+    from speculators_vllm016.data_generation import offline
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    seen = []
+
+    def start(options, facts):
+        seen.append(os.environ.get("CUDA_VISIBLE_DEVICES"))
+        return StandInGenerator(None)
+
+    monkeypatch.setattr(offline, "start_generator", start)
+    save = tmp_path / "save"
+    assert train_main([*stand_in_argv(tiny_llama, tmp_path, save), "--train-devices", "cpu"]) == 0
+    assert seen == [None]
+    assert (save / "0" / "model.safetensors").is_file()
+
+
+def test_the_engine_starts_under_the_engines_cuda_visible_devices(monkeypatch):
+    """`--train-devices cuda:7` on 8 GPUs: the engine (and the worker processes it spawns) start
+    with CUDA_VISIBLE_DEVICES=0..6; the trainer's process gets its own value back."""
+    from speculators_vllm016.data_generation import offline
+    from speculators_vllm016.train.online import OnlineExtractor
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    seen = []
+    monkeypatch.setattr(
+        offline, "start_generator",
+        lambda options, facts: seen.append(os.environ["CUDA_VISIBLE_DEVICES"]) or StandInGenerator(None),
+    )
+    extractor = OnlineExtractor(object(), object(), [], None, engine_devices="0,1,2,3,4,5,6")
+    extractor.ensure_engine()
+    assert seen == ["0,1,2,3,4,5,6"]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_two_rank_online_training_equals_two_rank_offline_training(setup, tiny_llama):
+    """torchrun --nproc-per-node 2 (gloo): rank 0's engine extracts, each rank trains on its own
+    batches; the weights equal 2-rank offline training on datagen's folder, bit for bit (fp32),
+    with and without --cache-dir (written by rank 0, read by both ranks in epoch 2)."""
+    from tests.training_fixtures import train_command
+
+    root, chats, datagen = setup
+    runs = {}
+    for name, flags in (
+        ("offline-2", ["--data-path", str(datagen)]),
+        ("online-2", online_flags(chats, root)),
+        ("hybrid-2", [*online_flags(chats, root), "--cache-dir", str(root / "cache-2")]),
+    ):
+        save = root / name
+        argv = [*common(tiny_llama, root, save), "--parallel", "ddp", *flags]
+        done = subprocess.run(  # a hang (e.g. the engine's worker joining torchrun's store) fails
+            train_command(argv, processes=2), env=cli_env(), capture_output=True, text=True, timeout=1200
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
+        runs[name] = save
+    for epoch in ("0", "1"):
+        assert_same_weights(runs["online-2"] / epoch, runs["offline-2"] / epoch)
+        assert_same_weights(runs["hybrid-2"] / epoch, runs["offline-2"] / epoch)
+    state = json.loads((runs["online-2"] / "1" / "training_state.json").read_text())
+    assert state["global_step"] >= 2
+    # Hybrid under torchrun: rank 0 wrote datagen's folder, the ranks read it in epoch 2.
+    cache = root / "cache-2"
+    assert sample_files(cache) == sample_files(datagen)
+    for name in sample_files(cache):
+        assert (cache / name).read_bytes() == (datagen / name).read_bytes(), name
