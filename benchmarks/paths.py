@@ -153,9 +153,9 @@ class ExtractionPath(BenchPath):
                         batch = sequences[first : first + batch_size]
                         for offset, result in self.generator.generate_stream(batch):
                             sample = {
-                                "input_ids": result["input_ids"],
-                                "hidden_states": result["hidden_states"],
-                                "loss_mask": torch.ones_like(result["input_ids"]),
+                                "input_ids": result.input_ids,
+                                "hidden_states": result.hidden_states,
+                                "loss_mask": torch.ones_like(result.input_ids),
                             }
                             path = sample_path(directory, first + offset, preset.output_format)
                             writers.submit(path, sample)

@@ -28,9 +28,19 @@ from speculators_vllm016.data_generation.layer_capture import (
 )
 from speculators_vllm016.data_generation.transfer import map_shared
 
-__all__ = ["HiddenStatesWorkerExtension"]
+__all__ = ["CaptureSetup", "HiddenStatesWorkerExtension"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CaptureSetup:
+    """One worker's answer to `speculators_setup_capture` (pickled back through vLLM's queue)."""
+
+    tp_rank: int
+    captured_layers: list[int]  # decoder layer indices this worker hooked
+    layer_path: str  # where the model keeps its decoder layers, e.g. "model.layers"
+    model_class: str  # the vLLM model's class name
 
 
 @dataclass
@@ -98,7 +108,7 @@ class HiddenStatesWorkerExtension:
         hidden_size: int,
         dtype: str,
         transfer_dir: str,
-    ) -> dict[str, Any]:
+    ) -> CaptureSetup:
         """Hook the requested layers this rank holds; report which ones that is.
 
         With tensor parallelism every rank holds the full residual stream, so only TP rank 0
@@ -138,12 +148,12 @@ class HiddenStatesWorkerExtension:
             tp_rank,
             layers.path,
         )
-        return {
-            "tp_rank": tp_rank,
-            "captured_layers": captured,
-            "layer_path": layers.path,
-            "model_class": type(model).__name__,
-        }
+        return CaptureSetup(
+            tp_rank=tp_rank,
+            captured_layers=captured,
+            layer_path=layers.path,
+            model_class=type(model).__name__,
+        )
 
     def speculators_collect(self, request_ids: list[str]) -> dict[str, int]:
         """Release the finished requests' buffers; return how many rows each received."""

@@ -562,8 +562,8 @@ def _extract_and_write(
                 progress.update(1)
                 if index not in present:
                     sample = {
-                        "input_ids": result["input_ids"],
-                        "hidden_states": result["hidden_states"],
+                        "input_ids": result.input_ids,
+                        "hidden_states": result.hidden_states,
                         "loss_mask": torch.as_tensor(masks[offset], dtype=torch.long),
                     }
                     writers.submit(

@@ -18,7 +18,8 @@ import time
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,7 +27,10 @@ from speculators_vllm016.data_generation.cpu_defaults import cpu_defaults_applie
 from speculators_vllm016.data_generation.transfer import TransferDir
 from speculators_vllm016.utils.layer_ids import default_layer_ids
 
-__all__ = ["VllmHiddenStatesGenerator"]
+if TYPE_CHECKING:
+    from speculators_vllm016.data_generation.custom_worker import CaptureSetup
+
+__all__ = ["HiddenStatesResult", "VllmHiddenStatesGenerator"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +60,30 @@ def normalize_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
             )
         resolved.append(index)
     return resolved
+
+
+@dataclass(frozen=True)
+class HiddenStatesResult:
+    """The hidden states of one input sequence, as `generate_stream` yields them.
+
+    It carries only what the engine computed; the loss mask belongs to the data pipeline, which
+    builds its own sample from these fields (or calls `to_dict()` for 0.3.0's dict).
+    """
+
+    input_ids: torch.Tensor  # LongTensor [seq_len]
+    hidden_states: list[torch.Tensor]  # one [seq_len, hidden_size] tensor per layer id, in order
+
+    def to_dict(self) -> dict[str, Any]:
+        """0.3.0's per-sequence dict: `input_ids`, `hidden_states` and `loss_mask=None`."""
+        return {"input_ids": self.input_ids, "hidden_states": self.hidden_states, "loss_mask": None}
+
+
+@dataclass(frozen=True)
+class EngineStep:
+    """What one engine step did: how many tokens it scheduled and which requests it finished."""
+
+    num_scheduled_tokens: int
+    finished: list[Any]  # vLLM `EngineCoreOutput`s whose finish_reason is set
 
 
 def _shutdown(executor: Any, transfer: TransferDir | None) -> None:
@@ -283,18 +311,19 @@ class VllmHiddenStatesGenerator:
                 str(self._transfer.path),
             ),
         )
+        setups: list[CaptureSetup] = list(replies)
         owners: dict[int, int] = {}
-        for reply in replies:
-            for layer in reply["captured_layers"]:
+        for setup in setups:
+            for layer in setup.captured_layers:
                 owners[layer] = owners.get(layer, 0) + 1
         wrong = sorted({layer for layer in self.layer_ids if owners.get(layer) != 1})
         if wrong:
             raise RuntimeError(
-                f"layers {wrong} of {replies[0]['model_class']} were not captured by exactly one "
+                f"layers {wrong} of {setups[0].model_class} were not captured by exactly one "
                 f"worker (captures per layer: {owners})"
             )
-        self.layer_path = replies[0]["layer_path"]
-        self.model_class = replies[0]["model_class"]
+        self.layer_path = setups[0].layer_path
+        self.model_class = setups[0].model_class
 
     # -- generation -------------------------------------------------------------------------------
 
@@ -350,13 +379,13 @@ class VllmHiddenStatesGenerator:
         sequences = self._validate(token_ids)
         results: list[dict | None] = [None] * len(sequences)
         for index, result in self._stream(sequences):
-            results[index] = result
+            results[index] = result.to_dict()
         return results  # type: ignore[return-value]
 
     def generate_stream(
         self, token_ids: list[list[int]] | torch.Tensor
-    ) -> Iterator[tuple[int, dict]]:
-        """Like `generate`, but yields `(input index, result)` as each sequence finishes.
+    ) -> Iterator[tuple[int, HiddenStatesResult]]:
+        """Like `generate`, but yields `(input index, HiddenStatesResult)` as each one finishes.
 
         All sequences are scheduled at once, so the engine stays full until the last one; a
         caller can write finished samples while the rest are still computing. Stopping the
@@ -364,7 +393,7 @@ class VllmHiddenStatesGenerator:
         """
         return self._stream(self._validate(token_ids))
 
-    def _stream(self, sequences: list[list[int]]) -> Iterator[tuple[int, dict]]:
+    def _stream(self, sequences: list[list[int]]) -> Iterator[tuple[int, HiddenStatesResult]]:
         """Admit requests while their transfer files fit the budget; yield results as they end.
 
         Each admitted request's file is reserved in full (see `TransferDir.allocate`). When the
@@ -412,11 +441,10 @@ class VllmHiddenStatesGenerator:
                 for request_id in finished:
                     ids = sequences[index_of[request_id]]
                     shape = (len(self.layer_ids), len(ids), self.hidden_size)
-                    result = {
-                        "input_ids": torch.tensor(ids, dtype=torch.long),
-                        "hidden_states": transfer.take(request_id, shape, self.dtype),
-                        "loss_mask": None,
-                    }
+                    result = HiddenStatesResult(
+                        input_ids=torch.tensor(ids, dtype=torch.long),
+                        hidden_states=transfer.take(request_id, shape, self.dtype),
+                    )
                     in_flight.pop(request_id, None)
                     yield index_of[request_id], result
         except BaseException:
@@ -444,23 +472,25 @@ class VllmHiddenStatesGenerator:
             block_hasher=self._block_hasher,
         )
 
-    def _step(self) -> list[Any]:
-        """One engine step, as `EngineCore.step`; returns the outputs of finished requests."""
+    def _step(self) -> EngineStep:
+        """One engine step, as `EngineCore.step`."""
         scheduler = self._scheduler
         scheduler_output = scheduler.schedule()
-        self._last_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
         future = self._executor.execute_model(scheduler_output, non_block=True)
         grammar_output = scheduler.get_grammar_bitmask(scheduler_output)
         model_output = future.result()
         if model_output is None:
             model_output = self._executor.sample_tokens(grammar_output)
         engine_outputs = scheduler.update_from_output(scheduler_output, model_output)
-        return [
-            output
-            for outputs in engine_outputs.values()
-            for output in outputs.outputs
-            if output.finish_reason is not None
-        ]
+        return EngineStep(
+            num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+            finished=[
+                output
+                for outputs in engine_outputs.values()
+                for output in outputs.outputs
+                if output.finish_reason is not None
+            ],
+        )
 
     def _run(self, pending: set[str], refill=None) -> Iterator[list[str]]:
         """Step the engine until every pending request finished; yield each step's finishers.
@@ -471,8 +501,8 @@ class VllmHiddenStatesGenerator:
 
         idle_steps = 0
         while pending or self._scheduler.has_requests():
-            finished = self._step()
-            if self._last_scheduled_tokens == 0 and not finished:
+            step = self._step()
+            if step.num_scheduled_tokens == 0 and not step.finished:
                 idle_steps += 1
                 if idle_steps > 2 and pending:
                     raise RuntimeError(
@@ -482,7 +512,7 @@ class VllmHiddenStatesGenerator:
             else:
                 idle_steps = 0
             done = []
-            for output in finished:
+            for output in step.finished:
                 if output.request_id not in pending:
                     continue
                 if output.finish_reason != FinishReason.LENGTH:

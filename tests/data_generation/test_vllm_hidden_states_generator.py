@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from speculators_vllm016.data_generation.vllm_hidden_states_generator import (
+    HiddenStatesResult,
     VllmHiddenStatesGenerator,
 )
 from tests.hf_reference import HFReference, mixed_batch, relative_error
@@ -153,7 +154,8 @@ class TestLlama:
         seen = {}
         for index, result in llama_generator.generate_stream(batch):
             assert index not in seen
-            seen[index] = result
+            assert isinstance(result, HiddenStatesResult)
+            seen[index] = result.to_dict()
         assert sorted(seen) == list(range(len(batch)))
         assert_matches_reference([seen[i] for i in range(len(batch))], batch, llama_reference, LLAMA_LAYERS)
         stream = llama_generator.generate_stream(batch)
