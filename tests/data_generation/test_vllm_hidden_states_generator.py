@@ -287,7 +287,9 @@ class TestQwen3TensorParallel:
 
 
 class TestLlamaPipelineParallel:
-    def test_each_stage_captures_its_own_layers(self, tiny_llama, llama_reference):
+    def test_each_stage_captures_its_own_layers_with_batches_in_flight(
+        self, tiny_llama, llama_reference
+    ):
         batch = mixed_batch(VOCAB, [1, 511, 90, 130, 7, 300, 64, 65, 12, 250], seed=14)
         with VllmHiddenStatesGenerator(
             str(tiny_llama),
@@ -298,7 +300,19 @@ class TestLlamaPipelineParallel:
             max_num_seqs=4,
             max_num_batched_tokens=128,
         ) as generator:
+            steps = []
+            step_fn = generator._step_fn
+
+            def recording_step():
+                steps.append(step_fn())
+                return steps[-1]
+
+            generator._step_fn = recording_step
             results = generator.generate(batch)
+            # As vLLM's engine: one batch per stage in flight, so stage 0 never idles while
+            # stage 1 runs the previous batch.
+            assert max(step.num_tokens_in_flight for step in steps) > 0
+            assert not generator._batch_queue  # drained: nothing left in flight
         assert_matches_reference(results, batch, llama_reference, LLAMA_LAYERS)
 
 
