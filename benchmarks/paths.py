@@ -137,28 +137,31 @@ class ExtractionPath(BenchPath):
         self.generator.generate([sequence])
 
     def run(self, sequences: list[list[int]], repeat: int) -> Measurement:
-        from speculators_vllm016.data_generation.offline import SampleWriterPool
-        from speculators_vllm016.data_generation.sample_io import sample_path
+        from speculators_vllm016.data_generation.offline import SampleRequest, extract_and_write
 
         directory = self._fresh_samples_dir()
-        batch_size = self.preset.batch_size
         preset = self.preset
+        batch_size = preset.batch_size
+
+        def batches():
+            for first in range(0, len(sequences), batch_size):
+                yield [
+                    SampleRequest(first + offset, ids, torch.ones(len(ids), dtype=torch.long))
+                    for offset, ids in enumerate(sequences[first : first + batch_size])
+                ]
+
         try:
             with Stopwatch() as watch:
-                # Exactly datagen's path: stream each call, write every sample as it finishes.
-                with SampleWriterPool(
-                    preset.num_writer_threads, preset.output_format, max_pending=2 * batch_size
-                ) as writers:
-                    for first in range(0, len(sequences), batch_size):
-                        batch = sequences[first : first + batch_size]
-                        for offset, result in self.generator.generate_stream(batch):
-                            sample = {
-                                "input_ids": result.input_ids,
-                                "hidden_states": result.hidden_states,
-                                "loss_mask": torch.ones_like(result.input_ids),
-                            }
-                            path = sample_path(directory, first + offset, preset.output_format)
-                            writers.submit(path, sample)
+                # Exactly datagen's loop (the same function `speculators datagen` runs).
+                extract_and_write(
+                    self.generator,
+                    batches(),
+                    directory,
+                    preset.output_format,
+                    batch_size=batch_size,
+                    num_writer_threads=preset.num_writer_threads,
+                    show_progress=False,
+                )
             written = len(os.listdir(directory))
         finally:
             shutil.rmtree(directory, ignore_errors=True)

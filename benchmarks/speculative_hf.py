@@ -1,9 +1,12 @@
 """Time the `hf` engine of `speculators eval` against the no-cache reference and plain greedy.
 
-On the same prompts, interleaved repeats of: (a) `speculative_generate` batched, (b) the same one
-prompt at a time, (c) `SpeculatorModel.generate` (the reference loop without a verifier KV cache),
-(d) transformers' greedy `generate` with no draft. Prints median seconds and tokens/s, and the
-ratios c/a and d/a. The models are built locally (a tiny Llama and an untrained EAGLE-3 draft), so
+On the same prompts, interleaved repeats of: (a) `speculative_generate` batched (the draft's own
+KV cache, all rows in one draft pass), (a0) the same with the draft rerun over each prompt's
+whole history (`cached_draft=False`, the engine before the draft cache), (b) batched draft one
+prompt at a time, (c) `SpeculatorModel.generate` (the reference loop without a verifier KV
+cache), (d) transformers' greedy `generate` with no draft. Prints median seconds, spread
+(min-max), tokens/s, the ratios a0/a, c/a and d/a, and the load average before and after (the
+machine may be shared). The models are built locally (a tiny Llama and an untrained EAGLE-3 draft), so
 acceptance is near zero: this measures the loop's cost, not a draft's benefit.
 
     OMP_NUM_THREADS=1 python benchmarks/speculative_hf.py --prompts 8 --new-tokens 48 --repeats 3
@@ -12,6 +15,7 @@ acceptance is near zero: this measures the loop's cost, not a draft's benefit.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -59,6 +63,10 @@ def main() -> None:
     def batched() -> None:
         speculative_generate(verifier, draft, prompts, n, 3, batch_size=args.batch_size)
 
+    def uncached_draft() -> None:
+        speculative_generate(verifier, draft, prompts, n, 3, batch_size=args.batch_size,
+                             cached_draft=False)
+
     def one_by_one() -> None:
         speculative_generate(verifier, draft, prompts, n, 3, batch_size=1)
 
@@ -75,8 +83,9 @@ def main() -> None:
             verifier.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
                               eos_token_id=None, pad_token_id=1)
 
-    paths = {"a_batched": batched, "b_one_by_one": one_by_one, "c_reference_generate": reference,
+    paths = {"a_batched": batched, "a0_uncached_draft": uncached_draft, "b_one_by_one": one_by_one, "c_reference_generate": reference,
              "d_greedy_no_draft": greedy}
+    print(f"load before: {os.getloadavg()}  threads: {torch.get_num_threads()}")
     times: dict[str, list[float]] = {name: [] for name in paths}
     with torch.no_grad():
         for _ in range(args.repeats):
@@ -87,9 +96,10 @@ def main() -> None:
     medians = {name: statistics.median(values) for name, values in times.items()}
     tokens = n * len(prompts)
     for name, values in times.items():
-        print(f"{name:22s} median {medians[name]:7.2f} s  {tokens / medians[name]:7.1f} tok/s  "
-              f"runs {[round(v, 2) for v in values]}")
-    print(f"c/a = {medians['c_reference_generate'] / medians['a_batched']:.2f}  "
+        print(f"{name:22s} median {medians[name]:7.2f} s  spread {min(values):.2f}-{max(values):.2f} s  "
+              f"{tokens / medians[name]:7.1f} tok/s  runs {[round(v, 2) for v in values]}")
+    print(f"load after: {os.getloadavg()}")
+    print(f"a0/a = {medians['a0_uncached_draft'] / medians['a_batched']:.2f}  c/a = {medians['c_reference_generate'] / medians['a_batched']:.2f}  "
           f"d/a = {medians['d_greedy_no_draft'] / medians['a_batched']:.2f}")
 
 

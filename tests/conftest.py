@@ -37,21 +37,21 @@ def tiny_llama(models_dir: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_qwen3(models_dir: Path) -> Path:
-    from speculators_vllm016.tiny_models import build_tiny_qwen3
+    from tests.tiny_models import build_tiny_qwen3
 
     return build_tiny_qwen3(models_dir / "qwen3")
 
 
 @pytest.fixture(scope="session")
 def tiny_deepseek_v3(models_dir: Path) -> Path:
-    from speculators_vllm016.tiny_models import build_tiny_deepseek_v3
+    from tests.tiny_models import build_tiny_deepseek_v3
 
     return build_tiny_deepseek_v3(models_dir / "deepseek_v3")
 
 
 @pytest.fixture(scope="session")
 def tiny_kimi_k25(models_dir: Path, tiny_deepseek_v3: Path) -> Path:
-    from speculators_vllm016.tiny_models import build_tiny_kimi_k25
+    from tests.tiny_models import build_tiny_kimi_k25
 
     return build_tiny_kimi_k25(models_dir / "kimi_k25", language_model=tiny_deepseek_v3)
 

@@ -95,3 +95,12 @@ def load_checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
         for key, value in state.items():
             tensors[f"optim/{name}/{key}"] = torch.as_tensor(value)
     return tensors
+
+
+def finished_checkpoints(save: Path) -> list[str]:
+    """Checkpoint folders whose save finished (renamed into place; a hidden `.tmp-` folder is a
+    save in progress or one that a kill interrupted)."""
+    if not save.is_dir():
+        return []
+    return sorted(p.parent.name for p in save.glob("*/training_state.json")
+                  if not p.parent.name.startswith("."))

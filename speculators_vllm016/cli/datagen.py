@@ -6,11 +6,10 @@ Parsed with argparse so that 0.3.0 invocations (`--layer-ids 2 16 29 31`) keep w
 from __future__ import annotations
 
 import argparse
-import errno
 import logging
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
+from speculators_vllm016.cli.errors import describe_error, report_errors
 from speculators_vllm016.data_generation.offline import DTYPES, DatagenOptions
 
 __all__ = [
@@ -18,6 +17,7 @@ __all__ = [
     "add_sample_file_arguments",
     "add_target_model_arguments",
     "build_parser",
+    "describe_error",
     "main",
     "options_from_args",
     "report_errors",
@@ -178,31 +178,6 @@ def options_from_args(args: argparse.Namespace) -> DatagenOptions:
     values.pop("debug", None)
     values["show_progress"] = not values.pop("no_progress")
     return DatagenOptions(**values)
-
-
-def describe_error(error: BaseException) -> str:
-    """One line for an expected failure."""
-    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-        where = f" writing {error.filename}" if error.filename else ""
-        return f"the disk is full{where}; free space or choose another place, then run again"
-    if isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
-        return f"permission denied: {error.filename or error}; choose a writable place"
-    text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__
-
-
-def report_errors(run: Callable[[], int], debug: bool) -> int:
-    """Run; an expected failure becomes one line on stderr and exit status 2."""
-    try:
-        return run()
-    except KeyboardInterrupt:
-        print("interrupted; run the same command again to resume", file=sys.stderr)
-        return 130
-    except (ValueError, OSError, NotImplementedError, RuntimeError) as error:
-        if debug:
-            raise
-        print(f"error: {describe_error(error)} (--debug shows the traceback)", file=sys.stderr)
-        return 2
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "speculators datagen") -> int:

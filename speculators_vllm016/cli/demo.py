@@ -32,7 +32,7 @@ def build_parser(prog: str = "speculators demo") -> argparse.ArgumentParser:
     parser.add_argument("--target-row-tokens", type=int, default=128, help="tokens per target training row")
     parser.add_argument("--target-rows-per-step", type=int, default=8, help="rows per target step")
     parser.add_argument("--draft-vocab-size", type=int, default=512, help="tokens the draft predicts")
-    parser.add_argument("--epochs", type=int, default=3, help="draft training epochs")
+    parser.add_argument("--epochs", type=int, default=2, help="draft training epochs")
     parser.add_argument("--lr", type=float, default=1e-3, help="draft learning rate")
     parser.add_argument("--total-seq-len", type=int, default=2048, help="tokens per packed draft row")
     parser.add_argument("--eval-prompts", type=int, default=24, help="prompts for the evaluation")

@@ -12,7 +12,6 @@ import argparse
 import json
 import logging
 import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,7 +176,7 @@ def _check_online(args: argparse.Namespace) -> OnlineSetup:
         raise TrainSetupError(str(error).strip().splitlines()[0]) from None
     if args.cache_dir and Path(args.cache_dir).exists() and not Path(args.cache_dir).is_dir():
         raise TrainSetupError(f"--cache-dir {args.cache_dir} is a file; name a folder")
-    dataset, _ = preprocess_samples(options, facts)
+    dataset = preprocess_samples(options, facts).dataset
     if len(dataset) == 0:
         raise TrainSetupError(f"--train-data-path {args.train_data_path} gives no usable samples")
     return OnlineSetup(options=options, facts=facts, dataset=dataset)
@@ -635,19 +634,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "speculators train") -> int:
+    from speculators_vllm016.cli.errors import report_errors
     from speculators_vllm016.train.data import SampleFileError
     from speculators_vllm016.train.trainer import TrainingInterrupted
 
     args = build_parser(prog).parse_args(argv)
-    try:
-        return run(args)
-    except TrainingInterrupted as stop:
-        print(f"stopped: {stop}", file=sys.stderr)
-        return 143
-    except (TrainSetupError, SampleFileError, FileNotFoundError, ImportError) as error:
-        if args.debug:
-            raise
-        message = str(error).strip().splitlines()
-        # A loader worker's error arrives wrapped; its last line is the original message.
-        print(f"error: {message[-1] if message else type(error).__name__}", file=sys.stderr)
-        return 2
+    expected = (TrainSetupError, SampleFileError, FileNotFoundError, ImportError)
+    return report_errors(lambda: run(args), args.debug, expected, stopped=(TrainingInterrupted,))

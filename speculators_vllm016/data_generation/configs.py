@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from speculators_vllm016.data_generation.conversations import conversation_of
+
 __all__ = ["DATASET_CONFIGS", "DatasetConfig"]
 
 
@@ -20,9 +22,7 @@ class DatasetConfig:
 
 def _messages_to_conversations(example: dict) -> dict:
     # UltraChat keeps its turns under "messages"; the pipeline reads "conversations".
-    if "messages" in example and "conversations" not in example:
-        return {"conversations": example["messages"]}
-    return example
+    return {"conversations": conversation_of(example)}
 
 
 DATASET_CONFIGS: dict[str, DatasetConfig] = {

@@ -14,9 +14,11 @@ import os
 import shutil
 import time
 from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -54,9 +56,16 @@ from speculators_vllm016.data_generation.sample_io import (
     write_sample_file,
 )
 
+if TYPE_CHECKING:
+    from speculators_vllm016.data_generation.preprocessing import PreprocessResult
+
 __all__ = [
     "DatagenOptions",
     "DatagenSummary",
+    "SampleRequest",
+    "SampleWriterPool",
+    "StreamTotals",
+    "extract_and_write",
     "preprocess_samples",
     "run_datagen",
     "shard_positions",
@@ -239,11 +248,11 @@ def _prepare_output_dir(output_dir: Path) -> bool:
     return created
 
 
-def preprocess_samples(options: DatagenOptions, facts: ModelFacts):
-    """The chat data as datagen samples (row i is sample `start_idx + i`); and rows dropped."""
-    from speculators_vllm016.data_generation.preprocessing import load_and_preprocess_dataset
+def preprocess_samples(options: DatagenOptions, facts: ModelFacts) -> PreprocessResult:
+    """The chat data as datagen samples (row i is sample `start_idx + i`), and rows dropped."""
+    from speculators_vllm016.data_generation.preprocessing import load_and_preprocess
 
-    dataset, _ = load_and_preprocess_dataset(
+    return load_and_preprocess(
         target_model_path=facts.path,
         train_data_path=options.train_data_path,
         seq_length=options.seq_length,
@@ -256,8 +265,6 @@ def preprocess_samples(options: DatagenOptions, facts: ModelFacts):
         turn_dropout=options.turn_dropout,
         trust_remote_code=options.trust_remote_code,
     )
-    skipped_rows = int((dataset.info.description or "skipped_rows=0").split("=")[-1] or 0)
-    return dataset, skipped_rows
 
 
 def start_generator(options: DatagenOptions, facts: ModelFacts, generator_class=None):
@@ -365,7 +372,8 @@ def _run_locked(
         logger.info("removed %d partial files left by an interrupted run", removed)
     refuse_unrecorded(output_dir, options.adopt_existing)  # before the preprocessing it would waste
 
-    dataset, skipped_rows = preprocess_samples(options, facts)
+    preprocessed = preprocess_samples(options, facts)
+    dataset, skipped_rows = preprocessed.dataset, preprocessed.skipped_rows
     identity = _run_identity(options, facts, samples_digest(dataset))
     must_record = check_identity(output_dir, identity, options.adopt_existing)
 
@@ -425,9 +433,20 @@ def _extract_shard(
             record_identity(output_dir, identity)
         if generator is not None:
             extraction_started = time.perf_counter()
-            written, tokens = _extract_and_write(
-                generator, dataset, todo, present, options, slot, manifest
+            totals = extract_and_write(
+                generator,
+                _sample_requests(dataset, todo, present, options.start_idx),
+                output_dir,
+                options.output_format,
+                batch_size=options.batch_size,
+                num_writer_threads=options.num_writer_threads,
+                fsync=options.fsync,
+                slot=slot,
+                manifest=manifest,
+                total=sum(len(batch) for batch in todo),
+                show_progress=options.show_progress,
             )
+            written, tokens = totals.samples_written, totals.tokens_extracted
             extraction_seconds = time.perf_counter() - extraction_started
         config = _data_config(generator, options, len(dataset))
         if config is not None:
@@ -531,48 +550,95 @@ class SampleWriterPool:
         self.finish()
 
 
-def _extract_and_write(
-    generator, dataset, todo, present, options, slot, manifest=None
-) -> tuple[int, int]:
-    """Stream each batch through the generator; write every finished sample at once."""
-    output_dir = Path(options.output_dir)
-    progress = tqdm(
-        total=sum(len(batch) for batch in todo),
-        unit="sample",
-        desc="Extracting",
-        disable=not options.show_progress,
-    )
+@dataclass(frozen=True)
+class SampleRequest:
+    """One sequence to extract, and the sample file it becomes."""
+
+    index: int  # the file's sample index (`sample_path(folder, index, format)`)
+    input_ids: list[int]
+    loss_mask: torch.Tensor  # long, one per token: stored as the sample's `loss_mask`
+    write: bool = True  # False: extracted only so its batch runs whole (its file is on disk)
+
+
+@dataclass(frozen=True)
+class StreamTotals:
+    samples_written: int
+    tokens_extracted: int  # every extracted token, those of samples not written included
+
+
+def extract_and_write(
+    generator,
+    batches: Iterable[Sequence[SampleRequest]],
+    output_dir: str | Path,
+    output_format: str,
+    *,
+    batch_size: int,
+    num_writer_threads: int = 4,
+    fsync: bool = False,
+    slot: WriterSlot | None = None,
+    manifest: ManifestWriter | None = None,
+    total: int | None = None,
+    show_progress: bool = True,
+) -> StreamTotals:
+    """Datagen's extraction loop: each batch through `generate_stream`, every finished sample
+    handed at once to writer threads, so extraction of the rest overlaps the writing.
+
+    The one loop both `speculators datagen` and the extraction benchmark run. Files are written
+    atomically (`write_sample_file`); on an exception, the writes already submitted finish
+    before it propagates, so only whole files remain. At most `2 * batch_size` samples wait for
+    a writer (memory stays bounded on a slow disk); `total` sizes the progress bar.
+    """
+    output_dir = Path(output_dir)
+    progress = tqdm(total=total, unit="sample", desc="Extracting", disable=not show_progress)
     tokens = 0
     clock = time.perf_counter()
-    with SampleWriterPool(
-        options.num_writer_threads,
-        options.output_format,
-        fsync=options.fsync,
-        max_pending=2 * options.batch_size,
-        slot=slot,
-        manifest=manifest,
-    ) as writers:
-        for batch in todo:
-            rows = dataset.select(batch)
-            input_ids = [torch.as_tensor(ids).tolist() for ids in rows["input_ids"]]
-            masks = rows["loss_mask"]
-            for offset, result in generator.generate_stream(input_ids):
-                index = options.start_idx + batch[offset]
-                tokens += len(input_ids[offset])
-                progress.update(1)
-                if index not in present:
-                    sample = {
-                        "input_ids": result.input_ids,
-                        "hidden_states": result.hidden_states,
-                        "loss_mask": torch.as_tensor(masks[offset], dtype=torch.long),
-                    }
-                    writers.submit(
-                        sample_path(output_dir, index, options.output_format), sample, index
-                    )
-                elapsed = max(time.perf_counter() - clock, 1e-9)
-                progress.set_postfix(tokens_per_s=f"{tokens / elapsed:.0f}", refresh=False)
-    progress.close()
-    return writers.written, tokens
+    try:
+        with SampleWriterPool(
+            num_writer_threads,
+            output_format,
+            fsync=fsync,
+            max_pending=2 * batch_size,
+            slot=slot,
+            manifest=manifest,
+        ) as writers:
+            for batch in batches:
+                for offset, result in generator.generate_stream([r.input_ids for r in batch]):
+                    request = batch[offset]
+                    tokens += len(request.input_ids)
+                    progress.update(1)
+                    if request.write:
+                        sample = {
+                            "input_ids": result.input_ids,
+                            "hidden_states": result.hidden_states,
+                            "loss_mask": request.loss_mask,
+                        }
+                        writers.submit(
+                            sample_path(output_dir, request.index, output_format),
+                            sample,
+                            request.index,
+                        )
+                    elapsed = max(time.perf_counter() - clock, 1e-9)
+                    progress.set_postfix(tokens_per_s=f"{tokens / elapsed:.0f}", refresh=False)
+    finally:
+        progress.close()
+    return StreamTotals(samples_written=writers.written, tokens_extracted=tokens)
+
+
+def _sample_requests(
+    dataset, todo: list[list[int]], present: set[int], start_idx: int
+) -> Iterator[list[SampleRequest]]:
+    """The batches still to run as requests, read from the dataset one batch at a time."""
+    for batch in todo:
+        rows = dataset.select(batch)
+        yield [
+            SampleRequest(
+                index=start_idx + position,
+                input_ids=torch.as_tensor(ids).tolist(),
+                loss_mask=torch.as_tensor(mask, dtype=torch.long),
+                write=start_idx + position not in present,
+            )
+            for position, ids, mask in zip(batch, rows["input_ids"], rows["loss_mask"])
+        ]
 
 
 def summary_json(summary: DatagenSummary) -> str:

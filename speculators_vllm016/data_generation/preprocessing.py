@@ -17,61 +17,46 @@ import os
 import random
 import re
 from collections import Counter
-from typing import Any
+from dataclasses import dataclass
 
 from datasets import Dataset as HFDataset
 from transformers import PreTrainedTokenizer
 
 from speculators_vllm016.data_generation.configs import DATASET_CONFIGS
+from speculators_vllm016.data_generation.conversations import (
+    MalformedRowError,
+    conversation_of,
+    normalize_conversation,
+    skip_reason,
+)
 
-__all__ = ["build_eagle3_dataset", "load_and_preprocess_dataset", "load_raw_dataset"]
+__all__ = [
+    "PreprocessResult",
+    "build_eagle3_dataset",
+    "load_and_preprocess",
+    "load_and_preprocess_dataset",
+    "load_raw_dataset",
+    "preprocess_conversations",
+]
 
 logger = logging.getLogger(__name__)
 
 ROW_COLUMN = "source_row"
-_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-          "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
 _MAX_NAMED_ROWS = 20
 
 
-class MalformedRowError(ValueError):
-    """A conversation that cannot be turned into a training sample."""
+@dataclass(frozen=True)
+class PreprocessResult:
+    """What preprocessing produced: the usable samples and how many rows it dropped.
 
-
-def normalize_conversation(turns: Any) -> list[dict[str, str]]:
-    """Bring one conversation to `[{"role", "content"}]`; raise `MalformedRowError` if unusable.
-
-    `turns` is a list of turn mappings, or that list JSON-encoded (how rows of mixed shapes are
-    kept, see `load_raw_dataset`).
+    `dataset` has `input_ids` and `loss_mask` (torch format) and `source_row`; `skipped_rows`
+    counts rows dropped as unusable (malformed, no assistant token left after truncation, ...).
+    `tokenizer` is set by `load_and_preprocess`, which loads it.
     """
-    if isinstance(turns, str):
-        try:
-            turns = json.loads(turns)
-        except json.JSONDecodeError as exc:
-            raise MalformedRowError(f"conversation is not valid JSON ({exc.msg})") from None
-    if not isinstance(turns, list) or not turns:
-        raise MalformedRowError("no turns")
-    messages = []
-    for position, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            raise MalformedRowError(f"turn {position} is a {type(turn).__name__}, not a mapping")
-        raw_role = turn.get("role", turn.get("from"))
-        if raw_role is None:
-            raise MalformedRowError(f"turn {position} has no role")
-        role = _ROLES.get(str(raw_role).lower())
-        if role is None:
-            raise MalformedRowError(f"turn {position} has unknown role {raw_role!r}")
-        content = turn.get("content", turn.get("value"))
-        if not isinstance(content, str):
-            raise MalformedRowError(
-                f"turn {position} content is {type(content).__name__}, not text"
-            )
-        if not content.strip():
-            raise MalformedRowError(f"turn {position} is empty")
-        messages.append({"role": role, "content": content})
-    if not any(message["role"] == "assistant" for message in messages):
-        raise MalformedRowError("no assistant turn")
-    return messages
+
+    dataset: HFDataset
+    skipped_rows: int
+    tokenizer: PreTrainedTokenizer | None = None
 
 
 def drop_turns(messages: list[dict[str, str]], rng: random.Random) -> list[dict[str, str]]:
@@ -190,9 +175,18 @@ def _preprocess_rows(
 
 
 def _ensure_conversations(dataset: HFDataset) -> HFDataset:
-    if "conversations" in dataset.column_names:
+    """The turns of every row in one `conversations` column (see `conversation_of`)."""
+    columns = dataset.column_names
+    if "conversations" in columns and "messages" in columns:
+        # A file mixing both shapes: each row's own turns, JSON-encoded as their shapes differ.
+        return dataset.map(
+            lambda row: {"conversations": json.dumps(conversation_of(row))},
+            remove_columns=["messages"],
+            desc="Reading conversations",
+        )
+    if "conversations" in columns:
         return dataset
-    if "messages" in dataset.column_names:
+    if "messages" in columns:
         return dataset.rename_column("messages", "conversations")
     raise ValueError(
         f"the dataset has no 'conversations' or 'messages' column (columns: "
@@ -210,10 +204,27 @@ def build_eagle3_dataset(
     *,
     seed: int = 0,
 ) -> HFDataset:
+    """0.3.0's entry point: `preprocess_conversations(...).dataset`."""
+    return preprocess_conversations(
+        dataset, tokenizer, max_length, num_proc, assistant_pattern, turn_dropout, seed=seed
+    ).dataset
+
+
+def preprocess_conversations(
+    dataset: HFDataset,
+    tokenizer: PreTrainedTokenizer,
+    max_length: int = 2048,
+    num_proc: int = 8,
+    assistant_pattern: str | None = None,
+    turn_dropout: bool = False,
+    *,
+    seed: int = 0,
+) -> PreprocessResult:
     """Tokenize conversations into `input_ids` and `loss_mask` (torch format).
 
     Malformed rows are dropped with a warning naming them (by `source_row`, the row's index in
-    the raw dataset); a `ValueError` is raised only when no row is usable.
+    the raw dataset) and counted in the result; a `ValueError` is raised only when no row is
+    usable.
     """
     if tokenizer.chat_template is None:
         raise ValueError("the tokenizer has no chat template; one is needed to render chats")
@@ -240,7 +251,7 @@ def build_eagle3_dataset(
     )
     errors = [(row, error) for row, error in zip(processed[ROW_COLUMN], processed["error"]) if error]
     if errors:
-        reasons = Counter(re.sub(r"^turn \d+ ", "", error) for _, error in errors)
+        reasons = Counter(skip_reason(error) for _, error in errors)
         named = "; ".join(f"row {row}: {error}" for row, error in errors[:_MAX_NAMED_ROWS])
         more = f" (and {len(errors) - _MAX_NAMED_ROWS} more)" if len(errors) > _MAX_NAMED_ROWS else ""
         logger.warning(
@@ -254,9 +265,8 @@ def build_eagle3_dataset(
         )
     good = processed.filter(lambda error: not error, input_columns="error")
     good = good.remove_columns("error")
-    good.info.description = f"skipped_rows={len(errors)}"
     good.set_format(type="torch", columns=["input_ids", "loss_mask"], output_all_columns=True)
-    return good
+    return PreprocessResult(dataset=good, skipped_rows=len(errors))
 
 
 def _load_json_rows(path: str) -> HFDataset:
@@ -283,7 +293,7 @@ def _load_json_rows(path: str) -> HFDataset:
         raise ValueError(f"{path} must hold a list of conversations")
     conversations = []
     for row in rows:
-        turns = row.get("conversations", row.get("messages")) if isinstance(row, dict) else row
+        turns = conversation_of(row)
         conversations.append(turns if isinstance(turns, str) else json.dumps(turns))
     return HFDataset.from_dict({"conversations": conversations})
 
@@ -316,6 +326,8 @@ def load_raw_dataset(
     dataset = load_dataset(config.hf_path, split=config.split, cache_dir=cache_dir)
     if config.normalize_fn is not None:
         dataset = dataset.map(config.normalize_fn, num_proc=max(1, min(num_proc, os.cpu_count() or 1)))
+        if "conversations" in dataset.column_names and "messages" in dataset.column_names:
+            dataset = dataset.remove_columns("messages")  # now copied into "conversations"
     return dataset
 
 
@@ -332,6 +344,36 @@ def load_and_preprocess_dataset(
     turn_dropout: bool = False,
     trust_remote_code: bool = False,
 ) -> tuple[HFDataset, PreTrainedTokenizer]:
+    """0.3.0's entry point: `load_and_preprocess(...)` as `(dataset, tokenizer)`."""
+    result = load_and_preprocess(
+        target_model_path,
+        train_data_path,
+        seq_length,
+        build_dataset_num_proc=build_dataset_num_proc,
+        seed=seed,
+        max_samples=max_samples,
+        token_freq_path=token_freq_path,
+        cache_dir=cache_dir,
+        assistant_pattern=assistant_pattern,
+        turn_dropout=turn_dropout,
+        trust_remote_code=trust_remote_code,
+    )
+    return result.dataset, result.tokenizer
+
+
+def load_and_preprocess(
+    target_model_path: str,
+    train_data_path: str,
+    seq_length: int,
+    build_dataset_num_proc: int = 8,
+    seed: int = 0,
+    max_samples: int | None = None,
+    token_freq_path: str | None = "./token_freq.pt",
+    cache_dir: str | None = None,
+    assistant_pattern: str | None = None,
+    turn_dropout: bool = False,
+    trust_remote_code: bool = False,
+) -> PreprocessResult:
     """Load, shuffle (by `seed`), cap at `max_samples`, tokenize; save token frequencies.
 
     `token_freq_path=None` skips the counts (datagen writes them itself, once the run is
@@ -367,7 +409,7 @@ def load_and_preprocess_dataset(
     raw = raw.shuffle(seed=seed)
     if max_samples is not None and len(raw) > max_samples:
         raw = raw.select(range(max_samples))
-    dataset = build_eagle3_dataset(
+    result = preprocess_conversations(
         raw,
         tokenizer,
         max_length=seq_length,
@@ -377,6 +419,6 @@ def load_and_preprocess_dataset(
         seed=seed,
     )
     if token_freq_path is not None:
-        save_token_frequency_distribution(dataset, token_freq_path)
-    return dataset, tokenizer
+        save_token_frequency_distribution(result.dataset, token_freq_path)
+    return PreprocessResult(result.dataset, result.skipped_rows, tokenizer)
 

@@ -7,10 +7,20 @@ and the conversations ship inside this package.
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["CONVERSATIONS", "build_demo_model", "demo_conversations_path"]
+from speculators_vllm016.data_generation.conversations import (
+    MalformedRowError,
+    conversation_of,
+    normalize_conversation,
+)
+
+__all__ = ["CONVERSATIONS", "build_demo_model", "demo_conversations_path", "read_conversations"]
+
+logger = logging.getLogger(__name__)
 
 CONVERSATIONS = "conversations.jsonl"
 
@@ -19,13 +29,28 @@ def demo_conversations_path() -> Path:
     return Path(str(resources.files(__name__).joinpath(CONVERSATIONS)))
 
 
-def _corpus() -> list[str]:
-    texts = []
-    with open(demo_conversations_path()) as handle:
+def read_conversations(path: str | Path) -> Iterator[list[dict[str, str]]]:
+    """Each usable conversation of a .jsonl file as `[{"role", "content"}]`, read as datagen reads
+    a row; rows datagen would skip are skipped (and counted in a warning)."""
+    skipped = 0
+    with open(path, encoding="utf-8") as handle:
         for line in handle:
-            for turn in json.loads(line)["conversations"]:
-                texts.append(turn["value"])
-    return texts
+            if not line.strip():
+                continue
+            try:
+                yield normalize_conversation(conversation_of(json.loads(line)))
+            except (json.JSONDecodeError, MalformedRowError):
+                skipped += 1
+    if skipped:
+        logger.warning("skipped %d malformed conversations of %s", skipped, path)
+
+
+def _corpus() -> list[str]:
+    return [
+        message["content"]
+        for messages in read_conversations(demo_conversations_path())
+        for message in messages
+    ]
 
 
 def build_demo_model(path: str | Path) -> Path:

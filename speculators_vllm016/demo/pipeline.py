@@ -22,7 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DemoOptions", "DemoResult", "StageRecord", "plot_training_curves", "run_demo"]
+__all__ = [
+    "DemoOptions", "DemoResult", "StageRecord", "plot_training_curves", "run_demo",
+    "training_throughput",
+]
 
 STATE_FILE = "demo_state.json"
 
@@ -38,7 +41,7 @@ class DemoOptions:
     target_row_tokens: int = 128
     target_rows_per_step: int = 8
     draft_vocab_size: int = 512
-    epochs: int = 3
+    epochs: int = 2
     lr: float = 1e-3
     total_seq_len: int = 2048
     eval_prompts: int = 24
@@ -136,6 +139,23 @@ def read_training_metrics(path: Path) -> list[dict]:
         if isinstance(entry.get("train"), dict):
             lines.append({"step": entry.get("step"), **entry["train"]})
     return lines
+
+
+def training_throughput(metrics: list[dict], call_seconds: float) -> tuple[int, float]:
+    """All trained tokens, and tokens per second of the steps that trained them.
+
+    A resumed training call logs only its own steps, but metrics.jsonl holds every step of the
+    run (the interrupted call's too): the rate divides the tokens by the steps' own
+    `step_seconds`, never by the time of the last call. Lines without `step_seconds` (a trainer
+    that does not log it) fall back to `call_seconds`.
+    """
+    tokens = int(sum(m.get("tokens", 0) for m in metrics))
+    timed = [m for m in metrics if isinstance(m.get("step_seconds"), (int, float))]
+    if metrics and len(timed) == len(metrics):
+        seconds = sum(m["step_seconds"] for m in timed)
+    else:
+        seconds = call_seconds
+    return tokens, tokens / seconds if seconds > 0 else 0.0
 
 
 def plot_training_curves(metrics: list[dict], path: Path) -> None:
@@ -248,7 +268,7 @@ def run_demo(options: DemoOptions) -> DemoResult:
             raise RuntimeError(f"draft training failed (exit status {rc}); see the error above")
         seconds = time.perf_counter() - started
         metrics = read_training_metrics(save / "metrics.jsonl")
-        tokens = int(sum(m.get("tokens", 0) for m in metrics))
+        tokens, rate = training_throughput(metrics, seconds)
         curves = root / "training_curves.png"
         try:
             plot_training_curves(metrics, curves)
@@ -256,7 +276,7 @@ def run_demo(options: DemoOptions) -> DemoResult:
             curves = Path("(no PNG: pip install matplotlib)")
         return {"checkpoints": str(save), "trained_draft": str(trained), "curves": str(curves),
                 "metrics": str(save / "metrics.jsonl")}, {
-            "steps": len(metrics), "tokens": tokens, "tokens_per_second": tokens / seconds,
+            "steps": len(metrics), "tokens": tokens, "tokens_per_second": rate,
             "first_loss": metrics[0].get("loss") if metrics else None,
             "last_loss": metrics[-1].get("loss") if metrics else None,
         }

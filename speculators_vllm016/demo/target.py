@@ -49,17 +49,14 @@ class TargetTrainingResult:
 
 
 def render_conversations(tokenizer, path: str | Path, limit: int | None = None) -> list[list[int]]:
-    """Token ids of each ShareGPT-shaped conversation, rendered with the model's chat template."""
-    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-             "system": "system"}
+    """Token ids of each conversation (datagen's row shapes), rendered with the chat template."""
+    from speculators_vllm016.demo import read_conversations
+
     rendered = []
-    with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            if limit is not None and len(rendered) >= limit:
-                break
-            turns = json.loads(line)["conversations"]
-            messages = [{"role": roles[t["from"]], "content": t["value"]} for t in turns]
-            rendered.append(list(tokenizer.apply_chat_template(messages, tokenize=True)))
+    for messages in read_conversations(path):
+        if limit is not None and len(rendered) >= limit:
+            break
+        rendered.append(list(tokenizer.apply_chat_template(messages, tokenize=True)))
     return rendered
 
 

@@ -12,11 +12,14 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from speculators_vllm016.data_generation.preprocessing import (
+from speculators_vllm016.data_generation.conversations import (
     MalformedRowError,
+    normalize_conversation,
+    skip_reason,
+)
+from speculators_vllm016.data_generation.preprocessing import (
     _ensure_conversations,
     load_raw_dataset,
-    normalize_conversation,
 )
 
 __all__ = ["EvalPrompts", "load_eval_prompts", "prompt_messages"]
@@ -69,7 +72,7 @@ def load_eval_prompts(
         try:
             messages = prompt_messages(turns)
         except MalformedRowError as error:
-            reason = str(error).split(" ", 2)[-1] if str(error).startswith("turn ") else str(error)
+            reason = skip_reason(str(error))
             skipped[reason] = skipped.get(reason, 0) + 1
             continue
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

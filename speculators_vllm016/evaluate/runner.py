@@ -174,6 +174,20 @@ def _load_draft(path: str, dtype, device: str):
     return draft.to(device).eval()
 
 
+def _draft_evaluation(draft_path: str, label: str, engine: str, k: int, result) -> DraftEvaluation:
+    """One draft's row of the report from either engine's result (counts, tokens, seconds)."""
+    return DraftEvaluation(
+        draft=draft_path,
+        label=label,
+        engine=engine,
+        num_speculative_tokens=k,
+        counts=result.counts,
+        generated_tokens=result.generated_tokens,
+        seconds=result.seconds,
+        training=find_training_estimate(draft_path),
+    )
+
+
 def _run_hf(options, settings, verifier_path, tokenizer, prompts, labels, report) -> None:
     import torch
     from transformers import AutoModelForCausalLM
@@ -209,18 +223,7 @@ def _run_hf(options, settings, verifier_path, tokenizer, prompts, labels, report
             batch_size=options.batch_size,
             show_progress=options.show_progress,
         )
-        report.drafts.append(
-            DraftEvaluation(
-                draft=draft_path,
-                label=label,
-                engine="hf",
-                num_speculative_tokens=k,
-                counts=result.counts,
-                generated_tokens=result.generated_tokens,
-                seconds=result.seconds,
-                training=find_training_estimate(draft_path),
-            )
-        )
+        report.drafts.append(_draft_evaluation(draft_path, label, "hf", k, result))
         del draft
 
 
@@ -239,15 +242,4 @@ def _run_vllm(options, settings, verifier_path, prompts, labels, report) -> None
             ignore_eos=options.ignore_eos,
             show_progress=options.show_progress,
         )
-        report.drafts.append(
-            DraftEvaluation(
-                draft=draft_path,
-                label=label,
-                engine="vllm",
-                num_speculative_tokens=k,
-                counts=result.counts,
-                generated_tokens=result.generated_tokens,
-                seconds=result.seconds,
-                training=find_training_estimate(draft_path),
-            )
-        )
+        report.drafts.append(_draft_evaluation(draft_path, label, "vllm", k, result))

@@ -1,11 +1,13 @@
 """Greedy speculative decoding with a transformers verifier: the `hf` engine of `speculators eval`.
 
-The draft proposes `k` tokens (its `propose_tokens`), the verifier scores the newest token and the
-`k` proposals in one forward pass over its KV cache, the longest agreeing prefix is kept, and the
-verifier's own token at the first disagreement (or after the last proposal) comes free. The output
-is therefore exactly the verifier's greedy output, whatever the draft proposes; the draft only
-decides how many tokens each verifier pass yields, which is what `AcceptanceCounts` records, as
-vLLM's counters do (the counts are taken before the output is cut at `max_new_tokens` or EOS).
+The draft proposes `k` tokens (an EAGLE-3 draft through its incremental proposer, which keeps its
+own KV cache across rounds; any other draft through `propose_tokens`), the verifier scores the
+newest token and the `k` proposals in one forward pass over its KV cache, the longest agreeing
+prefix is kept, and the verifier's own token at the first disagreement (or after the last
+proposal) comes free. The output is therefore exactly the verifier's greedy output, whatever the
+draft proposes; the draft only decides how many tokens each verifier pass yields, which is what
+`AcceptanceCounts` records, as vLLM's counters do (the counts are taken before the output is cut
+at `max_new_tokens` or EOS).
 
 Prompts run in batches: left-padded, with per-row positions. Every verification appends `k + 1`
 slots per row to the cache; the slots of rejected proposals stay there, masked out, so rows that
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -48,23 +50,74 @@ class SpeculativeGeneration:
 
 @dataclass
 class _Row:
-    """One prompt in flight: its tokens and the verifier states of all but its newest token."""
+    """One prompt in flight: its tokens (prompt and generated)."""
 
     index: int
     prompt_length: int
     tokens: list[int]
-    states: torch.Tensor  # [num_layers + 1, capacity, hidden], filled up to len(tokens) - 1
     done: bool = False
-    filled: int = field(default=0)
 
-    def add_states(self, states: torch.Tensor) -> None:
-        """Append `[num_layers + 1, n, hidden]` states (those of the newest n accepted tokens)."""
-        count = states.shape[1]
-        self.states[:, self.filled : self.filled + count] = states
-        self.filled += count
 
-    def state_views(self) -> tuple[torch.Tensor, ...]:
-        return tuple(layer[: self.filled].unsqueeze(0) for layer in self.states)
+class _RowByRowProposals:
+    """The reference: `draft.propose_tokens` per row over the row's whole history (no cache).
+
+    Keeps each row's verifier states (`[num_layers + 1, capacity, hidden]`); any draft with
+    `propose_tokens` works here.
+    """
+
+    def __init__(self, draft: nn.Module, k: int, capacities: list[int]) -> None:
+        self.draft = draft
+        self.k = k
+        self.capacities = capacities
+        self.buffers: list[torch.Tensor] = []
+        self.filled: list[int] = []
+
+    def select(self, rows: list[int]) -> None:
+        self.buffers = [self.buffers[row] for row in rows]
+        self.filled = [self.filled[row] for row in rows]
+
+    def propose(self, states, tokens, valid, histories: list[list[int]]) -> torch.Tensor:
+        if not self.buffers:
+            layers, hidden = len(states), states[0].shape[-1]
+            self.buffers = [states[0].new_empty(layers, size, hidden) for size in self.capacities]
+            self.filled = [0] * len(self.capacities)
+        proposals = []
+        for row, history in enumerate(histories):
+            columns = valid[row].nonzero()[:, 0]
+            count = columns.numel()
+            start = self.filled[row]
+            self.buffers[row][:, start : start + count] = torch.stack(
+                [layer[row, columns] for layer in states]
+            )
+            self.filled[row] = start + count
+            views = tuple(layer[: self.filled[row]].unsqueeze(0) for layer in self.buffers[row])
+            device = states[0].device
+            proposed = self.draft.propose_tokens(views, torch.tensor([history], device=device), self.k)
+            proposed = torch.as_tensor(proposed, device=device).reshape(-1).long()
+            if proposed.numel() != self.k:
+                raise ValueError(f"the draft proposed {proposed.numel()} tokens, {self.k} were asked for")
+            proposals.append(proposed)
+        return torch.stack(proposals)
+
+
+class _CachedProposals:
+    """The draft's own incremental proposer (`draft.incremental_proposer(k)`): a KV cache
+    across rounds, all rows in one pass."""
+
+    def __init__(self, draft: nn.Module, k: int) -> None:
+        self.proposer = draft.incremental_proposer(k)
+        self.k = k
+
+    def select(self, rows: list[int]) -> None:
+        self.proposer.select(torch.tensor(rows, device=self.proposer.draft.fc.weight.device))
+
+    def propose(self, states, tokens, valid, histories: list[list[int]]) -> torch.Tensor:
+        proposed = self.proposer.propose(states, tokens, valid)
+        if proposed.shape != (len(histories), self.k):
+            raise ValueError(
+                f"the draft proposed {tuple(proposed.shape)} tokens, {self.k} a row were asked for"
+            )
+        return proposed.to(states[0].device).long()
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -103,10 +156,6 @@ def _attention_mask(verifier: PreTrainedModel, keep: torch.Tensor, new: int) -> 
     return mask[:, None]
 
 
-def _stack_states(hidden_states: tuple[torch.Tensor, ...], row: int, columns: slice) -> torch.Tensor:
-    return torch.stack([layer[row, columns] for layer in hidden_states])
-
-
 @torch.no_grad()
 def _run_batch(
     verifier: PreTrainedModel,
@@ -117,6 +166,7 @@ def _run_batch(
     eos: set[int],
     counts: AcceptanceCounts,
     on_done,
+    cached_draft: bool,
 ) -> tuple[dict[int, list[int]], int]:
     device = _device_of(verifier)
     longest = max(len(prompt) for _, prompt in prompts)
@@ -138,21 +188,20 @@ def _run_batch(
     )
     passes = 1
     cache = out.past_key_values
-    first = out.logits[:, -1].argmax(-1).tolist()
-    layers = len(out.hidden_states)
-    hidden = out.hidden_states[0].shape[-1]
+    first = out.logits[:, -1].argmax(-1)
+    if cached_draft and hasattr(draft, "incremental_proposer"):
+        proposer: _CachedProposals | _RowByRowProposals = _CachedProposals(draft, k)
+    else:
+        capacities = [len(prompt) + max_new_tokens + k for _, prompt in prompts]
+        proposer = _RowByRowProposals(draft, k, capacities)
+    # What the draft has not seen yet: verifier states of the newest accepted positions, the
+    # token after each, and which columns hold them (left padding in the prefill, right later).
+    pending = (out.hidden_states, torch.cat([input_ids[:, 1:], first[:, None]], dim=1), slot_mask.bool())
     rows: list[_Row] = []
     results: dict[int, list[int]] = {}
     for position, (index, prompt) in enumerate(prompts):
-        capacity = len(prompt) + max_new_tokens + k
-        row = _Row(
-            index=index,
-            prompt_length=len(prompt),
-            tokens=list(prompt) + [first[position]],
-            states=out.hidden_states[0].new_empty(layers, capacity, hidden),
-        )
-        row.add_states(_stack_states(out.hidden_states, position, slice(longest - len(prompt), None)))
-        row.done = _finished(row, [first[position]], max_new_tokens, eos)
+        row = _Row(index=index, prompt_length=len(prompt), tokens=list(prompt) + [int(first[position])])
+        row.done = _finished(row, row.tokens[-1:], max_new_tokens, eos)
         rows.append(row)
 
     while True:
@@ -167,17 +216,12 @@ def _run_batch(
             selected = torch.tensor(active, device=device)
             cache.batch_select_indices(selected)
             slot_mask = slot_mask[selected]
+            proposer.select(active)
+            states, tokens, valid = pending
+            pending = (tuple(layer[selected] for layer in states), tokens[selected], valid[selected])
             rows = [rows[position] for position in active]
 
-        proposals = []
-        for row in rows:
-            tokens = torch.tensor([row.tokens], device=device)
-            proposed = draft.propose_tokens(row.state_views(), tokens, k)
-            proposed = torch.as_tensor(proposed, device=device).reshape(-1).long()
-            if proposed.numel() != k:
-                raise ValueError(f"the draft proposed {proposed.numel()} tokens, {k} were asked for")
-            proposals.append(proposed)
-        drafted = torch.stack(proposals)  # [rows, k]
+        drafted = proposer.propose(*pending, [row.tokens for row in rows])  # [rows, k]
         newest = torch.tensor([[row.tokens[-1]] for row in rows], device=device)
         starts = torch.tensor([[len(row.tokens) - 1] for row in rows], device=device)
         offsets = torch.arange(k + 1, device=device)
@@ -195,12 +239,13 @@ def _run_batch(
         choices = out.logits.argmax(-1)  # [rows, k + 1]: the verifier's token after each input
         agree = (choices[:, :k] == drafted).long().cumprod(dim=1)
         taken = agree.sum(dim=1)  # accepted proposals per row
-        slot_mask = torch.cat([slot_mask, (offsets[None] <= taken[:, None]).long()], dim=1)
+        accepted_slots = offsets[None] <= taken[:, None]
+        slot_mask = torch.cat([slot_mask, accepted_slots.long()], dim=1)
+        pending = (out.hidden_states, choices, accepted_slots)
         for position, row in enumerate(rows):
             accepted = int(taken[position])
             counts.observe(k, accepted)
             new = choices[position, : accepted + 1].tolist()
-            row.add_states(_stack_states(out.hidden_states, position, slice(0, accepted + 1)))
             row.tokens.extend(new)
             row.done = _finished(row, new, max_new_tokens, eos)
 
@@ -223,11 +268,15 @@ def speculative_generate(
     eos_token_ids: int | Sequence[int] | None = None,
     batch_size: int = 8,
     show_progress: bool = False,
+    cached_draft: bool = True,
 ) -> SpeculativeGeneration:
     """Greedy speculative decoding of `prompts` (token ids); outputs equal the verifier's greedy ones.
 
-    `draft` needs `propose_tokens(verifier_hidden_states, tokens, count)` (an EAGLE-3 draft has
-    it); it sees one prompt at a time. Up to `batch_size` prompts share one verifier pass;
+    A draft with `incremental_proposer(count)` (an EAGLE-3 draft) proposes for all prompts of a
+    batch at once and runs only the positions accepted since its last proposal (its own KV
+    cache). Any other draft (or `cached_draft=False`, the reference) needs
+    `propose_tokens(verifier_hidden_states, tokens, count)` and is rerun over each prompt's
+    whole history for every proposal. Up to `batch_size` prompts share one verifier pass;
     prompts of similar length are batched together to limit padding.
     """
     if max_new_tokens < 1:
@@ -265,7 +314,8 @@ def speculative_generate(
                 for index in order[first : first + batch_size]
             ]
             done, batch_passes = _run_batch(
-                verifier, draft, chunk, max_new_tokens, num_speculative_tokens, eos, counts, on_done
+                verifier, draft, chunk, max_new_tokens, num_speculative_tokens, eos, counts, on_done,
+                cached_draft,
             )
             outputs.update(done)
             passes += batch_passes

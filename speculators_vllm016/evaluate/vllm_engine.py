@@ -6,6 +6,12 @@ vLLM runs the verifier with `speculative_config={"method": "eagle3", "model": <d
 `..._num_accepted_tokens_per_pos`), which `LLM.get_metrics()` returns when stats are on. They are
 read before and after generation and the difference is this run's. vLLM's CPU build refuses
 speculative decoding; `speculative_decoding_unavailable()` says so before an engine is started.
+
+Status: this engine has never run end to end (the CPU build refuses speculative decoding and the
+GPUs it was developed with had no vLLM). The counter names, `get_metrics`' conversion of the
+per-position counter into one `Vector` per engine, and the differencing were checked against
+vLLM 0.16's sources (`v1/spec_decode/metrics.py`, `v1/metrics/reader.py`) and are tested with
+vLLM's own logger and reader; the engine call itself is unverified on a GPU.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import pytest
 from speculators_vllm016.cli.gen_and_train import main, plan_from_argv
 from speculators_vllm016.demo import demo_conversations_path
 from tests.train.test_trainer import assert_same_checkpoint
-from tests.training_fixtures import cli_env
+from tests.training_fixtures import cli_env, finished_checkpoints
 
 BASE = ["--target-model-path", "model", "--train-data-path", "chat.jsonl", "--output-dir", "out"]
 
@@ -60,13 +60,6 @@ def _pipeline(root: Path, target: Path) -> list[str]:
     ]
 
 
-def _checkpoint_files(save: Path) -> int:
-    """Finished checkpoints (renamed into place; a hidden folder is a save in progress)."""
-    if not save.is_dir():
-        return 0
-    return sum(1 for p in save.glob("*/training_state.json") if not p.parent.name.startswith("."))
-
-
 @pytest.mark.engine
 @pytest.mark.slow
 def test_killed_in_training_and_run_again_ends_with_the_uninterrupted_checkpoint(tiny_llama, tmp_path):
@@ -87,7 +80,7 @@ def test_killed_in_training_and_run_again_ends_with_the_uninterrupted_checkpoint
     process = subprocess.Popen(command, env=cli_env(), start_new_session=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        while process.poll() is None and _checkpoint_files(resumed / "checkpoints") < 1:
+        while process.poll() is None and not finished_checkpoints(resumed / "checkpoints"):
             time.sleep(0.02)
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)

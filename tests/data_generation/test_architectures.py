@@ -61,8 +61,8 @@ def deepseek_v2_config():
         num_experts_per_tok=2, first_k_dense_replace=1, n_group=2, topk_group=1,
         topk_method="group_limited_greedy", routed_scaling_factor=1.0, q_lora_rank=None,
         kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64,
-        # As for the tiny DeepSeek-V3 (see tiny_models): plain RoPE written as yarn with factor 1,
-        # because with rope_scaling=None vLLM's CPU build rotates MLA queries wrongly.
+        # As for the tiny DeepSeek-V3 (tests/tiny_models.py): plain RoPE written as yarn with
+        # factor 1, as real configs write it (rope_scaling=None: test_deepseek_plain_rope.py).
         rope_scaling={
             "type": "yarn", "factor": 1.0, "original_max_position_embeddings": 1024,
             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,

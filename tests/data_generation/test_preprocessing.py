@@ -12,9 +12,11 @@ from datasets import Dataset
 from speculators_vllm016.data_generation.preprocessing import (
     build_eagle3_dataset,
     drop_turns,
+    load_and_preprocess,
     load_and_preprocess_dataset,
     load_raw_dataset,
     normalize_conversation,
+    preprocess_conversations,
 )
 from speculators_vllm016.tiny_models import build_tokenizer
 from speculators_vllm016.train.vocab_mapping import save_token_frequency_distribution
@@ -118,14 +120,36 @@ def test_malformed_rows_are_skipped_counted_and_named(tokenizer, tmp_path, caplo
     raw = load_raw_dataset(str(path), cache_dir=str(tmp_path / "cache"))
     assert len(raw) == 9
     with caplog.at_level(logging.WARNING):
-        dataset = build_eagle3_dataset(raw, tokenizer, num_proc=1)
+        result = preprocess_conversations(raw, tokenizer, num_proc=1)
+    dataset = result.dataset
     assert sorted(dataset["source_row"]) == [0, 4, 8]
+    assert result.skipped_rows == 6
     message = " ".join(record.getMessage() for record in caplog.records)
     assert "skipped 6 of 9 conversations" in message
     for row in BAD_ROWS:
         assert f"row {row}:" in message
     assert "has no role" in message and "is empty" in message and "not text" in message
     assert "no assistant turn" in message and "unknown role 'narrator'" in message
+
+
+def test_rows_emptied_by_truncation_are_counted_in_the_result(tiny_llama, tmp_path):
+    long_question = [{"from": "human", "value": "a long question " * 200}, SHAREGPT[2]]
+    rows = [SHAREGPT, long_question, SHAREGPT, [SHAREGPT[1]]]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join(json.dumps({"conversations": turns}) for turns in rows))
+    result = load_and_preprocess(
+        str(tiny_llama), str(data), seq_length=128, build_dataset_num_proc=1,
+        token_freq_path=None, cache_dir=str(tmp_path / "cache"),
+    )
+    assert len(result.dataset) == 2 and result.skipped_rows == 2
+    assert result.tokenizer is not None and result.tokenizer.chat_template is not None
+    # 0.3.0's entry point gives the same samples as (dataset, tokenizer).
+    dataset, tokenizer = load_and_preprocess_dataset(
+        str(tiny_llama), str(data), seq_length=128, build_dataset_num_proc=1,
+        token_freq_path=None, cache_dir=str(tmp_path / "cache"),
+    )
+    assert dataset["source_row"] == result.dataset["source_row"]
+    assert tokenizer.name_or_path == result.tokenizer.name_or_path
 
 
 def test_nothing_usable_is_an_error(tokenizer):
@@ -187,3 +211,18 @@ def test_load_and_preprocess_and_token_frequencies(tiny_llama, tmp_path):
     torch.save({0: 1}, freq_path)
     save_token_frequency_distribution(dataset, str(freq_path))
     assert torch.load(freq_path, weights_only=True) == frequencies
+
+
+def test_a_file_mixing_both_row_shapes_keeps_every_row(tokenizer, tmp_path):
+    """Loaded as one table, such a file has both columns; each row's own turns are used (the
+    table once gave `messages` rows None turns, while the row-by-row reader kept them)."""
+    as_messages = [
+        {"role": {"human": "user", "gpt": "assistant"}[t["from"]], "content": t["value"]}
+        for t in SHAREGPT[1:]
+    ]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text(json.dumps({"conversations": SHAREGPT}) + "\n" + json.dumps({"messages": as_messages}) + "\n")
+    raw = load_raw_dataset(str(path), cache_dir=str(tmp_path / "cache"))
+    assert {"conversations", "messages"} <= set(raw.column_names)
+    result = preprocess_conversations(raw, tokenizer, num_proc=1)
+    assert len(result.dataset) == 2 and result.skipped_rows == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from torch import nn
 from transformers import LlamaConfig
 
 from speculators_vllm016.config import SpeculatorsConfig, VerifierConfig
@@ -16,10 +17,12 @@ VOCAB = 512
 DRAFT_VOCAB = 128
 
 
-def build_draft(verifier_path: str, speculative_tokens: int = 3, seed: int = 0) -> Eagle3DraftModel:
+def build_draft(
+    verifier_path: str, speculative_tokens: int = 3, seed: int = 0, layers: int = 1
+) -> Eagle3DraftModel:
     layer = LlamaConfig(
         hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        intermediate_size=512, num_hidden_layers=1, vocab_size=VOCAB,
+        intermediate_size=512, num_hidden_layers=layers, vocab_size=VOCAB,
         max_position_embeddings=1024, rms_norm_eps=1e-6,
     )
     config = Eagle3SpeculatorConfig(
@@ -63,3 +66,12 @@ def scripted_proposer(
         raise AssertionError("tokens are not a prefix of any verifier continuation")
 
     return propose
+
+
+class ScriptedDraft(nn.Module):
+    """A stand-in draft whose only part is a scripted `propose_tokens` (no incremental proposer,
+    so `speculative_generate` asks it row by row with each row's whole history)."""
+
+    def __init__(self, continuations: Sequence[torch.Tensor], pattern: Sequence[bool]) -> None:
+        super().__init__()
+        self.propose_tokens = scripted_proposer(continuations, pattern)

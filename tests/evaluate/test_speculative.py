@@ -6,8 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from speculators_vllm016.evaluate import speculative
 from speculators_vllm016.evaluate.speculative import speculative_generate
-from tests.evaluate.drafts import build_draft, scripted_proposer
+from tests.evaluate.drafts import ScriptedDraft, build_draft
 
 PROMPTS = [[0, 17, 250, 3, 99], [0, 5, 6, 7, 8, 9, 10, 11, 12], [0, 300, 2, 45], [0, 77] * 7]
 MAX_NEW = 12
@@ -57,13 +58,13 @@ def test_generation_stops_at_eos_like_generate(verifier, draft, continuations):
     assert len(result.outputs[1]) <= 5 and result.outputs[1][-1] == eos
 
 
-def _scripted(monkeypatch, draft, continuations, pattern):
-    monkeypatch.setattr(draft, "propose_tokens", scripted_proposer(continuations, pattern))
+def _scripted(continuations, pattern):
+    return ScriptedDraft(continuations, pattern)
 
 
 @pytest.mark.parametrize("k", [1, 3, 4])
-def test_an_oracle_draft_reaches_one_plus_k(verifier, draft, continuations, monkeypatch, k):
-    _scripted(monkeypatch, draft, continuations, [True] * k)
+def test_an_oracle_draft_reaches_one_plus_k(verifier, continuations, k):
+    draft = _scripted(continuations, [True] * k)
     result = speculative_generate(verifier, draft, PROMPTS, MAX_NEW, k, batch_size=2)
     assert result.counts.acceptance_length == 1 + k
     assert result.counts.per_position_rates == [1.0] * k
@@ -71,8 +72,8 @@ def test_an_oracle_draft_reaches_one_plus_k(verifier, draft, continuations, monk
         assert prompt + output == full[: len(prompt) + MAX_NEW].tolist()
 
 
-def test_an_always_wrong_draft_gets_tau_one(verifier, draft, continuations, monkeypatch):
-    _scripted(monkeypatch, draft, continuations, [False] * 3)
+def test_an_always_wrong_draft_gets_tau_one(verifier, continuations):
+    draft = _scripted(continuations, [False] * 3)
     result = speculative_generate(verifier, draft, PROMPTS, MAX_NEW, 3, batch_size=2)
     counts = result.counts
     assert counts.acceptance_length == 1.0 and counts.num_accepted_tokens == 0
@@ -94,9 +95,9 @@ def test_an_always_wrong_draft_gets_tau_one(verifier, draft, continuations, monk
     ],
 )
 def test_per_position_counts_follow_the_first_miss(
-    verifier, draft, continuations, monkeypatch, pattern, rounds, per_position
+    verifier, continuations, pattern, rounds, per_position
 ):
-    _scripted(monkeypatch, draft, continuations, pattern)
+    draft = _scripted(continuations, pattern)
     result = speculative_generate(verifier, draft, PROMPTS, MAX_NEW, 3, batch_size=3)
     counts = result.counts
     prompts = len(PROMPTS)
@@ -106,6 +107,40 @@ def test_per_position_counts_follow_the_first_miss(
     assert counts.acceptance_length == pytest.approx(1 + sum(per_position) / rounds)
     for prompt, output, full in zip(PROMPTS, result.outputs, continuations):
         assert prompt + output == full[: len(prompt) + MAX_NEW].tolist()
+
+
+def _record_proposals(monkeypatch, proposals_class) -> dict[tuple[int, ...], list[int]]:
+    """Every proposal made, keyed by the history it was made after."""
+    seen: dict[tuple[int, ...], list[int]] = {}
+    original = proposals_class.propose
+
+    def propose(self, states, tokens, valid, histories):
+        drafted = original(self, states, tokens, valid, histories)
+        for history, row in zip(histories, drafted.tolist()):
+            seen[tuple(history)] = row
+        return drafted
+
+    monkeypatch.setattr(proposals_class, "propose", propose)
+    return seen
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_the_cached_draft_proposes_what_the_uncached_reference_proposes(
+    verifier, draft, monkeypatch, batch_size
+):
+    """Every proposal, through the whole loop (rows leaving the batch included), is the one
+    `propose_tokens` makes from the row's whole history."""
+    cached_seen = _record_proposals(monkeypatch, speculative._CachedProposals)
+    reference_seen = _record_proposals(monkeypatch, speculative._RowByRowProposals)
+    prompts = PROMPTS + [[0, 9]]  # unequal lengths: rows finish at different rounds
+    cached = speculative_generate(verifier, draft, prompts, MAX_NEW, 3, batch_size=batch_size)
+    reference = speculative_generate(
+        verifier, draft, prompts, MAX_NEW, 3, batch_size=batch_size, cached_draft=False
+    )
+    assert cached.outputs == reference.outputs
+    assert len(cached_seen) == cached.counts.num_drafts > 0
+    assert cached_seen == reference_seen
+    assert cached.counts.accepted_per_position == reference.counts.accepted_per_position
 
 
 def test_bad_arguments_are_refused(verifier, draft):

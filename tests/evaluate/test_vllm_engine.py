@@ -39,6 +39,48 @@ def test_counters_are_summed_over_engines_and_differenced():
     assert run.per_position_rates == pytest.approx([0.74, 0.36, 0.10])
 
 
+@pytest.fixture
+def vllm_registry():
+    """vLLM's Prometheus collectors registered by the test, removed before and after."""
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+    unregister_vllm_metrics()
+    yield
+    unregister_vllm_metrics()
+
+
+def test_counters_written_by_vllms_own_logger_are_read_back(vllm_registry):
+    """vLLM's spec-decode Prometheus logger and its `get_metrics` reader (what `LLM.get_metrics`
+    returns), fed per-step stats of two engines: the counts are the drafts observed."""
+    from types import SimpleNamespace
+
+    from vllm.v1.metrics.reader import get_metrics_snapshot
+    from vllm.v1.spec_decode.metrics import SpecDecodingProm, SpecDecodingStats
+
+    k = 3
+    prom = SpecDecodingProm(
+        SimpleNamespace(num_speculative_tokens=k),  # it reads only num_speculative_tokens
+        labelnames=["model_name", "engine"],
+        per_engine_labelvalues={0: ["m", "0"], 1: ["m", "1"]},
+    )
+    # Accepted tokens of each draft, per step, per engine.
+    steps = {0: [[3, 0], [1, 2, 2]], 1: [[0], [3, 3, 1]]}
+    before = counts_from_metrics(get_metrics_snapshot(), k)
+    for engine, engine_steps in steps.items():
+        for accepted_in_step in engine_steps:
+            stats = SpecDecodingStats.new(k)
+            for accepted in accepted_in_step:
+                stats.observe_draft(num_draft_tokens=k, num_accepted_tokens=accepted)
+            prom.observe(stats, engine_idx=engine)
+    run = _difference(counts_from_metrics(get_metrics_snapshot(), k), before)
+    drafts = [accepted for engine_steps in steps.values() for step in engine_steps for accepted in step]
+    assert run.num_drafts == len(drafts) == 9
+    assert run.num_draft_tokens == k * len(drafts)
+    assert run.num_accepted_tokens == sum(drafts) == 15
+    assert run.accepted_per_position == [sum(a > p for a in drafts) for p in range(k)] == [7, 5, 3]
+    assert run.acceptance_length == pytest.approx(1 + 15 / 9)
+
+
 def _cpu_build() -> bool:
     from vllm.platforms import current_platform
 

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from speculators_vllm016.cli.train import main
 from tests.training_fixtures import (
     cli_env,
+    finished_checkpoints,
     load_checkpoint_tensors,
     train_args,
     train_command,
@@ -96,12 +97,18 @@ def test_saved_draft_loads_back_with_the_trained_weights(trained):
         assert torch.equal(state[name].to(tensor.dtype), tensor), name
 
 
-def _run_killed(command: list[str], save: Path, kill_at: int, sig: int) -> int:
-    """Start `command`, stop it with `sig` once `kill_at` steps are logged; its return code."""
+def _run_killed(command: list[str], save: Path, kill_at: int, sig: int,
+                need_checkpoint: bool = False) -> tuple[int, str]:
+    """Start `command`, stop it with `sig` once `kill_at` steps are logged (and, with
+    `need_checkpoint`, once a complete checkpoint exists); its return code and output."""
     process = subprocess.Popen(command, env=cli_env(), start_new_session=True,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def ready() -> bool:
+        return metric_steps(save) >= kill_at and (not need_checkpoint or bool(finished_checkpoints(save)))
+
     try:
-        while process.poll() is None and metric_steps(save) < kill_at:
+        while process.poll() is None and not ready():
             time.sleep(0.02)
         if process.poll() is None:
             # torchrun starts its workers in sessions of their own: signal the whole tree.
@@ -133,7 +140,9 @@ def test_sigkill_then_resume_is_bit_identical(tiny_llama, training_data, tmp_pat
     resumed = tmp_path / "resumed"
     command = train_command(train_args(tiny_llama, training_data, resumed, *extra), processes)
     kill_at = random.Random(os.getpid()).randint(2, total - 4)
-    code, _ = _run_killed(command, resumed, kill_at, signal.SIGKILL)
+    # Killed only once a checkpoint is complete: otherwise the rerun starts from scratch and
+    # the resume path this test is about would not run.
+    code, _ = _run_killed(command, resumed, kill_at, signal.SIGKILL, need_checkpoint=True)
     assert code != 0, "the run finished before the kill"
     assert not (resumed / last).exists()
     logged = metric_steps(resumed)

@@ -727,6 +727,13 @@ class Eagle3DraftModel(SpeculatorModel):
             [(part @ weight.T).argmax(-1) for part in normed.split(self.loss_chunk_size)]
         )
 
+    def incremental_proposer(self, count: int):
+        """An `Eagle3Proposer`: the proposals of `propose_tokens`, batched over rows and run
+        only over the positions accepted since the last round (the `hf` eval engine uses it)."""
+        from speculators_vllm016.models.eagle3.proposer import Eagle3Proposer
+
+        return Eagle3Proposer(self, count)
+
     @torch.no_grad()
     def propose_tokens(
         self, verifier_hidden_states: tuple[torch.Tensor, ...], tokens: torch.Tensor, count: int

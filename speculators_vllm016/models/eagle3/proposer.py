@@ -1,0 +1,164 @@
+"""Incremental, batched EAGLE-3 proposals for speculative decoding (the `hf` eval engine).
+
+`Eagle3DraftModel.propose_tokens` reruns the draft over a row's whole history for every
+proposal; this proposer keeps the draft's step-0 keys and values across rounds, so each round
+runs only the positions the verifier accepted since the last one, for many rows at once.
+
+Why it is the same computation: at TTT step 0 position t sees the step-0 keys of positions
+0..t, which depend only on the verifier states and tokens up to t, and those never change once
+accepted. Steps 1..count-1 matter only at a row's newest position, which sees the step-0 keys
+and its own keys of the earlier steps (the diagonal of the training mask); those are kept only
+for the round. Rows hold different numbers of new positions: every round appends the same
+number of key slots to each row, and the slots of padding are masked out for good.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from speculators_vllm016.models.eagle3.core import Eagle3DraftModel, _final_norm
+from speculators_vllm016.utils.layer_ids import eagle3_aux_layer_ids
+
+__all__ = ["Eagle3Proposer"]
+
+
+class _RoundKeyValues:
+    """Keys and values per layer: the kept slots of earlier rounds, plus this round's scratch.
+
+    Quacks like transformers' `Cache.update`. `keep=True` appends for good (step 0);
+    `keep=False` appends to a scratch list that `drop_scratch` forgets (steps 1..count-1).
+    """
+
+    def __init__(self) -> None:
+        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.keep = True
+
+    def update(self, key, value, layer_idx, cache_kwargs=None):
+        store = self.kept if self.keep else self.scratch
+        if layer_idx in store:
+            old_key, old_value = store[layer_idx]
+            store[layer_idx] = (torch.cat([old_key, key], dim=-2), torch.cat([old_value, value], dim=-2))
+        else:
+            store[layer_idx] = (key, value)
+        if self.keep:
+            return store[layer_idx]
+        kept_key, kept_value = self.kept[layer_idx]
+        scratch_key, scratch_value = store[layer_idx]
+        return torch.cat([kept_key, scratch_key], dim=-2), torch.cat([kept_value, scratch_value], dim=-2)
+
+    def drop_scratch(self) -> None:
+        self.scratch = {}
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.kept = {layer: (k[rows], v[rows]) for layer, (k, v) in self.kept.items()}
+
+
+class Eagle3Proposer:
+    """Proposes `count` tokens per row from the verifier states accepted since the last call.
+
+    `propose(states, tokens, valid)`: `states` are transformers' `output_hidden_states` of the
+    new positions (`[rows, n, hidden]` each; entry i is the input of verifier layer i), `tokens`
+    `[rows, n]` the token after each of those positions, `valid` `[rows, n]` marks the row's new
+    positions (one contiguous run, in order; the rest is padding). Returns `[rows, count]`
+    target ids, what `propose_tokens` returns for each row's whole history. `select(rows)` keeps
+    only those rows (finished prompts leave the batch).
+    """
+
+    def __init__(self, draft: Eagle3DraftModel, count: int) -> None:
+        if count < 1:
+            raise ValueError(f"the draft must propose at least 1 token, got {count}")
+        self.draft = draft
+        self.count = count
+        self.cache = _RoundKeyValues()
+        self.slots: torch.Tensor | None = None  # [rows, slots] bool: kept slot holds a position
+        self.consumed: torch.Tensor | None = None  # [rows] positions run so far
+
+    def select(self, rows: torch.Tensor) -> None:
+        if self.slots is None:
+            return
+        self.slots = self.slots[rows]
+        self.consumed = self.consumed[rows]
+        self.cache.select(rows)
+
+    def _fused(self, states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        layer_ids = self.draft.config.eagle_aux_hidden_state_layer_ids
+        if not layer_ids:
+            layer_ids = eagle3_aux_layer_ids(len(states) - 1)  # vLLM's default for EAGLE-3
+        return torch.cat([states[i] for i in layer_ids], dim=-1).to(self.draft.fc.weight.dtype)
+
+    def _run_layers(self, hidden, position_ids, mask) -> torch.Tensor:
+        draft = self.draft
+        position_embeddings = draft.rotary_emb(hidden, position_ids)
+        for layer in draft.layers:
+            hidden = layer(
+                hidden,
+                attention_mask=mask,
+                position_ids=position_ids,
+                past_key_values=self.cache,
+                use_cache=True,
+                position_embeddings=position_embeddings,
+            )
+        return hidden
+
+    def _predict(self, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Target ids of the draft's argmax at `hidden` `[rows, hidden]`."""
+        draft_ids = self.draft._draft_argmax(_final_norm(self.draft, hidden, dtype))
+        return draft_ids + self.draft.d2t[draft_ids]
+
+    @torch.no_grad()
+    def propose(
+        self, states: tuple[torch.Tensor, ...], tokens: torch.Tensor, valid: torch.Tensor
+    ) -> torch.Tensor:
+        draft = self.draft
+        device = draft.fc.weight.device
+        valid = valid.to(device=device, dtype=torch.bool)
+        rows, new = valid.shape
+        if tokens.shape != (rows, new):
+            raise ValueError(f"tokens must be [{rows}, {new}] like valid, got {tuple(tokens.shape)}")
+        if not bool(valid.any(dim=1).all()):
+            raise ValueError("every row needs at least one new position to propose from")
+        compiled = draft._compiling(device)
+        for layer in draft.layers:
+            layer.compile_blocks = compiled
+        if self.slots is None:
+            self.slots = valid.new_zeros(rows, 0)
+            self.consumed = torch.zeros(rows, dtype=torch.long, device=device)
+
+        # Step 0 over the new positions; position t of the history has position id t + 1.
+        hidden = draft.fc(self._fused(states).to(device))
+        dtype = hidden.dtype
+        order = valid.long().cumsum(dim=1)  # 1-based rank of each new position in its row
+        position_ids = self.consumed[:, None] + order
+        causal = torch.ones(new, new, dtype=torch.bool, device=device).tril()
+        own = torch.eye(new, dtype=torch.bool, device=device)
+        fresh = (causal[None] & valid[:, None, :]) | own[None]  # padding sees only itself
+        old = self.slots[:, None, :].expand(rows, new, self.slots.shape[1])
+        mask = torch.cat([old, fresh], dim=-1)[:, None]
+        embeds = draft.embed_tokens(tokens.to(device)).to(dtype)
+        self.cache.keep = True
+        hidden = self._run_layers(torch.cat([embeds, hidden], dim=-1), position_ids, mask)
+        self.slots = torch.cat([self.slots, valid], dim=1)
+        self.consumed = self.consumed + valid.sum(dim=1)
+
+        # Steps 1..count-1 at each row's newest position only.
+        last = (order * valid).argmax(dim=1)  # index of the row's last new position
+        pick = torch.arange(rows, device=device)
+        hidden = hidden[pick, last][:, None]  # [rows, 1, hidden]
+        position_ids = position_ids[pick, last][:, None]
+        proposals = [self._predict(hidden[:, 0], dtype)]
+        self.cache.keep = False
+        try:
+            for step in range(1, self.count):
+                mask = torch.cat(
+                    [self.slots, self.slots.new_ones(rows, step)], dim=1
+                )[:, None, None, :]
+                embeds = draft.embed_tokens(proposals[-1][:, None]).to(dtype)
+                hidden = self._run_layers(
+                    torch.cat([embeds, hidden], dim=-1), position_ids + step, mask
+                )
+                proposals.append(self._predict(hidden[:, 0], dtype))
+        finally:
+            self.cache.keep = True
+            self.cache.drop_scratch()
+        return torch.stack(proposals, dim=1)
