@@ -8,7 +8,10 @@ V2/V3 and Kimi-K2/K2.5 (layers nested in a multimodal wrapper) included.
 
 Rows go into the per-request shared-memory files made by the driver (see `transfer.py`); for every
 forward step, the model runner's own batch layout says which rows belong to which request and at
-which positions. On a GPU the copies are asynchronous (`device_transfer.RowWriter`).
+which positions. On a GPU the copies are asynchronous (`device_transfer.RowWriter`). When a
+request's last prefill chunk has run, the worker waits for its rows to land and then writes its
+row counts into the same file, before `execute_model` returns: the driver learns everything from
+the file, with no extra round trip to the workers per step.
 """
 
 from __future__ import annotations
@@ -26,11 +29,26 @@ from speculators_vllm016.data_generation.layer_capture import (
     residual_scale,
     residual_stream,
 )
-from speculators_vllm016.data_generation.transfer import map_shared
+from speculators_vllm016.data_generation.transfer import (
+    MappedRequest,
+    TransferLayout,
+    map_request,
+    request_file,
+)
 
-__all__ = ["HiddenStatesWorkerExtension"]
+__all__ = ["CaptureSetup", "HiddenStatesWorkerExtension"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CaptureSetup:
+    """One worker's answer to `speculators_setup_capture` (pickled back through vLLM's queue)."""
+
+    tp_rank: int
+    captured_layers: list[int]  # decoder layer indices this worker hooked
+    layer_path: str  # where the model keeps its decoder layers, e.g. "model.layers"
+    model_class: str  # the vLLM model's class name
 
 
 @dataclass
@@ -38,7 +56,7 @@ class _Segment:
     """Rows `[row, row + count)` of this step's batch are positions `[start, start + count)`."""
 
     request_id: str
-    buffer: torch.Tensor  # [num_layers, seq_len, hidden]
+    mapped: MappedRequest  # rows [num_layers, seq_len, hidden] and per-slot row counts
     row: int
     start: int
     count: int
@@ -47,12 +65,11 @@ class _Segment:
 @dataclass
 class _CaptureState:
     layer_slots: dict[int, list[int]]  # decoder layer index -> its slots in a request's buffer
-    num_layers: int
-    hidden_size: int
-    dtype: torch.dtype
+    owned_slots: list[int]  # the slots whose layers this worker hooked
+    layout: TransferLayout
     transfer_dir: Path
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    rows_written: dict[str, int] = field(default_factory=dict)
+    buffers: dict[str, MappedRequest] = field(default_factory=dict)
+    rows_written: dict[str, list[int]] = field(default_factory=dict)  # per slot
     scheduler_output: Any = None  # the step being executed, None outside execute_model
     segments: list[_Segment] | None = None
     num_tokens: int = 0
@@ -98,7 +115,7 @@ class HiddenStatesWorkerExtension:
         hidden_size: int,
         dtype: str,
         transfer_dir: str,
-    ) -> dict[str, Any]:
+    ) -> CaptureSetup:
         """Hook the requested layers this rank holds; report which ones that is.
 
         With tensor parallelism every rank holds the full residual stream, so only TP rank 0
@@ -115,14 +132,13 @@ class HiddenStatesWorkerExtension:
         slots: dict[int, list[int]] = {}
         for slot, layer in enumerate(layer_ids):
             slots.setdefault(layer, []).append(slot)
+        captured = [i for i in slots if i in layers.owned] if tp_rank == 0 else []
         state = _CaptureState(
             layer_slots=slots,
-            num_layers=len(layer_ids),
-            hidden_size=hidden_size,
-            dtype=torch_dtype,
+            owned_slots=sorted(slot for layer in captured for slot in slots[layer]),
+            layout=TransferLayout.of(len(layer_ids), hidden_size, torch_dtype),
             transfer_dir=Path(transfer_dir),
         )
-        captured = [i for i in slots if i in layers.owned] if tp_rank == 0 else []
         for layer_index in captured:
             layer = layers.layers[layer_index]
             scale = residual_scale(layer, torch_dtype)
@@ -138,24 +154,12 @@ class HiddenStatesWorkerExtension:
             tp_rank,
             layers.path,
         )
-        return {
-            "tp_rank": tp_rank,
-            "captured_layers": captured,
-            "layer_path": layers.path,
-            "model_class": type(model).__name__,
-        }
-
-    def speculators_collect(self, request_ids: list[str]) -> dict[str, int]:
-        """Release the finished requests' buffers; return how many rows each received."""
-        state = self._speculators_state
-        if state is None:
-            return {}
-        state.writer.flush()  # every row enqueued for these requests is in shared memory now
-        written = {}
-        for request_id in request_ids:
-            state.buffers.pop(request_id, None)
-            written[request_id] = state.rows_written.pop(request_id, 0)
-        return written
+        return CaptureSetup(
+            tp_rank=tp_rank,
+            captured_layers=captured,
+            layer_path=layers.path,
+            model_class=type(model).__name__,
+        )
 
     def speculators_reset(self) -> None:
         """Forget every open buffer (after a failed call on the driver)."""
@@ -190,15 +194,17 @@ class HiddenStatesWorkerExtension:
 
         def execute_model(scheduler_output, *args, **kwargs):
             state = extension._speculators_state
-            if state is not None:
-                state.scheduler_output = scheduler_output
-                state.segments = None
-            try:
+            if state is None:
                 return original(scheduler_output, *args, **kwargs)
+            state.scheduler_output = scheduler_output
+            state.segments = None
+            try:
+                output = original(scheduler_output, *args, **kwargs)
+                extension._speculators_publish_finished(state)
+                return output
             finally:
-                if state is not None:
-                    state.scheduler_output = None
-                    state.segments = None
+                state.scheduler_output = None
+                state.segments = None
 
         runner.execute_model = execute_model
         runner._speculators_wrapped = True
@@ -218,12 +224,11 @@ class HiddenStatesWorkerExtension:
             targets = []
             for segment in segments:
                 end = segment.start + segment.count
+                written = state.rows_written[segment.request_id]
                 for slot in layer_slots:
-                    destination = segment.buffer[slot, segment.start : end]
+                    destination = segment.mapped.rows[slot, segment.start : end]
                     targets.append(RowTarget(destination, segment.row, segment.count))
-                state.rows_written[segment.request_id] = (
-                    state.rows_written.get(segment.request_id, 0) + segment.count * len(layer_slots)
-                )
+                    written[slot] += segment.count
             # On a GPU this only enqueues an async copy; the forward pass goes on at once.
             state.writer.write_rows(stream, targets)
 
@@ -251,18 +256,20 @@ class HiddenStatesWorkerExtension:
         row = 0
         for request_id in order:
             count = out.num_scheduled_tokens[request_id]
-            buffer = state.buffers.get(request_id)
-            if buffer is None:
-                buffer = self._speculators_open(state, request_id)
-                state.buffers[request_id] = buffer
+            mapped = state.buffers.get(request_id)
+            if mapped is None:
+                path = request_file(state.transfer_dir, request_id)
+                mapped = state.buffers[request_id] = map_request(path, state.layout)
+                state.rows_written[request_id] = [0] * state.layout.num_layers
             start = starts[request_id]
-            if start + count > buffer.shape[1]:
+            seq_len = mapped.rows.shape[1]
+            if start + count > seq_len:
                 raise RuntimeError(
                     f"hidden-state capture: request {request_id} scheduled positions "
-                    f"{start}..{start + count} beyond its {buffer.shape[1]} prompt tokens"
+                    f"{start}..{start + count} beyond its {seq_len} prompt tokens"
                 )
             segments.append(
-                _Segment(request_id=request_id, buffer=buffer, row=row, start=start, count=count)
+                _Segment(request_id=request_id, mapped=mapped, row=row, start=start, count=count)
             )
             row += count
         if row != out.total_num_scheduled_tokens:
@@ -274,12 +281,23 @@ class HiddenStatesWorkerExtension:
         state.segments = segments
         return segments
 
-    def _speculators_open(self, state: _CaptureState, request_id: str) -> torch.Tensor:
-        path = state.transfer_dir / f"{request_id}.bin"
-        item = torch.empty((), dtype=state.dtype).element_size()
-        per_token = state.num_layers * state.hidden_size * item
-        size = path.stat().st_size
-        if size % per_token:
-            raise RuntimeError(f"hidden-state capture: {path} has an unexpected size {size}")
-        shape = (state.num_layers, size // per_token, state.hidden_size)
-        return map_shared(path, shape, state.dtype)
+    def _speculators_publish_finished(self, state: _CaptureState) -> None:
+        """Hand over the requests whose prefill this step completed: rows first, then counts.
+
+        The counts are written only once every row of the request is in shared memory, and
+        before `execute_model` returns; the driver reads them after the step's output, so it
+        never sees a count ahead of its rows. Each worker writes only the slots it captures.
+        """
+        done = [
+            segment
+            for segment in state.segments or ()
+            if segment.start + segment.count == segment.mapped.rows.shape[1]
+        ]
+        if not done:
+            return
+        state.writer.flush()
+        for segment in done:
+            state.buffers.pop(segment.request_id, None)
+            written = state.rows_written.pop(segment.request_id)
+            for slot in state.owned_slots:
+                segment.mapped.counts[slot] = written[slot]

@@ -608,8 +608,8 @@ def extract_and_write(
                     progress.update(1)
                     if request.write:
                         sample = {
-                            "input_ids": result["input_ids"],
-                            "hidden_states": result["hidden_states"],
+                            "input_ids": result.input_ids,
+                            "hidden_states": result.hidden_states,
                             "loss_mask": request.loss_mask,
                         }
                         writers.submit(

@@ -1,9 +1,12 @@
 """Shared-memory files that carry captured hidden states from the workers to the driver.
 
-Each request gets one file `[num_layers, seq_len, hidden_size]` in the model dtype, created by the
-driver before the request is scheduled. The worker maps it and writes rows as the prefill chunks
-run; the driver maps it when the request has finished and unlinks it at once, so the tensors it
-returns are backed by memory that disappears with them. Nothing bulky crosses vLLM's RPC queue.
+Each request gets one file, created by the driver before the request is scheduled:
+`[num_layers, seq_len, hidden_size]` in the model dtype, then (8-byte aligned) one int64 per layer
+slot counting the rows the worker wrote there (`TransferLayout` is the only place that knows these
+offsets). The worker maps it and writes rows as the prefill chunks run, and the row counts once the
+request's last chunk is in; the driver maps it when the request has finished and unlinks it at
+once, so the tensors it returns are backed by memory that disappears with them. Nothing crosses
+vLLM's RPC queue per request: not the rows, not their counts.
 """
 
 from __future__ import annotations
@@ -15,17 +18,22 @@ import os
 import shutil
 import tempfile
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 __all__ = [
     "TRANSFER_ROOT_ENV",
+    "MappedRequest",
+    "TakenRequest",
     "TransferDir",
+    "TransferLayout",
     "TransferSpaceError",
     "check_transfer_space",
     "default_transfer_root",
-    "map_shared",
+    "map_request",
+    "request_file",
     "resolve_transfer_root",
 ]
 
@@ -33,7 +41,91 @@ _SHM = Path("/dev/shm")
 
 
 TRANSFER_ROOT_ENV = "SPECULATORS_TRANSFER_ROOT"
-_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
+_COUNT_DTYPE = torch.int64
+_COUNT_BYTES = 8
+
+
+@dataclass(frozen=True)
+class TransferLayout:
+    """Byte layout of one request's transfer file; driver, worker and space checks all use it.
+
+    `[num_layers, seq_len, hidden_size]` rows in the model dtype from offset 0, then at
+    `counts_offset` one int64 per layer slot: the rows the capturing worker wrote into that slot.
+    """
+
+    num_layers: int
+    hidden_size: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, num_layers: int, hidden_size: int, dtype: torch.dtype | str) -> TransferLayout:
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype.removeprefix("torch."))
+        return cls(num_layers=num_layers, hidden_size=hidden_size, dtype=dtype)
+
+    @property
+    def layer_row_bytes(self) -> int:
+        """One token of one layer."""
+        return self.hidden_size * self.dtype.itemsize
+
+    @property
+    def token_bytes(self) -> int:
+        """One token across every captured layer: what a prompt token costs in transfer space."""
+        return self.num_layers * self.layer_row_bytes
+
+    def layer_offset(self, seq_len: int, slot: int) -> int:
+        return slot * seq_len * self.layer_row_bytes
+
+    def counts_offset(self, seq_len: int) -> int:
+        data = seq_len * self.token_bytes
+        return -(-data // _COUNT_BYTES) * _COUNT_BYTES
+
+    def file_bytes(self, seq_len: int) -> int:
+        return self.counts_offset(seq_len) + self.num_layers * _COUNT_BYTES
+
+    def seq_len_of(self, file_bytes: int) -> int:
+        """The prompt length a file of this size was made for; refuses sizes no length gives."""
+        counts = self.num_layers * _COUNT_BYTES
+        seq_len = (file_bytes - counts) // self.token_bytes
+        if seq_len < 1 or self.file_bytes(seq_len) != file_bytes:
+            raise RuntimeError(
+                f"a transfer file of {file_bytes} bytes does not fit the layout of {self.num_layers} "
+                f"layers x {self.hidden_size} {self.dtype} (another generator's file?)"
+            )
+        return seq_len
+
+
+def request_file(directory: str | os.PathLike, request_id: str) -> Path:
+    """The transfer file of one request inside a generator's transfer directory."""
+    return Path(directory) / f"{request_id}.bin"
+
+
+@dataclass(frozen=True)
+class MappedRequest:
+    """A worker's writable view of a request's file: the rows and the per-slot row counts."""
+
+    rows: torch.Tensor  # [num_layers, seq_len, hidden_size], model dtype
+    counts: torch.Tensor  # [num_layers] int64
+
+
+def map_request(path: str | os.PathLike, layout: TransferLayout) -> MappedRequest:
+    """Map an existing transfer file shared with every other mapping (writes reach the driver)."""
+    size = os.stat(path).st_size
+    seq_len = layout.seq_len_of(size)
+    raw = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+    data_bytes = seq_len * layout.token_bytes
+    rows = raw[:data_bytes].view(layout.dtype).view(layout.num_layers, seq_len, layout.hidden_size)
+    start = layout.counts_offset(seq_len)
+    counts = raw[start : start + layout.num_layers * _COUNT_BYTES].view(_COUNT_DTYPE)
+    return MappedRequest(rows=rows, counts=counts)
+
+
+@dataclass(frozen=True)
+class TakenRequest:
+    """What the driver gets back for a finished request."""
+
+    hidden_states: list[torch.Tensor]  # one [seq_len, hidden_size] tensor per layer slot
+    rows_written: list[int]  # per layer slot, as the capturing worker counted them
 
 
 def resolve_transfer_root(root: str | os.PathLike | None = None) -> Path:
@@ -67,8 +159,11 @@ def check_transfer_space(options, facts) -> None:
         dtype = str(
             facts.config_dict.get("torch_dtype") or facts.config_dict.get("dtype") or "bfloat16"
         )
-    itemsize = _DTYPE_BYTES.get(dtype, 4)
-    needed = len(facts.layer_ids) * facts.hidden_size * itemsize * options.seq_length
+    try:
+        layout = TransferLayout.of(len(facts.layer_ids), facts.hidden_size, dtype)
+    except (AttributeError, TypeError):
+        layout = TransferLayout.of(len(facts.layer_ids), facts.hidden_size, torch.float32)
+    needed = layout.file_bytes(options.seq_length)
     free = shutil.disk_usage(root).free
     if needed > free:
         raise ValueError(space_hint(root, needed, free))
@@ -83,14 +178,6 @@ def default_transfer_root() -> Path:
     if _SHM.is_dir() and os.access(_SHM, os.W_OK):
         return _SHM
     return Path(tempfile.gettempdir())
-
-
-def map_shared(path: str | os.PathLike, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Map an existing transfer file as a writable tensor shared with every other mapping."""
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    return torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
 
 
 _PREFIX = "speculators-"
@@ -140,7 +227,7 @@ class TransferDir:
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
     def file_for(self, request_id: str) -> Path:
-        return self.path / f"{request_id}.bin"
+        return request_file(self.path, request_id)
 
     def request_files(self) -> list[Path]:
         """The per-request files present now (the directory's own lock file is not one)."""
@@ -170,30 +257,30 @@ class TransferDir:
                     raise
                 handle.truncate(nbytes)  # no reservation on this file system
 
-    def take(
-        self, request_id: str, shape: tuple[int, ...], dtype: torch.dtype
-    ) -> list[torch.Tensor]:
+    def take(self, request_id: str, layout: TransferLayout, seq_len: int) -> TakenRequest:
         """Map the finished request's file for the caller and unlink it.
 
-        Returns one tensor per leading index (per captured layer), each with its own storage over
-        its part of a private copy-on-write mapping: no copy is made, and saving one layer saves
-        only that layer. The mapping outlives the unlink; memory is freed with the tensors.
+        Returns one tensor per layer slot, each with its own storage over its part of a private
+        copy-on-write mapping: no copy is made, and saving one layer saves only that layer. The
+        mapping outlives the unlink; memory is freed with the tensors.
         """
         path = self.file_for(request_id)
-        item = torch.empty((), dtype=dtype).element_size()
-        per_part = item
-        for dim in shape[1:]:
-            per_part *= dim
         with open(path, "r+b") as handle:
-            mapping = mmap.mmap(handle.fileno(), per_part * shape[0], access=mmap.ACCESS_COPY)
+            mapping = mmap.mmap(handle.fileno(), layout.file_bytes(seq_len), access=mmap.ACCESS_COPY)
         path.unlink()
         parts = []
-        for index in range(shape[0]):
+        for slot in range(layout.num_layers):
             flat = torch.frombuffer(
-                mapping, dtype=dtype, count=per_part // item, offset=index * per_part
+                mapping,
+                dtype=layout.dtype,
+                count=seq_len * layout.hidden_size,
+                offset=layout.layer_offset(seq_len, slot),
             )
-            parts.append(flat.view(shape[1:]))
-        return parts
+            parts.append(flat.view(seq_len, layout.hidden_size))
+        counts = torch.frombuffer(
+            mapping, dtype=_COUNT_DTYPE, count=layout.num_layers, offset=layout.counts_offset(seq_len)
+        )
+        return TakenRequest(hidden_states=parts, rows_written=counts.tolist())
 
     def discard(self, request_id: str) -> None:
         self.file_for(request_id).unlink(missing_ok=True)

@@ -16,17 +16,22 @@ import numbers
 import os
 import time
 import weakref
+from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from speculators_vllm016.data_generation.cpu_defaults import cpu_defaults_applied, is_cpu_platform
-from speculators_vllm016.data_generation.transfer import TransferDir
+from speculators_vllm016.data_generation.transfer import TakenRequest, TransferDir, TransferLayout
 from speculators_vllm016.utils.layer_ids import default_layer_ids
 
-__all__ = ["VllmHiddenStatesGenerator"]
+if TYPE_CHECKING:
+    from speculators_vllm016.data_generation.custom_worker import CaptureSetup
+
+__all__ = ["HiddenStatesResult", "VllmHiddenStatesGenerator"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +61,52 @@ def normalize_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
             )
         resolved.append(index)
     return resolved
+
+
+@dataclass(frozen=True)
+class HiddenStatesResult:
+    """The hidden states of one input sequence, as `generate_stream` yields them.
+
+    It carries only what the engine computed; the loss mask belongs to the data pipeline, which
+    builds its own sample from these fields (or calls `to_dict()` for 0.3.0's dict).
+    """
+
+    input_ids: torch.Tensor  # LongTensor [seq_len]
+    hidden_states: list[torch.Tensor]  # one [seq_len, hidden_size] tensor per layer id, in order
+
+    def to_dict(self) -> dict[str, Any]:
+        """0.3.0's per-sequence dict: `input_ids`, `hidden_states` and `loss_mask=None`."""
+        return {"input_ids": self.input_ids, "hidden_states": self.hidden_states, "loss_mask": None}
+
+
+@dataclass(frozen=True)
+class EngineStep:
+    """What one engine step did, as `_run` needs it to tell progress from a stall."""
+
+    num_scheduled_tokens: int  # tokens of the batch scheduled in this step (0: none)
+    finished: list[Any]  # vLLM `EngineCoreOutput`s whose finish_reason is set
+    num_tokens_in_flight: int = 0  # tokens of batches still executing after this step
+
+
+def check_rows(request_id: str, num_tokens: int, layer_ids: list[int], taken: TakenRequest) -> None:
+    """Every layer slot got exactly one row per token, as the capturing worker counted them."""
+    if taken.rows_written == [num_tokens] * len(layer_ids):
+        return
+    wrong = [layer_ids[slot] for slot, count in enumerate(taken.rows_written) if count != num_tokens]
+    raise RuntimeError(
+        f"request {request_id}: captured {sum(taken.rows_written)} rows, expected "
+        f"{num_tokens * len(layer_ids)} ({num_tokens} tokens x {len(layer_ids)} layers); rows "
+        f"per layer slot {taken.rows_written}, wrong for layers {wrong}"
+    )
+
+
+def _finished_outputs(engine_outputs: dict[int, Any]) -> list[Any]:
+    return [
+        output
+        for outputs in engine_outputs.values()
+        for output in outputs.outputs
+        if output.finish_reason is not None
+    ]
 
 
 def _shutdown(executor: Any, transfer: TransferDir | None) -> None:
@@ -199,6 +250,7 @@ class VllmHiddenStatesGenerator:
             default_layer_ids(self.num_hidden_layers) if layer_ids is None else layer_ids,
             self.num_hidden_layers,
         )
+        self._layout = TransferLayout.of(len(self.layer_ids), self.hidden_size, self.dtype)
         self._transfer = TransferDir(transfer_root)
         # Bytes of transfer files in flight at once: half the room there is, unless told.
         self.max_transfer_bytes = self._max_transfer_bytes or max(1, self._transfer.free_bytes() // 2)
@@ -270,6 +322,14 @@ class VllmHiddenStatesGenerator:
             self._block_hasher = get_request_block_hasher(block_size, hash_fn)
         self.num_kv_blocks = scheduler_kv_cache_config.num_blocks
         self.kv_block_size = block_size
+        # As `EngineCore.__init__`: with pipeline parallelism several batches are in flight at
+        # once (one per stage), so that no stage waits for the driver between batches.
+        self._batch_queue_size = int(executor.max_concurrent_batches)
+        self._batch_queue: deque[tuple[Any, Any, Any]] | None = None
+        self._step_fn = self._step
+        if self._batch_queue_size > 1:
+            self._batch_queue = deque(maxlen=self._batch_queue_size)
+            self._step_fn = self._step_with_batch_queue
 
     def _setup_capture(self) -> None:
         assert self._transfer is not None
@@ -283,18 +343,19 @@ class VllmHiddenStatesGenerator:
                 str(self._transfer.path),
             ),
         )
+        setups: list[CaptureSetup] = list(replies)
         owners: dict[int, int] = {}
-        for reply in replies:
-            for layer in reply["captured_layers"]:
+        for setup in setups:
+            for layer in setup.captured_layers:
                 owners[layer] = owners.get(layer, 0) + 1
         wrong = sorted({layer for layer in self.layer_ids if owners.get(layer) != 1})
         if wrong:
             raise RuntimeError(
-                f"layers {wrong} of {replies[0]['model_class']} were not captured by exactly one "
+                f"layers {wrong} of {setups[0].model_class} were not captured by exactly one "
                 f"worker (captures per layer: {owners})"
             )
-        self.layer_path = replies[0]["layer_path"]
-        self.model_class = replies[0]["model_class"]
+        self.layer_path = setups[0].layer_path
+        self.model_class = setups[0].model_class
 
     # -- generation -------------------------------------------------------------------------------
 
@@ -350,13 +411,13 @@ class VllmHiddenStatesGenerator:
         sequences = self._validate(token_ids)
         results: list[dict | None] = [None] * len(sequences)
         for index, result in self._stream(sequences):
-            results[index] = result
+            results[index] = result.to_dict()
         return results  # type: ignore[return-value]
 
     def generate_stream(
         self, token_ids: list[list[int]] | torch.Tensor
-    ) -> Iterator[tuple[int, dict]]:
-        """Like `generate`, but yields `(input index, result)` as each sequence finishes.
+    ) -> Iterator[tuple[int, HiddenStatesResult]]:
+        """Like `generate`, but yields `(input index, HiddenStatesResult)` as each one finishes.
 
         All sequences are scheduled at once, so the engine stays full until the last one; a
         caller can write finished samples while the rest are still computing. Stopping the
@@ -364,23 +425,19 @@ class VllmHiddenStatesGenerator:
         """
         return self._stream(self._validate(token_ids))
 
-    def _stream(self, sequences: list[list[int]]) -> Iterator[tuple[int, dict]]:
+    def _stream(self, sequences: list[list[int]]) -> Iterator[tuple[int, HiddenStatesResult]]:
         """Admit requests while their transfer files fit the budget; yield results as they end.
 
         Each admitted request's file is reserved in full (see `TransferDir.allocate`). When the
         transfer root is full, admission waits for this call's running requests to finish; with
         none running the call fails with a clear error instead of a SIGBUS in a worker.
         """
-        from collections import deque
-
         from speculators_vllm016.data_generation.transfer import TransferSpaceError
 
         assert self._transfer is not None
         transfer = self._transfer
         call = next(self._calls)
         request_ids = [f"c{call}-{index}" for index in range(len(sequences))]
-        item = torch.empty((), dtype=self.dtype).element_size()
-        per_token = len(self.layer_ids) * self.hidden_size * item
         index_of = {request_id: index for index, request_id in enumerate(request_ids)}
         waiting = deque(request_ids)
         in_flight: dict[str, int] = {}
@@ -390,7 +447,7 @@ class VllmHiddenStatesGenerator:
             while waiting:
                 request_id = waiting[0]
                 ids = sequences[index_of[request_id]]
-                nbytes = per_token * len(ids)
+                nbytes = self._layout.file_bytes(len(ids))
                 if in_flight and sum(in_flight.values()) + nbytes > self.max_transfer_bytes:
                     break
                 try:
@@ -408,16 +465,15 @@ class VllmHiddenStatesGenerator:
         try:
             pending = set(admit())
             for finished in self._run(pending, admit):
-                self._check_rows(finished, [sequences[index_of[rid]] for rid in finished])
                 for request_id in finished:
                     ids = sequences[index_of[request_id]]
-                    shape = (len(self.layer_ids), len(ids), self.hidden_size)
-                    result = {
-                        "input_ids": torch.tensor(ids, dtype=torch.long),
-                        "hidden_states": transfer.take(request_id, shape, self.dtype),
-                        "loss_mask": None,
-                    }
+                    taken = transfer.take(request_id, self._layout, len(ids))
                     in_flight.pop(request_id, None)
+                    check_rows(request_id, len(ids), self.layer_ids, taken)
+                    result = HiddenStatesResult(
+                        input_ids=torch.tensor(ids, dtype=torch.long),
+                        hidden_states=taken.hidden_states,
+                    )
                     yield index_of[request_id], result
         except BaseException:
             self._recover(request_ids)
@@ -444,23 +500,66 @@ class VllmHiddenStatesGenerator:
             block_hasher=self._block_hasher,
         )
 
-    def _step(self) -> list[Any]:
-        """One engine step, as `EngineCore.step`; returns the outputs of finished requests."""
+    def _step(self) -> EngineStep:
+        """One engine step, as `EngineCore.step`: schedule, execute, sample, update."""
         scheduler = self._scheduler
         scheduler_output = scheduler.schedule()
-        self._last_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
         future = self._executor.execute_model(scheduler_output, non_block=True)
         grammar_output = scheduler.get_grammar_bitmask(scheduler_output)
         model_output = future.result()
         if model_output is None:
             model_output = self._executor.sample_tokens(grammar_output)
         engine_outputs = scheduler.update_from_output(scheduler_output, model_output)
-        return [
-            output
-            for outputs in engine_outputs.values()
-            for output in outputs.outputs
-            if output.finish_reason is not None
-        ]
+        return EngineStep(
+            num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+            finished=_finished_outputs(engine_outputs),
+        )
+
+    def _step_with_batch_queue(self) -> EngineStep:
+        """One engine step with batches in flight, as `EngineCore.step_with_batch_queue`.
+
+        Schedule a new batch while the queue has room and the oldest batch is still running;
+        otherwise wait for the oldest batch and update the scheduler from its output. A
+        request's next prefill chunk can be scheduled while its previous one is in flight
+        (the scheduler advances `num_computed_tokens` when it schedules).
+        """
+        scheduler = self._scheduler
+        batch_queue = self._batch_queue
+        assert batch_queue is not None and len(batch_queue) < self._batch_queue_size
+        scheduled_tokens = 0
+        if scheduler.has_requests():
+            scheduler_output = scheduler.schedule()
+            exec_future = self._executor.execute_model(scheduler_output, non_block=True)
+            scheduled_tokens = scheduler_output.total_num_scheduled_tokens
+            if scheduled_tokens > 0:
+                grammar_output = scheduler.get_grammar_bitmask(scheduler_output)
+                future = self._executor.sample_tokens(grammar_output, non_block=True)
+            else:
+                future = exec_future  # nothing to sample
+            batch_queue.appendleft((future, scheduler_output, exec_future))
+            if (
+                scheduled_tokens > 0
+                and len(batch_queue) < self._batch_queue_size
+                and not batch_queue[-1][0].done()
+            ):
+                return EngineStep(scheduled_tokens, [], self._tokens_in_flight())
+        elif not batch_queue:
+            return EngineStep(0, [])
+        future, scheduler_output, exec_future = batch_queue.pop()
+        model_output = future.result()
+        if model_output is None:
+            exec_future.result()  # raises the worker's error if execute_model failed
+            raise RuntimeError("the last pipeline stage returned no output for a batch")
+        engine_outputs = scheduler.update_from_output(scheduler_output, model_output)
+        return EngineStep(
+            scheduled_tokens, _finished_outputs(engine_outputs), self._tokens_in_flight()
+        )
+
+    def _tokens_in_flight(self) -> int:
+        return sum(output.total_num_scheduled_tokens for _, output, _ in self._batch_queue or ())
+
+    def _has_work(self) -> bool:
+        return self._scheduler.has_requests() or bool(self._batch_queue)
 
     def _run(self, pending: set[str], refill=None) -> Iterator[list[str]]:
         """Step the engine until every pending request finished; yield each step's finishers.
@@ -470,9 +569,9 @@ class VllmHiddenStatesGenerator:
         from vllm.v1.engine import FinishReason
 
         idle_steps = 0
-        while pending or self._scheduler.has_requests():
-            finished = self._step()
-            if self._last_scheduled_tokens == 0 and not finished:
+        while pending or self._has_work():
+            step = self._step_fn()
+            if step.num_scheduled_tokens == 0 and not step.finished and not step.num_tokens_in_flight:
                 idle_steps += 1
                 if idle_steps > 2 and pending:
                     raise RuntimeError(
@@ -482,7 +581,7 @@ class VllmHiddenStatesGenerator:
             else:
                 idle_steps = 0
             done = []
-            for output in finished:
+            for output in step.finished:
                 if output.request_id not in pending:
                     continue
                 if output.finish_reason != FinishReason.LENGTH:
@@ -497,25 +596,14 @@ class VllmHiddenStatesGenerator:
                 if refill is not None:
                     pending.update(refill())
 
-    def _check_rows(self, request_ids: list[str], sequences: list[list[int]]) -> None:
-        replies = self._executor.collective_rpc("speculators_collect", args=(request_ids,))
-        for request_id, ids in zip(request_ids, sequences):
-            rows = sum(reply.get(request_id, 0) for reply in replies)
-            expected = len(ids) * len(self.layer_ids)
-            if rows != expected:
-                raise RuntimeError(
-                    f"request {request_id}: captured {rows} rows, expected {expected} "
-                    f"({len(ids)} tokens x {len(self.layer_ids)} layers)"
-                )
-
     def _recover(self, request_ids: list[str]) -> None:
         """Abort what is left of a failed call so the next call starts clean."""
         from vllm.v1.request import RequestStatus
 
         try:
             self._scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-            while self._scheduler.has_requests():
-                self._step()
+            while self._has_work():
+                self._step_fn()
             self._executor.collective_rpc("speculators_reset")
         except Exception:  # noqa: BLE001 - the original error is the one to report
             logger.exception("could not clean up after a failed generate() call")

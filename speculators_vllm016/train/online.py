@@ -159,8 +159,8 @@ class OnlineExtractor:
             for k, result in stream:
                 self.stats.extraction_seconds += time.perf_counter() - clock
                 sample = {
-                    "input_ids": result["input_ids"],
-                    "hidden_states": result["hidden_states"],
+                    "input_ids": result.input_ids,
+                    "hidden_states": result.hidden_states,
                     "loss_mask": torch.as_tensor(masks[k], dtype=torch.long),
                 }
                 self.stats.extracted_tokens += len(input_ids[k])

@@ -18,6 +18,7 @@ from speculators_vllm016.data_generation.sample_io import (
     load_sample,
     sample_path,
 )
+from speculators_vllm016.data_generation.vllm_hidden_states_generator import HiddenStatesResult
 
 HIDDEN = 8
 LAYERS = 2
@@ -27,12 +28,6 @@ def states_of(ids: list[int]) -> list[torch.Tensor]:
     """Hidden states that depend on the sequence, so a misattributed result shows."""
     seed = torch.Generator().manual_seed(sum(ids) * 31 + len(ids))
     return list(torch.randn(LAYERS, len(ids), HIDDEN, generator=seed).unbind(0))
-
-
-class StandInResult(dict):
-    """One sequence's result, readable as 0.3.0's dict and by attribute (the typed result)."""
-
-    __getattr__ = dict.__getitem__
 
 
 class ReversedGenerator:
@@ -50,7 +45,7 @@ class ReversedGenerator:
                     raise RuntimeError("engine worker died")
                 self.fail_after -= 1
             ids = sequences[offset]
-            yield offset, StandInResult(
+            yield offset, HiddenStatesResult(
                 input_ids=torch.tensor(ids, dtype=torch.long), hidden_states=states_of(ids)
             )
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from speculators_vllm016.data_generation.vllm_hidden_states_generator import (
+    HiddenStatesResult,
     VllmHiddenStatesGenerator,
 )
 from tests.hf_reference import HFReference, mixed_batch, relative_error
@@ -153,7 +154,8 @@ class TestLlama:
         seen = {}
         for index, result in llama_generator.generate_stream(batch):
             assert index not in seen
-            seen[index] = result
+            assert isinstance(result, HiddenStatesResult)
+            seen[index] = result.to_dict()
         assert sorted(seen) == list(range(len(batch)))
         assert_matches_reference([seen[i] for i in range(len(batch))], batch, llama_reference, LLAMA_LAYERS)
         stream = llama_generator.generate_stream(batch)
@@ -285,7 +287,9 @@ class TestQwen3TensorParallel:
 
 
 class TestLlamaPipelineParallel:
-    def test_each_stage_captures_its_own_layers(self, tiny_llama, llama_reference):
+    def test_each_stage_captures_its_own_layers_with_batches_in_flight(
+        self, tiny_llama, llama_reference
+    ):
         batch = mixed_batch(VOCAB, [1, 511, 90, 130, 7, 300, 64, 65, 12, 250], seed=14)
         with VllmHiddenStatesGenerator(
             str(tiny_llama),
@@ -296,7 +300,19 @@ class TestLlamaPipelineParallel:
             max_num_seqs=4,
             max_num_batched_tokens=128,
         ) as generator:
+            steps = []
+            step_fn = generator._step_fn
+
+            def recording_step():
+                steps.append(step_fn())
+                return steps[-1]
+
+            generator._step_fn = recording_step
             results = generator.generate(batch)
+            # As vLLM's engine: one batch per stage in flight, so stage 0 never idles while
+            # stage 1 runs the previous batch.
+            assert max(step.num_tokens_in_flight for step in steps) > 0
+            assert not generator._batch_queue  # drained: nothing left in flight
         assert_matches_reference(results, batch, llama_reference, LLAMA_LAYERS)
 
 

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from speculators_vllm016.cli.train import main as train_main
 from speculators_vllm016.data_generation.offline import DatagenOptions, run_datagen
+from speculators_vllm016.data_generation.vllm_hidden_states_generator import HiddenStatesResult
 from speculators_vllm016.demo import demo_conversations_path
 from speculators_vllm016.train.data import list_files
 from speculators_vllm016.train.vocab_mapping import build_vocab_mappings_from_distribution
@@ -236,8 +237,10 @@ class StandInGenerator:
             if self.fail_after is not None:
                 self.fail_after -= 1
             seed = torch.Generator().manual_seed(sum(ids))
-            yield k, {"input_ids": torch.tensor(ids), "loss_mask": None,
-                      "hidden_states": [torch.randn(len(ids), 256, generator=seed) for _ in range(4)]}
+            yield k, HiddenStatesResult(
+                input_ids=torch.tensor(ids),
+                hidden_states=[torch.randn(len(ids), 256, generator=seed) for _ in range(4)],
+            )
 
     def close(self) -> None:
         self.closed = True
