@@ -206,9 +206,10 @@ def flex_attention_forward(
     """
     enable_gqa = query.shape[1] != key.shape[1]
     if isinstance(attention_mask, BlockMask):
+        # The query keeps its layout: flex writes the output in it, so a query that is a
+        # `[B, H, L, D]` view of `[B, L, H, D]` memory gives an output the caller reads as is.
         out = _flex(
-            query.contiguous(), key.contiguous(), value.contiguous(), attention_mask, scaling,
-            enable_gqa,
+            query, key.contiguous(), value.contiguous(), attention_mask, scaling, enable_gqa
         )
     else:
         mask = attention_mask

@@ -33,7 +33,11 @@ from speculators_vllm016.models.eagle3.attention import (
     extend_mask_for_draft_tokens,
 )
 from speculators_vllm016.models.eagle3.config import Eagle3SpeculatorConfig
-from speculators_vllm016.models.eagle3.model_definitions import maybe_compiled, model_classes
+from speculators_vllm016.models.eagle3.model_definitions import (
+    FirstLayerWeightCache,
+    maybe_compiled,
+    model_classes,
+)
 from speculators_vllm016.utils.layer_ids import eagle3_aux_layer_ids
 
 __all__ = [
@@ -47,6 +51,7 @@ __all__ = [
     "linear_kl_loss",
     "loss_function",
     "score_ttt_step",
+    "WeightGradSink",
 ]
 
 AttentionBackend = Literal["auto", "flex", "sdpa"]
@@ -217,10 +222,45 @@ def _kl_chunk(logits: torch.Tensor, targets: torch.Tensor, row_weights: torch.Te
 
 
 def _accumulate_product(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    """`total + left @ right` with `total` fp32: on CUDA one matmul accumulating into fp32."""
-    if total.device.type == "cuda" and left.dtype != torch.float32:
-        return torch.addmm(total, left, right, out_dtype=torch.float32)
-    return total.add_((left @ right).float())
+    """`total += left @ right` in place, as one matmul where the dtypes allow (an fp32 `total`
+    over bf16 factors on CUDA too)."""
+    if total.dtype == left.dtype:
+        return torch.addmm(total, left, right, out=total)
+    if total.device.type == "cuda" and total.dtype == torch.float32:
+        return torch.addmm(total, left, right, out_dtype=torch.float32, out=total)
+    return total.add_((left @ right).to(total.dtype))
+
+
+class WeightGradSink:
+    """One gradient of a weight shared by several `linear_kl_loss` calls (the TTT steps of one
+    forward pass) whose losses are summed into one loss.
+
+    Each call adds its part in its forward pass; the backward pass hands the total over once,
+    from whichever call runs first, scaled by that call's upstream gradient (the same for all
+    calls, as their losses are summed). One `[vocab, hidden]` buffer in the compute dtype then
+    serves all steps, accumulated by the matmuls themselves (as autograd sums the steps'
+    gradients of every other weight in that dtype).
+    """
+
+    def __init__(self) -> None:
+        self.total: torch.Tensor | None = None
+        self.calls = 0
+        self._handed = 0
+
+    def add(self, shape: torch.Size, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The buffer a new call accumulates into (zeros at the first call)."""
+        if self.total is None:
+            self.total = torch.zeros(shape, dtype=dtype, device=device)
+        self.calls += 1
+        return self.total
+
+    def hand_over(self) -> torch.Tensor | None:
+        """The total at the first backward call of a round, None at the others."""
+        self._handed += 1
+        first = self._handed == 1
+        if self._handed == self.calls:
+            self._handed = 0  # a second backward over a retained graph starts a new round
+        return self.total if first else None
 
 
 class _LinearKL(torch.autograd.Function):
@@ -228,20 +268,24 @@ class _LinearKL(torch.autograd.Function):
 
     The logits exist one chunk of rows at a time; their gradients w.r.t. `hidden` and `weight`
     are formed in the forward pass (so nothing is recomputed) and scaled in the backward pass.
+    `weight_compute` is `weight` in the compute dtype when the caller has it already (one cast
+    per forward pass), and `sink` a `WeightGradSink` shared with the other steps.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, row_weights, chunk_size, compiled):
+    def forward(ctx, hidden, weight, weight_compute, targets, row_weights, chunk_size, compiled, sink):
         rows = hidden.shape[0]
         compute = hidden.dtype
-        w = weight.to(compute)
+        w = weight_compute if weight_compute is not None else weight.to(compute)
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            if need_weight
-            else None
-        )
+        grad_weight = None
+        if need_weight:
+            grad_weight = (
+                sink.add(weight.shape, weight.device, compute)
+                if sink is not None
+                else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            )
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         predicted = torch.empty(rows, dtype=torch.long, device=hidden.device)
         chunk_math = maybe_compiled(_kl_chunk, compiled)
@@ -256,22 +300,24 @@ class _LinearKL(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[start:end] = grad_logits @ w
             if grad_weight is not None:
-                grad_weight = _accumulate_product(grad_weight, grad_logits.T, part)
+                _accumulate_product(grad_weight, grad_logits.T, part)
+            del logits, grad_logits  # before the next chunk's are made: one chunk alive at a time
         ctx.weight_dtype = weight.dtype
-        if grad_weight is not None and compute != torch.float32:
-            grad_weight = grad_weight.to(compute)  # as autocast's own weight gradients
-        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.sink = sink
+        ctx.save_for_backward(grad_hidden, None if sink is not None else grad_weight)
         ctx.mark_non_differentiable(predicted)
         return total, predicted
 
     @staticmethod
     def backward(ctx, grad_total, _grad_predicted):
         grad_hidden, grad_weight = ctx.saved_tensors
+        if ctx.sink is not None and ctx.needs_input_grad[1]:
+            grad_weight = ctx.sink.hand_over()
         if grad_hidden is not None:
             grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
         if grad_weight is not None:
-            grad_weight = (grad_weight.float() * grad_total).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+            grad_weight = (grad_weight * grad_total).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def linear_kl_loss(
@@ -281,10 +327,20 @@ def linear_kl_loss(
     row_weights: torch.Tensor,
     chunk_size: int = 4096,
     compiled: bool = False,
+    *,
+    weight_compute: torch.Tensor | None = None,
+    weight_grad_sink: WeightGradSink | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(sum_i row_weights[i] * KL(softmax(target_logits[i]) || softmax(hidden[i] @ weight.T)),
-    argmax_i)` for `hidden [N, H]`, `target_logits [N, V]`, computed `chunk_size` rows at a time."""
-    return _LinearKL.apply(hidden, weight, target_logits, row_weights, chunk_size, compiled)
+    argmax_i)` for `hidden [N, H]`, `target_logits [N, V]`, computed `chunk_size` rows at a time.
+
+    `weight_compute`: `weight` already cast to the compute dtype (detached); `weight_grad_sink`:
+    a `WeightGradSink` shared by calls whose losses are summed (see there).
+    """
+    return _LinearKL.apply(
+        hidden, weight, weight_compute, target_logits, row_weights, chunk_size, compiled,
+        weight_grad_sink,
+    )
 
 
 @dataclass
@@ -310,6 +366,9 @@ def score_ttt_step(
     masked_denominator: bool = True,
     chunk_size: int = 4096,
     compiled: bool = False,
+    head_compute: torch.Tensor | None = None,
+    weight_grad_sink: WeightGradSink | None = None,
+    target_ids: torch.Tensor | None = None,
 ) -> StepScore:
     """Score TTT step k (`ttt_step`) of a row of `R` positions, as the forward does.
 
@@ -321,6 +380,8 @@ def score_ttt_step(
     Loss: `decay**k * sum_i KL_i * scored[i+k] / (sum scored + eps)`, eps = 1e-5 when
     `masked_denominator` (a loss mask was given), else 0, as 0.3.0 normalises.
     `prev_correct [R]` (right at every earlier step, seeded with the loss mask) is updated.
+    Per forward pass, once for all steps: `head_compute` (the head in the compute dtype),
+    `weight_grad_sink` (see `WeightGradSink`), `target_ids` (`target_logits.argmax(-1)`).
     """
     rows = hidden.shape[0]
     valid = (valid_rows if valid_rows is not None else rows) - ttt_step
@@ -333,11 +394,14 @@ def score_ttt_step(
     if step_targets.shape[0] < rows:
         raise ValueError(f"target_logits needs at least {rows + ttt_step} rows for step {ttt_step}")
     loss, predicted = linear_kl_loss(
-        hidden, head_weight, step_targets, row_weights, chunk_size, compiled
+        hidden, head_weight, step_targets, row_weights, chunk_size, compiled,
+        weight_compute=head_compute, weight_grad_sink=weight_grad_sink,
     )
     with torch.no_grad():
         # As accuracy_from_ids, without boolean indexing (no host sync in the training step).
-        target_ids = step_targets.argmax(dim=-1)
+        if target_ids is None:
+            target_ids = target_logits.argmax(dim=-1)
+        target_ids = target_ids[ttt_step : ttt_step + rows]
         valid = max(valid, 0)
         prev = prev_correct[:valid]
         conditional_denominator = prev.sum()
@@ -648,6 +712,9 @@ class Eagle3DraftModel(SpeculatorModel):
         hidden = self.fc(hidden_states)
         autocast = torch.is_autocast_enabled(device.type)
         compute_dtype = torch.get_autocast_dtype(device.type) if autocast else hidden.dtype
+        first_layer, *later_layers = self.layers
+        # Cast once per forward pass; every TTT step shares the casts (and their gradients).
+        layer_weights = FirstLayerWeightCache(compute_dtype if autocast else None)
         original_ids = input_ids
         scoring = verifier_last_hidden_states is not None
         loss = None
@@ -662,6 +729,10 @@ class Eagle3DraftModel(SpeculatorModel):
             # reads an aligned [padded, vocab] view.
             spare = F.pad(verifier_last_hidden_states[0], (0, 0, 0, pad + ttt_steps))
             targets = self.target_logits(spare)
+            del spare
+            target_ids = targets.argmax(dim=-1)
+            head_compute = self.lm_head.weight.detach().to(compute_dtype)
+            head_grad = WeightGradSink()
             base_mask = torch.ones(padded + ttt_steps, dtype=torch.bool, device=device)
             if loss_mask is not None:
                 base_mask[:total] = loss_mask[0].to(torch.bool)
@@ -674,9 +745,13 @@ class Eagle3DraftModel(SpeculatorModel):
         for step in range(ttt_steps):
             with torch.no_grad():
                 embeds = self.embed_tokens(input_ids)
-            hidden = torch.cat([embeds.to(hidden.dtype), hidden], dim=-1)
             position_embeddings = self.rotary_emb(hidden, position_ids)
-            for layer in self.layers:
+            hidden = first_layer(
+                hidden, input_embeds=embeds, attention_mask=mask,
+                position_embeddings=position_embeddings, past_key_values=cache,
+                weight_cache=layer_weights, **kwargs,
+            )
+            for layer in later_layers:
                 hidden = layer(
                     hidden,
                     attention_mask=mask,
@@ -697,6 +772,7 @@ class Eagle3DraftModel(SpeculatorModel):
                     ttt_step_loss_decay, valid_rows=total,
                     masked_denominator=loss_mask is not None,
                     chunk_size=self.loss_chunk_size, compiled=compiled,
+                    head_compute=head_compute, weight_grad_sink=head_grad, target_ids=target_ids,
                 )
                 loss = loss + score.loss
                 metrics[f"loss_{step}"] = score.loss.detach().clone()

@@ -6,15 +6,25 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import Cache, LlamaConfig
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (
     LlamaDecoderLayer,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
+    eager_attention_forward,
 )
 
-__all__ = ["LlamaDecoderEagle3FirstLayer", "ModelComponents", "model_classes", "maybe_compiled"]
+__all__ = [
+    "FirstLayerWeightCache",
+    "FirstLayerWeights",
+    "LlamaDecoderEagle3FirstLayer",
+    "ModelComponents",
+    "model_classes",
+    "maybe_compiled",
+]
 
 _COMPILED: dict[Callable, Callable] = {}
 
@@ -32,25 +42,170 @@ def maybe_compiled(function: Callable, enabled: bool) -> Callable:
     return _COMPILED[function]
 
 
-def _attention_inputs(layer: LlamaDecoderEagle3FirstLayer, hidden_states: torch.Tensor):
-    embeds, hidden = hidden_states.chunk(2, dim=-1)
-    normed_hidden = layer.hidden_norm(hidden)
-    residual = normed_hidden if layer.norm_before_residual else hidden
-    attention_input = torch.cat([layer.input_layernorm(embeds), normed_hidden], dim=-1)
-    # fp32 norm weights promote their outputs to fp32 under autocast; hand the projections
-    # (which autocast would cast anyway) the step's own dtype and keep no fp32 copies.
-    dtype = hidden_states.dtype
-    return attention_input.to(dtype), residual.to(dtype)
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' `LlamaRMSNorm` as a function of its weight (so the weight can be an input)."""
+    normalized = x.float()
+    normalized = normalized * torch.rsqrt(normalized.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normalized.to(x.dtype)
 
 
-def _residual_mlp(
-    layer: LlamaDecoderEagle3FirstLayer, residual: torch.Tensor, attended: torch.Tensor,
-    dtype: torch.dtype,
-):
-    hidden = residual + attended
-    # Under autocast with fp32 norm weights the sum is promoted to fp32; the step's output
-    # keeps the dtype the step was fed, so every TTT step (and its saved state) is alike.
-    return (hidden + layer.mlp(layer.post_attention_layernorm(hidden))).to(dtype)
+def _attention_input(
+    embeds: torch.Tensor, hidden: torch.Tensor, embed_norm: torch.Tensor, hidden_norm: torch.Tensor,
+    embed_eps: float, hidden_eps: float,
+) -> torch.Tensor:
+    """`[input_layernorm(embeds) ; hidden_norm(hidden)]` in the step's dtype."""
+    return torch.cat(
+        [_rms_norm(embeds, embed_norm, embed_eps), _rms_norm(hidden, hidden_norm, hidden_eps)],
+        dim=-1,
+    ).to(hidden.dtype)
+
+
+def _normed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rms_norm(x, weight, eps).to(x.dtype)
+
+
+def _rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotary embedding of `[B, L, heads, D]` queries and keys (cos/sin `[B, L, D]`)."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        first, second = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+    return rotate(q), rotate(k)
+
+
+def _silu_product(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return (F.silu(gate.float()) * up.float()).to(gate_up.dtype)
+
+
+def _silu_product_backward(gate_up: torch.Tensor, grad_product: torch.Tensor):
+    """`(silu(g) * u, d/d[g ; u])` from the saved `[g ; u]` and the product's gradient."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    grad = grad_product.float()
+    sigmoid = torch.sigmoid(gate)
+    silu = gate * sigmoid
+    grad_gate = grad * up * sigmoid * (1 + gate * (1 - sigmoid))
+    dtype = gate_up.dtype
+    return (silu * up).to(dtype), torch.cat([grad_gate, grad * silu], dim=-1).to(dtype)
+
+
+class _SiluGatedDown(torch.autograd.Function):
+    """`down(silu(gate) * up)` from the gate/up projection `[.., 2I]`, keeping only that for the
+    backward pass: the `[.., I]` product is rebuilt there (element-wise) instead of stored."""
+
+    @staticmethod
+    def forward(ctx, gate_up, weight, bias, compiled):
+        product = maybe_compiled(_silu_product, compiled)(gate_up)
+        ctx.compiled = compiled
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(gate_up, weight)
+        return F.linear(product, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate_up, weight = ctx.saved_tensors
+        grad_product = grad_out @ weight
+        product, grad_gate_up = maybe_compiled(_silu_product_backward, ctx.compiled)(
+            gate_up, grad_product
+        )
+        flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = flat_grad.T @ product.reshape(-1, product.shape[-1])
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = flat_grad.sum(0)
+        return grad_gate_up, grad_weight, grad_bias, None
+
+
+class _ProjectRebuiltInput(torch.autograd.Function):
+    """`F.linear(build(*sources), weight, bias)` that keeps `sources` for the backward pass, not
+    the projection's input: `build` is cheap element-wise work (norms, concatenation) whose
+    output is larger than its sources, so it is run again there."""
+
+    @staticmethod
+    def forward(ctx, build, weight, bias, *sources):
+        device = weight.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.build = build
+        ctx.has_bias = bias is not None
+        x = build(*sources)
+        # Tensors are saved through autograd; the rest (norm epsilons) as they are.
+        ctx.is_tensor = [isinstance(source, torch.Tensor) for source in sources]
+        ctx.constants = [None if tensor else source for source, tensor in zip(sources, ctx.is_tensor)]
+        ctx.save_for_backward(weight, *(s for s in sources if isinstance(s, torch.Tensor)))
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        weight, *tensors = ctx.saved_tensors
+        needs = ctx.needs_input_grad[3:]
+        saved = iter(tensors)
+        leaves = [
+            next(saved).detach().requires_grad_(need) if tensor else constant
+            for tensor, constant, need in zip(ctx.is_tensor, ctx.constants, needs, strict=True)
+        ]
+        device, autocast, dtype = ctx.autocast
+        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=autocast):
+            x = ctx.build(*leaves)
+        flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = flat_grad.T @ x.detach().reshape(-1, x.shape[-1])
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = flat_grad.sum(0)
+        wanted = [leaf for leaf, need in zip(leaves, needs, strict=True) if need]
+        found = iter(torch.autograd.grad(x, wanted, grad_out @ weight) if wanted else ())
+        grads = [next(found) if need else None for need in needs]
+        return None, grad_weight, grad_bias, *grads
+
+
+class FirstLayerWeights(NamedTuple):
+    """The first layer's projections in the compute dtype, fused where they share an input.
+
+    Made once per forward pass (`LlamaDecoderEagle3FirstLayer.compute_weights`) and shared by
+    every TTT step: one cast per weight instead of one per step, and the gradients of all steps
+    meet in the one cast on their way to the (fp32) parameters.
+    """
+
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+class FirstLayerWeightCache:
+    """The cast weights of each first layer, made at the layer's first call of a forward pass.
+
+    The draft passes one per forward pass to every TTT step's layer call. The cast happens
+    inside the layer's own call (where FSDP2 has gathered its parameters), and only once.
+    """
+
+    def __init__(self, dtype: torch.dtype | None) -> None:
+        self.dtype = dtype
+        self._weights: dict[int, FirstLayerWeights] = {}
+
+    def weights_of(self, layer: LlamaDecoderEagle3FirstLayer) -> FirstLayerWeights:
+        if id(layer) not in self._weights:
+            self._weights[id(layer)] = layer.compute_weights(self.dtype)
+        return self._weights[id(layer)]
+
+
+def _fused(linears: list[nn.Linear], dtype: torch.dtype | None):
+    def cast(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
+
+    weights = [cast(linear.weight) for linear in linears]
+    weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+    if linears[0].bias is None:
+        return weight, None
+    biases = [cast(linear.bias) for linear in linears]
+    return weight, biases[0] if len(biases) == 1 else torch.cat(biases)
 
 
 class LlamaDecoderEagle3FirstLayer(LlamaDecoderLayer):
@@ -60,8 +215,10 @@ class LlamaDecoderEagle3FirstLayer(LlamaDecoderLayer):
     for the hidden state); q/k/v project from twice the hidden size. The residual is the hidden
     half, normalized first when `norm_before_residual`.
 
-    `compile_blocks` (set by the draft model on accelerators) compiles the element-wise work
-    around attention (norms, residuals, MLP) so that fewer and smaller activations are kept;
+    `ttt_step` is the computation (what `forward` runs on the concatenated input). It keeps for
+    the backward pass only what is expensive to rebuild: the projections' inputs that are mere
+    norms of smaller tensors, and the MLP's `silu(gate) * up`, are recomputed there.
+    `compile_blocks` (set by the draft model on accelerators) compiles the element-wise pieces;
     `recompute_mlp` keeps only the MLP's input and recomputes the rest in the backward pass.
     """
 
@@ -79,6 +236,16 @@ class LlamaDecoderEagle3FirstLayer(LlamaDecoderLayer):
         attention.k_proj = nn.Linear(wide, config.num_key_value_heads * head_dim, bias=bias)
         attention.v_proj = nn.Linear(wide, config.num_key_value_heads * head_dim, bias=bias)
 
+    def compute_weights(self, dtype: torch.dtype | None) -> FirstLayerWeights:
+        """The projections cast to `dtype` (None: as stored), q/k/v and gate/up concatenated."""
+        attention, mlp = self.self_attn, self.mlp
+        return FirstLayerWeights(
+            *_fused([attention.q_proj, attention.k_proj, attention.v_proj], dtype),
+            *_fused([attention.o_proj], dtype),
+            *_fused([mlp.gate_proj, mlp.up_proj], dtype),
+            *_fused([mlp.down_proj], dtype),
+        )
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -88,29 +255,109 @@ class LlamaDecoderEagle3FirstLayer(LlamaDecoderLayer):
         use_cache: bool | None = False,
         cache_position: torch.LongTensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        input_embeds: torch.Tensor | None = None,
+        weight_cache: FirstLayerWeightCache | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        attention_input, residual = maybe_compiled(_attention_inputs, self.compile_blocks)(
-            self, hidden_states
-        )
-        attended, _ = self.self_attn(
-            hidden_states=attention_input,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
+        """0.3.0's call on `[embeds ; hidden]`, or with `input_embeds` on the hidden state alone
+        (no concatenated copy); `weight_cache` shares the weight casts between calls."""
+        if input_embeds is None:
+            embeds, hidden = hidden_states.chunk(2, dim=-1)
+        else:
+            embeds, hidden = input_embeds, hidden_states
+        return self.ttt_step(
+            embeds, hidden, attention_mask=attention_mask, position_embeddings=position_embeddings,
             past_key_values=past_key_values,
-            use_cache=use_cache,
-            cache_position=cache_position,
-            position_embeddings=position_embeddings,
+            weights=weight_cache.weights_of(self) if weight_cache is not None else None,
             **kwargs,
         )
-        finish = maybe_compiled(_residual_mlp, self.compile_blocks)
+
+    def ttt_step(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        *,
+        attention_mask: Any,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+        past_key_values: Any = None,
+        weights: FirstLayerWeights | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """One step over `[B, L, H]` token embeddings and hidden states; returns `[B, L, H]`."""
+        if position_embeddings is None:
+            raise ValueError("the EAGLE-3 layer needs position_embeddings (cos, sin)")
+        if weights is None:
+            device = hidden.device.type
+            autocast = torch.is_autocast_enabled(device)
+            weights = self.compute_weights(torch.get_autocast_dtype(device) if autocast else None)
+        compiled = self.compile_blocks
+        dtype = hidden.dtype
+        embeds = embeds.to(dtype)
+        attention = self.self_attn
+        batch, length = hidden.shape[:2]
+        head_dim = attention.head_dim
+
+        build = maybe_compiled(_attention_input, compiled)
+        qkv = _ProjectRebuiltInput.apply(
+            build, weights.qkv, weights.qkv_bias, embeds, hidden,
+            self.input_layernorm.weight, self.hidden_norm.weight,
+            self.input_layernorm.variance_epsilon, self.hidden_norm.variance_epsilon,
+        )
+        heads = attention.config.num_attention_heads
+        kv_heads = attention.config.num_key_value_heads
+        query, key, value = qkv.split(
+            [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1
+        )
+        cos, sin = position_embeddings
+        query, key = maybe_compiled(_rotary, compiled)(
+            query.view(batch, length, heads, head_dim),
+            key.view(batch, length, kv_heads, head_dim),
+            cos, sin,
+        )
+        # [B, heads, L, D] views of [B, L, heads, D] tensors: flex attention writes its output
+        # in the query's layout, so the output projection reads it without a copy.
+        query, key = query.transpose(1, 2), key.transpose(1, 2)
+        value = value.view(batch, length, kv_heads, head_dim).transpose(1, 2)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, attention.layer_idx)
+        implementation = attention.config._attn_implementation
+        interface = (
+            eager_attention_forward
+            if implementation in (None, "eager")
+            else ALL_ATTENTION_FUNCTIONS[implementation]
+        )
+        attended, _ = interface(
+            attention, query, key, value, attention_mask,
+            dropout=0.0 if not self.training else attention.attention_dropout,
+            scaling=attention.scaling, **kwargs,
+        )
+        attended = F.linear(attended.reshape(batch, length, -1), weights.o, weights.o_bias)
+
+        if self.norm_before_residual:
+            residual = maybe_compiled(_normed, compiled)(
+                hidden, self.hidden_norm.weight, self.hidden_norm.variance_epsilon
+            )
+        else:
+            residual = hidden
+        mlp_input = residual + attended
         if self.recompute_mlp and torch.is_grad_enabled():
             from torch.utils.checkpoint import checkpoint
 
-            return checkpoint(
-                finish, self, residual, attended, hidden_states.dtype, use_reentrant=False
-            )
-        return finish(self, residual, attended, hidden_states.dtype)
+            mlp_output = checkpoint(self._mlp, mlp_input, weights, use_reentrant=False)
+        else:
+            mlp_output = self._mlp(mlp_input, weights)
+        return (mlp_input + mlp_output).to(dtype)
+
+    def _mlp(self, x: torch.Tensor, weights: FirstLayerWeights) -> torch.Tensor:
+        norm = self.post_attention_layernorm
+        gate_up = _ProjectRebuiltInput.apply(
+            maybe_compiled(_normed, self.compile_blocks), weights.gate_up, weights.gate_up_bias,
+            x, norm.weight, norm.variance_epsilon,
+        )
+        if self.mlp.config.hidden_act in ("silu", "swish"):
+            return _SiluGatedDown.apply(gate_up, weights.down, weights.down_bias, self.compile_blocks)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.linear(self.mlp.act_fn(gate) * up, weights.down, weights.down_bias)
 
 
 class ModelComponents(NamedTuple):
