@@ -26,7 +26,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-__all__ = ["PRESETS", "TrainingPreset", "main", "run_length"]
+__all__ = ["PRESETS", "TrainingPreset", "kernel_category", "main", "profile_summary", "run_length"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,7 @@ class LengthResult:
     peak_reserved_gib: float | None
     final_loss: float
     error: str | None = None
+    profile_ms: dict[str, float] | None = None
 
 
 def build_model(preset: TrainingPreset, device, frozen_dtype, attention: str, compile_blocks):
@@ -195,8 +196,7 @@ def run_length(args: argparse.Namespace, preset: TrainingPreset, packed_tokens: 
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    if args.profile:
-        _print_profile(step, cuda)
+    profile = profile_summary(step, cuda) if args.profile else None
     rates = [packed_tokens / t for t in times]
     median = statistics.median(rates)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
@@ -213,26 +213,59 @@ def run_length(args: argparse.Namespace, preset: TrainingPreset, packed_tokens: 
         peak_memory_gib=None if peak is None else round(peak, 3),
         peak_reserved_gib=None if reserved is None else round(reserved, 3),
         final_loss=final,
+        profile_ms=profile,
     )
 
 
-def _print_profile(step, cuda: bool) -> None:
-    """One more step under the profiler: where the time goes, kernel by kernel."""
+MATMUL_MARKERS = ("gemm", "nvjet", "xmma", "cutlass", "aten::mm", "aten::addmm", "aten::bmm")
+ATTENTION_MARKERS = ("flex_attention", "flash", "attention", "fmha")
+OPTIMIZER_MARKERS = ("adam", "fusedoptimizer")
+
+
+def kernel_category(name: str) -> str:
+    """`matmul`, `attention`, `optimizer` or `other`: where a kernel's (or CPU op's) time goes."""
+    lowered = name.lower()
+    for category, markers in (("matmul", MATMUL_MARKERS), ("attention", ATTENTION_MARKERS),
+                              ("optimizer", OPTIMIZER_MARKERS)):
+        if any(marker in lowered for marker in markers):
+            return category
+    return "other"
+
+
+def profile_summary(step, cuda: bool) -> dict[str, float]:
+    """One more step under the profiler: milliseconds by `kernel_category` (GPU kernels on CUDA,
+    CPU ops' own time on a CPU), their total and the step's wall time. Prints the top kernels."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
         step()
         if cuda:
             torch.cuda.synchronize()
+        wall = time.perf_counter() - start
     averages = prof.key_averages()
-    for key in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
-        try:
-            print(averages.table(sort_by=key, row_limit=30), flush=True)
-            return
-        except Exception:  # noqa: BLE001,S112 - sort keys differ between torch versions
-            continue
+    sort_key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    print(averages.table(sort_by=sort_key, row_limit=30), flush=True)
+    totals: dict[str, float] = {"matmul": 0.0, "attention": 0.0, "optimizer": 0.0, "other": 0.0}
+    for entry in averages:
+        if cuda:
+            # Kernels only: CPU ops also report the device time of the kernels they launched.
+            if entry.device_type != DeviceType.CUDA:
+                continue
+            micros = entry.self_device_time_total
+        else:
+            micros = entry.self_cpu_time_total
+        totals[kernel_category(entry.key)] += micros / 1e3
+    summary = {key: round(value, 2) for key, value in totals.items()}
+    summary["total"] = round(sum(totals.values()), 2)
+    summary["wall"] = round(wall * 1e3, 2)
+    print(f"profile (ms): {summary}", flush=True)
+    return summary
 
 
 def _gpu_processes() -> list[str]:
@@ -300,7 +333,9 @@ def make_parser() -> argparse.ArgumentParser:
                         help="recompute the MLP in the backward pass (less memory, more work)")
     parser.add_argument("--loss-chunk-size", type=int, default=4096)
     parser.add_argument("--profile", action="store_true",
-                        help="after timing, profile one more step and print the top kernels")
+                        help="after timing, profile one more step: the top kernels, and the "
+                        "milliseconds of matrix products, attention, optimizer and the rest "
+                        "(stored as profile_ms)")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--output-dir", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--tag", default="", help="suffix of the result file names")

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from benchmarks.training import PRESETS, main
+from benchmarks.training import PRESETS, kernel_category, main
 
 
 def test_cpu_small_preset_runs_and_writes_its_records(tmp_path) -> None:
@@ -34,3 +34,25 @@ def test_gpu_presets_refuse_a_cpu(tmp_path) -> None:
             llama.draft_vocab_size) == (4096, 32, 8, 128, 14336, 128256, 32000)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         main(["--preset", "llama-3.1-8b-draft", "--device", "cpu", "--output-dir", str(tmp_path)])
+
+
+def test_profile_sorts_time_into_matmul_attention_optimizer_and_other(tmp_path) -> None:
+    # Kernel names as an H200 profile of the llama preset shows them.
+    assert kernel_category("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "matmul"
+    assert kernel_category("triton_tem_fused_flex_attention_backward_1") == "attention"
+    assert kernel_category(
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::"
+        "(anonymous namespace)::FusedOptimizerTensorListMetadata<4>, ...>"
+    ) == "optimizer"
+    assert kernel_category("triton_red_fused__log_softmax__to_copy_argmax_exp_mul_0") == "other"
+    assert kernel_category("aten::addmm") == "matmul"
+    result = main([
+        "--preset", "cpu-small", "--packed-tokens", "256", "--steps", "1", "--warmup", "1",
+        "--output-dir", str(tmp_path), "--profile",
+    ])
+    profile = result["lengths"][0]["profile_ms"]
+    assert set(profile) == {"matmul", "attention", "optimizer", "other", "total", "wall"}
+    assert profile["matmul"] > 0 and profile["total"] > 0 and profile["wall"] > 0
+    assert profile["total"] == pytest.approx(
+        profile["matmul"] + profile["attention"] + profile["optimizer"] + profile["other"], abs=0.05
+    )
