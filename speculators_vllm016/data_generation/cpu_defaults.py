@@ -11,12 +11,21 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import psutil
+import torch
 
 from speculators_vllm016.utils.text_config import text_config_of
 
-__all__ = ["apply_cpu_defaults", "cpu_defaults_applied", "is_cpu_platform", "uses_mla"]
+__all__ = [
+    "apply_cpu_defaults",
+    "cpu_defaults_applied",
+    "cpu_vector_flags",
+    "is_cpu_platform",
+    "slow_cpu_dtype_warning",
+    "uses_mla",
+]
 
 _GIB = 1024**3
 
@@ -72,3 +81,32 @@ def cpu_defaults_applied(world_size: int, config_dict: dict) -> Iterator[dict[st
     finally:
         for name in chosen:
             os.environ.pop(name, None)
+
+
+# Any of these lets bf16 matrix work run at about fp32 speed or better on x86 (AVX-512 converts
+# bf16 in vector registers; AVX512-BF16 and AMX compute in it). Without them it is emulated.
+FAST_BF16_FLAGS = frozenset({"avx512f", "avx512_bf16", "amx_bf16"})
+
+
+def cpu_vector_flags(cpuinfo: str | None = None) -> frozenset[str] | None:
+    """The CPU's feature flags (Linux's `/proc/cpuinfo`), None where they cannot be read."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return None
+
+
+def slow_cpu_dtype_warning(dtype: torch.dtype, flags: frozenset[str] | None) -> str | None:
+    """A warning when the engine will run bf16 on a CPU that can only emulate it, else None."""
+    if dtype != torch.bfloat16 or flags is None or flags & FAST_BF16_FLAGS:
+        return None
+    return (
+        "bfloat16 on this CPU is emulated (no AVX-512, AVX512-BF16 or AMX): expect it to run "
+        "several times slower than --dtype float32 (about 5x in our extraction benchmark on "
+        "such a CPU), which stores float32 hidden states (twice the disk)"
+    )

@@ -24,7 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from speculators_vllm016.data_generation.cpu_defaults import cpu_defaults_applied, is_cpu_platform
+from speculators_vllm016.data_generation.cpu_defaults import (
+    cpu_defaults_applied,
+    cpu_vector_flags,
+    is_cpu_platform,
+    slow_cpu_dtype_warning,
+)
 from speculators_vllm016.data_generation.transfer import TakenRequest, TransferDir, TransferLayout
 from speculators_vllm016.utils.layer_ids import default_layer_ids
 
@@ -246,6 +251,10 @@ class VllmHiddenStatesGenerator:
         # sampled token), so a prompt of max_model_len tokens would never finish.
         self.max_sequence_length = self.max_model_len - 1
         self.dtype: torch.dtype = model_config.dtype
+        if is_cpu_platform():
+            warning = slow_cpu_dtype_warning(self.dtype, cpu_vector_flags())
+            if warning:
+                logger.warning(warning)
         self.layer_ids = normalize_layer_ids(
             default_layer_ids(self.num_hidden_layers) if layer_ids is None else layer_ids,
             self.num_hidden_layers,

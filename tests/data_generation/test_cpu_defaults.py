@@ -1,12 +1,14 @@
-"""CPU-build environment defaults (pure logic on os.environ)."""
+"""CPU-build environment defaults (pure logic on os.environ) and the slow-bf16 warning."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+import torch
 
 from speculators_vllm016.data_generation import cpu_defaults
+from speculators_vllm016.data_generation.cpu_defaults import cpu_vector_flags, slow_cpu_dtype_warning
 
 
 NAMES = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_MLA_DISABLE")
@@ -52,3 +54,16 @@ def test_defaults_are_removed_after_the_engine_started(clean_env):
         assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == chosen["VLLM_CPU_OMP_THREADS_BIND"]
     assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
     assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ
+
+
+def test_bf16_on_a_cpu_without_avx512_gets_a_warning():
+    amd_avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\nmodel name\t: AMD EPYC\n"
+    flags = cpu_vector_flags(amd_avx2)
+    assert flags == frozenset({"fpu", "sse2", "avx", "avx2", "fma"})
+    warning = slow_cpu_dtype_warning(torch.bfloat16, flags)
+    assert warning is not None and "--dtype float32" in warning
+    assert slow_cpu_dtype_warning(torch.float32, flags) is None
+    for fast in ("avx512f", "avx512_bf16", "amx_bf16"):
+        assert slow_cpu_dtype_warning(torch.bfloat16, flags | {fast}) is None
+    assert cpu_vector_flags("no flags line\n") is None
+    assert slow_cpu_dtype_warning(torch.bfloat16, None) is None  # unknown CPU: no guess
