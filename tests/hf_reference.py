@@ -49,3 +49,23 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def mixed_batch(vocab_size: int, lengths: list[int], seed: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+# Relative error allowed between vLLM's captured states and transformers' in float32.
+TOLERANCE = 1e-4
+
+
+def assert_matches_reference(results, batch, reference, layer_ids, tolerance=TOLERANCE):
+    """The generator's `results` for `batch` are, sample by sample and layer by layer, the
+    reference's streams: in order, with their input ids, shapes and within `tolerance`."""
+    assert len(results) == len(batch)
+    for index, (result, ids) in enumerate(zip(results, batch)):
+        assert result["input_ids"].dtype == torch.long
+        assert result["input_ids"].tolist() == ids, f"sample {index} came back out of order"
+        assert result["loss_mask"] is None
+        expected = reference.streams(ids, layer_ids)
+        assert len(result["hidden_states"]) == len(layer_ids)
+        for layer, got, want in zip(layer_ids, result["hidden_states"], expected):
+            assert got.shape == want.shape, f"sample {index} layer {layer}"
+            error = relative_error(got, want)
+            assert error <= tolerance, f"sample {index} layer {layer}: relative error {error:.2e}"

@@ -15,8 +15,7 @@ from speculators_vllm016.data_generation.vllm_hidden_states_generator import (
     VllmHiddenStatesGenerator,
 )
 from speculators_vllm016.tiny_models import build_tokenizer
-from tests.data_generation.test_vllm_hidden_states_generator import assert_matches_reference
-from tests.hf_reference import HFReference, mixed_batch
+from tests.hf_reference import HFReference, assert_matches_reference, mixed_batch
 
 pytestmark = pytest.mark.engine
 

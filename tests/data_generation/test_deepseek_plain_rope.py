@@ -11,7 +11,7 @@ import pytest
 from speculators_vllm016.data_generation.vllm_hidden_states_generator import (
     VllmHiddenStatesGenerator,
 )
-from tests.hf_reference import HFReference, mixed_batch, relative_error
+from tests.hf_reference import HFReference, assert_matches_reference, mixed_batch
 
 pytestmark = pytest.mark.engine
 
@@ -39,8 +39,4 @@ def test_plain_rope_mla_matches_transformers(plain_rope_deepseek):
         max_num_batched_tokens=128,
     ) as generator:
         results = generator.generate(batch)
-    reference = HFReference(plain_rope_deepseek)
-    for ids, result in zip(batch, results):
-        expected = reference.streams(ids, LAYERS)
-        for layer, got, want in zip(LAYERS, result["hidden_states"], expected):
-            assert relative_error(got, want) <= 1e-4, f"layer {layer} of a {len(ids)}-token prompt"
+    assert_matches_reference(results, batch, HFReference(plain_rope_deepseek), LAYERS)

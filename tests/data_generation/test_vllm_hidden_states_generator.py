@@ -21,26 +21,17 @@ from speculators_vllm016.data_generation.vllm_hidden_states_generator import (
     HiddenStatesResult,
     VllmHiddenStatesGenerator,
 )
-from tests.hf_reference import HFReference, mixed_batch, relative_error
+from tests.hf_reference import (
+    TOLERANCE,
+    HFReference,
+    assert_matches_reference,
+    mixed_batch,
+    relative_error,
+)
 
 pytestmark = pytest.mark.engine
 
 VOCAB = 512
-TOLERANCE = 1e-4
-
-
-def assert_matches_reference(results, batch, reference, layer_ids, tolerance=TOLERANCE):
-    assert len(results) == len(batch)
-    for index, (result, ids) in enumerate(zip(results, batch)):
-        assert result["input_ids"].dtype == torch.long
-        assert result["input_ids"].tolist() == ids, f"sample {index} came back out of order"
-        assert result["loss_mask"] is None
-        expected = reference.streams(ids, layer_ids)
-        assert len(result["hidden_states"]) == len(layer_ids)
-        for layer, got, want in zip(layer_ids, result["hidden_states"], expected):
-            assert got.shape == want.shape, f"sample {index} layer {layer}"
-            error = relative_error(got, want)
-            assert error <= tolerance, f"sample {index} layer {layer}: relative error {error:.2e}"
 
 
 def live_children() -> list[psutil.Process]:
