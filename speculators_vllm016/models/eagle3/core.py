@@ -35,6 +35,7 @@ from speculators_vllm016.models.eagle3.attention import (
 from speculators_vllm016.models.eagle3.config import Eagle3SpeculatorConfig
 from speculators_vllm016.models.eagle3.model_definitions import (
     FirstLayerWeightCache,
+    autocast_dtype,
     maybe_compiled,
     model_classes,
 )
@@ -710,11 +711,11 @@ class Eagle3DraftModel(SpeculatorModel):
         mask = build_step_zero_mask(lengths, padded, flex=backend == "flex", device=device)
         cache = _StepKeyValues()
         hidden = self.fc(hidden_states)
-        autocast = torch.is_autocast_enabled(device.type)
-        compute_dtype = torch.get_autocast_dtype(device.type) if autocast else hidden.dtype
+        cast_dtype = autocast_dtype(device.type)
+        compute_dtype = cast_dtype or hidden.dtype
         first_layer, *later_layers = self.layers
         # Cast once per forward pass; every TTT step shares the casts (and their gradients).
-        layer_weights = FirstLayerWeightCache(compute_dtype if autocast else None)
+        layer_weights = FirstLayerWeightCache(cast_dtype)
         original_ids = input_ids
         scoring = verifier_last_hidden_states is not None
         loss = None

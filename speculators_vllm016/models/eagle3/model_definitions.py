@@ -22,6 +22,7 @@ __all__ = [
     "FirstLayerWeights",
     "LlamaDecoderEagle3FirstLayer",
     "ModelComponents",
+    "autocast_dtype",
     "model_classes",
     "maybe_compiled",
 ]
@@ -40,6 +41,13 @@ def maybe_compiled(function: Callable, enabled: bool) -> Callable:
     if function not in _COMPILED:
         _COMPILED[function] = torch.compile(function)
     return _COMPILED[function]
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes in on `device_type`, None when autocast is off there."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -287,9 +295,7 @@ class LlamaDecoderEagle3FirstLayer(LlamaDecoderLayer):
         if position_embeddings is None:
             raise ValueError("the EAGLE-3 layer needs position_embeddings (cos, sin)")
         if weights is None:
-            device = hidden.device.type
-            autocast = torch.is_autocast_enabled(device)
-            weights = self.compute_weights(torch.get_autocast_dtype(device) if autocast else None)
+            weights = self.compute_weights(autocast_dtype(hidden.device.type))
         compiled = self.compile_blocks
         dtype = hidden.dtype
         embeds = embeds.to(dtype)

@@ -17,6 +17,10 @@ from __future__ import annotations
 import torch
 
 from speculators_vllm016.models.eagle3.core import Eagle3DraftModel, _final_norm
+from speculators_vllm016.models.eagle3.model_definitions import (
+    FirstLayerWeightCache,
+    autocast_dtype,
+)
 from speculators_vllm016.utils.layer_ids import eagle3_aux_layer_ids
 
 __all__ = ["Eagle3Proposer"]
@@ -87,10 +91,18 @@ class Eagle3Proposer:
             layer_ids = eagle3_aux_layer_ids(len(states) - 1)  # vLLM's default for EAGLE-3
         return torch.cat([states[i] for i in layer_ids], dim=-1).to(self.draft.fc.weight.dtype)
 
-    def _run_layers(self, hidden, position_ids, mask) -> torch.Tensor:
+    def _run_layers(
+        self, embeds, hidden, position_ids, mask, weights: FirstLayerWeightCache
+    ) -> torch.Tensor:
         draft = self.draft
         position_embeddings = draft.rotary_emb(hidden, position_ids)
-        for layer in draft.layers:
+        first_layer, *later_layers = draft.layers
+        hidden = first_layer(
+            hidden, input_embeds=embeds, attention_mask=mask,
+            position_embeddings=position_embeddings, past_key_values=self.cache,
+            weight_cache=weights,
+        )
+        for layer in later_layers:
             hidden = layer(
                 hidden,
                 attention_mask=mask,
@@ -136,8 +148,10 @@ class Eagle3Proposer:
         old = self.slots[:, None, :].expand(rows, new, self.slots.shape[1])
         mask = torch.cat([old, fresh], dim=-1)[:, None]
         embeds = draft.embed_tokens(tokens.to(device)).to(dtype)
+        # One cast of the first layer's weights serves every step of this round.
+        weights = FirstLayerWeightCache(autocast_dtype(device.type))
         self.cache.keep = True
-        hidden = self._run_layers(torch.cat([embeds, hidden], dim=-1), position_ids, mask)
+        hidden = self._run_layers(embeds, hidden, position_ids, mask, weights)
         self.slots = torch.cat([self.slots, valid], dim=1)
         self.consumed = self.consumed + valid.sum(dim=1)
 
@@ -154,9 +168,7 @@ class Eagle3Proposer:
                     [self.slots, self.slots.new_ones(rows, step)], dim=1
                 )[:, None, None, :]
                 embeds = draft.embed_tokens(proposals[-1][:, None]).to(dtype)
-                hidden = self._run_layers(
-                    torch.cat([embeds, hidden], dim=-1), position_ids + step, mask
-                )
+                hidden = self._run_layers(embeds, hidden, position_ids + step, mask, weights)
                 proposals.append(self._predict(hidden[:, 0], dtype))
         finally:
             self.cache.keep = True
