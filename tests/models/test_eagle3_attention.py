@@ -12,6 +12,7 @@ from speculators_vllm016.models.eagle3.attention import (
     block_mask_to_dense_attention_mask,
     build_step_zero_mask,
     create_combined_mask_mod,
+    document_ids,
     extend_mask_for_draft_tokens,
     flex_attention_forward,
 )
@@ -33,6 +34,22 @@ def reference_mask(lengths: list[int], total: int, steps: int) -> torch.Tensor:
         for step in range(steps):
             mask[q, step * total + q] = True
     return mask
+
+
+@pytest.mark.parametrize(
+    "lengths, total",
+    [([100, 60, 50], 256), ([3, 0, 2], 5), ([0, 4], 7), ([], 3), ([8], 8)],
+)
+def test_document_ids_number_the_samples_and_mark_padding(lengths, total):
+    owner = [doc for doc, n in enumerate(lengths) for _ in range(n)]
+    owner += [-1] * (total - len(owner))
+    ids = document_ids(torch.tensor(lengths, dtype=torch.long), total)
+    assert ids.tolist() == owner
+
+
+def test_document_ids_refuse_lengths_longer_than_the_row():
+    with pytest.raises(ValueError, match="sum past total_seq_len 6"):
+        document_ids(torch.tensor([3, 4]), 6)
 
 
 def test_block_mask_matches_the_written_out_mask_at_every_step():

@@ -38,15 +38,24 @@ FLEX_BLOCK_SIZE = 128
 
 
 def document_ids(lengths: torch.Tensor, total_seq_len: int) -> torch.Tensor:
-    """`[total_seq_len]` sample index of every position; padding positions get -1."""
+    """`[total_seq_len]` sample index of every position; padding positions get -1.
+
+    Nothing here waits for the device: the training step's first kernels are queued while the
+    previous step still runs. Lengths that sum past `total_seq_len` raise on a CPU and fail a
+    device-side assertion elsewhere.
+    """
     lengths = lengths.to(torch.long)
-    if int(lengths.sum()) > total_seq_len:
-        raise ValueError(
-            f"lengths sum to {int(lengths.sum())} > total_seq_len {total_seq_len}; pass the "
-            "lengths of the samples packed in this row"
-        )
-    ids = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
-    return torch.cat([ids, ids.new_full((total_seq_len - ids.numel(),), -1)])
+    ends = lengths.cumsum(0)
+    used = ends[-1] if lengths.numel() else torch.zeros((), dtype=torch.long, device=lengths.device)
+    message = f"lengths of the packed samples sum past total_seq_len {total_seq_len}"
+    if lengths.device.type == "cpu":
+        if int(used) > total_seq_len:
+            raise ValueError(f"{message} ({int(used)}); pass the lengths of the samples packed in this row")
+    else:
+        torch._assert_async(used <= total_seq_len, message)
+    positions = torch.arange(total_seq_len, device=lengths.device)
+    ids = torch.searchsorted(ends, positions, right=True)
+    return torch.where(positions < used, ids, -1)
 
 
 def create_combined_mask_mod(lengths: torch.Tensor, total_seq_len: int) -> Callable:
