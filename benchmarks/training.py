@@ -149,6 +149,8 @@ def run_length(args: argparse.Namespace, preset: TrainingPreset, packed_tokens: 
     """Build a fresh model and optimizer, warm up, then time `args.steps` training steps."""
     import torch
 
+    from speculators_vllm016.train.optimizer_step import clip_and_step
+
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     precision = args.precision
@@ -176,8 +178,7 @@ def run_length(args: argparse.Namespace, preset: TrainingPreset, packed_tokens: 
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             out = model(**batch, ttt_steps=args.ttt_steps)
         out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
+        clip_and_step(optimizer, params, 1.0)
         optimizer.zero_grad(set_to_none=True)
         return out.loss
 

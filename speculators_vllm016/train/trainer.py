@@ -43,6 +43,7 @@ from speculators_vllm016.train.checkpointer import (
     restore_rng_state,
 )
 from speculators_vllm016.train.data import MODEL_INPUTS, DataSourceError
+from speculators_vllm016.train.optimizer_step import clip_and_step
 from speculators_vllm016.train.utils import (
     apply_data_parallel,
     apply_fully_sharded,
@@ -381,13 +382,8 @@ class Trainer:
         with self._autocast():
             loss, metrics = _unpack_output(self.wrapped(**inputs, **self.config.train_call_kwargs))
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.trainable_parameters(), self.config.max_grad_norm
-        )
-        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
-            grad_norm = grad_norm.full_tensor()
         lr = self.opt.param_groups[0]["lr"]
-        self.opt.step()
+        grad_norm = clip_and_step(self.opt, self.trainable_parameters(), self.config.max_grad_norm)
         if self.scheduler is not None:
             self.scheduler.step()
         tokens = inputs["lengths"].sum().to(torch.float32)
