@@ -12,7 +12,9 @@ from speculators_vllm016.models.eagle3.core import (
     compute_metrics,
     linear_kl_loss,
     loss_function,
+    WeightGradSink,
     score_ttt_step,
+    scored_position_counts,
 )
 from speculators_vllm016.train.vocab_mapping import build_vocab_mappings_from_distribution
 from tests.models.test_eagle3 import DRAFT_VOCAB, batch, eagle3_config
@@ -64,6 +66,43 @@ def test_fused_loss_and_gradients_equal_the_plain_computation():
     torch.testing.assert_close(fused_grads[0], hidden.grad)
     torch.testing.assert_close(fused_grads[1], weight.grad)
     assert torch.equal(predicted, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("sink", [False, True], ids=["own-gradient", "shared-sink"])
+def test_skipping_unscored_rows_changes_nothing(sink):
+    """With `scored_rows` the gradient matmuls run over the scored rows only: same loss,
+    gradients and argmax (unscored rows included) as over every row."""
+    torch.manual_seed(0)
+    hidden = torch.randn(11, 5, requires_grad=True)
+    weight = torch.randn(13, 5, requires_grad=True)
+    targets = torch.randn(11, 13)
+    scored = torch.tensor([0, 1, 1, 0, 0, 1, 0, 1, 1, 1, 0], dtype=torch.bool)
+    row_weights = torch.rand(11) * scored
+
+    results = []
+    for scored_rows in (None, int(scored.sum())):
+        hidden.grad = weight.grad = None
+        shared = WeightGradSink() if sink else None
+        loss, predicted = linear_kl_loss(
+            hidden, weight, targets, row_weights, chunk_size=2, weight_grad_sink=shared,
+            scored_rows=scored_rows,
+        )
+        (loss * 1.5).backward()
+        results.append((loss.detach(), predicted, hidden.grad.clone(), weight.grad.clone()))
+    (loss_all, predicted_all, hidden_all, weight_all), (loss_few, predicted_few, hidden_few, weight_few) = results
+    torch.testing.assert_close(loss_few, loss_all)
+    assert torch.equal(predicted_few, predicted_all)
+    assert torch.equal(predicted_all, (hidden @ weight.T).argmax(-1))
+    torch.testing.assert_close(hidden_few, hidden_all)
+    assert torch.all(hidden_few[~scored] == 0)
+    torch.testing.assert_close(weight_few, weight_all)
+
+
+def test_scored_position_counts_count_what_each_step_scores():
+    scored = [torch.tensor([1, 1, 0, 1, 0], dtype=torch.bool), torch.tensor([1, 1, 1, 1, 0], dtype=torch.bool)]
+    # step 0 reads positions 0..3 (valid rows 4), step 1 positions 1..3
+    assert scored_position_counts(scored, valid_rows=4) == [3, 3]
+    assert scored_position_counts(scored, valid_rows=1) == [1, 0]
 
 
 def test_forward_metrics_equal_the_030_functions(tiny_llama):

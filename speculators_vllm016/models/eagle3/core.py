@@ -52,6 +52,7 @@ __all__ = [
     "linear_kl_loss",
     "loss_function",
     "score_ttt_step",
+    "scored_position_counts",
     "WeightGradSink",
 ]
 
@@ -222,6 +223,12 @@ def _kl_chunk(logits: torch.Tensor, targets: torch.Tensor, row_weights: torch.Te
     return (per_row * weights).sum(), grad.to(logits.dtype), logits.argmax(dim=-1)
 
 
+def _kl_rows(logits: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor, row_weights: torch.Tensor):
+    """`_kl_chunk` of the rows `rows` of `targets` and `row_weights` (compiled, the gather is
+    part of the kernel's loads: no copy of the target rows)."""
+    return _kl_chunk(logits, targets[rows], row_weights[rows])
+
+
 def _accumulate_product(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     """`total += left @ right` in place, as one matmul where the dtypes allow (an fp32 `total`
     over bf16 factors on CUDA too)."""
@@ -271,15 +278,28 @@ class _LinearKL(torch.autograd.Function):
     are formed in the forward pass (so nothing is recomputed) and scaled in the backward pass.
     `weight_compute` is `weight` in the compute dtype when the caller has it already (one cast
     per forward pass), and `sink` a `WeightGradSink` shared with the other steps.
+    With `scored_rows` (the count of rows whose weight is not zero) the rows are taken scored
+    ones first: the others (masked prompt tokens, sample boundaries) only get their argmax, and
+    the two gradient matmuls run over the scored rows alone.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, weight_compute, targets, row_weights, chunk_size, compiled, sink):
+    def forward(
+        ctx, hidden, weight, weight_compute, targets, row_weights, chunk_size, compiled, sink,
+        scored_rows,
+    ):
         rows = hidden.shape[0]
         compute = hidden.dtype
         w = weight_compute if weight_compute is not None else weight.to(compute)
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        order = None
+        if scored_rows is not None and scored_rows < rows:
+            # Stable: the scored rows keep their order, and so does the summation.
+            order = torch.argsort((row_weights == 0).to(torch.int32), stable=True)
+        graded = rows if order is None else scored_rows
+        grad_hidden = None
+        if need_hidden:
+            grad_hidden = torch.empty_like(hidden) if order is None else torch.zeros_like(hidden)
         grad_weight = None
         if need_weight:
             grad_weight = (
@@ -289,20 +309,27 @@ class _LinearKL(torch.autograd.Function):
             )
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         predicted = torch.empty(rows, dtype=torch.long, device=hidden.device)
-        chunk_math = maybe_compiled(_kl_chunk, compiled)
-        for start in range(0, rows, chunk_size):
-            end = min(start + chunk_size, rows)
-            part = hidden[start:end]
+        chunk_math = maybe_compiled(_kl_chunk if order is None else _kl_rows, compiled)
+        for start in range(0, graded, chunk_size):
+            end = min(start + chunk_size, graded)
+            if order is None:
+                index = slice(start, end)
+                chunk_args = (targets[index], row_weights[index])
+            else:
+                index = order[start:end]
+                chunk_args = (targets, index, row_weights)
+            part = hidden[index]
             logits = part @ w.T
-            loss, grad_logits, predicted[start:end] = chunk_math(
-                logits, targets[start:end], row_weights[start:end]
-            )
+            loss, grad_logits, predicted[index] = chunk_math(logits, *chunk_args)
             total += loss
             if grad_hidden is not None:
-                grad_hidden[start:end] = grad_logits @ w
+                grad_hidden[index] = grad_logits @ w
             if grad_weight is not None:
                 _accumulate_product(grad_weight, grad_logits.T, part)
             del logits, grad_logits  # before the next chunk's are made: one chunk alive at a time
+        for start in range(graded, rows, chunk_size):  # rows of weight zero: the argmax only
+            index = order[start : min(start + chunk_size, rows)]
+            predicted[index] = (hidden[index] @ w.T).argmax(dim=-1)
         ctx.weight_dtype = weight.dtype
         ctx.sink = sink
         ctx.save_for_backward(grad_hidden, None if sink is not None else grad_weight)
@@ -318,7 +345,7 @@ class _LinearKL(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_total).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def linear_kl_loss(
@@ -331,16 +358,19 @@ def linear_kl_loss(
     *,
     weight_compute: torch.Tensor | None = None,
     weight_grad_sink: WeightGradSink | None = None,
+    scored_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(sum_i row_weights[i] * KL(softmax(target_logits[i]) || softmax(hidden[i] @ weight.T)),
     argmax_i)` for `hidden [N, H]`, `target_logits [N, V]`, computed `chunk_size` rows at a time.
 
     `weight_compute`: `weight` already cast to the compute dtype (detached); `weight_grad_sink`:
-    a `WeightGradSink` shared by calls whose losses are summed (see there).
+    a `WeightGradSink` shared by calls whose losses are summed (see there); `scored_rows`: how
+    many `row_weights` are not zero, when the caller knows it without waiting for the device
+    (the gradient matmuls then skip the other rows; a wrong count drops scored rows).
     """
     return _LinearKL.apply(
         hidden, weight, weight_compute, target_logits, row_weights, chunk_size, compiled,
-        weight_grad_sink,
+        weight_grad_sink, scored_rows,
     )
 
 
@@ -370,6 +400,7 @@ def score_ttt_step(
     head_compute: torch.Tensor | None = None,
     weight_grad_sink: WeightGradSink | None = None,
     target_ids: torch.Tensor | None = None,
+    scored_rows: int | None = None,
 ) -> StepScore:
     """Score TTT step k (`ttt_step`) of a row of `R` positions, as the forward does.
 
@@ -383,6 +414,8 @@ def score_ttt_step(
     `prev_correct [R]` (right at every earlier step, seeded with the loss mask) is updated.
     Per forward pass, once for all steps: `head_compute` (the head in the compute dtype),
     `weight_grad_sink` (see `WeightGradSink`), `target_ids` (`target_logits.argmax(-1)`).
+    `scored_rows`: the count of scored positions (`scored_position_counts`), known on the host;
+    the gradient matmuls of the loss then skip the others.
     """
     rows = hidden.shape[0]
     valid = (valid_rows if valid_rows is not None else rows) - ttt_step
@@ -396,7 +429,7 @@ def score_ttt_step(
         raise ValueError(f"target_logits needs at least {rows + ttt_step} rows for step {ttt_step}")
     loss, predicted = linear_kl_loss(
         hidden, head_weight, step_targets, row_weights, chunk_size, compiled,
-        weight_compute=head_compute, weight_grad_sink=weight_grad_sink,
+        weight_compute=head_compute, weight_grad_sink=weight_grad_sink, scored_rows=scored_rows,
     )
     with torch.no_grad():
         # As accuracy_from_ids, without boolean indexing (no host sync in the training step).
@@ -412,6 +445,13 @@ def score_ttt_step(
         full = hits / (aligned_mask[:valid].sum() + 1e-5)
         conditional = hits / (conditional_denominator + 1e-5)
     return StepScore(loss, full, conditional, predicted)
+
+
+def scored_position_counts(scored: list[torch.Tensor], valid_rows: int) -> list[int]:
+    """How many positions each TTT step scores (`scored[k]` as `score_ttt_step` takes it): one
+    host sync for all steps."""
+    counts = [mask[step : step + max(valid_rows - step, 0)].sum() for step, mask in enumerate(scored)]
+    return [int(count) for count in torch.stack(counts).tolist()]
 
 
 class _StepKeyValues:
@@ -739,6 +779,12 @@ class Eagle3DraftModel(SpeculatorModel):
                 base_mask[:total] = loss_mask[0].to(torch.bool)
             base_mask[total:] = False
             prev_correct = base_mask[:padded].clone()
+            scored_masks = []
+            for step in range(ttt_steps):
+                scored = base_mask.clone()
+                scored[:padded] &= _same_sample_as_target(documents, step)
+                scored_masks.append(scored)
+            scored_counts: list[int] | None = None
             loss = torch.zeros((), dtype=torch.float32, device=device)
             metrics = {}
         draft_tokens = []
@@ -766,14 +812,16 @@ class Eagle3DraftModel(SpeculatorModel):
             if all_logits is not None:
                 all_logits.append(self.lm_head(normed[:total])[None])
             if scoring:
-                scored = base_mask.clone()
-                scored[:padded] &= _same_sample_as_target(documents, step)
+                if scored_counts is None:
+                    # Read here, with step 0's layer queued: the device is busy meanwhile.
+                    scored_counts = scored_position_counts(scored_masks, total)
                 score = score_ttt_step(
-                    normed, self.lm_head.weight, targets, scored, prev_correct, step,
+                    normed, self.lm_head.weight, targets, scored_masks[step], prev_correct, step,
                     ttt_step_loss_decay, valid_rows=total,
                     masked_denominator=loss_mask is not None,
                     chunk_size=self.loss_chunk_size, compiled=compiled,
                     head_compute=head_compute, weight_grad_sink=head_grad, target_ids=target_ids,
+                    scored_rows=scored_counts[step],
                 )
                 loss = loss + score.loss
                 metrics[f"loss_{step}"] = score.loss.detach().clone()
