@@ -68,6 +68,22 @@ def _attention_input(
     ).to(hidden.dtype)
 
 
+def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x` scaled to unit root mean square per row (an RMS norm without its weight), in x's dtype."""
+    normalized = x.float()
+    return (normalized * torch.rsqrt(normalized.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _scale_columns_and_weight_grad(
+    grad_unit: torch.Tensor, projection: torch.Tensor, norm_weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """From `M = grad_out^T @ unit_rms(a)` (`[out, H]`): the projection's gradient columns
+    `M * norm_weight` and the norm weight's gradient `sum_j projection[j] * M[j]`."""
+    m = grad_unit.float()
+    grad_norm_weight = (projection.float() * m).sum(0)
+    return (m * norm_weight.float()).to(grad_unit.dtype), grad_norm_weight
+
+
 def _normed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _rms_norm(x, weight, eps).to(x.dtype)
 
@@ -167,6 +183,63 @@ class _ProjectRebuiltInput(torch.autograd.Function):
         found = iter(torch.autograd.grad(x, wanted, grad_out @ weight) if wanted else ())
         grads = [next(found) if need else None for need in needs]
         return None, grad_weight, grad_bias, *grads
+
+
+class _ProjectNormedPair(torch.autograd.Function):
+    """`F.linear([a_weight * unit_rms(a) ; b_weight * unit_rms(b)], weight, bias)` for an `a` that
+    needs no gradient (the token embeddings).
+
+    `_ProjectRebuiltInput` would form the input's whole gradient `grad_out @ weight` only to
+    reduce its `a` half to the `[H]` gradient of `a_weight`. Here that half comes from the weight
+    gradient's matmul instead, run on `unit_rms(a)` in place of `a_weight * unit_rms(a)`: its
+    `a` columns `M = grad_out^T @ unit_rms(a)` give the weight's gradient as `M * a_weight` and
+    `a_weight`'s as `sum_j weight[j, :H] * M[j]`, and the input gradient's matmul shrinks to the
+    `b` half (a quarter of the layer's q/k/v backward work at EAGLE-3 shapes).
+    """
+
+    @staticmethod
+    def forward(ctx, weight, bias, a, b, a_weight, b_weight, a_eps, b_eps, compiled):
+        device = weight.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.has_bias = bias is not None
+        ctx.eps = (a_eps, b_eps)
+        ctx.compiled = compiled
+        x = maybe_compiled(_attention_input, compiled)(a, b, a_weight, b_weight, a_eps, b_eps)
+        ctx.save_for_backward(weight, a, b, a_weight, b_weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        weight, a, b, a_weight, b_weight = ctx.saved_tensors
+        need_weight, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b, need_a_weight, need_b_weight = (ctx.needs_input_grad[i] for i in (3, 4, 5))
+        a_eps, b_eps = ctx.eps
+        size = a.shape[-1]
+        device, autocast, dtype = ctx.autocast
+        b_leaf = b.detach().requires_grad_(need_b)
+        b_weight_leaf = b_weight.detach().requires_grad_(need_b_weight)
+        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=autocast):
+            x_b = maybe_compiled(_normed, ctx.compiled)(b_leaf, b_weight_leaf, b_eps).to(b.dtype)
+        flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
+        unit_a = maybe_compiled(_unit_rms, ctx.compiled)(a.to(b.dtype), a_eps)
+        grad_weight = grad_a_weight = None
+        if need_weight or need_a_weight:
+            inputs = torch.cat([unit_a, x_b.detach()], dim=-1).reshape(-1, 2 * size)
+            products = flat_grad.T @ inputs  # [out, 2H]; its `a` columns are M
+            scaled, grad_a_weight = maybe_compiled(_scale_columns_and_weight_grad, ctx.compiled)(
+                products[:, :size], weight[:, :size], a_weight
+            )
+            products[:, :size] = scaled
+            grad_weight = products if need_weight else None
+            grad_a_weight = grad_a_weight.to(a_weight.dtype) if need_a_weight else None
+        grad_bias = flat_grad.sum(0) if ctx.has_bias and need_bias else None
+        grad_b = grad_b_weight = None
+        wanted = [leaf for leaf, need in ((b_leaf, need_b), (b_weight_leaf, need_b_weight)) if need]
+        if wanted:
+            found = iter(torch.autograd.grad(x_b, wanted, grad_out @ weight[:, size:]))
+            grad_b = next(found) if need_b else None
+            grad_b_weight = next(found) if need_b_weight else None
+        return grad_weight, grad_bias, None, grad_b, grad_a_weight, grad_b_weight, None, None, None
 
 
 class FirstLayerWeights(NamedTuple):
@@ -303,12 +376,19 @@ class LlamaDecoderEagle3FirstLayer(LlamaDecoderLayer):
         batch, length = hidden.shape[:2]
         head_dim = attention.head_dim
 
-        build = maybe_compiled(_attention_input, compiled)
-        qkv = _ProjectRebuiltInput.apply(
-            build, weights.qkv, weights.qkv_bias, embeds, hidden,
+        norms = (
             self.input_layernorm.weight, self.hidden_norm.weight,
             self.input_layernorm.variance_epsilon, self.hidden_norm.variance_epsilon,
         )
+        if embeds.requires_grad:
+            build = maybe_compiled(_attention_input, compiled)
+            qkv = _ProjectRebuiltInput.apply(
+                build, weights.qkv, weights.qkv_bias, embeds, hidden, *norms
+            )
+        else:  # training: the embeddings are frozen
+            qkv = _ProjectNormedPair.apply(
+                weights.qkv, weights.qkv_bias, embeds, hidden, *norms, compiled
+            )
         heads = attention.config.num_attention_heads
         kv_heads = attention.config.num_key_value_heads
         query, key, value = qkv.split(
