@@ -3,8 +3,9 @@
     python benchmarks/training.py --preset llama-3.1-8b-draft --packed-tokens 2048 8192 32768
 
 One step is what the trainer runs per packed row: forward over `--ttt-steps` test-time steps,
-backward, gradient clipping at 1.0 and AdamW (fused on CUDA), with the verifier's embeddings,
-final norm and LM head frozen. The first `--warmup` steps (compilation included) are not timed;
+backward, gradient clipping at 1.0 and AdamW (fused on CUDA, the clip folded into it), with the
+verifier's embeddings, final norm and LM head frozen. The synthetic rows score 70% of their
+positions (`loss_mask`). The first `--warmup` steps (compilation included) are not timed;
 the median and spread of the next `--steps` give tokens/s (packed tokens per second). Peak
 memory is the largest allocation seen during the timed steps. Needs only torch, transformers,
 safetensors and pydantic (no vLLM); JSON and markdown go to --output-dir.
