@@ -135,3 +135,31 @@ def test_forward_metrics_equal_the_030_functions(tiny_llama):
         plain = plain + 0.8**step * loss_function(logits, aligned, data["loss_mask"][:, step:])
     plain.backward()
     torch.testing.assert_close(fused, model.lm_head.weight.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_skipping_unscored_rows_in_the_forward_changes_nothing(tiny_llama):
+    """`skip_unscored_rows` (on by default on accelerators) against the full-row loss, on a CPU:
+    same loss, metrics, draft tokens and gradients."""
+    d2t, t2d = build_vocab_mappings_from_distribution({t: 1 for t in range(DRAFT_VOCAB)}, DRAFT_VOCAB, 512)
+    model = Eagle3DraftModel(eagle3_config(str(tiny_llama)), t2d=t2d, d2t=d2t)
+    assert not model._skipping_unscored_rows(torch.device("cpu"))
+    assert model._skipping_unscored_rows(torch.device("cuda"))
+    data = batch(20, seed=6)
+    assert 0 < int(data["loss_mask"].sum()) < 20  # some rows are skipped
+    runs = []
+    for skip in (False, True):
+        model.skip_unscored_rows = skip
+        model.zero_grad(set_to_none=True)
+        out = model(**data, ttt_steps=3, ttt_step_loss_decay=0.8)
+        out.loss.backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        runs.append((out, grads))
+    (full, full_grads), (skipped, skipped_grads) = runs
+    torch.testing.assert_close(skipped.loss, full.loss)
+    for name, value in full.metrics.items():
+        torch.testing.assert_close(skipped.metrics[name], value, msg=name)
+    for mine, theirs in zip(skipped.draft_tokens, full.draft_tokens, strict=True):
+        assert torch.equal(mine, theirs)
+    assert skipped_grads.keys() == full_grads.keys()
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(skipped_grads[name], grad, msg=name)

@@ -493,7 +493,10 @@ class Eagle3DraftModel(SpeculatorModel):
     (flex on CUDA, SDPA elsewhere; a layer config whose `_attn_implementation` is
     "simple_flex_attention" starts at "flex"); `compile_blocks` (None: on CUDA) compiles the
     element-wise work of the first layer and of the loss; `loss_chunk_size` rows of logits exist
-    at a time. Mixed precision: keep the parameters fp32 and run the forward under
+    at a time; `skip_unscored_rows` (None: off on CPUs) runs the loss's gradient matmuls over the
+    scored positions only (see `linear_kl_loss`). On a CPU it changed the last bits of training
+    with the thread count (a resumed run under another OMP_NUM_THREADS was no longer
+    bit-identical to the uninterrupted one), and CPU runs are small, so it stays off there. Mixed precision: keep the parameters fp32 and run the forward under
     `torch.autocast(device, torch.bfloat16)`; `frozen_weights_to(torch.bfloat16)` halves the
     memory of the frozen verifier copies.
     """
@@ -529,6 +532,7 @@ class Eagle3DraftModel(SpeculatorModel):
             "flex" if requested in (ATTENTION_INTERFACE_NAME, "flex_attention") else "auto"
         )
         self.compile_blocks: bool | None = None
+        self.skip_unscored_rows: bool | None = None
         self.loss_chunk_size = 4096
         if layer_config.model_type not in model_classes:
             raise ValueError(
@@ -699,6 +703,11 @@ class Eagle3DraftModel(SpeculatorModel):
     def _compiling(self, device: torch.device) -> bool:
         return device.type == "cuda" if self.compile_blocks is None else bool(self.compile_blocks)
 
+    def _skipping_unscored_rows(self, device: torch.device) -> bool:
+        if self.skip_unscored_rows is None:
+            return device.type != "cpu"
+        return bool(self.skip_unscored_rows)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -812,7 +821,7 @@ class Eagle3DraftModel(SpeculatorModel):
             if all_logits is not None:
                 all_logits.append(self.lm_head(normed[:total])[None])
             if scoring:
-                if scored_counts is None:
+                if scored_counts is None and self._skipping_unscored_rows(device):
                     # Read here, with step 0's layer queued: the device is busy meanwhile.
                     scored_counts = scored_position_counts(scored_masks, total)
                 score = score_ttt_step(
@@ -821,7 +830,7 @@ class Eagle3DraftModel(SpeculatorModel):
                     masked_denominator=loss_mask is not None,
                     chunk_size=self.loss_chunk_size, compiled=compiled,
                     head_compute=head_compute, weight_grad_sink=head_grad, target_ids=target_ids,
-                    scored_rows=scored_counts[step],
+                    scored_rows=scored_counts[step] if scored_counts is not None else None,
                 )
                 loss = loss + score.loss
                 metrics[f"loss_{step}"] = score.loss.detach().clone()
