@@ -50,7 +50,9 @@ def document_ids(lengths: torch.Tensor, total_seq_len: int) -> torch.Tensor:
     message = f"lengths of the packed samples sum past total_seq_len {total_seq_len}"
     if lengths.device.type == "cpu":
         if int(used) > total_seq_len:
-            raise ValueError(f"{message} ({int(used)}); pass the lengths of the samples packed in this row")
+            raise ValueError(
+                f"{message} ({int(used)}); pass the lengths of the samples packed in this row"
+            )
     else:
         torch._assert_async(used <= total_seq_len, message)
     positions = torch.arange(total_seq_len, device=lengths.device)

@@ -223,7 +223,9 @@ def _kl_chunk(logits: torch.Tensor, targets: torch.Tensor, row_weights: torch.Te
     return (per_row * weights).sum(), grad.to(logits.dtype), logits.argmax(dim=-1)
 
 
-def _kl_rows(logits: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor, row_weights: torch.Tensor):
+def _kl_rows(
+    logits: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor, row_weights: torch.Tensor
+):
     """`_kl_chunk` of the rows `rows` of `targets` and `row_weights` (compiled, the gather is
     part of the kernel's loads: no copy of the target rows)."""
     return _kl_chunk(logits, targets[rows], row_weights[rows])
@@ -419,9 +421,7 @@ def score_ttt_step(
     """
     rows = hidden.shape[0]
     valid = (valid_rows if valid_rows is not None else rows) - ttt_step
-    aligned_mask = torch.zeros(rows, dtype=torch.bool, device=hidden.device)
-    if valid > 0:
-        aligned_mask[:valid] = scored[ttt_step : ttt_step + valid].to(torch.bool)
+    aligned_mask = _aligned_scored(scored, ttt_step, rows, valid)
     denominator = aligned_mask.sum() + (1e-5 if masked_denominator else 0.0)
     row_weights = aligned_mask.float() * (ttt_step_loss_decay**ttt_step) / denominator
     step_targets = target_logits[ttt_step : ttt_step + rows]
@@ -447,10 +447,22 @@ def score_ttt_step(
     return StepScore(loss, full, conditional, predicted)
 
 
+def _aligned_scored(scored: torch.Tensor, ttt_step: int, rows: int, valid: int) -> torch.Tensor:
+    """`[rows]` bool: draft position i is scored at step `ttt_step` where `scored[i + ttt_step]`,
+    for the first `valid` positions (the others have no target)."""
+    aligned = torch.zeros(rows, dtype=torch.bool, device=scored.device)
+    if valid > 0:
+        aligned[:valid] = scored[ttt_step : ttt_step + valid].to(torch.bool)
+    return aligned
+
+
 def scored_position_counts(scored: list[torch.Tensor], valid_rows: int) -> list[int]:
     """How many positions each TTT step scores (`scored[k]` as `score_ttt_step` takes it): one
     host sync for all steps."""
-    counts = [mask[step : step + max(valid_rows - step, 0)].sum() for step, mask in enumerate(scored)]
+    counts = [
+        _aligned_scored(mask, step, valid_rows, valid_rows - step).sum()
+        for step, mask in enumerate(scored)
+    ]
     return [int(count) for count in torch.stack(counts).tolist()]
 
 
@@ -496,7 +508,8 @@ class Eagle3DraftModel(SpeculatorModel):
     at a time; `skip_unscored_rows` (None: off on CPUs) runs the loss's gradient matmuls over the
     scored positions only (see `linear_kl_loss`). On a CPU it changed the last bits of training
     with the thread count (a resumed run under another OMP_NUM_THREADS was no longer
-    bit-identical to the uninterrupted one), and CPU runs are small, so it stays off there. Mixed precision: keep the parameters fp32 and run the forward under
+    bit-identical to the uninterrupted one), and CPU runs are small, so it stays off there.
+    Mixed precision: keep the parameters fp32 and run the forward under
     `torch.autocast(device, torch.bfloat16)`; `frozen_weights_to(torch.bfloat16)` halves the
     memory of the frozen verifier copies.
     """

@@ -50,11 +50,15 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type)
 
 
+def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x` scaled to unit root mean square per row (an RMS norm without its weight), in its dtype."""
+    normalized = x.float()
+    return (normalized * torch.rsqrt(normalized.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' `LlamaRMSNorm` as a function of its weight (so the weight can be an input)."""
-    normalized = x.float()
-    normalized = normalized * torch.rsqrt(normalized.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normalized.to(x.dtype)
+    return weight * _unit_rms(x, eps)
 
 
 def _attention_input(
@@ -66,12 +70,6 @@ def _attention_input(
         [_rms_norm(embeds, embed_norm, embed_eps), _rms_norm(hidden, hidden_norm, hidden_eps)],
         dim=-1,
     ).to(hidden.dtype)
-
-
-def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """`x` scaled to unit root mean square per row (an RMS norm without its weight), in x's dtype."""
-    normalized = x.float()
-    return (normalized * torch.rsqrt(normalized.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _scale_columns_and_weight_grad(
@@ -143,6 +141,17 @@ class _SiluGatedDown(torch.autograd.Function):
         return grad_gate_up, grad_weight, grad_bias, None
 
 
+def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
+    """What a backward pass needs to rebuild forward work under the forward's autocast."""
+    return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
+def _rebuilding(state: tuple[str, bool, torch.dtype]):
+    """Grad mode and the forward's autocast, for recomputing forward work in a backward pass."""
+    device_type, enabled, dtype = state
+    return torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled)
+
+
 class _ProjectRebuiltInput(torch.autograd.Function):
     """`F.linear(build(*sources), weight, bias)` that keeps `sources` for the backward pass, not
     the projection's input: `build` is cheap element-wise work (norms, concatenation) whose
@@ -150,14 +159,15 @@ class _ProjectRebuiltInput(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, build, weight, bias, *sources):
-        device = weight.device.type
-        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.autocast = _autocast_state(weight.device.type)
         ctx.build = build
         ctx.has_bias = bias is not None
         x = build(*sources)
         # Tensors are saved through autograd; the rest (norm epsilons) as they are.
         ctx.is_tensor = [isinstance(source, torch.Tensor) for source in sources]
-        ctx.constants = [None if tensor else source for source, tensor in zip(sources, ctx.is_tensor)]
+        ctx.constants = [
+            None if tensor else source for source, tensor in zip(sources, ctx.is_tensor, strict=True)
+        ]
         ctx.save_for_backward(weight, *(s for s in sources if isinstance(s, torch.Tensor)))
         return F.linear(x, weight, bias)
 
@@ -170,8 +180,8 @@ class _ProjectRebuiltInput(torch.autograd.Function):
             next(saved).detach().requires_grad_(need) if tensor else constant
             for tensor, constant, need in zip(ctx.is_tensor, ctx.constants, needs, strict=True)
         ]
-        device, autocast, dtype = ctx.autocast
-        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=autocast):
+        grad_mode, autocast = _rebuilding(ctx.autocast)
+        with grad_mode, autocast:
             x = ctx.build(*leaves)
         flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
         grad_weight = grad_bias = None
@@ -199,8 +209,7 @@ class _ProjectNormedPair(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weight, bias, a, b, a_weight, b_weight, a_eps, b_eps, compiled):
-        device = weight.device.type
-        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.autocast = _autocast_state(weight.device.type)
         ctx.has_bias = bias is not None
         ctx.eps = (a_eps, b_eps)
         ctx.compiled = compiled
@@ -215,15 +224,15 @@ class _ProjectNormedPair(torch.autograd.Function):
         need_b, need_a_weight, need_b_weight = (ctx.needs_input_grad[i] for i in (3, 4, 5))
         a_eps, b_eps = ctx.eps
         size = a.shape[-1]
-        device, autocast, dtype = ctx.autocast
         b_leaf = b.detach().requires_grad_(need_b)
         b_weight_leaf = b_weight.detach().requires_grad_(need_b_weight)
-        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=autocast):
+        grad_mode, autocast = _rebuilding(ctx.autocast)
+        with grad_mode, autocast:
             x_b = maybe_compiled(_normed, ctx.compiled)(b_leaf, b_weight_leaf, b_eps).to(b.dtype)
         flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
-        unit_a = maybe_compiled(_unit_rms, ctx.compiled)(a.to(b.dtype), a_eps)
         grad_weight = grad_a_weight = None
         if need_weight or need_a_weight:
+            unit_a = maybe_compiled(_unit_rms, ctx.compiled)(a.to(b.dtype), a_eps)
             inputs = torch.cat([unit_a, x_b.detach()], dim=-1).reshape(-1, 2 * size)
             products = flat_grad.T @ inputs  # [out, 2H]; its `a` columns are M
             scaled, grad_a_weight = maybe_compiled(_scale_columns_and_weight_grad, ctx.compiled)(
@@ -441,7 +450,9 @@ class LlamaDecoderEagle3FirstLayer(LlamaDecoderLayer):
             x, norm.weight, norm.variance_epsilon,
         )
         if self.mlp.config.hidden_act in ("silu", "swish"):
-            return _SiluGatedDown.apply(gate_up, weights.down, weights.down_bias, self.compile_blocks)
+            return _SiluGatedDown.apply(
+                gate_up, weights.down, weights.down_bias, self.compile_blocks
+            )
         gate, up = gate_up.chunk(2, dim=-1)
         return F.linear(self.mlp.act_fn(gate) * up, weights.down, weights.down_bias)
 
