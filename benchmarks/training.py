@@ -27,7 +27,10 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-__all__ = ["PRESETS", "TrainingPreset", "kernel_category", "main", "profile_summary", "run_length"]
+__all__ = [
+    "PRESETS", "TrainingPreset", "kernel_category", "main", "own_microseconds", "profile_summary",
+    "run_length",
+]
 
 
 @dataclass(frozen=True)
@@ -234,6 +237,17 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
+def own_microseconds(entry: Any, cuda: bool, cuda_type: Any) -> float:
+    """An averaged profiler entry's own time, counted once: on CUDA only kernels (CPU ops, and
+    annotations such as `Optimizer.step#AdamW.step`, also report the device time of the kernels
+    inside them), on a CPU the op's own CPU time."""
+    if not cuda:
+        return entry.self_cpu_time_total
+    if entry.device_type != cuda_type or getattr(entry, "is_user_annotation", False):
+        return 0.0
+    return entry.self_device_time_total
+
+
 def profile_summary(step, cuda: bool) -> dict[str, float]:
     """One more step under the profiler: milliseconds by `kernel_category` (GPU kernels on CUDA,
     CPU ops' own time on a CPU), their total and the step's wall time. Prints the top kernels."""
@@ -255,14 +269,7 @@ def profile_summary(step, cuda: bool) -> dict[str, float]:
     print(averages.table(sort_by=sort_key, row_limit=30), flush=True)
     totals: dict[str, float] = {"matmul": 0.0, "attention": 0.0, "optimizer": 0.0, "other": 0.0}
     for entry in averages:
-        if cuda:
-            # Kernels only: CPU ops also report the device time of the kernels they launched.
-            if entry.device_type != DeviceType.CUDA:
-                continue
-            micros = entry.self_device_time_total
-        else:
-            micros = entry.self_cpu_time_total
-        totals[kernel_category(entry.key)] += micros / 1e3
+        totals[kernel_category(entry.key)] += own_microseconds(entry, cuda, DeviceType.CUDA) / 1e3
     summary = {key: round(value, 2) for key, value in totals.items()}
     summary["total"] = round(sum(totals.values()), 2)
     summary["wall"] = round(wall * 1e3, 2)

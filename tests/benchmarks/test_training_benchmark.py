@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from benchmarks.training import PRESETS, kernel_category, main
+from benchmarks.training import PRESETS, kernel_category, main, own_microseconds
 
 
 def test_cpu_small_preset_runs_and_writes_its_records(tmp_path) -> None:
@@ -56,3 +56,18 @@ def test_profile_sorts_time_into_matmul_attention_optimizer_and_other(tmp_path) 
     assert profile["total"] == pytest.approx(
         profile["matmul"] + profile["attention"] + profile["optimizer"] + profile["other"], abs=0.05
     )
+
+
+def test_profile_counts_each_kernel_once():
+    """On CUDA a profiler annotation (the optimizer's step) reports the device time of the
+    kernels inside it: only the kernels themselves are counted."""
+    from types import SimpleNamespace
+
+    kernel = SimpleNamespace(device_type="cuda", is_user_annotation=False,
+                             self_device_time_total=4000.0, self_cpu_time_total=0.0)
+    annotation = SimpleNamespace(device_type="cuda", is_user_annotation=True,
+                                 self_device_time_total=4000.0, self_cpu_time_total=10.0)
+    cpu_op = SimpleNamespace(device_type="cpu", is_user_annotation=False,
+                             self_device_time_total=4000.0, self_cpu_time_total=25.0)
+    assert [own_microseconds(e, True, "cuda") for e in (kernel, annotation, cpu_op)] == [4000.0, 0, 0]
+    assert [own_microseconds(e, False, "cuda") for e in (kernel, annotation, cpu_op)] == [0.0, 10.0, 25.0]
