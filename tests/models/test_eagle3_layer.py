@@ -102,6 +102,34 @@ def test_recomputed_mlp_gives_the_same_gradients():
         torch.testing.assert_close(grads[1][name], grad, msg=name)
 
 
+def test_mlp_and_output_gradients_are_complete_before_the_first_steps_attention_backward():
+    """The casts shared by the TTT steps are made at first use, so in the backward pass the
+    MLP's and the output projection's weights get their gradients before the first step's
+    attention backward reaches the layer's input: DDP can reduce them under that work."""
+    layer = make_layer(True, False)
+    embeds = torch.randn(2, 1, 6, H, dtype=torch.bfloat16)  # as the fc's output under autocast
+    start = torch.randn(1, 6, H, dtype=torch.bfloat16, requires_grad=True)
+    arrivals: list[str] = []
+    for name, parameter in layer.named_parameters():
+        parameter.register_post_accumulate_grad_hook(lambda _, name=name: arrivals.append(name))
+    start.register_post_accumulate_grad_hook(lambda _: arrivals.append("input"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        weights = layer.compute_weights(torch.bfloat16)  # one cast per forward, as the draft's
+
+        def shared_step(layer, embeds, hidden, mask, position_embeddings, cache):
+            return layer.ttt_step(
+                embeds, hidden, attention_mask=mask, position_embeddings=position_embeddings,
+                past_key_values=cache, weights=weights,
+            )
+
+        out = two_ttt_steps(layer, shared_step, embeds, start)
+    out.float().square().sum().backward()
+    early = [f"mlp.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")]
+    early.append("self_attn.o_proj.weight")
+    assert set(early) <= set(arrivals)
+    assert all(arrivals.index(name) < arrivals.index("input") for name in early), arrivals
+
+
 def test_shared_head_gradient_equals_separate_gradients_and_survives_a_second_backward():
     torch.manual_seed(0)
     weight = torch.randn(11, 5, requires_grad=True)

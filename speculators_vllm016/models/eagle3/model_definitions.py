@@ -251,29 +251,50 @@ class _ProjectNormedPair(torch.autograd.Function):
         return grad_weight, grad_bias, None, grad_b, grad_a_weight, grad_b_weight, None, None, None
 
 
-class FirstLayerWeights(NamedTuple):
+class FirstLayerWeights:
     """The first layer's projections in the compute dtype, fused where they share an input.
 
-    Made once per forward pass (`LlamaDecoderEagle3FirstLayer.compute_weights`) and shared by
-    every TTT step: one cast per weight instead of one per step, and the gradients of all steps
-    meet in the one cast on their way to the (fp32) parameters.
+    One per layer and forward pass, shared by every TTT step: one cast per weight instead of
+    one per step, and the gradients of all steps meet in the one cast on their way to the
+    (fp32) parameters. Each projection is cast at its first use, not all at the layer's first
+    call: autograd runs the ready node made last first, so in the backward pass a cast made
+    just before the first step's MLP hands the MLP's gradients to the parameters as soon as
+    that step's MLP backward is done. Under DDP they are then reduced while the first step's
+    attention backward runs, instead of all gradients waiting for the end of the pass.
     """
 
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
-    gate_up: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
-    down_bias: torch.Tensor | None
+    def __init__(self, layer: LlamaDecoderEagle3FirstLayer, dtype: torch.dtype | None) -> None:
+        self._layer = layer
+        self._dtype = dtype
+        self._made: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def _get(self, name: str, linears: Callable[[], list[nn.Linear]]):
+        if name not in self._made:
+            self._made[name] = _fused(linears(), self._dtype)
+        return self._made[name]
+
+    def qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q, k and v stacked (weight, bias)."""
+        attention = self._layer.self_attn
+        return self._get("qkv", lambda: [attention.q_proj, attention.k_proj, attention.v_proj])
+
+    def o(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._get("o", lambda: [self._layer.self_attn.o_proj])
+
+    def gate_up(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """gate and up stacked (weight, bias)."""
+        mlp = self._layer.mlp
+        return self._get("gate_up", lambda: [mlp.gate_proj, mlp.up_proj])
+
+    def down(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._get("down", lambda: [self._layer.mlp.down_proj])
 
 
 class FirstLayerWeightCache:
-    """The cast weights of each first layer, made at the layer's first call of a forward pass.
+    """The cast weights of each first layer for one forward pass (see `FirstLayerWeights`).
 
-    The draft passes one per forward pass to every TTT step's layer call. The cast happens
-    inside the layer's own call (where FSDP2 has gathered its parameters), and only once.
+    The draft passes one per forward pass to every TTT step's layer call. The casts happen
+    inside the layer's own calls (where FSDP2 has gathered its parameters), and only once.
     """
 
     def __init__(self, dtype: torch.dtype | None) -> None:
@@ -327,14 +348,9 @@ class LlamaDecoderEagle3FirstLayer(LlamaDecoderLayer):
         attention.v_proj = nn.Linear(wide, config.num_key_value_heads * head_dim, bias=bias)
 
     def compute_weights(self, dtype: torch.dtype | None) -> FirstLayerWeights:
-        """The projections cast to `dtype` (None: as stored), q/k/v and gate/up concatenated."""
-        attention, mlp = self.self_attn, self.mlp
-        return FirstLayerWeights(
-            *_fused([attention.q_proj, attention.k_proj, attention.v_proj], dtype),
-            *_fused([attention.o_proj], dtype),
-            *_fused([mlp.gate_proj, mlp.up_proj], dtype),
-            *_fused([mlp.down_proj], dtype),
-        )
+        """The projections cast to `dtype` (None: as stored) at first use, q/k/v and gate/up
+        concatenated."""
+        return FirstLayerWeights(self, dtype)
 
     def forward(
         self,
@@ -389,14 +405,13 @@ class LlamaDecoderEagle3FirstLayer(LlamaDecoderLayer):
             self.input_layernorm.weight, self.hidden_norm.weight,
             self.input_layernorm.variance_epsilon, self.hidden_norm.variance_epsilon,
         )
+        qkv_weight, qkv_bias = weights.qkv()
         if embeds.requires_grad:
             build = maybe_compiled(_attention_input, compiled)
-            qkv = _ProjectRebuiltInput.apply(
-                build, weights.qkv, weights.qkv_bias, embeds, hidden, *norms
-            )
+            qkv = _ProjectRebuiltInput.apply(build, qkv_weight, qkv_bias, embeds, hidden, *norms)
         else:  # training: the embeddings are frozen
             qkv = _ProjectNormedPair.apply(
-                weights.qkv, weights.qkv_bias, embeds, hidden, *norms, compiled
+                qkv_weight, qkv_bias, embeds, hidden, *norms, compiled
             )
         heads = attention.config.num_attention_heads
         kv_heads = attention.config.num_key_value_heads
@@ -426,7 +441,7 @@ class LlamaDecoderEagle3FirstLayer(LlamaDecoderLayer):
             dropout=0.0 if not self.training else attention.attention_dropout,
             scaling=attention.scaling, **kwargs,
         )
-        attended = F.linear(attended.reshape(batch, length, -1), weights.o, weights.o_bias)
+        attended = F.linear(attended.reshape(batch, length, -1), *weights.o())
 
         if self.norm_before_residual:
             residual = maybe_compiled(_normed, compiled)(
@@ -435,26 +450,33 @@ class LlamaDecoderEagle3FirstLayer(LlamaDecoderLayer):
         else:
             residual = hidden
         mlp_input = residual + attended
+        # Cast outside a recomputed region: the casts are shared with the later TTT steps.
+        mlp_weights = (*weights.gate_up(), *weights.down())
         if self.recompute_mlp and torch.is_grad_enabled():
             from torch.utils.checkpoint import checkpoint
 
-            mlp_output = checkpoint(self._mlp, mlp_input, weights, use_reentrant=False)
+            mlp_output = checkpoint(self._mlp, mlp_input, *mlp_weights, use_reentrant=False)
         else:
-            mlp_output = self._mlp(mlp_input, weights)
+            mlp_output = self._mlp(mlp_input, *mlp_weights)
         return (mlp_input + mlp_output).to(dtype)
 
-    def _mlp(self, x: torch.Tensor, weights: FirstLayerWeights) -> torch.Tensor:
+    def _mlp(
+        self,
+        x: torch.Tensor,
+        gate_up_weight: torch.Tensor,
+        gate_up_bias: torch.Tensor | None,
+        down_weight: torch.Tensor,
+        down_bias: torch.Tensor | None,
+    ) -> torch.Tensor:
         norm = self.post_attention_layernorm
         gate_up = _ProjectRebuiltInput.apply(
-            maybe_compiled(_normed, self.compile_blocks), weights.gate_up, weights.gate_up_bias,
+            maybe_compiled(_normed, self.compile_blocks), gate_up_weight, gate_up_bias,
             x, norm.weight, norm.variance_epsilon,
         )
         if self.mlp.config.hidden_act in ("silu", "swish"):
-            return _SiluGatedDown.apply(
-                gate_up, weights.down, weights.down_bias, self.compile_blocks
-            )
+            return _SiluGatedDown.apply(gate_up, down_weight, down_bias, self.compile_blocks)
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.linear(self.mlp.act_fn(gate) * up, weights.down, weights.down_bias)
+        return F.linear(self.mlp.act_fn(gate) * up, down_weight, down_bias)
 
 
 class ModelComponents(NamedTuple):
