@@ -95,4 +95,18 @@ def apply_data_parallel(model: torch.nn.Module, device: torch.device) -> torch.n
 
     device_ids = [device] if device.type == "cuda" else None
     # Gradients live in the communication buckets: no copy in and out of them every step.
-    return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+    wrapped = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+    if dist.get_backend(wrapped.process_group) == dist.Backend.NCCL:
+        wrapped.register_comm_hook(wrapped.process_group, _average_while_reducing)
+    return wrapped
+
+
+def _average_while_reducing(process_group, bucket):  # noqa: ANN001, ANN202
+    """DDP comm hook: NCCL averages inside the all-reduce. DDP's own reduction divides each
+    bucket by the world size in a separate pass over all gradients first (about 0.9 ms a step
+    at 8B-draft shapes on an H200). Gloo has no average, so CPU runs keep DDP's default.
+
+    Not annotated: DDP checks a hook's annotations against the classes themselves, and this
+    module's annotations are strings (`from __future__ import annotations`)."""
+    work = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.AVG, group=process_group, async_op=True)
+    return work.get_future().then(lambda done: done.value()[0])
