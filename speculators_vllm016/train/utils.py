@@ -101,7 +101,7 @@ def apply_data_parallel(model: torch.nn.Module, device: torch.device) -> torch.n
     return wrapped
 
 
-def _average_while_reducing(process_group, bucket):  # noqa: ANN001, ANN202
+def _average_while_reducing(process_group, bucket):
     """DDP comm hook: NCCL averages inside the all-reduce. DDP's own reduction divides each
     bucket by the world size in a separate pass over all gradients first (about 0.9 ms a step
     at 8B-draft shapes on an H200). Gloo has no average, so CPU runs keep DDP's default.
