@@ -60,14 +60,18 @@ def document_ids(lengths: torch.Tensor, total_seq_len: int) -> torch.Tensor:
     return torch.where(positions < used, ids, -1)
 
 
-def create_combined_mask_mod(lengths: torch.Tensor, total_seq_len: int) -> Callable:
+def create_combined_mask_mod(
+    lengths: torch.Tensor, total_seq_len: int, documents: torch.Tensor | None = None
+) -> Callable:
     """`mask_mod(b, h, q_idx, kv_idx)` of every TTT step (broadcasting index tensors).
 
     Key `kv_idx` belongs to step `kv_idx // total_seq_len`, position `kv_idx % total_seq_len`.
     Step 0 keys: causal within the query's own sample (padding sees nothing there but itself);
-    later steps' keys: only the query's own position.
+    later steps' keys: only the query's own position. `documents`: `document_ids(lengths,
+    total_seq_len)` where the caller has them already.
     """
-    documents = document_ids(lengths, total_seq_len)
+    if documents is None:
+        documents = document_ids(lengths, total_seq_len)
 
     def mask_mod(b, h, q_idx, kv_idx):
         column = kv_idx % total_seq_len
@@ -80,12 +84,19 @@ def create_combined_mask_mod(lengths: torch.Tensor, total_seq_len: int) -> Calla
 
 
 def build_step_zero_mask(
-    lengths: torch.Tensor, total_seq_len: int, *, flex: bool, device: torch.device | None = None
+    lengths: torch.Tensor,
+    total_seq_len: int,
+    *,
+    flex: bool,
+    device: torch.device | None = None,
+    documents: torch.Tensor | None = None,
 ) -> BlockMask | torch.Tensor:
     """Step 0's mask: a `BlockMask` (`flex=True`; `total_seq_len` must be a multiple of 128) or a
-    dense boolean `[1, 1, T, T]` tensor."""
+    dense boolean `[1, 1, T, T]` tensor. `documents` as in `create_combined_mask_mod`."""
     device = device or lengths.device
-    mask_mod = create_combined_mask_mod(lengths.to(device), total_seq_len)
+    if documents is not None:
+        documents = documents.to(device)
+    mask_mod = create_combined_mask_mod(lengths.to(device), total_seq_len, documents)
     if flex:
         if total_seq_len % FLEX_BLOCK_SIZE:
             raise ValueError(

@@ -770,13 +770,14 @@ class Eagle3DraftModel(SpeculatorModel):
             position_ids = F.pad(position_ids.to(device), (0, pad))
         lengths = lengths.to(device)
         documents = document_ids(lengths, padded)
-        mask = build_step_zero_mask(lengths, padded, flex=backend == "flex", device=device)
+        mask = build_step_zero_mask(
+            lengths, padded, flex=backend == "flex", device=device, documents=documents
+        )
         cache = _StepKeyValues()
         hidden = self.fc(hidden_states)
         cast_dtype = autocast_dtype(device.type)
         compute_dtype = cast_dtype or hidden.dtype
-        first_layer, *later_layers = self.layers
-        # Cast once per forward pass; every TTT step shares the casts (and their gradients).
+        # Each weight is cast once per forward pass, at its first use; the TTT steps share it.
         layer_weights = FirstLayerWeightCache(cast_dtype)
         original_ids = input_ids
         scoring = verifier_last_hidden_states is not None
@@ -814,22 +815,9 @@ class Eagle3DraftModel(SpeculatorModel):
         for step in range(ttt_steps):
             with torch.no_grad():
                 embeds = self.embed_tokens(input_ids)
-            position_embeddings = self.rotary_emb(hidden, position_ids)
-            hidden = first_layer(
-                hidden, input_embeds=embeds, attention_mask=mask,
-                position_embeddings=position_embeddings, past_key_values=cache,
-                weight_cache=layer_weights, **kwargs,
+            hidden = self.run_layers(
+                embeds, hidden, position_ids, mask, cache, layer_weights, **kwargs
             )
-            for layer in later_layers:
-                hidden = layer(
-                    hidden,
-                    attention_mask=mask,
-                    position_ids=position_ids,
-                    past_key_values=cache,
-                    use_cache=True,
-                    position_embeddings=position_embeddings,
-                    **kwargs,
-                )
             normed = maybe_compiled(_final_norm, compiled)(self, hidden, compute_dtype)[0]
             if all_logits is not None:
                 all_logits.append(self.lm_head(normed[:total])[None])
@@ -865,6 +853,37 @@ class Eagle3DraftModel(SpeculatorModel):
         if scoring:
             metrics["loss"] = loss.detach().clone()
         return Eagle3DraftOutput(draft_tokens, loss, metrics, all_logits)
+
+    def run_layers(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: Any,
+        cache: Any,
+        weight_cache: FirstLayerWeightCache,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """One TTT step through the decoder layers: the first reads the token embeddings beside
+        the hidden state, the later ones (if any) are plain Llama layers on the same cache."""
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        first_layer, *later_layers = self.layers
+        hidden = first_layer(
+            hidden, input_embeds=embeds, attention_mask=mask,
+            position_embeddings=position_embeddings, past_key_values=cache,
+            weight_cache=weight_cache, **kwargs,
+        )
+        for layer in later_layers:
+            hidden = layer(
+                hidden,
+                attention_mask=mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                position_embeddings=position_embeddings,
+                **kwargs,
+            )
+        return hidden
 
     @torch.no_grad()
     def _draft_argmax(self, normed: torch.Tensor) -> torch.Tensor:

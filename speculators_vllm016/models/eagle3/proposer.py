@@ -94,24 +94,7 @@ class Eagle3Proposer:
     def _run_layers(
         self, embeds, hidden, position_ids, mask, weights: FirstLayerWeightCache
     ) -> torch.Tensor:
-        draft = self.draft
-        position_embeddings = draft.rotary_emb(hidden, position_ids)
-        first_layer, *later_layers = draft.layers
-        hidden = first_layer(
-            hidden, input_embeds=embeds, attention_mask=mask,
-            position_embeddings=position_embeddings, past_key_values=self.cache,
-            weight_cache=weights,
-        )
-        for layer in later_layers:
-            hidden = layer(
-                hidden,
-                attention_mask=mask,
-                position_ids=position_ids,
-                past_key_values=self.cache,
-                use_cache=True,
-                position_embeddings=position_embeddings,
-            )
-        return hidden
+        return self.draft.run_layers(embeds, hidden, position_ids, mask, self.cache, weights)
 
     def _predict(self, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Target ids of the draft's argmax at `hidden` `[rows, hidden]`."""
