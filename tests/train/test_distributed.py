@@ -66,3 +66,57 @@ def test_one_step_on_two_processes_equals_one_process(tiny_llama, training_data,
     assert sorted(trained) == sorted(expected)
     for name, tensor in expected.items():
         torch.testing.assert_close(trained[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def _gradients_under_ddp_modes(rank: int, port: int, verifier: str, out: str) -> None:
+    """Two steps of the tiny draft under plain, static-graph and find-unused DDP; rank 0 saves
+    each mode's gradients after the second step."""
+    import os
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tests.models.test_eagle3 import batch, eagle3_config
+    from tests.models.test_eagle3_training import vocab_maps
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        found = {}
+        for mode in ("plain", "static_graph", "find_unused_parameters"):
+            torch.manual_seed(0)
+            d2t, t2d = vocab_maps()
+            draft = Eagle3DraftModel(eagle3_config(verifier), t2d=t2d, d2t=d2t)
+            wrapped = DistributedDataParallel(
+                draft, static_graph=mode == "static_graph",
+                find_unused_parameters=mode == "find_unused_parameters",
+            )
+            for step in range(2):  # static graph handles its first iteration apart
+                draft.zero_grad(set_to_none=True)
+                wrapped(**batch(seed=10 * step + rank), ttt_steps=2).loss.backward()
+            found[mode] = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+        if rank == 0:
+            torch.save(found, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_static_graph_and_unused_parameter_ddp_average_like_plain_ddp(tiny_llama, tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = tmp_path / "grads.pt"
+    mp.spawn(_gradients_under_ddp_modes, args=(port, str(tiny_llama), str(out)), nprocs=2, join=True)
+    found = torch.load(out)
+    plain = found["plain"]
+    assert plain and "lm_head.weight" in plain
+    for mode in ("static_graph", "find_unused_parameters"):
+        assert found[mode].keys() == plain.keys(), mode
+        for name, grad in plain.items():
+            torch.testing.assert_close(found[mode][name], grad, msg=f"{mode}: {name}")

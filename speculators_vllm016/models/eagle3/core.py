@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import nn
 
 from speculators_vllm016.model import SpeculatorModel
@@ -104,6 +105,13 @@ class Eagle3DraftOutput:
 
     def __getitem__(self, index: int) -> Any:
         return self.as_tuple()[index]
+
+
+# DDP finds the tensors of a forward's output by pytree flattening. A plain dataclass is one
+# opaque leaf there, and DDP with `static_graph=True` then never routes the loss through its
+# backward hook: its ranks silently skip the gradient all-reduce and train apart. Registered,
+# the output is taken apart and rebuilt like a tuple.
+pytree.register_dataclass(Eagle3DraftOutput)
 
 
 def _rms_norm_eps(config_dict: dict) -> float | None:
