@@ -268,26 +268,26 @@ class FirstLayerWeights:
         self._dtype = dtype
         self._made: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
-    def _get(self, name: str, linears: Callable[[], list[nn.Linear]]):
+    def _cast(self, name: str, *linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
         if name not in self._made:
-            self._made[name] = _fused(linears(), self._dtype)
+            self._made[name] = _fused(list(linears), self._dtype)
         return self._made[name]
 
     def qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q, k and v stacked (weight, bias)."""
         attention = self._layer.self_attn
-        return self._get("qkv", lambda: [attention.q_proj, attention.k_proj, attention.v_proj])
+        return self._cast("qkv", attention.q_proj, attention.k_proj, attention.v_proj)
 
     def o(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self._get("o", lambda: [self._layer.self_attn.o_proj])
+        return self._cast("o", self._layer.self_attn.o_proj)
 
     def gate_up(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """gate and up stacked (weight, bias)."""
         mlp = self._layer.mlp
-        return self._get("gate_up", lambda: [mlp.gate_proj, mlp.up_proj])
+        return self._cast("gate_up", mlp.gate_proj, mlp.up_proj)
 
     def down(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self._get("down", lambda: [self._layer.mlp.down_proj])
+        return self._cast("down", self._layer.mlp.down_proj)
 
 
 class FirstLayerWeightCache:
