@@ -164,3 +164,111 @@ def test_skipping_unscored_rows_in_the_forward_changes_nothing(tiny_llama):
     assert skipped_grads.keys() == full_grads.keys()
     for name, grad in full_grads.items():
         torch.testing.assert_close(skipped_grads[name], grad, msg=name)
+
+
+def test_used_positions_by_hand():
+    """Step k's output at i is read where a step >= k scores i, and before the last step also
+    where the loss mask (the conditional accuracies' seed) holds."""
+    from speculators_vllm016.models.eagle3.core import used_positions
+
+    # target positions 0-7 (+2 spare), one sample of 7 real positions; masks indexed by target
+    loss_mask = torch.tensor([0, 1, 1, 0, 0, 1, 1, 0, 0, 0], dtype=torch.bool)
+    scored = [loss_mask.clone() for _ in range(3)]
+    seed = loss_mask[:8].clone()
+    used = used_positions(scored, seed, valid_rows=7)
+    # step 2 scores i where loss_mask[i + 2], i < 5: positions 0, 3, 4
+    assert used[2].tolist() == [True, False, False, True, True, False, False, False]
+    # step 1: scored i + 1 (i < 6): 0, 1, 4, 5; or later (0, 3, 4); or the seed (1, 2, 5, 6)
+    assert used[1].tolist() == [True, True, True, True, True, True, True, False]
+    assert used[0].tolist() == used[1].tolist()
+
+
+def _one_step(model, data, **kwargs):
+    model.zero_grad(set_to_none=True)
+    out = model(**data, ttt_steps=3, ttt_step_loss_decay=0.8, **kwargs)
+    out.loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_skipping_unused_positions_changes_no_loss_metric_or_gradient(
+    tiny_llama, backend, norm_before_residual
+):
+    """`skip_unused_positions` (the trainer's choice on accelerators) against every position run:
+    same loss, metrics and gradients; the same draft tokens where anything reads them, -1 at
+    the others. Three samples, prompts masked in spans as chat data is."""
+    from speculators_vllm016.models.eagle3.core import used_positions
+
+    d2t, t2d = build_vocab_mappings_from_distribution({t: 1 for t in range(DRAFT_VOCAB)}, DRAFT_VOCAB, 512)
+    config = eagle3_config(str(tiny_llama))
+    config.norm_before_residual = norm_before_residual
+    model = Eagle3DraftModel(config, t2d=t2d, d2t=d2t)
+    model.attention_backend = backend
+    model.compile_blocks = False
+    data = batch(40, seed=11)
+    data["lengths"] = torch.tensor([15, 17, 8])
+    spans = torch.zeros(1, 40, dtype=torch.long)
+    for start, end in ((4, 12), (19, 30), (33, 37)):  # assistant turns
+        spans[0, start:end] = 1
+    data["loss_mask"] = spans
+    assert model.skip_unused_positions is False  # 0.3.0's outputs by default
+    full, full_grads = _one_step(model, data)
+    model.skip_unused_positions = True
+    layer_outputs = []
+    hook = model.layers[0].register_forward_hook(lambda module, args, out: layer_outputs.append(out.detach()))
+    try:
+        skipped, skipped_grads = _one_step(model, data)
+    finally:
+        hook.remove()
+    torch.testing.assert_close(skipped.loss, full.loss)
+    for name, value in full.metrics.items():
+        torch.testing.assert_close(skipped.metrics[name], value, msg=name)
+    assert skipped_grads.keys() == full_grads.keys()
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(skipped_grads[name], grad, msg=name)
+    documents = torch.repeat_interleave(torch.arange(3), data["lengths"])
+    scored = []
+    for step in range(3):
+        same = torch.zeros(43, dtype=torch.bool)  # indexed by target position j = i + step
+        same[step:40] = documents[step:] == documents[: 40 - step]
+        scored.append(torch.cat([spans[0].bool(), torch.zeros(3, dtype=torch.bool)]) & same)
+    used = used_positions(scored, spans[0].bool(), valid_rows=40)
+    for step, (mine, theirs) in enumerate(zip(skipped.draft_tokens, full.draft_tokens, strict=True)):
+        assert 0 < int(used[step].sum()) < 40
+        output = layer_outputs[step][0, :40]  # the layer ran over the used positions alone
+        assert bool((output[~used[step]] == 0).all()) and bool(output[used[step]].abs().sum(-1).gt(0).all())
+        assert torch.equal(mine[0, used[step]], theirs[0, used[step]]), step
+        assert bool((mine[0, ~used[step]] == -1).all()), step
+
+
+def test_skipping_unused_positions_keeps_accuracies_when_the_draft_is_right(tiny_llama):
+    """The conditional accuracies count the earlier hits of loss-masked positions that a later
+    step does not score: with a draft that is right at about half the positions (all its logits
+    zero, so it always picks draft id 0, against targets whose argmax is 0 where chosen), the
+    metrics of the skipping forward equal the full one's."""
+    d2t, t2d = build_vocab_mappings_from_distribution({t: 1 for t in range(DRAFT_VOCAB)}, DRAFT_VOCAB, 512)
+    model = Eagle3DraftModel(eagle3_config(str(tiny_llama)), t2d=t2d, d2t=d2t)
+    model.compile_blocks = False
+    with torch.no_grad():
+        model.norm.weight.zero_()  # normed states are 0: every logit 0, the argmax draft id 0
+    data = batch(40, seed=12)
+    data["lengths"] = torch.tensor([22, 18])
+    spans = torch.zeros(1, 40, dtype=torch.long)
+    spans[0, 3:13] = spans[0, 25:36] = 1
+    data["loss_mask"] = spans
+    towards_zero = model.verifier_lm_head.weight[0] / model.verifier_norm.weight
+    hits = torch.rand(40, generator=torch.Generator().manual_seed(3)) < 0.6
+    data["verifier_last_hidden_states"] = torch.where(
+        hits[None, :, None], towards_zero.detach().expand(1, 40, -1), data["verifier_last_hidden_states"]
+    )
+    assert bool((model.target_logits(data["verifier_last_hidden_states"][0]).argmax(-1)[hits] == 0).all())
+    outputs = []
+    for skip in (False, True):
+        model.skip_unused_positions = skip
+        outputs.append(model(**data, ttt_steps=3))
+    full, skipped = outputs
+    assert float(full.metrics["cond_acc_2"]) > 0
+    for name, value in full.metrics.items():
+        torch.testing.assert_close(skipped.metrics[name], value, msg=name)

@@ -74,6 +74,12 @@ VERIFIER_WEIGHT_LAYOUTS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+# A TTT step's layer runs over a subset of the positions only where the subset leaves out at
+# least a tenth of them: the gathers and scatters around the subset cost memory (copies kept
+# for the backward pass) that a few percent less matmul work does not repay.
+MAX_USED_FRACTION_TO_SKIP = 0.9
+
+
 @dataclass
 class Eagle3DraftOutput:
     """What one `Eagle3DraftModel.forward` produced.
@@ -290,23 +296,30 @@ class _LinearKL(torch.autograd.Function):
     per forward pass), and `sink` a `WeightGradSink` shared with the other steps.
     With `scored_rows` (the count of rows whose weight is not zero) the rows are taken scored
     ones first: the others (masked prompt tokens, sample boundaries) only get their argmax, and
-    the two gradient matmuls run over the scored rows alone.
+    the two gradient matmuls run over the scored rows alone. With `used` (`[rows]` bool, a
+    superset of the scored rows) and its count `used_rows`, the rows outside it get no argmax
+    either: their `predicted` is -1.
     """
 
     @staticmethod
     def forward(
         ctx, hidden, weight, weight_compute, targets, row_weights, chunk_size, compiled, sink,
-        scored_rows,
+        scored_rows, used, used_rows,
     ):
         rows = hidden.shape[0]
         compute = hidden.dtype
         w = weight_compute if weight_compute is not None else weight.to(compute)
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         order = None
-        if scored_rows is not None and scored_rows < rows:
-            # Stable: the scored rows keep their order, and so does the summation.
-            order = torch.argsort((row_weights == 0).to(torch.int32), stable=True)
-        graded = rows if order is None else scored_rows
+        argmax_rows = rows if used is None else used_rows
+        graded = rows if scored_rows is None else scored_rows
+        if graded < rows:
+            # Scored rows first, then the used ones, then the rest. Stable: the scored rows keep
+            # their order, and so does the summation.
+            key = (row_weights == 0).to(torch.int32)
+            if used is not None:
+                key += (~used).to(torch.int32)
+            order = torch.argsort(key, stable=True)
         grad_hidden = None
         if need_hidden:
             grad_hidden = torch.empty_like(hidden) if order is None else torch.zeros_like(hidden)
@@ -318,7 +331,10 @@ class _LinearKL(torch.autograd.Function):
                 else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
             )
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        predicted = torch.empty(rows, dtype=torch.long, device=hidden.device)
+        if argmax_rows < rows:
+            predicted = torch.full((rows,), -1, dtype=torch.long, device=hidden.device)
+        else:
+            predicted = torch.empty(rows, dtype=torch.long, device=hidden.device)
         chunk_math = maybe_compiled(_kl_chunk if order is None else _kl_rows, compiled)
         for start in range(0, graded, chunk_size):
             end = min(start + chunk_size, graded)
@@ -337,8 +353,8 @@ class _LinearKL(torch.autograd.Function):
             if grad_weight is not None:
                 _accumulate_product(grad_weight, grad_logits.T, part)
             del logits, grad_logits  # before the next chunk's are made: one chunk alive at a time
-        for start in range(graded, rows, chunk_size):  # rows of weight zero: the argmax only
-            index = order[start : min(start + chunk_size, rows)]
+        for start in range(graded, argmax_rows, chunk_size):  # rows of weight zero: the argmax only
+            index = order[start : min(start + chunk_size, argmax_rows)]
             predicted[index] = (hidden[index] @ w.T).argmax(dim=-1)
         ctx.weight_dtype = weight.dtype
         ctx.sink = sink
@@ -355,7 +371,7 @@ class _LinearKL(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_total).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
 
 
 def linear_kl_loss(
@@ -369,6 +385,8 @@ def linear_kl_loss(
     weight_compute: torch.Tensor | None = None,
     weight_grad_sink: WeightGradSink | None = None,
     scored_rows: int | None = None,
+    used: torch.Tensor | None = None,
+    used_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(sum_i row_weights[i] * KL(softmax(target_logits[i]) || softmax(hidden[i] @ weight.T)),
     argmax_i)` for `hidden [N, H]`, `target_logits [N, V]`, computed `chunk_size` rows at a time.
@@ -376,11 +394,15 @@ def linear_kl_loss(
     `weight_compute`: `weight` already cast to the compute dtype (detached); `weight_grad_sink`:
     a `WeightGradSink` shared by calls whose losses are summed (see there); `scored_rows`: how
     many `row_weights` are not zero, when the caller knows it without waiting for the device
-    (the gradient matmuls then skip the other rows; a wrong count drops scored rows).
+    (the gradient matmuls then skip the other rows; a wrong count drops scored rows);
+    `used` / `used_rows`: the rows whose argmax anyone reads (a superset of the scored ones, with
+    `scored_rows`) and their count; the others get none (-1).
     """
+    if used is not None and (scored_rows is None or used_rows is None):
+        raise ValueError("`used` needs its count `used_rows` and `scored_rows`")
     return _LinearKL.apply(
         hidden, weight, weight_compute, target_logits, row_weights, chunk_size, compiled,
-        weight_grad_sink, scored_rows,
+        weight_grad_sink, scored_rows, used, used_rows,
     )
 
 
@@ -411,6 +433,8 @@ def score_ttt_step(
     weight_grad_sink: WeightGradSink | None = None,
     target_ids: torch.Tensor | None = None,
     scored_rows: int | None = None,
+    used: torch.Tensor | None = None,
+    used_rows: int | None = None,
 ) -> StepScore:
     """Score TTT step k (`ttt_step`) of a row of `R` positions, as the forward does.
 
@@ -425,7 +449,9 @@ def score_ttt_step(
     Per forward pass, once for all steps: `head_compute` (the head in the compute dtype),
     `weight_grad_sink` (see `WeightGradSink`), `target_ids` (`target_logits.argmax(-1)`).
     `scored_rows`: the count of scored positions (`scored_position_counts`), known on the host;
-    the gradient matmuls of the loss then skip the others.
+    the gradient matmuls of the loss then skip the others. `used` / `used_rows`
+    (`used_positions`): the positions whose draft token anything reads, and how many; the
+    others get -1 (see `linear_kl_loss`).
     """
     rows = hidden.shape[0]
     valid = (valid_rows if valid_rows is not None else rows) - ttt_step
@@ -438,6 +464,7 @@ def score_ttt_step(
     loss, predicted = linear_kl_loss(
         hidden, head_weight, step_targets, row_weights, chunk_size, compiled,
         weight_compute=head_compute, weight_grad_sink=weight_grad_sink, scored_rows=scored_rows,
+        used=used, used_rows=used_rows,
     )
     with torch.no_grad():
         # As accuracy_from_ids, without boolean indexing (no host sync in the training step).
@@ -467,11 +494,39 @@ def _aligned_scored(scored: torch.Tensor, ttt_step: int, rows: int, valid: int) 
 def scored_position_counts(scored: list[torch.Tensor], valid_rows: int) -> list[int]:
     """How many positions each TTT step scores (`scored[k]` as `score_ttt_step` takes it): one
     host sync for all steps."""
-    counts = [
-        _aligned_scored(mask, step, valid_rows, valid_rows - step).sum()
-        for step, mask in enumerate(scored)
-    ]
-    return [int(count) for count in torch.stack(counts).tolist()]
+    return _counts(_aligned_masks(scored, valid_rows, valid_rows))
+
+
+def _aligned_masks(scored: list[torch.Tensor], rows: int, valid_rows: int) -> list[torch.Tensor]:
+    """`_aligned_scored` of every TTT step."""
+    return [_aligned_scored(mask, step, rows, valid_rows - step) for step, mask in enumerate(scored)]
+
+
+def _counts(masks: list[torch.Tensor]) -> list[int]:
+    """The number of set entries of each mask, read in one host sync."""
+    return [int(count) for count in torch.stack([mask.sum() for mask in masks]).tolist()]
+
+
+def used_positions(scored: list[torch.Tensor], seed: torch.Tensor, valid_rows: int) -> list[torch.Tensor]:
+    """Per TTT step, `[rows]` bool: the draft positions whose step output the loss or the
+    metrics read (`scored[k]` as `score_ttt_step` takes it; `seed` the `prev_correct` it starts
+    from, `rows` long; `valid_rows` the real length).
+
+    Step k's output at position i feeds only position i of the later steps (their keys are
+    read by the same position alone), so it is read where step k or a later one scores i, and,
+    before the last step, where `seed` holds: the conditional accuracies count those positions'
+    earlier hits whether they are scored or not. The sets shrink from step to step.
+    """
+    aligned = _aligned_masks(scored, seed.shape[0], valid_rows)
+    last = len(scored) - 1
+    used: list[torch.Tensor] = []
+    later = torch.zeros_like(seed, dtype=torch.bool)
+    for step in range(last, -1, -1):
+        later = later | aligned[step]
+        if step < last:
+            later = later | seed
+        used.append(later)
+    return used[::-1]
 
 
 class _StepKeyValues:
@@ -517,6 +572,12 @@ class Eagle3DraftModel(SpeculatorModel):
     scored positions only (see `linear_kl_loss`). On a CPU it changed the last bits of training
     with the thread count (a resumed run under another OMP_NUM_THREADS was no longer
     bit-identical to the uninterrupted one), and CPU runs are small, so it stays off there.
+    `skip_unused_positions` (False; None: off on CPUs; the trainer's choice is None) runs each
+    TTT step's layer only over the positions whose output a loss term or metric reads
+    (`used_positions`: the last step's scored ones, the earlier steps' scored or loss-masked
+    ones) where that leaves out at least a tenth of them (`MAX_USED_FRACTION_TO_SKIP`), for
+    single-layer drafts scored without `output_logits`; the loss's row skip comes with it. Loss, metrics and gradients are unchanged, but the draft tokens of the other
+    positions are not computed (-1), which 0.3.0 never returned: hence off by default.
     Mixed precision: keep the parameters fp32 and run the forward under
     `torch.autocast(device, torch.bfloat16)`; `frozen_weights_to(torch.bfloat16)` halves the
     memory of the frozen verifier copies.
@@ -554,6 +615,7 @@ class Eagle3DraftModel(SpeculatorModel):
         )
         self.compile_blocks: bool | None = None
         self.skip_unscored_rows: bool | None = None
+        self.skip_unused_positions: bool | None = False
         self.loss_chunk_size = 4096
         if layer_config.model_type not in model_classes:
             raise ValueError(
@@ -729,6 +791,11 @@ class Eagle3DraftModel(SpeculatorModel):
             return device.type != "cpu"
         return bool(self.skip_unscored_rows)
 
+    def _skipping_unused_positions(self, device: torch.device) -> bool:
+        if self.skip_unused_positions is None:
+            return device.type != "cpu"
+        return bool(self.skip_unused_positions)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -753,6 +820,7 @@ class Eagle3DraftModel(SpeculatorModel):
         token x[i+k+1] that the chain started at i would have produced at step k - 1 had every
         earlier step been right (exact teacher forcing; zeros past the row's end, never scored).
         `output_logits=True` also returns every step's draft logits `[1, T, draft_vocab]`.
+        With `skip_unused_positions`, draft tokens of positions nothing reads are -1.
         """
         if hidden_states.dim() != 3 or hidden_states.shape[0] != 1:
             raise ValueError(f"hidden_states must be [1, seq, 3*hidden], got {tuple(hidden_states.shape)}")
@@ -789,6 +857,10 @@ class Eagle3DraftModel(SpeculatorModel):
         layer_weights = FirstLayerWeightCache(cast_dtype)
         original_ids = input_ids
         scoring = verifier_last_hidden_states is not None
+        # Per step, the positions the layer runs over (None: all) and why (`used_positions`).
+        step_positions: list[torch.Tensor | None] = [None] * ttt_steps
+        used_masks: list[torch.Tensor] = []
+        used_counts: list[int] = []
         loss = None
         metrics: dict[str, torch.Tensor] | None = None
         if scoring:
@@ -816,6 +888,22 @@ class Eagle3DraftModel(SpeculatorModel):
                 scored[:padded] &= _same_sample_as_target(documents, step)
                 scored_masks.append(scored)
             scored_counts: list[int] | None = None
+            if (
+                self._skipping_unused_positions(device)
+                and len(self.layers) == 1
+                and not output_logits
+            ):
+                used_masks = used_positions(scored_masks, prev_correct, total)
+                # One host read before step 0's layer, which needs the first set; the targets'
+                # matmul keeps the device busy meanwhile.
+                counts = _counts(_aligned_masks(scored_masks, total, total) + used_masks)
+                scored_counts, used_counts = counts[:ttt_steps], counts[ttt_steps:]
+                step_positions = [
+                    torch.nonzero_static(used, size=count).squeeze(1)
+                    if count <= MAX_USED_FRACTION_TO_SKIP * padded
+                    else None
+                    for used, count in zip(used_masks, used_counts, strict=True)
+                ]
             loss = torch.zeros((), dtype=torch.float32, device=device)
             metrics = {}
         draft_tokens = []
@@ -824,7 +912,9 @@ class Eagle3DraftModel(SpeculatorModel):
             with torch.no_grad():
                 embeds = self.embed_tokens(input_ids)
             hidden = self.run_layers(
-                embeds, hidden, position_ids, mask, cache, layer_weights, **kwargs
+                embeds, hidden, position_ids, mask, cache, layer_weights,
+                positions=step_positions[step], keys_everywhere=step == 0,
+                **kwargs,
             )
             normed = maybe_compiled(_final_norm, compiled)(self, hidden, compute_dtype)[0]
             if all_logits is not None:
@@ -840,6 +930,8 @@ class Eagle3DraftModel(SpeculatorModel):
                     chunk_size=self.loss_chunk_size, compiled=compiled,
                     head_compute=head_compute, weight_grad_sink=head_grad, target_ids=target_ids,
                     scored_rows=scored_counts[step] if scored_counts is not None else None,
+                    used=used_masks[step] if used_masks else None,
+                    used_rows=used_counts[step] if used_masks else None,
                 )
                 loss = loss + score.loss
                 metrics[f"loss_{step}"] = score.loss.detach().clone()
@@ -855,7 +947,8 @@ class Eagle3DraftModel(SpeculatorModel):
                     [original_ids[:, shift:], original_ids.new_zeros(1, shift)], dim=-1
                 )
             else:
-                input_ids = predicted + self.d2t[predicted]
+                fed = predicted.clamp(min=0)  # -1: a position no later step reads
+                input_ids = fed + self.d2t[fed]
             mask = extend_mask_for_draft_tokens(mask)
             position_ids = position_ids + 1
         if scoring:
@@ -870,16 +963,23 @@ class Eagle3DraftModel(SpeculatorModel):
         mask: Any,
         cache: Any,
         weight_cache: FirstLayerWeightCache,
+        positions: torch.Tensor | None = None,
+        keys_everywhere: bool = False,
         **kwargs: Any,
     ) -> torch.Tensor:
         """One TTT step through the decoder layers: the first reads the token embeddings beside
-        the hidden state, the later ones (if any) are plain Llama layers on the same cache."""
+        the hidden state, the later ones (if any) are plain Llama layers on the same cache.
+        `positions` / `keys_everywhere`: see `LlamaDecoderEagle3FirstLayer.ttt_step` (one layer
+        only)."""
         position_embeddings = self.rotary_emb(hidden, position_ids)
         first_layer, *later_layers = self.layers
+        if positions is not None and later_layers:
+            raise ValueError("only a one-layer draft runs over a subset of positions")
         hidden = first_layer(
             hidden, input_embeds=embeds, attention_mask=mask,
             position_embeddings=position_embeddings, past_key_values=cache,
-            weight_cache=weight_cache, **kwargs,
+            weight_cache=weight_cache, positions=positions, keys_everywhere=keys_everywhere,
+            **kwargs,
         )
         for layer in later_layers:
             hidden = layer(

@@ -141,6 +141,36 @@ class _SiluGatedDown(torch.autograd.Function):
         return grad_gate_up, grad_weight, grad_bias, None
 
 
+def _spread(rows: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
+    """`[B, n, ...]` rows placed at `positions` of a `[B, length, ...]` tensor of zeros."""
+    shape = (rows.shape[0], length, *rows.shape[2:])
+    return rows.new_zeros(shape).index_copy(1, positions, rows)
+
+
+class _LinearOfRows(torch.autograd.Function):
+    """`F.linear(x[:, rows], weight, bias)` that keeps `x` for the backward pass, not the
+    gathered copy: `x` (the attention output) is kept by the attention's backward anyway."""
+
+    @staticmethod
+    def forward(ctx, x, rows, weight, bias):
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, rows, weight)
+        return F.linear(x[:, rows], weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, rows, weight = ctx.saved_tensors
+        flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _spread(grad_out @ weight, rows, x.shape[1])
+        if ctx.needs_input_grad[2]:
+            grad_weight = flat_grad.T @ x[:, rows].reshape(-1, x.shape[-1])
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            grad_bias = flat_grad.sum(0)
+        return grad_x, None, grad_weight, grad_bias
+
+
 def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
     """What a backward pass needs to rebuild forward work under the forward's autocast."""
     return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
@@ -363,10 +393,13 @@ class LlamaDecoderEagle3FirstLayer(LlamaDecoderLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         input_embeds: torch.Tensor | None = None,
         weight_cache: FirstLayerWeightCache | None = None,
+        positions: torch.Tensor | None = None,
+        keys_everywhere: bool = False,
         **kwargs: Any,
     ) -> torch.Tensor:
         """0.3.0's call on `[embeds ; hidden]`, or with `input_embeds` on the hidden state alone
-        (no concatenated copy); `weight_cache` shares the weight casts between calls."""
+        (no concatenated copy); `weight_cache` shares the weight casts between calls;
+        `positions` / `keys_everywhere` as in `ttt_step`."""
         if input_embeds is None:
             embeds, hidden = hidden_states.chunk(2, dim=-1)
         else:
@@ -375,6 +408,7 @@ class LlamaDecoderEagle3FirstLayer(LlamaDecoderLayer):
             embeds, hidden, attention_mask=attention_mask, position_embeddings=position_embeddings,
             past_key_values=past_key_values,
             weights=weight_cache.weights_of(self) if weight_cache is not None else None,
+            positions=positions, keys_everywhere=keys_everywhere,
             **kwargs,
         )
 
@@ -387,9 +421,20 @@ class LlamaDecoderEagle3FirstLayer(LlamaDecoderLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
         past_key_values: Any = None,
         weights: FirstLayerWeights | None = None,
+        positions: torch.Tensor | None = None,
+        keys_everywhere: bool = False,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """One step over `[B, L, H]` token embeddings and hidden states; returns `[B, L, H]`."""
+        """One step over `[B, L, H]` token embeddings and hidden states; returns `[B, L, H]`.
+
+        `positions` (sorted `[n]` sequence indices, None: all) are the positions whose output the
+        caller reads: the layer runs its projections and MLP over those rows alone, and the
+        other rows of the output are zeros. Their keys and values are taken as read only by
+        their own position's queries (true of TTT steps after the first, whose keys only the
+        same position sees); `keys_everywhere` (the first step, whose keys every later position
+        of the sample reads) still projects every row's keys and values and skips only the
+        queries' side: attention output, output projection and MLP.
+        """
         if position_embeddings is None:
             raise ValueError("the EAGLE-3 layer needs position_embeddings (cos, sin)")
         if weights is None:
@@ -398,8 +443,14 @@ class LlamaDecoderEagle3FirstLayer(LlamaDecoderLayer):
         dtype = hidden.dtype
         embeds = embeds.to(dtype)
         attention = self.self_attn
-        batch, length = hidden.shape[:2]
+        batch, full_length = hidden.shape[:2]
         head_dim = attention.head_dim
+        cos, sin = position_embeddings
+        projected = positions is not None and not keys_everywhere
+        if projected:  # only these rows get queries, keys and values
+            embeds, hidden = embeds[:, positions], hidden[:, positions]
+            cos, sin = cos[:, positions], sin[:, positions]
+        length = hidden.shape[1]
 
         norms = (
             self.input_layernorm.weight, self.hidden_norm.weight,
@@ -418,16 +469,17 @@ class LlamaDecoderEagle3FirstLayer(LlamaDecoderLayer):
         query, key, value = qkv.split(
             [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1
         )
-        cos, sin = position_embeddings
         query, key = maybe_compiled(_rotary, compiled)(
             query.view(batch, length, heads, head_dim),
             key.view(batch, length, kv_heads, head_dim),
             cos, sin,
         )
+        value = value.view(batch, length, kv_heads, head_dim)
+        if projected:  # back in place along the row; the rows in between are never read
+            query, key, value = (_spread(x, positions, full_length) for x in (query, key, value))
         # [B, heads, L, D] views of [B, L, heads, D] tensors: flex attention writes its output
         # in the query's layout, so the output projection reads it without a copy.
-        query, key = query.transpose(1, 2), key.transpose(1, 2)
-        value = value.view(batch, length, kv_heads, head_dim).transpose(1, 2)
+        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, attention.layer_idx)
         implementation = attention.config._attn_implementation
@@ -441,7 +493,13 @@ class LlamaDecoderEagle3FirstLayer(LlamaDecoderLayer):
             dropout=0.0 if not self.training else attention.attention_dropout,
             scaling=attention.scaling, **kwargs,
         )
-        attended = F.linear(attended.reshape(batch, length, -1), *weights.o())
+        attended = attended.reshape(batch, full_length, -1)
+        if positions is None:
+            attended = F.linear(attended, *weights.o())
+        else:
+            attended = _LinearOfRows.apply(attended, positions, *weights.o())
+            if not projected:
+                hidden = hidden[:, positions]
 
         if self.norm_before_residual:
             residual = maybe_compiled(_normed, compiled)(
@@ -458,7 +516,10 @@ class LlamaDecoderEagle3FirstLayer(LlamaDecoderLayer):
             mlp_output = checkpoint(self._mlp, mlp_input, *mlp_weights, use_reentrant=False)
         else:
             mlp_output = self._mlp(mlp_input, *mlp_weights)
-        return (mlp_input + mlp_output).to(dtype)
+        output = (mlp_input + mlp_output).to(dtype)
+        if positions is not None:
+            output = _spread(output, positions, full_length)
+        return output
 
     def _mlp(
         self,
