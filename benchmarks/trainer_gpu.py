@@ -32,7 +32,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.training import PRESETS, TrainingPreset
+from benchmarks.training import LOSS_MASKS, PRESETS, TrainingPreset, synthetic_loss_mask
 
 __all__ = ["RunResult", "main", "summarize_metrics", "write_synthetic_inputs"]
 
@@ -121,10 +121,11 @@ def write_vocab_maps(preset: TrainingPreset, folder: Path, seed: int = 0) -> tup
 
 def write_samples(
     preset: TrainingPreset, folder: Path, count: int, tokens: int, seed: int = 0,
-    distinct: int = 4, threads: int = 8,
+    distinct: int = 4, threads: int = 8, loss_mask: str = "answer",
 ) -> Path:
     """`count` sample files of `tokens` tokens; hidden states come from `distinct` random draws
-    (their values do not change the cost), token ids and masks differ per file."""
+    (their values do not change the cost), token ids and masks differ per file. `loss_mask`:
+    `answer` (a 10% prompt, then the answer) or one of the step benchmark's kinds."""
     import torch
     from tqdm import tqdm
 
@@ -146,8 +147,11 @@ def write_samples(
             return
         local = torch.Generator().manual_seed(seed * 1_000_003 + index)
         ids = torch.randint(0, preset.target_vocab_size, (tokens,), generator=local)
-        mask = torch.ones(tokens, dtype=torch.long)
-        mask[: tokens // 10] = 0  # a prompt, then the answer
+        if loss_mask == "answer":
+            mask = torch.ones(tokens, dtype=torch.long)
+            mask[: tokens // 10] = 0  # a prompt, then the answer
+        else:
+            mask = synthetic_loss_mask(loss_mask, tokens, local)[0]
         write_sample(path, {"input_ids": ids, "hidden_states": pool[index % distinct],
                             "loss_mask": mask})
 
@@ -156,11 +160,14 @@ def write_samples(
     return folder
 
 
-def write_synthetic_inputs(preset: TrainingPreset, work: Path, samples: int, tokens: int) -> dict[str, Path]:
+def write_synthetic_inputs(
+    preset: TrainingPreset, work: Path, samples: int, tokens: int, loss_mask: str = "answer"
+) -> dict[str, Path]:
     started = time.perf_counter()
     verifier = write_verifier(preset, work / "verifier")
     d2t, t2d = write_vocab_maps(preset, work)
-    data = write_samples(preset, work / "data", samples, tokens)
+    folder = work / ("data" if loss_mask == "answer" else f"data-{loss_mask}")
+    data = write_samples(preset, folder, samples, tokens, loss_mask=loss_mask)
     print(f"inputs ready in {time.perf_counter() - started:.1f} s", flush=True)
     return {"verifier": verifier, "data": data, "d2t": d2t, "t2d": t2d}
 
@@ -254,6 +261,8 @@ def run_step_benchmark(preset: TrainingPreset, work: Path, args: argparse.Namesp
     command = [sys.executable, str(ROOT / "benchmarks" / "training.py"), "--preset", preset.name,
                "--packed-tokens", str(args.total_seq_len), "--steps", str(args.step_benchmark_steps),
                "--warmup", "3", "--output-dir", str(out), "--tag", "trainer-cmp"]
+    if args.loss_mask != "answer":
+        command += ["--loss-mask", args.loss_mask]
     if args.device:
         command += ["--device", args.device]
     env = {**os.environ, **SAFE_ENV, "PYTHONUNBUFFERED": "1"}
@@ -290,7 +299,7 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         f"- {result['samples']} sample files of {result['sample_tokens']} tokens (bf16, "
         f"{NUM_CAPTURED_LAYERS} layers), rows of {result['total_seq_len']} tokens, "
         f"{result['max_steps']} steps per run, the first {result['warmup_steps']} not timed; "
-        "files written just before (page cache warm)",
+        f"loss masks: {result.get('loss_mask', 'answer')}; files written just before (page cache warm)",
         "- tokens/s: train/tokens (all ranks) over the wall clock between step ends",
         "",
         "| run | GPUs | median tokens/s | min | max | spread % | total tokens / total s | "
@@ -348,6 +357,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--step-benchmark", action="store_true",
                         help="also run benchmarks/training.py on the same shapes")
     parser.add_argument("--step-benchmark-steps", type=int, default=20)
+    parser.add_argument("--loss-mask", choices=("answer", *LOSS_MASKS), default="answer",
+                        help="the samples' loss masks: answer (a 10%% prompt, then the answer) or "
+                        "the step benchmark's kinds (then its run uses the same)")
     parser.add_argument("--run-timeout", type=int, default=300, help="seconds per run")
     parser.add_argument("--train-args", nargs=argparse.REMAINDER, default=[],
                         help="further `speculators train` flags (last on the line)")
@@ -368,7 +380,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     per_row = max(1, args.total_seq_len // (tokens - 1))
     samples = args.samples or (args.max_steps + 2) * per_row * (gpus if set(args.runs) - {"single"} else 1)
     work = Path(args.work_dir)
-    paths = write_synthetic_inputs(preset, work, samples, tokens)
+    paths = write_synthetic_inputs(preset, work, samples, tokens, args.loss_mask)
     command = "python benchmarks/trainer_gpu.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -376,7 +388,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {
         "preset": preset.name, "command": command, "samples": samples, "sample_tokens": tokens,
         "total_seq_len": args.total_seq_len, "max_steps": args.max_steps,
-        "warmup_steps": args.warmup_steps, "runs": [], "step_benchmark": None,
+        "warmup_steps": args.warmup_steps, "loss_mask": args.loss_mask, "runs": [], "step_benchmark": None,
     }
 
     def save() -> None:  # after every run: a run killed later loses nothing measured before

@@ -5,7 +5,8 @@
 One step is what the trainer runs per packed row: forward over `--ttt-steps` test-time steps,
 backward, gradient clipping at 1.0 and AdamW (fused on CUDA, the clip folded into it), with the
 verifier's embeddings, final norm and LM head frozen. The synthetic rows score 70% of their
-positions (`loss_mask`). The first `--warmup` steps (compilation included) are not timed;
+positions (`loss_mask`: each position on its own by default, `--loss-mask spans` as chat turns
+do, `all` every position). The first `--warmup` steps (compilation included) are not timed;
 the median and spread of the next `--steps` give tokens/s (packed tokens per second). Peak
 memory is the largest allocation seen during the timed steps. Needs only torch, transformers,
 safetensors and pydantic (no vLLM); JSON and markdown go to --output-dir.
@@ -127,7 +128,27 @@ def build_model(preset: TrainingPreset, device, frozen_dtype, attention: str, co
     return model
 
 
-def synthetic_batch(preset: TrainingPreset, packed_tokens: int, device, dtype, seed: int = 0):
+LOSS_MASKS = ("random", "spans", "all")
+TURN_TOKENS = 256  # `spans`: turns of a prompt (the first 30%, masked) and a scored response
+
+
+def synthetic_loss_mask(kind: str, packed_tokens: int, generator) -> Any:
+    """`[1, packed_tokens]` of 0/1, 70% ones unless `all`: `random` draws each position on its
+    own, `spans` masks the first 30% of every `TURN_TOKENS`-token turn (prompt, then response)."""
+    import torch
+
+    if kind == "random":
+        return (torch.rand(1, packed_tokens, generator=generator) < 0.7).long()
+    if kind == "spans":
+        return ((torch.arange(packed_tokens) % TURN_TOKENS) >= round(0.3 * TURN_TOKENS)).long()[None]
+    if kind == "all":
+        return torch.ones(1, packed_tokens, dtype=torch.long)
+    raise ValueError(f"loss mask kind must be one of {LOSS_MASKS}, got {kind!r}")
+
+
+def synthetic_batch(
+    preset: TrainingPreset, packed_tokens: int, device, dtype, seed: int = 0, loss_mask: str = "random"
+):
     """A packed row of whole samples, shaped as the trainer's shifted batches are."""
     import torch
 
@@ -136,6 +157,7 @@ def synthetic_batch(preset: TrainingPreset, packed_tokens: int, device, dtype, s
     lengths = [sample] * (packed_tokens // sample)
     if packed_tokens % sample:
         lengths.append(packed_tokens % sample)
+    mask = synthetic_loss_mask(loss_mask, packed_tokens, generator)
     return {
         "hidden_states": torch.randn(1, packed_tokens, 3 * preset.hidden_size, generator=generator)
         .to(device, dtype),
@@ -143,7 +165,7 @@ def synthetic_batch(preset: TrainingPreset, packed_tokens: int, device, dtype, s
         .to(device),
         "verifier_last_hidden_states": torch.randn(1, packed_tokens, preset.hidden_size,
                                                    generator=generator).to(device, dtype),
-        "loss_mask": (torch.rand(1, packed_tokens, generator=generator) < 0.7).long().to(device),
+        "loss_mask": mask.to(device),
         "lengths": torch.tensor(lengths, device=device),
         "position_ids": torch.cat([torch.arange(1, n + 1) for n in lengths])[None].to(device),
     }
@@ -170,13 +192,14 @@ def run_length(args: argparse.Namespace, preset: TrainingPreset, packed_tokens: 
     if param_dtype != torch.float32:
         model.to(param_dtype)
     model.loss_chunk_size = args.loss_chunk_size
+    model.skip_unused_positions = {"auto": None, "on": True, "off": False}[args.skip_unused_positions]
     for layer in model.layers:
         layer.recompute_mlp = args.recompute_mlp
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, fused=cuda)
     data_dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-    batch = synthetic_batch(preset, packed_tokens, device, data_dtype)
+    batch = synthetic_batch(preset, packed_tokens, device, data_dtype, loss_mask=args.loss_mask)
 
     def step() -> float:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
@@ -341,6 +364,12 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--recompute-mlp", action="store_true",
                         help="recompute the MLP in the backward pass (less memory, more work)")
     parser.add_argument("--loss-chunk-size", type=int, default=4096)
+    parser.add_argument("--loss-mask", choices=LOSS_MASKS, default="random",
+                        help="which 70%% of positions are scored: each on its own (random, the "
+                        "default), the responses of 256-token turns (spans), or all")
+    parser.add_argument("--skip-unused-positions", choices=("auto", "on", "off"), default="auto",
+                        help="run each TTT step's layer only over the positions the loss reads "
+                        "(auto: on CUDA, as the trainer does)")
     parser.add_argument("--profile", action="store_true",
                         help="after timing, profile one more step: the top kernels, and the "
                         "milliseconds of matrix products, attention, optimizer and the rest "
@@ -365,7 +394,9 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         f"- device: {device}; torch {env.get('torch')}, transformers {env.get('transformers')}",
         f"- precision {settings['precision']}, frozen weights {settings['frozen_dtype']}, attention "
         f"{settings['attention']}, compile {settings['compile']}, recompute MLP "
-        f"{settings['recompute_mlp']}, TTT steps {settings['ttt_steps']}, "
+        f"{settings['recompute_mlp']}, TTT steps {settings['ttt_steps']}, loss mask "
+        f"{settings.get('loss_mask', 'random')}, skip unused positions "
+        f"{settings.get('skip_unused_positions', 'off')}, "
         f"{settings['warmup']} warm-up + {settings['steps']} timed steps",
         f"- other GPU processes at the end: {env.get('gpu_processes_at_end') or 'none listed'}",
         "",

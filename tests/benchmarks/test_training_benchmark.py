@@ -71,3 +71,21 @@ def test_profile_counts_each_kernel_once():
                              self_device_time_total=4000.0, self_cpu_time_total=25.0)
     assert [own_microseconds(e, True, "cuda") for e in (kernel, annotation, cpu_op)] == [4000.0, 0, 0]
     assert [own_microseconds(e, False, "cuda") for e in (kernel, annotation, cpu_op)] == [0.0, 10.0, 25.0]
+
+
+@pytest.mark.parametrize("kind", ["random", "spans", "all"])
+def test_synthetic_loss_masks_score_what_they_say(kind) -> None:
+    import torch
+
+    from benchmarks.training import TURN_TOKENS, synthetic_loss_mask
+
+    mask = synthetic_loss_mask(kind, 8192, torch.Generator().manual_seed(0))
+    assert mask.shape == (1, 8192)
+    share = float(mask.float().mean())
+    assert share == 1.0 if kind == "all" else abs(share - 0.7) < 0.02
+    if kind == "spans":  # every turn: one masked prompt, then one scored response
+        turns = mask[0].view(-1, TURN_TOKENS)
+        assert bool((turns == turns[0]).all()) and int(turns[0].diff().abs().sum()) == 1
+        assert int(turns[0, 0]) == 0 and int(turns[0, -1]) == 1
+    with pytest.raises(ValueError, match="loss mask kind"):
+        synthetic_loss_mask("bernoulli", 16, None)
