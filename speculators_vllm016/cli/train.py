@@ -532,7 +532,7 @@ def build_model(args: argparse.Namespace, setup: TrainSetup) -> Any:
     if args.no_verifier_norm:
         model_kwargs["use_verifier_norm"] = False
     model = Eagle3DraftModel(config, t2d=setup.vocab.t2d, d2t=setup.vocab.d2t, **model_kwargs)
-    # Training reads only the loss: on accelerators each TTT step's layer skips the positions
+    # Training reads only the loss: on CUDA each TTT step's layer skips the positions
     # whose output no loss term or metric reads (the draft tokens there are not needed).
     model.skip_unused_positions = None
     return model

@@ -214,6 +214,10 @@ def test_skipping_unused_positions_changes_no_loss_metric_or_gradient(
         spans[0, start:end] = 1
     data["loss_mask"] = spans
     assert model.skip_unused_positions is False  # 0.3.0's outputs by default
+    model.skip_unused_positions = None  # the trainer's choice: on CUDA only
+    assert model._skipping_unused_positions(torch.device("cuda"))
+    assert not model._skipping_unused_positions(torch.device("cpu"))
+    model.skip_unused_positions = False
     full, full_grads = _one_step(model, data)
     model.skip_unused_positions = True
     layer_outputs = []

@@ -572,7 +572,7 @@ class Eagle3DraftModel(SpeculatorModel):
     scored positions only (see `linear_kl_loss`). On a CPU it changed the last bits of training
     with the thread count (a resumed run under another OMP_NUM_THREADS was no longer
     bit-identical to the uninterrupted one), and CPU runs are small, so it stays off there.
-    `skip_unused_positions` (False; None: off on CPUs; the trainer's choice is None) runs each
+    `skip_unused_positions` (False; None: on CUDA only; the trainer's choice is None) runs each
     TTT step's layer only over the positions whose output a loss term or metric reads
     (`used_positions`: the last step's scored ones, the earlier steps' scored or loss-masked
     ones) where that leaves out at least a tenth of them (`MAX_USED_FRACTION_TO_SKIP`), for
@@ -792,8 +792,8 @@ class Eagle3DraftModel(SpeculatorModel):
         return bool(self.skip_unscored_rows)
 
     def _skipping_unused_positions(self, device: torch.device) -> bool:
-        if self.skip_unused_positions is None:
-            return device.type != "cpu"
+        if self.skip_unused_positions is None:  # measured and tested on CUDA only
+            return device.type == "cuda"
         return bool(self.skip_unused_positions)
 
     def forward(
