@@ -365,8 +365,9 @@ def make_parser() -> argparse.ArgumentParser:
                         help="recompute the MLP in the backward pass (less memory, more work)")
     parser.add_argument("--loss-chunk-size", type=int, default=4096)
     parser.add_argument("--loss-mask", choices=LOSS_MASKS, default="random",
-                        help="which 70%% of positions are scored: each on its own (random, the "
-                        "default), the responses of 256-token turns (spans), or all")
+                        help="which positions are scored: 70%% drawn each on its own (random, the "
+                        "default), the answers of 256-token turns with a 30%% prompt (spans), or "
+                        "all of them (all)")
     parser.add_argument("--skip-unused-positions", choices=("auto", "on", "off"), default="auto",
                         help="run each TTT step's layer only over the positions the loss reads "
                         "(auto: on CUDA, as the trainer does)")
