@@ -517,8 +517,12 @@ def used_positions(scored: list[torch.Tensor], seed: torch.Tensor, valid_rows: i
     before the last step, where `seed` holds: the conditional accuracies count those positions'
     earlier hits whether they are scored or not. The sets shrink from step to step.
     """
-    aligned = _aligned_masks(scored, seed.shape[0], valid_rows)
-    last = len(scored) - 1
+    return _used_from_aligned(_aligned_masks(scored, seed.shape[0], valid_rows), seed)
+
+
+def _used_from_aligned(aligned: list[torch.Tensor], seed: torch.Tensor) -> list[torch.Tensor]:
+    """`used_positions` from the steps' `_aligned_scored` masks (for callers that have them)."""
+    last = len(aligned) - 1
     used: list[torch.Tensor] = []
     later = torch.zeros_like(seed, dtype=torch.bool)
     for step in range(last, -1, -1):
@@ -576,8 +580,9 @@ class Eagle3DraftModel(SpeculatorModel):
     TTT step's layer only over the positions whose output a loss term or metric reads
     (`used_positions`: the last step's scored ones, the earlier steps' scored or loss-masked
     ones) where that leaves out at least a tenth of them (`MAX_USED_FRACTION_TO_SKIP`), for
-    single-layer drafts scored without `output_logits`; the loss's row skip comes with it. Loss, metrics and gradients are unchanged, but the draft tokens of the other
-    positions are not computed (-1), which 0.3.0 never returned: hence off by default.
+    single-layer drafts scored without `output_logits`; the loss's row skip comes with it.
+    Loss, metrics and gradients are unchanged, but the draft tokens of the other positions are
+    not computed (-1), which 0.3.0 never returned: hence off by default.
     Mixed precision: keep the parameters fp32 and run the forward under
     `torch.autocast(device, torch.bfloat16)`; `frozen_weights_to(torch.bfloat16)` halves the
     memory of the frozen verifier copies.
@@ -893,10 +898,11 @@ class Eagle3DraftModel(SpeculatorModel):
                 and len(self.layers) == 1
                 and not output_logits
             ):
-                used_masks = used_positions(scored_masks, prev_correct, total)
+                aligned = _aligned_masks(scored_masks, padded, total)
+                used_masks = _used_from_aligned(aligned, prev_correct)
                 # One host read before step 0's layer, which needs the first set; the targets'
                 # matmul keeps the device busy meanwhile.
-                counts = _counts(_aligned_masks(scored_masks, total, total) + used_masks)
+                counts = _counts(aligned + used_masks)
                 scored_counts, used_counts = counts[:ttt_steps], counts[ttt_steps:]
                 step_positions = [
                     torch.nonzero_static(used, size=count).squeeze(1)
