@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -86,7 +88,56 @@ def apply_fully_sharded(model: torch.nn.Module) -> torch.nn.Module:
         # so keeping them gathered until the backward pass costs little memory.
         fully_shard(layer, reshard_after_forward=False, ignored_params=frozen or None)
     fully_shard(model, ignored_params=frozen or None)
+    for layer in layers:
+        _reduce_once_per_backward(model, layer)
     return model
+
+
+class _OnBackward(torch.autograd.Function):
+    """Identity whose backward first calls `callback`: a hook at the start of one call's backward."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, callback: Callable[[], None]) -> torch.Tensor:
+        ctx.callback = callback
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.callback()
+        return grad, None
+
+
+def _reduce_once_per_backward(root: torch.nn.Module, layer: torch.nn.Module) -> None:
+    """Make FSDP2 reduce-scatter `layer`'s gradients once a backward, not once per TTT step.
+
+    FSDP2 runs its post-backward (reduce-scatter the gradients, reshard) each time the backward
+    of one call of a module ends. A draft layer is called once per TTT step, so it would
+    reduce-scatter partial gradients ttt_steps times and gather its weights again between the
+    calls. The calls' backwards run in reverse order, so the first call's is the last: only it
+    reduces and reshards; the later calls' gradients accumulate in the gathered weights' `.grad`
+    (what `set_requires_gradient_sync(False)` is for). Public FSDP2 switches only.
+    """
+    calls_this_forward = 0
+
+    def sync_on_this_backward(sync: bool) -> None:
+        layer.set_requires_gradient_sync(sync, recurse=False)
+        layer.set_reshard_after_backward(sync, recurse=False)
+
+    def start_of_forward(module: torch.nn.Module, args: Any) -> None:
+        nonlocal calls_this_forward
+        calls_this_forward = 0
+        sync_on_this_backward(True)  # whatever an abandoned backward left
+
+    def after_call(module: torch.nn.Module, args: Any, output: Any) -> Any:
+        nonlocal calls_this_forward
+        first_call = calls_this_forward == 0
+        calls_this_forward += 1
+        if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
+            return output
+        return _OnBackward.apply(output, lambda: sync_on_this_backward(first_call))
+
+    root.register_forward_pre_hook(start_of_forward)
+    layer.register_forward_hook(after_call)
 
 
 def apply_data_parallel(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:

@@ -38,13 +38,18 @@ def eagle3_config(verifier_path: str) -> Eagle3SpeculatorConfig:
     )
 
 
-@pytest.fixture(scope="module")
-def draft(tiny_llama) -> Eagle3DraftModel:
+def draft_model(verifier_path: str) -> Eagle3DraftModel:
+    """The tiny draft these tests share, the same weights at every call."""
     torch.manual_seed(0)
     d2t, t2d = build_vocab_mappings_from_distribution(
         {token: 1000 - token for token in range(0, 512, 3)}, DRAFT_VOCAB, 512
     )
-    return Eagle3DraftModel(eagle3_config(str(tiny_llama)), t2d=t2d, d2t=d2t)
+    return Eagle3DraftModel(eagle3_config(verifier_path), t2d=t2d, d2t=d2t)
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_llama) -> Eagle3DraftModel:
+    return draft_model(str(tiny_llama))
 
 
 def batch(total: int = 24, seed: int = 0):

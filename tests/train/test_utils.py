@@ -60,3 +60,58 @@ def _ddp_gradients_equal_the_average(rank: int, port: int) -> None:
 @needs_two_gpus
 def test_ddp_on_nccl_averages_the_gradients_of_the_ranks():
     mp.spawn(_ddp_gradients_equal_the_average, args=(_free_port(),), nprocs=2, join=True)
+
+
+def _sharded_draft_step(rank: int, port: int, verifier: str, out: str) -> None:
+    """One forward and backward of a tiny Eagle3 draft under `apply_fully_sharded` (gloo, CPU),
+    counting FSDP2's collectives; rank 0 saves the averaged gradients and the counts."""
+    from speculators_vllm016.train.utils import apply_fully_sharded
+    from tests.models.test_eagle3 import batch, draft_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    calls = {"reduce_scatter": 0, "all_gather": 0}
+
+    def counted(name, collective):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return collective(*args, **kwargs)
+        return call
+
+    try:
+        dist.reduce_scatter_tensor = counted("reduce_scatter", dist.reduce_scatter_tensor)
+        dist.all_gather_into_tensor = counted("all_gather", dist.all_gather_into_tensor)
+        model = apply_fully_sharded(draft_model(verifier))
+        for step in range(2):  # the second step starts from the switches the first one left
+            model.zero_grad(set_to_none=True)
+            before = dict(calls)
+            model(**batch(seed=rank), ttt_steps=3, ttt_step_loss_decay=0.8).loss.backward()
+            per_step = {name: calls[name] - before[name] for name in calls}
+        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()
+                 if p.grad is not None}
+        if rank == 0:
+            torch.save({"grads": grads, "per_step": per_step}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fully_sharded_draft_reduces_each_layer_once_a_step(tiny_llama, tmp_path):
+    """A draft layer runs once per TTT step; FSDP2 must still gather its weights once and
+    reduce-scatter its gradients once a step (not once per call), and the gradients are the
+    average of what each rank's batch gives an unsharded copy."""
+    from tests.models.test_eagle3 import batch, draft_model
+
+    out = tmp_path / "sharded.pt"
+    mp.spawn(_sharded_draft_step, args=(_free_port(), str(tiny_llama), str(out)), nprocs=2,
+             join=True)
+    saved = torch.load(out)
+    # One unit per decoder layer plus the root (fc, lm_head, norm): one gather, one reduce each.
+    assert saved["per_step"] == {"reduce_scatter": 2, "all_gather": 2}
+    reference = draft_model(str(tiny_llama))
+    losses = [reference(**batch(seed=rank), ttt_steps=3, ttt_step_loss_decay=0.8).loss
+              for rank in range(2)]
+    (sum(losses) / 2).backward()
+    expected = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+    assert sorted(saved["grads"]) == sorted(expected)
+    for name, grad in expected.items():
+        torch.testing.assert_close(saved["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
