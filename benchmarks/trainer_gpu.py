@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -222,6 +223,22 @@ def summarize_metrics(path: Path, warmup_steps: int) -> dict[str, Any]:
     return summary
 
 
+def run_process_group(command: list[str], env: dict[str, str], log: Path,
+                      timeout: float) -> tuple[int | None, str | None]:
+    """Run `command` (output to `log`) in its own session: `(returncode, None)`, or
+    `(None, "timed out ...")` after killing the whole group. Killing torchrun alone would leave
+    its workers holding the GPUs under the next run."""
+    with open(log, "w") as handle:
+        process = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        try:
+            return process.wait(timeout=timeout), None
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            return None, f"timed out after {timeout} s"
+
+
 def run_trainer(name: str, processes: int, paths: dict[str, Path], work: Path,
                 args: argparse.Namespace) -> RunResult:
     save = work / f"run-{name}" / "checkpoints"
@@ -233,14 +250,7 @@ def run_trainer(name: str, processes: int, paths: dict[str, Path], work: Path,
     log = work / f"run-{name}.log"
     print(f"$ {shlex.join(command)}", flush=True)
     started = time.perf_counter()
-    returncode, error = None, None
-    with open(log, "w") as handle:
-        try:
-            done = subprocess.run(command, env=env, stdout=handle, stderr=subprocess.STDOUT,
-                                  timeout=args.run_timeout, check=False)
-            returncode = done.returncode
-        except subprocess.TimeoutExpired:
-            error = f"timed out after {args.run_timeout} s"
+    returncode, error = run_process_group(command, env, log, args.run_timeout)
     seconds = time.perf_counter() - started
     if returncode not in (0, None):
         tail = log.read_text(errors="replace").strip().splitlines()[-25:]
