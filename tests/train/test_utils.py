@@ -95,6 +95,7 @@ def _sharded_draft_step(rank: int, port: int, verifier: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_fully_sharded_draft_reduces_each_layer_once_a_step(tiny_llama, tmp_path):
     """A draft layer runs once per TTT step; FSDP2 must still gather its weights once and
     reduce-scatter its gradients once a step (not once per call), and the gradients are the
