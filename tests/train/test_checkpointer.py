@@ -1,10 +1,23 @@
-"""Which folders count as checkpoints: a save killed just before its rename is not one."""
+"""Checkpoints: which folders count, and what loading refuses or accepts.
+
+Resuming to the bit through the trainer is tested in tests/train/test_trainer.py; here the
+checkpointer alone, on the tiny Eagle3 draft."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from speculators_vllm016.train.checkpointer import TrainingState, find_checkpoints
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from speculators_vllm016.train.checkpointer import (
+    MASTER_WEIGHTS,
+    SingleGPUCheckpointer,
+    TrainingState,
+    find_checkpoints,
+)
+from tests.models.test_eagle3 import batch, draft_model
 
 
 def _complete_folder(folder: Path, state: TrainingState) -> None:
@@ -20,3 +33,65 @@ def test_a_complete_looking_temporary_folder_is_not_a_checkpoint(tmp_path):
     _complete_folder(tmp_path / "0-step1", TrainingState(epoch=0, step_in_epoch=1, global_step=1))
     _complete_folder(tmp_path / ".tmp-0-step2", TrainingState(epoch=0, step_in_epoch=2, global_step=2))
     assert [ref.name for ref in find_checkpoints(tmp_path)] == ["0-step1"]
+
+
+def _trained(verifier: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = draft_model(verifier)
+    optimizer = torch.optim.AdamW(list(model.named_parameters()), lr=1e-3)
+    model(**batch(), ttt_steps=2).loss.backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_a_saved_checkpoint_loads_back_exactly(tiny_llama, tmp_path):
+    model, optimizer = _trained(str(tiny_llama))
+    SingleGPUCheckpointer(tmp_path).save_checkpoint(model, optimizer, 0)
+    fresh = draft_model(str(tiny_llama))
+    fresh_optimizer = torch.optim.AdamW(list(fresh.named_parameters()), lr=1e-3)
+    checkpointer = SingleGPUCheckpointer(tmp_path)
+    checkpointer.load_model_state_dict(fresh)
+    checkpointer.load_optimizer_state_dict(fresh, fresh_optimizer)
+    for (name, saved), loaded in zip(model.state_dict().items(), fresh.state_dict().values(),
+                                     strict=True):
+        assert torch.equal(saved, loaded), name
+    for saved, loaded in zip(optimizer.state.values(), fresh_optimizer.state.values(), strict=True):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(saved[key], loaded[key]), key
+
+
+def test_0_3_0_index_keyed_optimizer_state_loads(tiny_llama, tmp_path):
+    """0.3.0's single-GPU save wrote `optimizer.state_dict()` as it is: keyed by index."""
+    model, optimizer = _trained(str(tiny_llama))
+    checkpointer = SingleGPUCheckpointer(tmp_path)
+    checkpointer.save_checkpoint(model, optimizer, 0)
+    torch.save(optimizer.state_dict(), checkpointer.optimizer_path(0))
+    fresh_optimizer = torch.optim.AdamW(list(model.named_parameters()), lr=1e-3)
+    checkpointer.load_optimizer_state_dict(model, fresh_optimizer)
+    assert torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"],
+                       optimizer.state_dict()["state"][0]["exp_avg"])
+
+
+def test_optimizer_state_for_a_parameter_the_model_lacks_is_refused(tiny_llama, tmp_path):
+    model, optimizer = _trained(str(tiny_llama))
+    checkpointer = SingleGPUCheckpointer(tmp_path)
+    checkpointer.save_checkpoint(model, optimizer, 0)
+    state = torch.load(checkpointer.optimizer_path(0), weights_only=True)
+    name = next(iter(state["state"]))
+    state["state"]["not.a.parameter"] = state["state"].pop(name)
+    torch.save(state, checkpointer.optimizer_path(0))
+    fresh_optimizer = torch.optim.AdamW(list(model.named_parameters()), lr=1e-3)
+    with pytest.raises(ValueError, match="parameters the model does not have: .*not.a.parameter"):
+        checkpointer.load_optimizer_state_dict(model, fresh_optimizer)
+
+
+def test_weights_the_model_lacks_are_refused(tiny_llama, tmp_path):
+    """A checkpoint of another draft shape must not load silently into this one."""
+    model, optimizer = _trained(str(tiny_llama))
+    checkpointer = SingleGPUCheckpointer(tmp_path)
+    checkpointer.save_checkpoint(model, optimizer, 0)
+    master = tmp_path / "0" / MASTER_WEIGHTS
+    weights = load_file(master)
+    weights["layers.1.mlp.down_proj.weight"] = torch.zeros(2, 2)
+    save_file(weights, str(master))
+    with pytest.raises(ValueError, match="weights the model lacks: .*layers.1.mlp.down_proj"):
+        checkpointer.load_model_state_dict(draft_model(str(tiny_llama)))
