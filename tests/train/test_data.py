@@ -219,3 +219,69 @@ def test_split_items_over_indices_is_split_files_over_datagens_files(tmp_path):
         files = split_files(str(tmp_path), 0.75, seed)
         items = split_items(list(range(13)), 0.75, seed)
         assert [[int(f.stem.split("_")[1]) for f in part] for part in files] == [list(p) for p in items]
+
+
+# -- unusable rows and malformed samples: the data -> trainer contract when samples are bad -------
+
+
+def test_a_row_of_only_unusable_samples_is_its_skip_count_alone():
+    """The trainer's empty-row path takes over (no exception: the step still happens)."""
+    row = create_collate_fn(16)([None, None])
+    assert set(row) == {"skipped_samples"} and int(row["skipped_samples"]) == 2
+
+
+def write_raw(path: Path, data: dict) -> None:
+    """A sample file as a broken writer might leave it (`write_sample` may refuse the shapes)."""
+    torch.save(data, path)
+
+
+def bad_shape_files(folder: Path) -> dict[str, str]:
+    """Good files 0 and 1; each other file one malformation; {file: words its error must hold}."""
+    write_sample(folder / "data_0.pt", sample(12, 0))
+    write_sample(folder / "data_1.pt", sample(12, 1))
+    rows = sample(12, 2)
+    rows["hidden_states"] = [torch.cat([layer, layer[:2]]) for layer in rows["hidden_states"]]
+    write_raw(folder / "data_2.pt", rows)
+    write_raw(folder / "data_3.pt", sample(12, 3, layers=5))
+    write_raw(folder / "data_4.pt", sample(0, 4))
+    short_mask = sample(12, 5)
+    short_mask["loss_mask"] = short_mask["loss_mask"][:10]
+    write_raw(folder / "data_5.pt", short_mask)
+    return {"data_2.pt": "14", "data_3.pt": "32", "data_4.pt": "token", "data_5.pt": "loss_mask"}
+
+
+def test_each_malformed_sample_is_refused_by_name_and_skipped(tmp_path, caplog):
+    expected = bad_shape_files(tmp_path)
+    dataset = Eagle3SampleFileDataset(16, datapath=str(tmp_path))
+    assert dataset.widths == (3 * HIDDEN, HIDDEN)
+    with caplog.at_level(logging.WARNING):
+        items = [dataset[i] for i in range(len(dataset))]
+    assert [item is None for item in items] == [False, False, True, True, True, True]
+    for name, words in expected.items():
+        line = next((m for m in caplog.messages if name in m), "")
+        assert words in line, (name, caplog.messages)
+    # The good samples pack as if the bad ones were never there (nothing shifted).
+    row = create_collate_fn(32)(items)
+    assert row["lengths"].tolist() == [11, 11] and int(row["skipped_samples"]) == 4
+    alone = create_collate_fn(32)([items[0]])
+    assert torch.equal(row["hidden_states"][0, :11], alone["hidden_states"][0, :11])
+    assert torch.equal(row["input_ids"][0, 11:22], items[1]["input_ids"])
+    strict = Eagle3SampleFileDataset(16, datapath=str(tmp_path), strict=True)
+    for index, (name, words) in enumerate(expected.items(), start=2):
+        assert strict.data[index].name == name
+        with pytest.raises(SampleFileError, match=rf"{name}.*{words}"):
+            strict[index]
+
+
+def test_given_widths_are_the_yardstick_and_online_samples_are_checked_too(tmp_path):
+    write_sample(tmp_path / "data_0.pt", sample(12, 0))
+    wide = Eagle3SampleFileDataset(16, datapath=str(tmp_path), widths=(5 * HIDDEN, HIDDEN))
+    assert wide[0] is None
+    online = Eagle3SampleFileDataset(16, file_list=[str(tmp_path / "data_9.pt")], lengths=[11])
+    assert online.widths is None  # the files need not exist yet: no yardstick is read
+    with pytest.raises(SampleFileError, match="data_9.pt.*hidden_states"):
+        broken = sample(12, 1)
+        layers = broken["hidden_states"]
+        broken["hidden_states"] = [layer[:11] for layer in layers[:-1]] + [layers[-1]]
+        online.strict = True
+        online.item(0, broken)
