@@ -285,3 +285,91 @@ def test_given_widths_are_the_yardstick_and_online_samples_are_checked_too(tmp_p
         broken["hidden_states"] = [layer[:11] for layer in layers[:-1]] + [layers[-1]]
         online.strict = True
         online.item(0, broken)
+
+
+def poisoned_copy(data: Path, folder: Path) -> tuple[Path, list[Path]]:
+    """The tiny verifier's sample folder (and vocab maps) with NaN states in its first training
+    file and its first validation file."""
+    import shutil
+
+    copy = folder / "data"
+    shutil.copytree(data, copy)
+    for name in ("d2t.npy", "t2d.npy"):
+        shutil.copy(data.parent / name, folder / name)
+    train, val = split_files(str(copy), 0.9, 0)
+    for path in (train[0], val[0]):
+        raw = torch.load(path, weights_only=True)
+        raw["hidden_states"][1][0, 0] = float("nan")
+        write_sample(path, raw)
+    return copy, [train[0], val[0]]
+
+
+def test_training_steps_over_rows_whose_samples_are_all_unusable(tiny_llama, training_data, tmp_path, capsys):
+    """Every sample is longer than a row, so the NaN samples' rows hold nothing usable: in
+    training and in validation. The run finishes, counts the skip, and keeps the plan's steps."""
+    import json
+
+    from speculators_vllm016.cli.train import main
+    from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+    from tests.training_fixtures import train_args
+
+    data, poisoned = poisoned_copy(training_data, tmp_path)
+    save = tmp_path / "ckpt"
+    argv = train_args(tiny_llama, data, save, "--total-seq-len", "16", "--epochs", "1")
+    assert main(argv) == 0, capsys.readouterr().err
+    state = json.loads((save / "0" / "training_state.json").read_text())
+    train, _ = split_files(str(data), 0.9, 0)
+    lengths = Eagle3SampleFileDataset(16, file_list=[str(f) for f in train]).lengths
+    plan = MultipackDistributedBatchSamplerV2(16, lengths, 1, 0, seed=0).batches(0)
+    assert [len(step) for step in plan if train.index(poisoned[0]) in step] == [1]  # alone in its row
+    assert state["global_step"] == len(plan) and state["skipped_samples"] == 1
+    lines = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    assert sum("train" in line for line in lines) == len(plan)
+    val = [line["val"] for line in lines if "val" in line]
+    assert len(val) == 1 and torch.isfinite(torch.tensor(val[0]["loss_epoch"]))
+
+    capsys.readouterr()
+    assert main([*argv, "--strict-data", "--no-resume-from-checkpoint"]) != 0
+    error = capsys.readouterr().err
+    assert poisoned[0].name in error and "NaN" in error
+
+
+def tiny_trainer(verifier: Path, training_data: Path, save: Path, rows: list, val_rows: list):
+    """A CPU `Trainer` of the tiny verifier's draft over ready-made rows."""
+    from torch.utils.data import DataLoader
+
+    from speculators_vllm016.cli.train import build_model, build_parser, prepare
+    from speculators_vllm016.train.trainer import Trainer, TrainerConfig
+    from tests.training_fixtures import train_args
+
+    args = build_parser().parse_args(train_args(verifier, training_data, save))
+    model = build_model(args, prepare(args))
+    config = TrainerConfig(
+        lr=1e-3, num_epochs=1, save_path=str(save), device="cpu", show_progress=False,
+        handle_sigterm=False, scheduler_type="none", val_call_kwargs={"ttt_steps": 3},
+    )
+    loader = lambda items: DataLoader(items, batch_size=None)  # noqa: E731 - rows as they are
+    return Trainer(model, config, loader(rows), loader(val_rows))
+
+
+def test_validation_weighs_a_row_of_unusable_samples_zero(tiny_llama, training_data, tmp_path):
+    files = sorted(training_data.glob("data_*.pt"))[:4]
+    dataset = Eagle3SampleFileDataset(128, file_list=[str(f) for f in files])
+    collate = create_collate_fn(128)
+    good = [collate([dataset[0], dataset[1]]), collate([dataset[2], dataset[3]])]
+    empty = collate([None])
+    clean = tiny_trainer(tiny_llama, training_data, tmp_path / "a", good, good).val_epoch(0)
+    mixed = tiny_trainer(tiny_llama, training_data, tmp_path / "b", good, [good[0], empty, good[1]])
+    assert mixed.val_epoch(0) == pytest.approx(clean, rel=1e-6)
+
+
+def test_skipped_samples_averaged_over_three_ranks_count_exactly(tiny_llama, training_data, tmp_path):
+    """5 skipped on 3 ranks: each rank's mean (float32) times 3 is 4.9999998, which is 5 skips."""
+    files = sorted(training_data.glob("data_*.pt"))[:1]
+    row = create_collate_fn(128)([Eagle3SampleFileDataset(128, file_list=[str(f) for f in files])[0]])
+    trainer = tiny_trainer(tiny_llama, training_data, tmp_path, [row], [])
+    mean = (torch.tensor([5.0]) / 3).tolist()[0]  # what the all-reduce and its average give
+    trainer.train_step = lambda batch: {"loss": 1.0, "tokens": 1.0, "lr": 0.0, "skipped_samples": mean * 3}
+    assert mean * 3 != 5
+    trainer.train_epoch(0)
+    assert trainer.state.skipped_samples == 5
