@@ -385,7 +385,7 @@ class Trainer:
         grad_norm = clip_and_step(self.opt, self.trainable_parameters(), self.config.max_grad_norm)
         if self.scheduler is not None:
             self.scheduler.step()
-        tokens = inputs["lengths"].sum().to(torch.float32)
+        tokens = inputs["lengths"].sum().to(torch.float32) * ("input_ids" in batch)  # 0: empty row
         skipped = batch.get("skipped_samples", torch.zeros(())).to(self.device, torch.float32)
         reduced = self._reduce(
             {**metrics, "grad_norm": grad_norm.to(self.device).float(), "tokens": tokens,

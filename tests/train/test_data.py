@@ -325,6 +325,8 @@ def test_training_steps_over_rows_whose_samples_are_all_unusable(tiny_llama, tra
     assert state["global_step"] == len(plan) and state["skipped_samples"] == 1
     lines = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     assert sum("train" in line for line in lines) == len(plan)
+    usable = sum(min(n, 16) for i, n in enumerate(lengths) if train[i] != poisoned[0])
+    assert sum(line["train"]["tokens"] for line in lines if "train" in line) == usable
     val = [line["val"] for line in lines if "val" in line]
     assert len(val) == 1 and torch.isfinite(torch.tensor(val[0]["loss_epoch"]))
 
