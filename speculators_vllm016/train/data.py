@@ -12,6 +12,10 @@ The contract (what every training step receives, per rank):
         "skipped_samples":             LongTensor  []              samples of this row dropped as unusable
     }
 
+A row whose samples were all unusable is `{"skipped_samples": n}` alone: the trainer then runs
+its one-token empty row, so the step (and on several ranks, every collective) still happens and
+the plan stays the same on every rank and on resume.
+
 `T` is `--total-seq-len`. A row holds whole samples (cut only when a sample alone is longer than
 `T`), padded with zeros. Each sample is shifted by one token first (`shift_batch`): the states of
 token t are paired with token t + 1, and the draft at that position predicts token t + 2, whose
@@ -49,12 +53,14 @@ __all__ = [
     "Eagle3SampleFileDataset",
     "PackedBatch",
     "SampleFileError",
+    "check_sample_shapes",
     "create_collate_fn",
     "list_files",
     "sample_lengths",
     "shift_batch",
     "slice_and_pad_to_length",
     "prepare_sample",
+    "sample_widths",
     "split_files",
     "split_items",
     "standardize_data_v0",
@@ -167,6 +173,50 @@ def standardize_data_v1(data: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def check_sample_shapes(
+    data: dict[str, Any], widths: tuple[int, int] | None = None
+) -> None:
+    """Refuse a standardized sample whose tensors disagree (`SampleFileError`); shapes only.
+
+    Every tensor needs one row per token, and at least one token: a sample with extra rows of
+    states would shift every later sample of its packed row. `widths` (fused, teacher) are the
+    widths the other samples have (the same verifier layers captured).
+    """
+    ids = data["input_ids"]
+    if ids.dim() != 1 or ids.shape[0] == 0:
+        raise SampleFileError(f"input_ids has shape {tuple(ids.shape)}; a sample needs 1 token or more")
+    tokens = int(ids.shape[0])
+    for key, dims in (("hidden_states", 2), ("verifier_last_hidden_states", 2), ("loss_mask", 1)):
+        shape = tuple(data[key].shape)
+        if len(shape) != dims or shape[0] != tokens:
+            raise SampleFileError(
+                f"{key} has shape {shape}, but input_ids has {tokens} tokens: one row per token needed"
+            )
+    found = (int(data["hidden_states"].shape[1]), int(data["verifier_last_hidden_states"].shape[1]))
+    if widths is not None and found != tuple(widths):
+        raise SampleFileError(
+            f"hidden states {found[0]} wide (fused) and {found[1]} (last layer), the other samples' "
+            f"{widths[0]} and {widths[1]}: other captured layers or another model; regenerate it"
+        )
+
+
+def sample_widths(
+    path: str | os.PathLike, standardize_fn: StandardizeFnSig = standardize_data_v1
+) -> tuple[int, int]:
+    """(fused, teacher) widths of one sample file, from its shapes (meta tensors, no math)."""
+    from speculators_vllm016.data_generation.sample_io import load_sample
+
+    def meta(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.to("meta")
+        if isinstance(value, (list, tuple)):
+            return [meta(item) for item in value]
+        return value
+
+    data = standardize_fn({key: meta(value) for key, value in load_sample(path, mmap=True).items()})
+    return int(data["hidden_states"].shape[-1]), int(data["verifier_last_hidden_states"].shape[-1])
+
+
 def shift_batch(batch: BatchType, *, legacy_loss_mask_shift: bool = False) -> BatchType:
     """Pair the states of token t with token t + 1 (one sample, unbatched; length drops by one).
 
@@ -251,6 +301,11 @@ def sample_lengths(
     return lengths, failures
 
 
+def _file_index(path: Path) -> int:
+    match = SAMPLE_FILE.match(path.name)
+    return int(match.group(1)) if match else -1
+
+
 def _noise_seed(seed: int, epoch: int, index: int) -> int:
     """A distinct, stable seed per (run seed, epoch, sample) so noise never depends on workers."""
     mixed = (seed * 1_000_003 + epoch) * 1_000_033 + index
@@ -269,15 +324,18 @@ def prepare_sample(
     epoch: int = 0,
     legacy_loss_mask_shift: bool = False,
     output_dtype: torch.dtype | None = None,
+    widths: tuple[int, int] | None = None,
 ) -> BatchType:
     """One raw sample (a file's dict, or the generator's result) -> the shifted training sample.
 
     The one place a sample is prepared, for files and for online extraction alike: standardize,
-    cast the states, refuse non-finite states (`SampleFileError`), add the noise seeded by
-    `(seed, epoch, index)`, shift. `name` says which sample in error messages.
+    check the shapes (`check_sample_shapes`, against `widths` when given), cast the states,
+    refuse non-finite states (`SampleFileError`), add the noise seeded by `(seed, epoch, index)`,
+    shift. `name` says which sample in error messages.
     """
     try:
         data = standardize_fn(raw)
+        check_sample_shapes(data, widths)
     except SampleFileError as error:
         raise SampleFileError(f"{name}: {error}") from None
     except Exception as error:  # noqa: BLE001 - a malformed sample surfaces here, in a worker
@@ -316,6 +374,8 @@ class Eagle3SampleFileDataset(Dataset):
     `hidden_states_dtype` (fp32, as 0.3.0) for the checks and the noise; `output_dtype` (bf16 for
     bf16 training) then stores the finished rows smaller, halving the bytes pinned and copied to
     the GPU at no loss: autocast rounds the fused states to bf16 before the first layer anyway.
+    `widths` (fused, teacher) is what every sample must have (the model's); by default, when the
+    files are scanned (`lengths` not given), the widths of the lowest-index readable file.
     """
 
     def __init__(
@@ -332,6 +392,7 @@ class Eagle3SampleFileDataset(Dataset):
         strict: bool = False,
         legacy_loss_mask_shift: bool = False,
         output_dtype: torch.dtype | None = None,
+        widths: tuple[int, int] | None = None,
     ) -> None:
         if (datapath is None) == (file_list is None):
             raise ValueError("give exactly one of `datapath` (a folder to scan) or `file_list`")
@@ -359,10 +420,22 @@ class Eagle3SampleFileDataset(Dataset):
             kept = [(f, n) for f, n in zip(files, raw, strict=True) if n >= 0]
             files = [f for f, _ in kept]
             lengths = [max(n - 1, 0) for _, n in kept]
+            if widths is None:
+                widths = self._reference_widths(files)
         elif len(lengths) != len(files):
             raise ValueError(f"{len(lengths)} lengths for {len(files)} files")
+        self.widths = None if widths is None else (int(widths[0]), int(widths[1]))
         self.data: list[Path] = files
         self.lengths: list[int] = [int(n) for n in lengths]
+
+    def _reference_widths(self, files: list[Path]) -> tuple[int, int] | None:
+        """The widths of the lowest-index readable file (shapes only), the others' yardstick."""
+        for path in sorted(files, key=lambda f: (str(f.parent), _file_index(f), f.suffix)):
+            try:
+                return sample_widths(path, self.standardize_fn)
+            except Exception:  # noqa: BLE001 - an unusable file is refused when it is read
+                continue
+        return None
 
     @property
     def approx_lengths(self) -> list[int]:
@@ -392,7 +465,7 @@ class Eagle3SampleFileDataset(Dataset):
             raw, index, name=name, standardize_fn=self.standardize_fn,
             hidden_states_dtype=self.hidden_states_dtype, transform=self.transform, seed=self.seed,
             epoch=self.epoch, legacy_loss_mask_shift=self.legacy_loss_mask_shift,
-            output_dtype=self.output_dtype,
+            output_dtype=self.output_dtype, widths=self.widths,
         )
 
     def __getitem__(self, index: int) -> BatchType | None:
@@ -415,14 +488,15 @@ def create_collate_fn(max_len: int) -> Callable[[list[BatchType | None]], Packed
 
     Samples are laid end to end; the row is cut or zero-padded to `max_len`, and `lengths` lists
     the samples that fit, the last one cut to what is left. None entries (unusable samples) are
-    dropped and counted in `skipped_samples`.
+    dropped and counted in `skipped_samples`; when all are, the row is that count alone (the
+    trainer steps on its empty row: see the module docstring).
     """
 
     def collate(samples: list[BatchType | None]) -> PackedBatch:
         usable = [sample for sample in samples if sample is not None]
         skipped = torch.tensor(len(samples) - len(usable), dtype=torch.long)
         if not usable:
-            raise SampleFileError("every sample of a packed row was unusable")
+            return {"skipped_samples": skipped}  # type: ignore[typeddict-item]
         row: dict[str, Any] = {}
         for key in usable[0]:
             joined = torch.cat([sample[key] for sample in usable], dim=0)

@@ -386,7 +386,7 @@ class Trainer:
         grad_norm = clip_and_step(self.opt, self.trainable_parameters(), self.config.max_grad_norm)
         if self.scheduler is not None:
             self.scheduler.step()
-        tokens = inputs["lengths"].sum().to(torch.float32)
+        tokens = inputs["lengths"].sum().to(torch.float32) * ("input_ids" in batch)  # 0: empty row
         skipped = batch.get("skipped_samples", torch.zeros(())).to(self.device, torch.float32)
         reduced = self._reduce(
             {**metrics, "grad_norm": grad_norm.to(self.device).float(), "tokens": tokens,
@@ -457,7 +457,8 @@ class Trainer:
                         "run the same command again to resume"
                     ) from error
                 metrics = self.train_step(batch)
-                self.state.skipped_samples += int(metrics.pop("skipped_samples"))
+                # A float averaged over ranks and multiplied back: 5 on 3 ranks is 4.9999998.
+                self.state.skipped_samples += round(metrics.pop("skipped_samples"))
                 tokens += metrics["tokens"]
                 # Wall-clock seconds since the previous step ended, waiting for data included
                 # (train_step returns after its metrics reached the host: the step is done).
@@ -502,7 +503,6 @@ class Trainer:
             return None
         self.wrapped.eval()
         totals: dict[str, float] = {}
-        count = 0
         for batch in tqdm(
             self._epoch_batches(self.val_loader, epoch, 0), total=len(self.val_loader),
             desc="validation", disable=not self.config.show_progress or self.rank != 0,
@@ -512,13 +512,17 @@ class Trainer:
                 _, metrics = _unpack_output(
                     self.wrapped(**self._model_inputs(batch), **self.config.val_call_kwargs)
                 )
-            for name, value in self._reduce(metrics).items():
+            # An empty row (all its samples unusable) runs to keep the ranks in step but weighs 0.
+            weight = 1.0 if "input_ids" in batch else 0.0
+            weighted = {name: value * weight for name, value in metrics.items()}
+            weighted["__rows__"] = torch.tensor(weight, device=self.device)
+            for name, value in self._reduce(weighted).items():
                 totals[name] = totals.get(name, 0.0) + value
-            count += 1
-        if count == 0:
+        rows = totals.pop("__rows__", 0.0)
+        if rows == 0:
             return None
-        means = {f"{name}_epoch": value / count for name, value in totals.items()}
-        score = tau_sim({name: value / count for name, value in totals.items()})
+        means = {f"{name}_epoch": value / rows for name, value in totals.items()}
+        score = tau_sim({name: value / rows for name, value in totals.items()})
         if score is not None:
             means["tau_sim"] = score
         self._log({"val": means, "epoch": epoch})

@@ -219,3 +219,159 @@ def test_split_items_over_indices_is_split_files_over_datagens_files(tmp_path):
         files = split_files(str(tmp_path), 0.75, seed)
         items = split_items(list(range(13)), 0.75, seed)
         assert [[int(f.stem.split("_")[1]) for f in part] for part in files] == [list(p) for p in items]
+
+
+# -- unusable rows and malformed samples: the data -> trainer contract when samples are bad -------
+
+
+def test_a_row_of_only_unusable_samples_is_its_skip_count_alone():
+    """The trainer's empty-row path takes over (no exception: the step still happens)."""
+    row = create_collate_fn(16)([None, None])
+    assert set(row) == {"skipped_samples"} and int(row["skipped_samples"]) == 2
+
+
+def write_raw(path: Path, data: dict) -> None:
+    """A sample file as a broken writer might leave it (`write_sample` may refuse the shapes)."""
+    torch.save(data, path)
+
+
+def bad_shape_files(folder: Path) -> dict[str, str]:
+    """Good files 0 and 1; each other file one malformation; {file: words its error must hold}."""
+    write_sample(folder / "data_0.pt", sample(12, 0))
+    write_sample(folder / "data_1.pt", sample(12, 1))
+    rows = sample(12, 2)
+    rows["hidden_states"] = [torch.cat([layer, layer[:2]]) for layer in rows["hidden_states"]]
+    write_raw(folder / "data_2.pt", rows)
+    write_raw(folder / "data_3.pt", sample(12, 3, layers=5))
+    write_raw(folder / "data_4.pt", sample(0, 4))
+    short_mask = sample(12, 5)
+    short_mask["loss_mask"] = short_mask["loss_mask"][:10]
+    write_raw(folder / "data_5.pt", short_mask)
+    return {"data_2.pt": "14", "data_3.pt": "32", "data_4.pt": "token", "data_5.pt": "loss_mask"}
+
+
+def test_each_malformed_sample_is_refused_by_name_and_skipped(tmp_path, caplog):
+    expected = bad_shape_files(tmp_path)
+    dataset = Eagle3SampleFileDataset(16, datapath=str(tmp_path))
+    assert dataset.widths == (3 * HIDDEN, HIDDEN)
+    with caplog.at_level(logging.WARNING):
+        items = [dataset[i] for i in range(len(dataset))]
+    assert [item is None for item in items] == [False, False, True, True, True, True]
+    for name, words in expected.items():
+        line = next((m for m in caplog.messages if name in m), "")
+        assert words in line, (name, caplog.messages)
+    # The good samples pack as if the bad ones were never there (nothing shifted).
+    row = create_collate_fn(32)(items)
+    assert row["lengths"].tolist() == [11, 11] and int(row["skipped_samples"]) == 4
+    alone = create_collate_fn(32)([items[0]])
+    assert torch.equal(row["hidden_states"][0, :11], alone["hidden_states"][0, :11])
+    assert torch.equal(row["input_ids"][0, 11:22], items[1]["input_ids"])
+    strict = Eagle3SampleFileDataset(16, datapath=str(tmp_path), strict=True)
+    for index, (name, words) in enumerate(expected.items(), start=2):
+        assert strict.data[index].name == name
+        with pytest.raises(SampleFileError, match=rf"{name}.*{words}"):
+            strict[index]
+
+
+def test_given_widths_are_the_yardstick_and_online_samples_are_checked_too(tmp_path):
+    write_sample(tmp_path / "data_0.pt", sample(12, 0))
+    wide = Eagle3SampleFileDataset(16, datapath=str(tmp_path), widths=(5 * HIDDEN, HIDDEN))
+    assert wide[0] is None
+    online = Eagle3SampleFileDataset(16, file_list=[str(tmp_path / "data_9.pt")], lengths=[11])
+    assert online.widths is None  # the files need not exist yet: no yardstick is read
+    with pytest.raises(SampleFileError, match="data_9.pt.*hidden_states"):
+        broken = sample(12, 1)
+        layers = broken["hidden_states"]
+        broken["hidden_states"] = [layer[:11] for layer in layers[:-1]] + [layers[-1]]
+        online.strict = True
+        online.item(0, broken)
+
+
+def poisoned_copy(data: Path, folder: Path) -> tuple[Path, list[Path]]:
+    """The tiny verifier's sample folder (and vocab maps) with NaN states in its first training
+    file and its first validation file."""
+    import shutil
+
+    copy = folder / "data"
+    shutil.copytree(data, copy)
+    for name in ("d2t.npy", "t2d.npy"):
+        shutil.copy(data.parent / name, folder / name)
+    train, val = split_files(str(copy), 0.9, 0)
+    for path in (train[0], val[0]):
+        raw = torch.load(path, weights_only=True)
+        raw["hidden_states"][1][0, 0] = float("nan")
+        write_sample(path, raw)
+    return copy, [train[0], val[0]]
+
+
+def test_training_steps_over_rows_whose_samples_are_all_unusable(tiny_llama, training_data, tmp_path, capsys):
+    """Every sample is longer than a row, so the NaN samples' rows hold nothing usable: in
+    training and in validation. The run finishes, counts the skip, and keeps the plan's steps."""
+    import json
+
+    from speculators_vllm016.cli.train import main
+    from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+    from tests.training_fixtures import train_args
+
+    data, poisoned = poisoned_copy(training_data, tmp_path)
+    save = tmp_path / "ckpt"
+    argv = train_args(tiny_llama, data, save, "--total-seq-len", "16", "--epochs", "1")
+    assert main(argv) == 0, capsys.readouterr().err
+    state = json.loads((save / "0" / "training_state.json").read_text())
+    train, _ = split_files(str(data), 0.9, 0)
+    lengths = Eagle3SampleFileDataset(16, file_list=[str(f) for f in train]).lengths
+    plan = MultipackDistributedBatchSamplerV2(16, lengths, 1, 0, seed=0).batches(0)
+    assert [len(step) for step in plan if train.index(poisoned[0]) in step] == [1]  # alone in its row
+    assert state["global_step"] == len(plan) and state["skipped_samples"] == 1
+    lines = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    assert sum("train" in line for line in lines) == len(plan)
+    usable = sum(min(n, 16) for i, n in enumerate(lengths) if train[i] != poisoned[0])
+    assert sum(line["train"]["tokens"] for line in lines if "train" in line) == usable
+    val = [line["val"] for line in lines if "val" in line]
+    assert len(val) == 1 and torch.isfinite(torch.tensor(val[0]["loss_epoch"]))
+
+    capsys.readouterr()
+    assert main([*argv, "--strict-data", "--no-resume-from-checkpoint"]) != 0
+    error = capsys.readouterr().err
+    assert poisoned[0].name in error and "NaN" in error
+
+
+def tiny_trainer(verifier: Path, training_data: Path, save: Path, rows: list, val_rows: list):
+    """A CPU `Trainer` of the tiny verifier's draft over ready-made rows."""
+    from torch.utils.data import DataLoader
+
+    from speculators_vllm016.cli.train import build_model, build_parser, prepare
+    from speculators_vllm016.train.trainer import Trainer, TrainerConfig
+    from tests.training_fixtures import train_args
+
+    args = build_parser().parse_args(train_args(verifier, training_data, save))
+    model = build_model(args, prepare(args))
+    config = TrainerConfig(
+        lr=1e-3, num_epochs=1, save_path=str(save), device="cpu", show_progress=False,
+        handle_sigterm=False, scheduler_type="none", val_call_kwargs={"ttt_steps": 3},
+    )
+    loader = lambda items: DataLoader(items, batch_size=None)  # noqa: E731 - rows as they are
+    return Trainer(model, config, loader(rows), loader(val_rows))
+
+
+def test_validation_weighs_a_row_of_unusable_samples_zero(tiny_llama, training_data, tmp_path):
+    files = sorted(training_data.glob("data_*.pt"))[:4]
+    dataset = Eagle3SampleFileDataset(128, file_list=[str(f) for f in files])
+    collate = create_collate_fn(128)
+    good = [collate([dataset[0], dataset[1]]), collate([dataset[2], dataset[3]])]
+    empty = collate([None])
+    clean = tiny_trainer(tiny_llama, training_data, tmp_path / "a", good, good).val_epoch(0)
+    mixed = tiny_trainer(tiny_llama, training_data, tmp_path / "b", good, [good[0], empty, good[1]])
+    assert mixed.val_epoch(0) == pytest.approx(clean, rel=1e-6)
+
+
+def test_skipped_samples_averaged_over_three_ranks_count_exactly(tiny_llama, training_data, tmp_path):
+    """5 skipped on 3 ranks: each rank's mean (float32) times 3 is 4.9999998, which is 5 skips."""
+    files = sorted(training_data.glob("data_*.pt"))[:1]
+    row = create_collate_fn(128)([Eagle3SampleFileDataset(128, file_list=[str(f) for f in files])[0]])
+    trainer = tiny_trainer(tiny_llama, training_data, tmp_path, [row], [])
+    mean = (torch.tensor([5.0]) / 3).tolist()[0]  # what the all-reduce and its average give
+    trainer.train_step = lambda batch: {"loss": 1.0, "tokens": 1.0, "lr": 0.0, "skipped_samples": mean * 3}
+    assert mean * 3 != 5
+    trainer.train_epoch(0)
+    assert trainer.state.skipped_samples == 5
