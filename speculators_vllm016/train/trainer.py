@@ -174,6 +174,7 @@ class Trainer:
         self._pending_rng: dict[str, Any] | None = None
         # Checkpoints of an earlier run a from-scratch run found: removed at its first save.
         self._earlier_run: list[CheckpointRef] = []
+        self._wrote_checkpoint = False
         if config.keep_mid_epoch_checkpoints < 0:
             raise ValueError(f"keep_mid_epoch_checkpoints must be >= 0, got {config.keep_mid_epoch_checkpoints}")
         self.setup_trainer()
@@ -289,12 +290,25 @@ class Trainer:
         """The run's progress (what `training_state.json` holds)."""
         return dataclasses.asdict(self.state)
 
-    def _start_metrics_file(self) -> None:
-        """A run from scratch starts its own metrics log; an earlier run's lines go to `.prev`."""
+    def _swap_metrics_files(self) -> bool:
+        """Swap `metrics.jsonl` and `metrics.jsonl.prev` (rank 0); False when there is none."""
         path = Path(self.config.save_path) / METRICS_FILE
-        if self.rank == 0 and path.is_file():
-            path.replace(path.with_name(f"{path.name}.prev"))
-            root_logger.info("%s of an earlier run moved to %s.prev", path, path.name)
+        if self.rank != 0 or not path.is_file():
+            return False
+        previous = path.with_name(f"{path.name}.prev")
+        temporary = path.with_name(f".{path.name}.swap")
+        path.replace(temporary)
+        if previous.is_file():
+            previous.replace(path)
+        temporary.replace(previous)
+        return True
+
+    def _start_metrics_file(self) -> bool:
+        """A run from scratch starts its own metrics log; an earlier run's lines go to `.prev`."""
+        moved = self._swap_metrics_files()
+        if moved:
+            root_logger.info("the earlier run's %s moved to %s.prev", METRICS_FILE, METRICS_FILE)
+        return moved
 
     def _log(self, metrics: dict[str, Any]) -> None:
         metric_logger.info(metrics, extra={"step": self.state.global_step})
@@ -560,6 +574,7 @@ class Trainer:
         root_logger.info("removed the %d checkpoints of the earlier run", len(earlier))
 
     def _save(self, name: str) -> Path:
+        self._wrote_checkpoint = True  # from here on the earlier run is gone
         if self._earlier_run:
             self._remove_earlier_run()
         path = self.checkpointer.save(
@@ -600,8 +615,9 @@ class Trainer:
     def run_training(self) -> TrainingState:
         """Train to the end (or `max_steps`); returns the final progress."""
         self._pending_rng = None
+        moved_metrics = False
         if self.resume_ref is None:
-            self._start_metrics_file()
+            moved_metrics = self._start_metrics_file()
         else:
             self._truncate_metrics_file()
             if not self.resume_ref.legacy:
@@ -640,6 +656,12 @@ class Trainer:
                 root_logger.info("checkpoint %s", path)
                 if self.config.max_steps is not None and self.state.global_step >= self.config.max_steps:
                     break
+        except BaseException:
+            if moved_metrics and not self._wrote_checkpoint:
+                # Stopped before its first checkpoint, this run leaves the earlier one as it
+                # was: its metrics come back (and this run's lines go to `.prev`).
+                self._swap_metrics_files()
+            raise
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)

@@ -91,6 +91,8 @@ def test_no_resume_stopped_before_its_first_checkpoint_leaves_the_earlier_run(
     assert main(train_args(tiny_llama, training_data, save, "--no-resume-from-checkpoint")) == 130
     assert checkpoint_names(save) == {"0", "1"}
     assert os.readlink(save / "best") == os.readlink(earlier_run / "best")
+    assert (save / "metrics.jsonl").read_text() == (earlier_run / "metrics.jsonl").read_text()
+    assert train_steps(save / "metrics.jsonl.prev") == [0], "the stopped run's line is lost"
 
 
 def test_resume_with_another_seed_warns_and_records_the_new_seed(
