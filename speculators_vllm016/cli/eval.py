@@ -70,6 +70,10 @@ def evaluate(
             import matplotlib  # noqa: F401
         except ImportError:
             _fail("--plot needs matplotlib: pip install matplotlib (or leave out --plot)")
+    for flag, path in (("--output-json", output_json), ("--plot", plot)):
+        # Checked before the evaluation (which can take long), not when writing after it.
+        if path is not None and path.is_dir():
+            _fail(f"{flag} {path} is a folder; give a file path")
     options = EvalOptions(
         drafts=list(draft),
         data_path=data_path,
@@ -88,8 +92,10 @@ def evaluate(
     )
     try:
         report = run_evaluation(options)
-    except (ValueError, FileNotFoundError, RuntimeError) as error:
-        _fail(str(error))
+    except (ValueError, OSError, RuntimeError) as error:
+        # OSError: transformers' answer to a tokenizer it cannot find (a folder without tokenizer
+        # files, a hub id with no network); FileNotFoundError is one too.
+        _fail(str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__)
     typer.echo(
         f"{report.num_prompts} prompts from {report.data_path}, verifier {report.verifier}, "
         f"engine {report.engine}, up to {report.max_new_tokens} new tokens"

@@ -6,6 +6,7 @@ or read from the target model's config, and both maps are written into the --out
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import NoReturn
 
@@ -39,7 +40,13 @@ def write_vocab_mappings(
         raise FileNotFoundError(
             f"no token frequency file at {token_freq_path}; datagen writes it (--token-freq-path)"
         )
-    counts = torch.load(token_freq_path, weights_only=True)
+    try:
+        counts = torch.load(token_freq_path, weights_only=True)
+    except Exception as error:  # noqa: BLE001 - pickle, zip and EOF errors alike: not our file
+        raise ValueError(
+            f"{token_freq_path} is not a readable token frequency file "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+        ) from error
     if not isinstance(counts, dict) or not counts:
         raise ValueError(f"{token_freq_path} is not a non-empty {{token_id: count}} mapping")
     return write_vocab_mappings_from_counts(counts, draft_vocab_size, target_vocab_size, output_path)
@@ -58,11 +65,19 @@ def write_vocab_mappings_from_counts(
         token_freq_dict=counts, draft_vocab_size=draft_vocab_size, target_vocab_size=target_vocab_size
     )
     folder = Path(output_path)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--output-path {folder} is a file; give a folder for d2t.npy and t2d.npy")
     folder.mkdir(parents=True, exist_ok=True)
     paths = folder / D2T_FILE, folder / T2D_FILE
-    for path, tensor in zip(paths, (d2t, t2d)):
+    # Both maps are written whole under temporary names first, then renamed: an old pair is
+    # replaced only once the whole new pair is on disk (between the two renames `train`'s check
+    # that the maps agree catches a mixed pair).
+    staged = [path.with_name(f".new-{path.name}") for path in paths]
+    for path, tensor in zip(staged, (d2t, t2d)):
         array = tensor.cpu().numpy()
         _atomic_write(path, lambda handle, array=array: np.save(handle, array), fsync=False)
+    for source, target in zip(staged, paths):
+        os.replace(source, target)
     return paths
 
 

@@ -33,23 +33,30 @@ def clip_and_step(
     return the norm before clipping (a full tensor also when the gradients are DTensors).
 
     The same update as `clip_grad_norm_(parameters, max_norm)` then `optimizer.step()`, up to
-    the rounding of a division instead of a multiplication when the clip is folded.
+    the rounding of a division instead of a multiplication when the clip is folded. A step whose
+    gradients hold a NaN or inf (the norm is not finite) changes nothing: neither the weights
+    nor the optimizer state, which one such step would otherwise turn into NaN for good. The
+    caller sees it in the returned norm.
     """
     parameters = [parameter for parameter in parameters if parameter.grad is not None]
     if not folds_clip_into_step(optimizer):
-        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-        optimizer.step()
-        return _full(norm)
+        norm = _full(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
+        if bool(torch.isfinite(norm)):  # a host read: only unfused optimizers (CPU runs) take it
+            optimizer.step()
+        return norm
     norm = _full(torch.nn.utils.get_total_norm([parameter.grad for parameter in parameters]))
     # The fused kernel reads grad / grad_scale: at most `max_norm` in total, never scaled up.
     scale = torch.clamp((norm.float() + _NORM_EPS) / max_norm, min=1.0)
     optimizer.grad_scale = scale  # type: ignore[attr-defined]
-    optimizer.found_inf = None  # type: ignore[attr-defined]
+    # ... and skips the whole update, step counts included, where found_inf is 1 (GradScaler's
+    # hook): no host read.
+    optimizer.found_inf = (~torch.isfinite(norm)).float()  # type: ignore[attr-defined]
     try:
         optimizer.step()
     finally:
-        # A later plain `step()` must not divide by a stale scale.
+        # A later plain `step()` must not divide by a stale scale or skip on a stale flag.
         optimizer.grad_scale = None  # type: ignore[attr-defined]
+        optimizer.found_inf = None  # type: ignore[attr-defined]
     return norm
 
 

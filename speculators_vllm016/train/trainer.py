@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import signal
 import time
 from collections.abc import Iterator
@@ -437,6 +438,11 @@ class Trainer:
         reduced["tokens"] *= self.world_size
         reduced["skipped_samples"] *= self.world_size
         reduced["lr"] = lr
+        if not math.isfinite(reduced["grad_norm"]):
+            root_logger.warning(
+                "step %d: NaN or inf in the loss or its gradients; this update was skipped "
+                "(weights and optimizer state unchanged)", self.state.global_step,
+            )
         return reduced
 
     def _stop_flag(self) -> bool:

@@ -110,3 +110,18 @@ def test_eval_reads_the_trainers_checkpoints_and_tau_sim(workspace, tiny_llama, 
 
     best = find_training_estimate(save / "best")  # the trainer's link to the best epoch
     assert best is not None and best.epoch == int(os.readlink(save / "best"))
+
+
+def test_bad_output_paths_and_an_unreachable_verifier_get_one_line_errors(
+    workspace, tmp_path, monkeypatch
+):
+    base = ["eval", "--draft", str(workspace / "ckpt" / "0"), "--data-path",
+            str(workspace / "chat.jsonl")]
+    result = CliRunner().invoke(app, [*base, "--output-json", str(tmp_path)])
+    assert result.exit_code == 2 and "--output-json" in result.output and "is a folder" in result.output
+    # A hub id that cannot be fetched: transformers raises OSError.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = CliRunner().invoke(app, [*base, "--verifier", "no-such-org/no-such-model",
+                                      "--engine", "hf"])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: ") and len(result.output.strip().splitlines()) == 1

@@ -55,3 +55,30 @@ def test_bad_inputs_get_one_line_errors(tmp_path, token_freq):
                      "--target-vocab-size", 512, "--output-path", tmp_path / "o")
     assert too_big.exit_code == 2 and "exceeds target_vocab_size" in too_big.output
     assert not (tmp_path / "o" / "d2t.npy").exists()
+
+
+def test_unreadable_inputs_and_outputs_get_one_line_errors(tmp_path):
+    corrupt = tmp_path / "token_freq.pt"
+    corrupt.write_bytes(b"not a torch file")
+    result = invoke("--token-freq-path", corrupt, "--draft-vocab-size", 8, "--target-vocab-size", 512,
+                    "--output-path", tmp_path / "o")
+    assert result.exit_code == 2 and "is not a readable token frequency file" in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    torch.save(COUNTS, corrupt)
+    a_file = tmp_path / "maps"
+    a_file.write_text("")
+    result = invoke("--token-freq-path", corrupt, "--draft-vocab-size", 8, "--target-vocab-size", 512,
+                    "--output-path", a_file)
+    assert result.exit_code == 2 and "is a file; give a folder" in result.output
+
+
+def test_a_rebuild_replaces_the_pair_and_leaves_no_staged_files(tmp_path, token_freq):
+    out = tmp_path / "vocab"
+    for size in (64, 32):
+        result = invoke("--token-freq-path", token_freq, "--draft-vocab-size", size,
+                        "--target-vocab-size", 512, "--output-path", out)
+        assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.iterdir()) == ["d2t.npy", "t2d.npy"]
+    d2t, t2d = build_vocab_mappings_from_distribution(COUNTS, 32, 512)
+    assert np.array_equal(np.load(out / "d2t.npy"), d2t.numpy())
+    assert np.array_equal(np.load(out / "t2d.npy"), t2d.numpy())

@@ -51,3 +51,29 @@ def test_unfused_optimizers_get_the_plain_clip():
     assert torch.equal(norm, expected)
     for left, right in zip(mine, reference, strict=True):
         assert torch.equal(left, right)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_step_with_non_finite_gradients_changes_nothing(fused, bad):
+    params = _params()
+    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=fused or None,
+                                  foreach=None if fused else True)
+    _set_grads(params, 1.0, seed=0)
+    clip_and_step(optimizer, params, max_norm=1.0)  # one good step: there is state to protect
+    before = [p.detach().clone() for p in params]
+    state = {k: v.clone() for k, v in optimizer.state[params[0]].items()}
+    _set_grads(params, 1.0, seed=1)
+    params[1].grad[3] = bad
+    norm = clip_and_step(optimizer, params, max_norm=1.0)
+    assert not torch.isfinite(norm)
+    assert getattr(optimizer, "found_inf", None) is None  # a later plain step() must not skip
+    for parameter, old in zip(params, before, strict=True):
+        assert torch.equal(parameter.detach(), old)
+    for key, value in optimizer.state[params[0]].items():
+        assert torch.equal(value, state[key]), key
+    # The next good step goes through, as the second step of the run.
+    _set_grads(params, 1.0, seed=2)
+    clip_and_step(optimizer, params, max_norm=1.0)
+    assert float(optimizer.state[params[0]]["step"]) == 2.0
+    assert all(not torch.equal(p.detach(), old) for p, old in zip(params, before, strict=True))
