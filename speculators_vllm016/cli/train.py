@@ -75,7 +75,8 @@ def build_parser(prog: str = "speculators train") -> argparse.ArgumentParser:
     optim.add_argument("--weight-decay", type=float, default=0.01)
     optim.add_argument("--max-grad-norm", type=float, default=1.0)
     optim.add_argument("--scheduler-type", choices=["linear", "cosine", "none"], default="linear")
-    optim.add_argument("--scheduler-warmup-steps", type=int, default=None, help="default: 1%% of all steps")
+    optim.add_argument("--scheduler-warmup-steps", type=int, default=None,
+                       help="default: 1%% of the steps trained (epochs x steps per epoch, capped at --max-steps)")
     optim.add_argument("--scheduler-total-steps", type=int, default=None, help="default: all steps")
     optim.add_argument("--scheduler-num-cosine-cycles", type=float, default=0.5)
     optim.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
@@ -99,7 +100,10 @@ def build_parser(prog: str = "speculators train") -> argparse.ArgumentParser:
     runtime.add_argument("--prefetch-factor", type=int, default=4)
     runtime.add_argument("--checkpoint-freq", type=float, default=None,
                          help="also checkpoint every this fraction of an epoch (0.25: 4 per epoch)")
-    runtime.add_argument("--keep-mid-epoch-checkpoints", type=int, default=1)
+    runtime.add_argument("--keep-mid-epoch-checkpoints", type=int, default=1,
+                         help="mid-epoch checkpoints (--checkpoint-freq, SIGTERM, --max-steps) kept "
+                              "after the newest epoch checkpoint; the one just written is always "
+                              "kept, so 0 behaves like 1")
     runtime.add_argument("--checkpoint-dtype", choices=sorted(DTYPES), default="bf16",
                          help="dtype of the served model.safetensors")
 
@@ -466,6 +470,17 @@ def prepare(args: argparse.Namespace) -> TrainSetup:
     for name in ("epochs", "total_seq_len", "ttt_steps", "num_layers", "prefetch_factor"):
         if getattr(args, name) < 1:
             raise TrainSetupError(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("num_workers", "scheduler_warmup_steps", "keep_mid_epoch_checkpoints"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            raise TrainSetupError(f"--{name.replace('_', '-')} must be 0 or more")
+    for name in ("max_steps", "scheduler_total_steps"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise TrainSetupError(f"--{name.replace('_', '-')} must be at least 1 (leave it out for all steps)")
+    if not 0 < args.train_ratio <= 1:
+        raise TrainSetupError(
+            f"--train-ratio {args.train_ratio} must be in (0, 1]: the share of sample files that "
+            "trains (1 trains on all, with no validation)"
+        )
     if args.lr <= 0:
         raise TrainSetupError("--lr must be positive")
     if args.checkpoint_freq is not None and not 0 < args.checkpoint_freq <= 1:

@@ -442,6 +442,16 @@ class BaseCheckpointer:
         os.symlink(name, temporary)
         os.replace(temporary, link)
 
+    def remove(self, names: list[str]) -> None:
+        """Delete checkpoints `names` in that order, and the `best` link if it names one (rank 0)."""
+        if self._rank() == 0:
+            best = self.path / BEST_LINK
+            if best.is_symlink() and os.readlink(best) in set(names):
+                best.unlink()
+            for name in names:
+                shutil.rmtree(self.path / name, ignore_errors=True)
+        self.refresh()
+
     def prune(self, keep: set[str]) -> None:
         """Delete mid-epoch checkpoints not in `keep` (epoch folders are always kept)."""
         if self._rank() != 0:

@@ -68,7 +68,8 @@ class TrainerConfig:
     is_distributed, local_rank: set by `maybe_setup_distributed()` under torchrun.
     train_call_kwargs / val_call_kwargs: extra keyword arguments of the model call
         (`ttt_steps`, `ttt_step_loss_decay`, `use_off_policy_tokens`).
-    scheduler_*: linear or cosine decay with warm-up (default: 1% of the steps), or none.
+    scheduler_*: linear or cosine decay with warm-up, or none. The default warm-up is 1% of the
+        run's steps (epochs x steps per epoch, capped at `max_steps`: 0.3.0's value without it).
     weight_decay, max_grad_norm: AdamW's decay and the gradient clipping norm.
     seed: seeds the sampler's shuffles and the noise (set on the loaders by the caller).
     precision: "fp32", or "bf16" (bf16 autocast over fp32 master weights); "auto" is bf16 on
@@ -79,7 +80,9 @@ class TrainerConfig:
     max_steps: stop (with a checkpoint) after this many optimizer steps in all.
     checkpoint_dtype: dtype of the served `model.safetensors` (fp32 masters are kept beside it).
     optimizer_state_dtype: None keeps the optimizer state as it is (fp32); bf16 is 0.3.0's D2.
-    keep_mid_epoch_checkpoints: how many mid-epoch checkpoints to keep (epoch ones stay).
+    keep_mid_epoch_checkpoints: how many mid-epoch checkpoints after the newest epoch one to keep
+        (older ones are deleted; epoch ones stay). The checkpoint just written is never deleted,
+        so 0 keeps just that one, like 1.
     """
 
     lr: float
@@ -115,6 +118,11 @@ class TrainerConfig:
 
 class TrainingInterrupted(RuntimeError):
     """Training stopped on SIGTERM after writing a checkpoint; run the same command to resume."""
+
+
+def default_warmup_steps(run_steps: int) -> int:
+    """1% of the steps this run trains (0.3.0's default, which ignored a step cap)."""
+    return run_steps // 100
 
 
 def tau_sim(metrics: dict[str, float]) -> float | None:
@@ -165,6 +173,11 @@ class Trainer:
         self.resume_ref: CheckpointRef | None = None
         self._stop_requested = False
         self._pending_rng: dict[str, Any] | None = None
+        # Checkpoints of an earlier run a from-scratch run found: removed at its first save.
+        self._earlier_run: list[CheckpointRef] = []
+        self._wrote_checkpoint = False
+        if config.keep_mid_epoch_checkpoints < 0:
+            raise ValueError(f"keep_mid_epoch_checkpoints must be >= 0, got {config.keep_mid_epoch_checkpoints}")
         self.setup_trainer()
         self.setup_model()
         self.setup_optimizer()
@@ -179,9 +192,12 @@ class Trainer:
             root_logger.info("no checkpoint in %s: starting from scratch", self.config.save_path)
             return
         if not self.resume_from_checkpoint:
+            self._earlier_run = list(self.checkpointer.checkpoints)
             root_logger.warning(
-                "resume is off: training from scratch; checkpoints in %s will be overwritten",
-                self.config.save_path,
+                "resume is off: training from scratch; the %d checkpoints of the earlier run in %s "
+                "are deleted when this run writes its first checkpoint (%s moves to %s.prev "
+                "when training starts)", len(self._earlier_run), self.config.save_path,
+                METRICS_FILE, METRICS_FILE,
             )
             return
         self.resume_ref = latest
@@ -195,6 +211,13 @@ class Trainer:
                 "of the run differ from an uninterrupted one", self.state.world_size, self.world_size,
             )
             self.state.world_size = self.world_size
+        if not latest.legacy and self.state.seed != self.config.seed:
+            root_logger.warning(
+                "checkpoint written with --seed %d, resuming with --seed %d: the batches and noise "
+                "of the rest of the run differ from an uninterrupted one",
+                self.state.seed, self.config.seed,
+            )
+        self.state.seed = self.config.seed  # the seed the rest of the run uses
         epoch, step = self.state.resume_position()
         root_logger.info("resuming from %s at epoch %d, step %d", latest.path, epoch, step)
 
@@ -248,7 +271,7 @@ class Trainer:
         total = self.config.scheduler_total_steps or self._total_steps()
         warmup = self.config.scheduler_warmup_steps
         if warmup is None:
-            warmup = (self.config.num_epochs * len(self.train_loader)) // 100
+            warmup = default_warmup_steps(self._total_steps())
         if self.config.scheduler_type == "linear":
             return get_linear_schedule_with_warmup(self.opt, warmup, total)
         if self.config.scheduler_type == "cosine":
@@ -267,6 +290,26 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """The run's progress (what `training_state.json` holds)."""
         return dataclasses.asdict(self.state)
+
+    def _swap_metrics_files(self) -> bool:
+        """Swap `metrics.jsonl` and `metrics.jsonl.prev` (rank 0); False when there is none."""
+        path = Path(self.config.save_path) / METRICS_FILE
+        if self.rank != 0 or not path.is_file():
+            return False
+        previous = path.with_name(f"{path.name}.prev")
+        temporary = path.with_name(f".{path.name}.swap")
+        path.replace(temporary)
+        if previous.is_file():
+            previous.replace(path)
+        temporary.replace(previous)
+        return True
+
+    def _start_metrics_file(self) -> bool:
+        """A run from scratch starts its own metrics log; an earlier run's lines go to `.prev`."""
+        moved = self._swap_metrics_files()
+        if moved:
+            root_logger.info("the earlier run's %s moved to %s.prev", METRICS_FILE, METRICS_FILE)
+        return moved
 
     def _log(self, metrics: dict[str, Any]) -> None:
         metric_logger.info(metrics, extra={"step": self.state.global_step})
@@ -529,19 +572,34 @@ class Trainer:
         return means
 
     # -- checkpoints ---------------------------------------------------------------------------
+    def _remove_earlier_run(self) -> None:
+        """Delete the checkpoints (and `best` link) of the run this from-scratch run replaces.
+
+        Done right before this run's first checkpoint is written: a run stopped before that
+        leaves the earlier one intact, and after it resume and pruning see only this run. Newest
+        first, so an interrupted removal leaves a (shorter) earlier run, never a mix.
+        """
+        earlier, self._earlier_run = self._earlier_run, []
+        self.checkpointer.remove([ref.name for ref in reversed(earlier)])
+        root_logger.info("removed the %d checkpoints of the earlier run", len(earlier))
+
     def _save(self, name: str) -> Path:
+        self._wrote_checkpoint = True  # from here on the earlier run is gone
+        if self._earlier_run:
+            self._remove_earlier_run()
         path = self.checkpointer.save(
             name, self.wrapped, self.opt, self.scheduler, self.state,
             float_dtype=self.config.checkpoint_dtype,
             optimizer_dtype=self.config.optimizer_state_dtype,
         )
-        self._prune()
+        self._prune(path.name)
         return path
 
     def _save_mid_epoch(self) -> Path:
         return self._save(f"{self.state.epoch}-step{self.state.global_step}")
 
-    def _prune(self) -> None:
+    def _prune(self, just_saved: str) -> None:
+        """Keep the newest `keep_mid_epoch_checkpoints` mid-epoch checkpoints, and `just_saved`."""
         refs = self.checkpointer.checkpoints
         newest_epoch = max(
             (ref.sort_key() for ref in refs if ref.state.epoch_complete), default=(-1, 0)
@@ -549,8 +607,9 @@ class Trainer:
         recent = [
             ref.name for ref in refs if not ref.state.epoch_complete and ref.sort_key() > newest_epoch
         ]
-        keep = set(recent[-self.config.keep_mid_epoch_checkpoints :]) if self.config.keep_mid_epoch_checkpoints else set()
-        self.checkpointer.prune(keep)
+        count = self.config.keep_mid_epoch_checkpoints
+        keep = set(recent[-count:]) if count > 0 else set()
+        self.checkpointer.prune(keep | {just_saved})
 
     def save_checkpoint(self, epoch: int) -> Path:
         """The end-of-epoch checkpoint `<save>/<epoch>` (0.3.0's name)."""
@@ -566,7 +625,10 @@ class Trainer:
     def run_training(self) -> TrainingState:
         """Train to the end (or `max_steps`); returns the final progress."""
         self._pending_rng = None
-        if self.resume_ref is not None:
+        moved_metrics = False
+        if self.resume_ref is None:
+            moved_metrics = self._start_metrics_file()
+        else:
             self._truncate_metrics_file()
             if not self.resume_ref.legacy:
                 self._pending_rng = self.checkpointer.load_rng_state(self.resume_ref.path)
@@ -604,6 +666,12 @@ class Trainer:
                 root_logger.info("checkpoint %s", path)
                 if self.config.max_steps is not None and self.state.global_step >= self.config.max_steps:
                     break
+        except BaseException:
+            if moved_metrics and not self._wrote_checkpoint:
+                # Stopped before its first checkpoint, this run leaves the earlier one as it
+                # was: its metrics come back (and this run's lines go to `.prev`).
+                self._swap_metrics_files()
+            raise
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)

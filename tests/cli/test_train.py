@@ -114,3 +114,22 @@ def test_vocab_maps_from_token_counts(tiny_llama, training_data, tmp_path):
     counts = torch.load(training_data / "token_freq.pt", weights_only=True)
     most = sorted(counts, key=lambda token: (-counts[token], token))[:48]
     assert sorted(np.flatnonzero(t2d).tolist()) == sorted(most)
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--train-ratio", "0"), ("--train-ratio", "1.5"), ("--num-workers", "-1"), ("--max-steps", "0"),
+    ("--scheduler-warmup-steps", "-1"), ("--scheduler-total-steps", "0"),
+    ("--keep-mid-epoch-checkpoints", "-1"),
+])
+def test_bad_numbers_are_refused_before_anything_is_written(
+    tiny_llama, training_data, tmp_path, capsys, flag, value
+):
+    save = tmp_path / "save"
+    argv = train_args(tiny_llama, training_data, save)
+    if flag in argv:
+        argv[argv.index(flag) + 1] = value
+    else:
+        argv += [flag, value]
+    message = run_error(argv, capsys)
+    assert flag in message
+    assert not save.exists() and not (tmp_path / "logs").exists(), "a refused run wrote files"

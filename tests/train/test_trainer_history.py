@@ -1,0 +1,120 @@
+"""Which checkpoints a run leaves behind and whose run they are: pruning, --no-resume over an
+earlier run, resuming with another seed, and the warm-up of a run capped by --max-steps.
+
+In-process runs of the tiny draft (a few steps each) through `speculators train`'s `main`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from speculators_vllm016.cli.train import main
+from speculators_vllm016.train.trainer import Trainer
+from tests.training_fixtures import train_args
+
+
+def checkpoint_names(save: Path) -> set[str]:
+    return {p.name for p in save.iterdir() if p.is_dir() and not p.is_symlink() and p.name[0].isdigit()}
+
+
+def train_steps(path: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if '"train"' in line]
+
+
+def lrs(save: Path) -> list[float]:
+    return [json.loads(line)["lr"] for line in (save / "metrics.jsonl").read_text().splitlines()
+            if '"train"' in line]
+
+
+@pytest.fixture(scope="module")
+def earlier_run(tiny_llama, training_data, tmp_path_factory) -> Path:
+    """A finished two-epoch run: folders 0 and 1, `best`, metrics.jsonl."""
+    save = tmp_path_factory.mktemp("earlier") / "ckpt"
+    assert main(train_args(tiny_llama, training_data, save)) == 0
+    assert checkpoint_names(save) == {"0", "1"} and (save / "best").is_symlink()
+    return save
+
+
+def test_keep_zero_keeps_the_checkpoint_just_written(tiny_llama, training_data, tmp_path, capsys):
+    save = tmp_path / "ckpt"
+    extra = ("--keep-mid-epoch-checkpoints", "0", "--checkpoint-freq", "0.5")
+    assert main(train_args(tiny_llama, training_data, save, *extra, "--max-steps", "3")) == 0
+    # The half-epoch checkpoint gave way to the --max-steps one, which stays.
+    assert checkpoint_names(save) == {"0-step3"}
+    capsys.readouterr()
+    assert main(train_args(tiny_llama, training_data, save, *extra, "--max-steps", "4")) == 0
+    assert "resuming from" in capsys.readouterr().err
+    assert checkpoint_names(save) == {"0-step4"}
+    assert train_steps(save / "metrics.jsonl") == [0, 1, 2, 3]
+
+
+def test_no_resume_replaces_the_earlier_run_at_its_first_checkpoint(
+    tiny_llama, training_data, tmp_path, earlier_run, capsys
+):
+    save = tmp_path / "ckpt"
+    shutil.copytree(earlier_run, save, symlinks=True)
+    earlier_metrics = (save / "metrics.jsonl").read_text()
+    assert main(train_args(tiny_llama, training_data, save, "--no-resume-from-checkpoint",
+                           "--max-steps", "3")) == 0
+    assert "deleted when this run writes its first checkpoint" in capsys.readouterr().err
+    assert checkpoint_names(save) == {"0-step3"}, "the earlier run's checkpoints survived or pruned ours"
+    assert not (save / "best").is_symlink(), "best still names the earlier run's checkpoint"
+    assert train_steps(save / "metrics.jsonl") == [0, 1, 2]
+    assert (save / "metrics.jsonl.prev").read_text() == earlier_metrics
+    # A plain rerun continues this run, not the earlier one.
+    assert main(train_args(tiny_llama, training_data, save, "--max-steps", "4")) == 0
+    assert f"resuming from {save / '0-step3'}" in capsys.readouterr().err
+    assert checkpoint_names(save) == {"0-step4"}
+    assert train_steps(save / "metrics.jsonl") == [0, 1, 2, 3]
+
+
+def test_no_resume_stopped_before_its_first_checkpoint_leaves_the_earlier_run(
+    tiny_llama, training_data, tmp_path, earlier_run, monkeypatch
+):
+    save = tmp_path / "ckpt"
+    shutil.copytree(earlier_run, save, symlinks=True)
+    step = Trainer.train_step
+    calls = []
+
+    def interrupted_step(self, batch):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # Ctrl-C in the second step, before any checkpoint
+        return step(self, batch)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted_step)
+    assert main(train_args(tiny_llama, training_data, save, "--no-resume-from-checkpoint")) == 130
+    assert checkpoint_names(save) == {"0", "1"}
+    assert os.readlink(save / "best") == os.readlink(earlier_run / "best")
+    assert (save / "metrics.jsonl").read_text() == (earlier_run / "metrics.jsonl").read_text()
+    assert train_steps(save / "metrics.jsonl.prev") == [0], "the stopped run's line is lost"
+
+
+def test_resume_with_another_seed_warns_and_records_the_new_seed(
+    tiny_llama, training_data, tmp_path, capsys
+):
+    save = tmp_path / "ckpt"
+    assert main(train_args(tiny_llama, training_data, save, "--max-steps", "2")) == 0
+    capsys.readouterr()
+    assert main(train_args(tiny_llama, training_data, save, "--max-steps", "3", "--seed", "7")) == 0
+    err = capsys.readouterr().err
+    assert "--seed 0, resuming with --seed 7" in err and "differ" in err
+    state = json.loads((save / "0-step3" / "training_state.json").read_text())
+    assert state["seed"] == 7
+    assert main(train_args(tiny_llama, training_data, save, "--max-steps", "4", "--seed", "7")) == 0
+    assert "resuming with --seed" not in capsys.readouterr().err
+
+
+def test_default_warmup_is_one_percent_of_the_capped_run(tiny_llama, training_data, tmp_path):
+    # 100 epochs would warm up for a whole epoch's steps; capped at 3 steps the warm-up is 0
+    # steps and the learning rate decays from the first step on.
+    save = tmp_path / "ckpt"
+    assert main(train_args(tiny_llama, training_data, save, "--epochs", "100", "--max-steps", "3")) == 0
+    rates = lrs(save)
+    assert len(rates) == 3 and rates[0] == pytest.approx(1e-3)
+    assert rates[0] > rates[1] > rates[2]
