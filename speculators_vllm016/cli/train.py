@@ -593,6 +593,7 @@ def run(args: argparse.Namespace) -> int:
             logger.info("vocabulary maps built from %s -> %s/{d2t,t2d}.npy", vocab.built_from, save_path)
         setup_metric_logger(args.logger, args.run_name, args.log_dir, jsonl_path=save_path / "metrics.jsonl")
         model = build_model(args, setup)
+        hidden_size = int(setup.text_config.hidden_size)
 
         workers = args.num_workers if args.num_workers is not None else min(12, os.cpu_count() or 1)
         device = training_device(local_rank, args.device)
@@ -628,6 +629,8 @@ def run(args: argparse.Namespace) -> int:
                 standardize_fn=standardize, seed=args.seed, strict=args.strict_data,
                 legacy_loss_mask_shift=args.legacy_loss_mask_shift, lengths=lengths,
                 output_dtype=torch.bfloat16 if bf16 else None,
+                # The verifier's widths are the yardstick: not whichever file comes first.
+                widths=(3 * hidden_size, hidden_size),
             )
             sampler = MultipackDistributedBatchSamplerV2(
                 args.total_seq_len, dataset.lengths, world_size, rank, seed=args.seed

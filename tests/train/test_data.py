@@ -375,3 +375,30 @@ def test_skipped_samples_averaged_over_three_ranks_count_exactly(tiny_llama, tra
     assert mean * 3 != 5
     trainer.train_epoch(0)
     assert trainer.state.skipped_samples == 5
+
+
+def test_train_measures_widths_against_the_verifier_not_the_first_file_of_a_split(
+    tiny_llama, training_data, tmp_path, capsys
+):
+    """The validation split's lowest-index file is the odd one: it alone is skipped, not the
+    good files measured against it."""
+    import json
+    import shutil
+
+    from speculators_vllm016.cli.train import main
+    from tests.training_fixtures import train_args
+
+    data = tmp_path / "data"
+    shutil.copytree(training_data, data)
+    for name in ("d2t.npy", "t2d.npy"):
+        shutil.copy(training_data.parent / name, tmp_path / name)
+    _, val = split_files(str(data), 0.9, 0)
+    odd = min(val, key=lambda path: int(path.stem.split("_")[-1]))
+    sample = torch.load(odd, weights_only=True)
+    sample["hidden_states"] = [layer[:, :128] for layer in sample["hidden_states"]]
+    torch.save(sample, odd)
+    save = tmp_path / "ckpt"
+    assert main(train_args(tiny_llama, data, save, "--epochs", "1")) == 0
+    skipped = [line for line in capsys.readouterr().err.splitlines() if "skipping sample" in line]
+    assert len(skipped) == 1 and odd.name in skipped[0], skipped
+    assert json.loads((save / "0" / "training_state.json").read_text())["skipped_samples"] == 0
