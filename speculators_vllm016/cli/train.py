@@ -85,9 +85,10 @@ def build_parser(prog: str = "speculators train") -> argparse.ArgumentParser:
                        help="noise on the fused input states")
     optim.add_argument("--noise-std", type=float, default=0.05,
                        help="noise scale (half-width for uniform noise, as 0.3.0)")
-    optim.add_argument("--teacher-forcing", action="store_true",
-                       help="feed the true next tokens to later TTT steps instead of the draft's own "
-                            "(0.3.0's default is the draft's own)")
+    optim.add_argument("--teacher-forcing", action=argparse.BooleanOptionalAction, default=True,
+                       help="later TTT steps read the true next tokens (D7, as upstream later "
+                            "fixed it); --no-teacher-forcing feeds the draft's own predictions, "
+                            "as 0.3.0 did")
 
     runtime = parser.add_argument_group("runtime")
     runtime.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",

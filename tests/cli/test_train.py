@@ -26,9 +26,12 @@ def test_030_flags_parse_with_030_defaults():
         "norm_before_residual": True, "prefetch_factor": 4, "noise_type": "uniform",
         "noise_std": 0.05, "train_ratio": 0.9, "split_seed": 0, "scheduler_type": "linear",
         "scheduler_warmup_steps": None, "max_grad_norm": 1.0, "weight_decay": 0.01,
-        "teacher_forcing": False,
     }
     assert {name: getattr(args, name) for name in expected} == expected
+    # D7 fixed by default (true next tokens); 0.3.0's draft-fed steps stay one flag away.
+    assert args.teacher_forcing is True
+    legacy = build_parser().parse_args(["--verifier-name-or-path", "m", "--no-teacher-forcing"])
+    assert legacy.teacher_forcing is False
     flags = build_parser().parse_args([
         "--verifier-name-or-path", "m", "--no-resume-from-checkpoint", "--data-format-version", "0",
         "--ttt-steps", "5", "--ttt-step-loss-decay", "0.8", "--num-layers", "2",
