@@ -37,7 +37,10 @@ from speculators_vllm016.train.data import (
     PackedBatch,
 )
 
-__all__ = ["ExtractionFailed", "OnlineExtractor", "OnlineLoader", "OnlineStats", "SampleExchange"]
+__all__ = [
+    "CacheWriteFailed", "ExtractionFailed", "OnlineExtractor", "OnlineLoader", "OnlineStats",
+    "SampleExchange",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +49,18 @@ _END = object()
 
 class ExtractionFailed(DataSourceError):
     """The target model's engine failed while producing samples."""
+
+
+class CacheWriteFailed(DataSourceError):
+    """Writing a sample into the --cache-dir folder failed (disk full, unwritable, ...)."""
+
+    @classmethod
+    def of(cls, folder: Path, error: BaseException) -> CacheWriteFailed:
+        text = str(error).strip().splitlines()
+        return cls(
+            f"writing the --cache-dir folder {folder} failed ({type(error).__name__}: "
+            f"{text[0] if text else ''}); free space there or give another --cache-dir"
+        )
 
 
 @dataclass
@@ -301,23 +316,32 @@ class _Cache:
         )
         from speculators_vllm016.data_generation.resume import record_identity
 
-        if self._must_record:
-            record_identity(self.folder, self.identity)
-            self._must_record = False
-        config = _data_config(generator, self.options, self._num_samples)
-        if config is not None:
-            _write_json_atomic(self.folder / CONFIG_FILE, config)
+        try:
+            if self._must_record:
+                record_identity(self.folder, self.identity)
+                self._must_record = False
+            config = _data_config(generator, self.options, self._num_samples)
+            if config is not None:
+                _write_json_atomic(self.folder / CONFIG_FILE, config)
+        except OSError as error:
+            raise CacheWriteFailed.of(self.folder, error) from error
 
     def write(self, index: int, sample: dict) -> None:
         from speculators_vllm016.data_generation.sample_io import sample_path
 
-        self._writers.submit(sample_path(self.folder, index, self.options.output_format), sample, index)
+        try:
+            self._writers.submit(sample_path(self.folder, index, self.options.output_format), sample, index)
+        except Exception as error:  # an earlier write of the pool failed
+            raise CacheWriteFailed.of(self.folder, error) from error
 
     def complete(self) -> set[int]:
         """Indices whose files are whole and listed in the manifest (pending writes finished)."""
         from speculators_vllm016.data_generation.manifest import read_manifest
 
-        self._writers.drain()
+        try:
+            self._writers.drain()
+        except Exception as error:
+            raise CacheWriteFailed.of(self.folder, error) from error
         found = set()
         for name, record in read_manifest(self.folder).items():
             path = self.folder / name
@@ -328,6 +352,8 @@ class _Cache:
     def close(self) -> None:
         try:
             self._writers.finish()
+        except Exception as error:
+            raise CacheWriteFailed.of(self.folder, error) from error
         finally:
             self._manifest.close()
             self._slot.close()
@@ -378,6 +404,13 @@ def _rank_plans(batch_sampler: Any, world_size: int) -> list[list[list[int]]]:
         other.rank, other._plan = rank, None
         plans.append([list(step) for step in other])
     return plans
+
+
+def _as_source_error(error: BaseException, extractor: OnlineExtractor) -> DataSourceError:
+    """The producer's failure as the trainer reports it: a cache write failure says so."""
+    if isinstance(error, DataSourceError):
+        return error
+    return ExtractionFailed(_failure_message(error, getattr(extractor.generator, "worker_died", False)))
 
 
 def _failure_message(error: BaseException, died: bool) -> str:
@@ -438,8 +471,7 @@ class OnlineLoader:
                 got = producer.rows.get()
                 stats.trainer_wait += time.perf_counter() - started
                 if isinstance(got, _Failure):
-                    died = getattr(self.extractor.generator, "worker_died", False)
-                    raise ExtractionFailed(_failure_message(got.error, died)) from got.error
+                    raise _as_source_error(got.error, self.extractor) from got.error
                 if got is _END:
                     raise ExtractionFailed("the extraction ended before the epoch's last step")
                 samples = [self.dataset.item(item, got.get(item)) for item in step]
@@ -460,7 +492,15 @@ class OnlineLoader:
         """Every rank: its own steps; rank 0 also runs the engine and scatters the samples."""
         plans = _rank_plans(self.batch_sampler, exchange.world_size)
         steps = plans[exchange.rank]
-        cached = exchange.broadcast(self.extractor.cached() if exchange.rank == 0 else None)
+        cached: Any = None
+        if exchange.rank == 0:
+            try:
+                cached = self.extractor.cached()
+            except DataSourceError as error:  # every rank stops, not only rank 0
+                cached = _Failure(error)
+        cached = exchange.broadcast(cached)
+        if isinstance(cached, _Failure):
+            raise type(cached.error)(str(cached.error))
         union = [
             list(dict.fromkeys(item for plan in plans for item in plan[s]))
             for s in range(len(steps))
@@ -482,19 +522,19 @@ class OnlineLoader:
                     got = producer.rows.get()
                     stats.trainer_wait += time.perf_counter() - started
                     if isinstance(got, _Failure) or got is _END:
-                        message = (
-                            _failure_message(got.error, getattr(self.extractor.generator, "worker_died", False))
+                        error = (
+                            _as_source_error(got.error, self.extractor)
                             if isinstance(got, _Failure)
-                            else "the extraction ended before the epoch's last step"
+                            else ExtractionFailed("the extraction ended before the epoch's last step")
                         )
-                        parts = [_Failure(ExtractionFailed(message))] * exchange.world_size
+                        parts = [_Failure(error)] * exchange.world_size
                     else:
                         parts = [
                             {item: got[item] for item in plan[s] if item in got} for plan in plans
                         ]
                 mine = exchange.scatter(parts)
                 if isinstance(mine, _Failure):
-                    raise ExtractionFailed(str(mine.error))
+                    raise type(mine.error)(str(mine.error))
                 yield self.collate_fn([self.dataset.item(item, mine.get(item)) for item in step])
         finally:
             if producer is not None:
