@@ -586,15 +586,18 @@ def run(args: argparse.Namespace) -> int:
         if online is not None:
             from speculators_vllm016.train.online import OnlineExtractor, OnlineLoader
 
-            from speculators_vllm016.train.online import SampleExchange
+            from speculators_vllm016.train.online import CacheFolderError, SampleExchange
 
             exchange = SampleExchange() if distributed else None  # rank 0 extracts for all
-            extractor = OnlineExtractor(
-                online.options, online.facts, online.dataset,
-                Path(args.cache_dir) if args.cache_dir else None,
-                engine_devices=online.devices.engine_visible if online.devices else None,
-                writes_cache=rank == 0,
-            )
+            try:
+                extractor = OnlineExtractor(
+                    online.options, online.facts, online.dataset,
+                    Path(args.cache_dir) if args.cache_dir else None,
+                    engine_devices=online.devices.engine_visible if online.devices else None,
+                    writes_cache=rank == 0,
+                )
+            except CacheFolderError as error:
+                raise TrainSetupError(str(error)) from None
             closers.append(extractor.close)
             train_items, val_items = split_items(extractor.indices, args.train_ratio, args.split_seed)
             train_files = [extractor.sample_path(index) for index in train_items]

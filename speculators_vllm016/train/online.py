@@ -38,7 +38,7 @@ from speculators_vllm016.train.data import (
 )
 
 __all__ = [
-    "CacheWriteFailed", "ExtractionFailed", "OnlineExtractor", "OnlineLoader", "OnlineStats",
+    "CacheFolderError", "CacheWriteFailed", "ExtractionFailed", "OnlineExtractor", "OnlineLoader", "OnlineStats",
     "SampleExchange",
 ]
 
@@ -49,6 +49,10 @@ _END = object()
 
 class ExtractionFailed(DataSourceError):
     """The target model's engine failed while producing samples."""
+
+
+class CacheFolderError(ValueError):
+    """The --cache-dir folder cannot be used (another run's, in use, not creatable)."""
 
 
 class CacheWriteFailed(DataSourceError):
@@ -291,16 +295,51 @@ class _Cache:
         from speculators_vllm016.data_generation.sample_io import WriterSlot, remove_partial_files
 
         self.options, self.folder = options, folder
-        _prepare_output_dir(folder)
-        self._lock = ShardLock(folder, 0, 1).__enter__()
-        self._slot = WriterSlot(folder)
-        removed = remove_partial_files(folder)
-        if removed:
-            logger.info("cache: removed %d partial files of an interrupted run", removed)
-        self.identity = _run_identity(options, facts, samples_digest(dataset))
-        self._must_record = check_identity(folder, self.identity, False)
-        _write_token_counts(options, dataset, list(range(len(dataset))))
-        self._manifest = ManifestWriter(manifest_path(folder, 0, 1), fsync=options.fsync)
+        try:
+            _prepare_output_dir(folder)
+        except ValueError as error:
+            raise CacheFolderError(_first_line(error).replace("--output-dir", "--cache-dir")) from None
+        try:
+            self._lock = ShardLock(folder, 0, 1).__enter__()
+        except ValueError:
+            raise CacheFolderError(
+                f"another process is using --cache-dir {folder}; wait for it to finish, or give "
+                "this run another --cache-dir"
+            ) from None
+        except OSError as error:
+            raise CacheFolderError(f"cannot use --cache-dir {folder} ({error}); choose a writable folder") from None
+        try:
+            self._slot = WriterSlot(folder)
+        except OSError as error:
+            self._lock.__exit__(None, None, None)
+            raise CacheFolderError(f"cannot write --cache-dir {folder} ({error}); free space there or "
+                                   "choose another --cache-dir") from None
+        try:
+            removed = remove_partial_files(folder)
+            if removed:
+                logger.info("cache: removed %d partial files of an interrupted run", removed)
+            self.identity = _run_identity(options, facts, samples_digest(dataset))
+            try:
+                self._must_record = check_identity(folder, self.identity, False)
+            except ValueError as error:
+                text = _first_line(error).replace("--output-dir", "--cache-dir")
+                if "--adopt-existing" in text:  # datagen's flag; train has none
+                    text = (f"--cache-dir {folder} already holds sample files but no record of "
+                            "the run that wrote them; use an empty --cache-dir")
+                elif text.startswith(str(folder)):
+                    text = f"--cache-dir {text}"
+                raise CacheFolderError(text) from None
+            _write_token_counts(options, dataset, list(range(len(dataset))))
+            self._manifest = ManifestWriter(manifest_path(folder, 0, 1), fsync=options.fsync)
+        except OSError as error:
+            self._slot.close()
+            self._lock.__exit__(None, None, None)
+            raise CacheFolderError(f"cannot write --cache-dir {folder} ({error}); free space there or "
+                                   "choose another --cache-dir") from None
+        except BaseException:
+            self._slot.close()
+            self._lock.__exit__(None, None, None)
+            raise
         self._writers = SampleWriterPool(
             options.num_writer_threads, options.output_format, fsync=options.fsync,
             max_pending=64, slot=self._slot, manifest=self._manifest,
@@ -404,6 +443,11 @@ def _rank_plans(batch_sampler: Any, world_size: int) -> list[list[list[int]]]:
         other.rank, other._plan = rank, None
         plans.append([list(step) for step in other])
     return plans
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
 
 
 def _as_source_error(error: BaseException, extractor: OnlineExtractor) -> DataSourceError:

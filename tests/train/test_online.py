@@ -550,3 +550,35 @@ def test_a_cache_write_failing_in_the_producer_is_not_called_an_engine_failure(t
         list(loader)
     with pytest.raises(CacheWriteFailed):  # the writes still pending fail when it closes
         loader.extractor.close()
+
+
+@pytest.mark.parametrize("problem", ["another run", "in use", "not creatable"])
+def test_an_unusable_cache_dir_is_a_one_line_setup_error(tiny_llama, tmp_path, monkeypatch, capsys, problem):
+    from speculators_vllm016.data_generation import offline
+    from speculators_vllm016.data_generation.offline import ShardLock
+
+    cache = tmp_path / "cache"
+    held = None
+    if problem == "another run":  # a cache folder written for other samples of another target
+        other, _ = _loader_over(tmp_path / "other", monkeypatch, 6)
+        list(other)
+        other.extractor.close()
+        (tmp_path / "other" / "cache").rename(cache)
+        says = f"error: --cache-dir {cache} holds samples of a different run"
+    elif problem == "in use":
+        held = ShardLock(cache, 0, 1).__enter__()
+        says = f"error: another process is using --cache-dir {cache}; wait for it to finish"
+    else:
+        (tmp_path / "a-file").write_text("")
+        cache = tmp_path / "a-file" / "cache"
+        says = f"error: cannot create --cache-dir {cache}"
+    monkeypatch.setattr(offline, "start_generator", lambda options, facts: StandInGenerator(None))
+    save = tmp_path / "save"
+    try:
+        assert train_main([*stand_in_argv(tiny_llama, tmp_path, save), "--cache-dir", str(cache)]) == 2
+    finally:
+        if held is not None:
+            held.__exit__(None, None, None)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(says), err[-600:]
