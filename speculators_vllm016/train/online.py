@@ -501,6 +501,8 @@ class OnlineLoader:
             yield from self._iter_ranks(self.exchange)
             return
         steps = [list(step) for step in self.batch_sampler]
+        if not steps:  # an empty plan: nothing to extract, the engine stays as it is
+            return
         cached = self.extractor.cached()
         need = {item for step in steps for item in step if self.indices[item] not in cached}
         if not need:
@@ -535,6 +537,8 @@ class OnlineLoader:
     def _iter_ranks(self, exchange: SampleExchange) -> Iterator[PackedBatch]:
         """Every rank: its own steps; rank 0 also runs the engine and scatters the samples."""
         plans = _rank_plans(self.batch_sampler, exchange.world_size)
+        if not any(plans):  # every rank computes the same plans: all return here, or none
+            return
         steps = plans[exchange.rank]
         cached: Any = None
         if exchange.rank == 0:

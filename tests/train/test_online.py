@@ -582,3 +582,34 @@ def test_an_unusable_cache_dir_is_a_one_line_setup_error(tiny_llama, tmp_path, m
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith(says), err[-600:]
+
+
+class _OneRank:
+    """SampleExchange's transfer for a single process (what gloo does with one rank)."""
+
+    rank, world_size = 0, 1
+
+    def broadcast(self, value):
+        return value
+
+    def scatter(self, values):
+        return values[0]
+
+
+@pytest.mark.parametrize("ranks", [False, True])
+def test_an_empty_epoch_plan_leaves_the_running_engine_alone(tmp_path, monkeypatch, caplog, ranks):
+    from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+    from speculators_vllm016.train.online import OnlineLoader
+
+    loader, engines = _loader_over(tmp_path, monkeypatch, 10, cache=False)
+    assert len(list(loader)) > 0 and len(engines) == 1  # the engine runs
+    empty_plan = MultipackDistributedBatchSamplerV2(64, [], 1, 0)
+    assert list(empty_plan) == []
+    empty = OnlineLoader(loader.extractor, loader.dataset, [], empty_plan, loader.collate_fn, 2,
+                         _OneRank() if ranks else None)
+    with caplog.at_level(logging.INFO):
+        assert list(empty) == []
+    assert loader.extractor.generator is engines[0] and engines[0].closed == 0
+    assert "in the cache" not in caplog.text
+    loader.extractor.close()
+    assert engines[0].closed == 1
