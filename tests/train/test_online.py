@@ -574,6 +574,7 @@ def test_an_unusable_cache_dir_is_a_one_line_setup_error(tiny_llama, tmp_path, m
         says = f"error: cannot create --cache-dir {cache}"
     monkeypatch.setattr(offline, "start_generator", lambda options, facts: StandInGenerator(None))
     save = tmp_path / "save"
+    capsys.readouterr()  # only what train prints counts
     try:
         assert train_main([*stand_in_argv(tiny_llama, tmp_path, save), "--cache-dir", str(cache)]) == 2
     finally:
