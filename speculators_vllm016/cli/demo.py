@@ -17,7 +17,8 @@ def build_parser(prog: str = "speculators demo") -> argparse.ArgumentParser:
             "The whole job on a tiny Llama built locally and the conversations shipped with the "
             "package, fully offline: train the target briefly, extract hidden states, build the "
             "vocabulary maps, train an EAGLE-3 draft, and measure the untrained and the trained "
-            "draft's acceptance side by side. Every stage is reused when run again."
+            "draft's acceptance side by side. Run again, a stage is reused if its options are "
+            "unchanged; a stage whose options changed runs again, with every stage after it."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

@@ -4,7 +4,7 @@ The successor of 0.3.0's `scripts/gen_and_train.py`. Its own flags name the job 
 every other flag belongs to `speculators datagen` or `speculators train` and is handed to that
 stage unchanged. Layout under --output-dir: `data/` (datagen), `vocab/{d2t,t2d}.npy`,
 `checkpoints/` (training). Run the same command again after a crash: datagen computes only missing
-samples, the maps are kept once written, and training resumes from its newest checkpoint, ending
+samples, the maps are kept while their sizes match the flags, and training resumes from its newest checkpoint, ending
 bit-identical to an uninterrupted run.
 """
 
@@ -81,6 +81,13 @@ def plan_from_argv(argv: Sequence[str]) -> PipelinePlan:
     if missing:
         flags = ", ".join("--" + name.replace("_", "-") for name in missing)
         raise SystemExit(f"error: gen-and-train needs {flags} (see --help)")
+    if own.draft_vocab_size < 1:
+        raise SystemExit(f"error: --draft-vocab-size must be at least 1, got {own.draft_vocab_size}")
+    if own.target_vocab_size is not None and own.target_vocab_size < own.draft_vocab_size:
+        raise SystemExit(
+            f"error: --draft-vocab-size {own.draft_vocab_size} exceeds --target-vocab-size "
+            f"{own.target_vocab_size}; the draft predicts a subset of the target's tokens"
+        )
     root = Path(own.output_dir)
     shared = ["--seed", str(own.seed)] + (["--no-progress"] if own.no_progress else [])
     shared += ["--debug"] if own.debug else []
@@ -120,8 +127,30 @@ def _datagen_record(plan: PipelinePlan) -> dict:
     return json.loads(json.dumps(values, default=str))
 
 
-def run_datagen_stage(plan: PipelinePlan) -> None:
-    """Datagen, skipped when this folder's record says the same flags already finished."""
+def check_vocab_sizes(plan: PipelinePlan) -> None:
+    """Before datagen (hours): the draft vocabulary must fit the target's, when that is known.
+
+    An unreadable target config is left to datagen, which reports it in its own words.
+    """
+    from speculators_vllm016.cli.vocab_mapping import target_vocab_size_of
+
+    if plan.target_vocab_size is not None:
+        return  # compared with --draft-vocab-size when the flags were read
+    try:
+        size = target_vocab_size_of(plan.datagen.target_model_path)
+    except Exception:  # noqa: BLE001 - datagen reports an unusable target itself
+        return
+    if plan.draft_vocab_size > size:
+        raise ValueError(
+            f"--draft-vocab-size {plan.draft_vocab_size} exceeds the target's vocabulary of "
+            f"{size} tokens; choose at most {size}"
+        )
+
+
+def run_datagen_stage(plan: PipelinePlan) -> bool:
+    """Datagen, skipped when this folder's record says the same flags already finished.
+
+    Returns whether it ran (its token counts may have changed)."""
     from speculators_vllm016.cli.datagen import options_from_args
     from speculators_vllm016.data_generation.offline import run_datagen
 
@@ -130,30 +159,52 @@ def run_datagen_stage(plan: PipelinePlan) -> None:
     record = _datagen_record(plan)
     if done.is_file() and json.loads(done.read_text()) == record:
         print(f"[1/3] datagen: done earlier in {data}")
-        return
+        return False
     print(f"[1/3] datagen -> {data}")
     summary = run_datagen(options_from_args(plan.datagen))
     print(f"      {summary.describe()}")
     temporary = done.with_name(f".{done.name}.tmp")
     temporary.write_text(json.dumps(record, indent=2) + "\n")
     temporary.replace(done)
+    return True
 
 
-def run_vocab_stage(plan: PipelinePlan) -> None:
-    """The maps from datagen's token counts; kept once both files exist."""
+def _map_sizes(folder: Path) -> tuple[int, int] | None:
+    """(draft, target) entries of the maps in `folder`, or None when either is missing or unreadable."""
+    import numpy as np
+
+    from speculators_vllm016.cli.vocab_mapping import D2T_FILE, T2D_FILE
+
+    try:
+        d2t = np.load(folder / D2T_FILE, mmap_mode="r")
+        t2d = np.load(folder / T2D_FILE, mmap_mode="r")
+    except (OSError, ValueError):
+        return None
+    return (len(d2t), len(t2d)) if d2t.ndim == 1 and t2d.ndim == 1 else None
+
+
+def run_vocab_stage(plan: PipelinePlan, data_changed: bool = False) -> None:
+    """The maps from datagen's token counts; kept while they have the sizes the flags ask for
+    and datagen did not run again (new token counts)."""
     from speculators_vllm016.cli.vocab_mapping import (
-        D2T_FILE,
-        T2D_FILE,
         target_vocab_size_of,
         write_vocab_mappings_from_counts,
     )
     from speculators_vllm016.data_generation.token_counts import load_token_freq
 
     folder = plan.vocab_dir
-    if (folder / D2T_FILE).is_file() and (folder / T2D_FILE).is_file():
+    size = plan.target_vocab_size or target_vocab_size_of(plan.datagen.target_model_path)
+    found = _map_sizes(folder)
+    if found == (plan.draft_vocab_size, size) and not data_changed:
         print(f"[2/3] vocabulary maps: done earlier in {folder}")
         return
-    size = plan.target_vocab_size or target_vocab_size_of(plan.datagen.target_model_path)
+    if found is not None:
+        why = (
+            "datagen ran again" if found == (plan.draft_vocab_size, size)
+            else f"they map {found[0]} of {found[1]} tokens, the flags ask "
+                 f"{plan.draft_vocab_size} of {size}"
+        )
+        print(f"[2/3] vocabulary maps in {folder}: building them again ({why})")
     counts = load_token_freq(plan.datagen.output_dir)
     write_vocab_mappings_from_counts(counts, plan.draft_vocab_size, size, folder)
     print(f"[2/3] vocabulary maps: {plan.draft_vocab_size} of {size} tokens -> {folder}")
@@ -182,8 +233,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "speculators gen-and-tra
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def stages() -> int:
-        run_datagen_stage(plan)
-        run_vocab_stage(plan)
+        check_vocab_sizes(plan)
+        data_changed = run_datagen_stage(plan)
+        run_vocab_stage(plan, data_changed)
         return 0
 
     rc = report_errors(stages, plan.debug)

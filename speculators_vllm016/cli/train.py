@@ -583,6 +583,7 @@ def run(args: argparse.Namespace) -> int:
         args.device = online.devices.for_rank(int(os.environ.get("LOCAL_RANK", "0")))
     local_rank, world_size, rank, distributed = maybe_setup_distributed(args.device)
     closers: list[Any] = []
+    failure: BaseException | None = None
     try:
         setup_root_logger("INFO")
         if layer_ids is None:
@@ -602,15 +603,18 @@ def run(args: argparse.Namespace) -> int:
         if online is not None:
             from speculators_vllm016.train.online import OnlineExtractor, OnlineLoader
 
-            from speculators_vllm016.train.online import SampleExchange
+            from speculators_vllm016.train.online import CacheFolderError, SampleExchange
 
             exchange = SampleExchange() if distributed else None  # rank 0 extracts for all
-            extractor = OnlineExtractor(
-                online.options, online.facts, online.dataset,
-                Path(args.cache_dir) if args.cache_dir else None,
-                engine_devices=online.devices.engine_visible if online.devices else None,
-                writes_cache=rank == 0,
-            )
+            try:
+                extractor = OnlineExtractor(
+                    online.options, online.facts, online.dataset,
+                    Path(args.cache_dir) if args.cache_dir else None,
+                    engine_devices=online.devices.engine_visible if online.devices else None,
+                    writes_cache=rank == 0,
+                )
+            except CacheFolderError as error:
+                raise TrainSetupError(str(error)) from None
             closers.append(extractor.close)
             train_items, val_items = split_items(extractor.indices, args.train_ratio, args.split_seed)
             train_files = [extractor.sample_path(index) for index in train_items]
@@ -682,18 +686,35 @@ def run(args: argparse.Namespace) -> int:
                             f"{stats.cached_reads} read from the cache, engine started "
                             f"{stats.engine_starts} times")
             print(f"Done: {state.global_step} steps, checkpoints in {save_path}{skipped}")
+    except BaseException as error:
+        failure = error
+        raise
     finally:
-        for close in closers:
-            close()
-        maybe_destroy_distributed()
+        _close_all([*closers, maybe_destroy_distributed], failure)
     return 0
+
+
+def _close_all(closers: list[Any], failure: BaseException | None) -> None:
+    """Call every closer, even after one failed. A closer's error never replaces the error
+    already on its way out (`failure`): it is logged. Without one, the first is raised last."""
+    first: Exception | None = None
+    for close in closers:
+        try:
+            close()
+        except Exception as error:  # noqa: BLE001 - logged or raised below
+            if failure is None and first is None:
+                first = error
+            else:
+                logger.error("while closing: %s: %s", type(error).__name__, error)
+    if first is not None:
+        raise first
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "speculators train") -> int:
     from speculators_vllm016.cli.errors import report_errors
-    from speculators_vllm016.train.data import SampleFileError
+    from speculators_vllm016.train.data import DataSourceError, SampleFileError
     from speculators_vllm016.train.trainer import TrainingInterrupted
 
     args = build_parser(prog).parse_args(argv)
-    expected = (TrainSetupError, SampleFileError, FileNotFoundError, ImportError)
+    expected = (TrainSetupError, SampleFileError, DataSourceError, FileNotFoundError, ImportError)
     return report_errors(lambda: run(args), args.debug, expected, stopped=(TrainingInterrupted,))

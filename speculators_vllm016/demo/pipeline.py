@@ -7,8 +7,11 @@
 5. train: `speculators train` (its CLI `main`, in this process);
 6. eval: both drafts with `evaluate.runner.run_evaluation` (hf engine), side by side.
 
-Each stage's result is recorded in `<output>/demo_state.json` once the stage finished; a rerun
-skips recorded stages (and datagen, training and the target resume on their own after a crash).
+Each stage records in `<output>/demo_state.json` the options it depends on (its own and those of
+the stages before it) when it starts, and its result once it finished. A rerun reuses a finished
+stage whose options are unchanged; a stage whose options changed (so every stage after it too)
+runs again from scratch, its old outputs removed. A stage interrupted with the same options
+resumes (datagen, training and the target resume on their own after a crash).
 """
 
 from __future__ import annotations
@@ -17,14 +20,14 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 __all__ = [
     "DemoOptions", "DemoResult", "StageRecord", "plot_training_curves", "run_demo",
-    "training_throughput",
+    "stage_options", "training_throughput",
 ]
 
 STATE_FILE = "demo_state.json"
@@ -79,19 +82,65 @@ def _save_state(root: Path, state: dict[str, dict]) -> None:
     temporary.replace(root / STATE_FILE)
 
 
+def stage_options(options: DemoOptions) -> dict[str, dict[str, Any]]:
+    """Per stage, in order, the options its result depends on: its own and every earlier stage's
+    (a changed target invalidates the hidden states, the maps, the drafts and the evaluation)."""
+    own = {
+        "target": {"seed": options.seed, "target_steps": options.target_steps,
+                   "target_row_tokens": options.target_row_tokens,
+                   "target_rows_per_step": options.target_rows_per_step},
+        "datagen": {"max_samples": options.max_samples, "seq_length": options.seq_length,
+                    "batch_size": options.batch_size, "output_format": options.output_format},
+        "vocab": {"draft_vocab_size": options.draft_vocab_size},
+        "initial draft": {},
+        "train": {"epochs": options.epochs, "lr": options.lr, "total_seq_len": options.total_seq_len},
+        "eval": {"eval_prompts": options.eval_prompts, "max_new_tokens": options.max_new_tokens},
+    }
+    cumulative: dict[str, Any] = {}
+    result = {}
+    for name, values in own.items():
+        cumulative = {**cumulative, **values}
+        result[name] = cumulative
+    return result
+
+
+def _changed(before: dict | None, now: dict) -> str:
+    """The options that differ, for the log line (`before` None: not recorded)."""
+    if before is None:
+        return "its options were not recorded"
+    keys = sorted(set(before) | set(now), key=str)
+    return ", ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in keys if before.get(k) != now.get(k))
+
+
 def _run_stage(
-    root: Path, state: dict[str, dict], name: str, work: Callable[[], tuple[dict, dict]]
+    root: Path, state: dict[str, dict], name: str, work: Callable[[], tuple[dict, dict]],
+    options: dict[str, Any] | None = None, outputs: Sequence[Path] = (),
 ) -> StageRecord:
-    """Run `work` unless the state records the stage; record it once it finished."""
-    if name in state:
-        saved = state[name]
+    """Run `work` unless the state records it finished with the same `options`.
+
+    `options`: everything the stage's result depends on (JSON values). When a record of the stage
+    with other options exists, its `outputs` (files or folders) are removed first, so nothing
+    of the old run is resumed or reused.
+    """
+    options = json.loads(json.dumps(options or {}))
+    saved = state.get(name)
+    if saved is not None and saved.get("options") == options and "outputs" in saved:
         return StageRecord(name=name, seconds=saved["seconds"], outputs=saved["outputs"],
                            figures=saved["figures"], reused=True)
+    if saved is not None and saved.get("options") != options:
+        print(f"[demo] {name}: running it again ({_changed(saved.get('options'), options)})")
+        for path in outputs:
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+    state[name] = {"options": options}  # started: a crash with the same options resumes
+    _save_state(root, state)
     started = time.perf_counter()
-    outputs, figures = work()
-    record = StageRecord(name=name, seconds=time.perf_counter() - started, outputs=outputs,
+    result, figures = work()
+    record = StageRecord(name=name, seconds=time.perf_counter() - started, outputs=result,
                          figures=figures)
-    state[name] = {"seconds": record.seconds, "outputs": outputs, "figures": figures}
+    state[name] = {"options": options, "seconds": record.seconds, "outputs": result, "figures": figures}
     _save_state(root, state)
     return record
 
@@ -211,7 +260,8 @@ def run_demo(options: DemoOptions) -> DemoResult:
             "first_loss": result.first_loss, "last_loss": result.last_loss,
         }
 
-    stages.append(_run_stage(root, state, "target", target_stage))
+    depends = stage_options(options)
+    stages.append(_run_stage(root, state, "target", target_stage, depends["target"], [target]))
 
     def datagen_stage() -> tuple[dict, dict]:
         from speculators_vllm016.data_generation.offline import DatagenOptions, run_datagen
@@ -229,7 +279,7 @@ def run_demo(options: DemoOptions) -> DemoResult:
             "tokens_per_second": summary.tokens_per_second,
         }
 
-    stages.append(_run_stage(root, state, "datagen", datagen_stage))
+    stages.append(_run_stage(root, state, "datagen", datagen_stage, depends["datagen"], [root / "data"]))
 
     def vocab_stage() -> tuple[dict, dict]:
         from transformers import AutoConfig
@@ -247,7 +297,7 @@ def run_demo(options: DemoOptions) -> DemoResult:
             "distinct_tokens_seen": len(counts),
         }
 
-    stages.append(_run_stage(root, state, "vocab", vocab_stage))
+    stages.append(_run_stage(root, state, "vocab", vocab_stage, depends["vocab"], [root / "vocab"]))
     train_argv = _train_argv(options, root, target)
     untrained = root / "draft-untrained"
 
@@ -255,7 +305,9 @@ def run_demo(options: DemoOptions) -> DemoResult:
         _save_initial_draft(train_argv, untrained)
         return {"untrained_draft": str(untrained)}, {}
 
-    stages.append(_run_stage(root, state, "initial draft", draft_stage))
+    stages.append(_run_stage(
+        root, state, "initial draft", draft_stage, depends["initial draft"], [untrained]
+    ))
     save = root / "checkpoints"
     trained = save / str(options.epochs - 1)
 
@@ -281,7 +333,10 @@ def run_demo(options: DemoOptions) -> DemoResult:
             "last_loss": metrics[-1].get("loss") if metrics else None,
         }
 
-    stages.append(_run_stage(root, state, "train", train_stage))
+    stages.append(_run_stage(
+        root, state, "train", train_stage, depends["train"],
+        [save, root / "logs", root / "training_curves.png"],
+    ))
 
     def eval_stage() -> tuple[dict, dict]:
         from speculators_vllm016.evaluate.report import format_table, write_json, write_plot
@@ -311,5 +366,5 @@ def run_demo(options: DemoOptions) -> DemoResult:
             "prompts": report.num_prompts,
         }
 
-    stages.append(_run_stage(root, state, "eval", eval_stage))
+    stages.append(_run_stage(root, state, "eval", eval_stage, depends["eval"], [root / "eval"]))
     return DemoResult(root=root, stages=stages)

@@ -37,7 +37,10 @@ from speculators_vllm016.train.data import (
     PackedBatch,
 )
 
-__all__ = ["ExtractionFailed", "OnlineExtractor", "OnlineLoader", "OnlineStats", "SampleExchange"]
+__all__ = [
+    "CacheFolderError", "CacheWriteFailed", "ExtractionFailed", "OnlineExtractor", "OnlineLoader", "OnlineStats",
+    "SampleExchange",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +49,22 @@ _END = object()
 
 class ExtractionFailed(DataSourceError):
     """The target model's engine failed while producing samples."""
+
+
+class CacheFolderError(ValueError):
+    """The --cache-dir folder cannot be used (another run's, in use, not creatable)."""
+
+
+class CacheWriteFailed(DataSourceError):
+    """Writing a sample into the --cache-dir folder failed (disk full, unwritable, ...)."""
+
+    @classmethod
+    def of(cls, folder: Path, error: BaseException) -> CacheWriteFailed:
+        text = str(error).strip().splitlines()
+        return cls(
+            f"writing the --cache-dir folder {folder} failed ({type(error).__name__}: "
+            f"{text[0] if text else ''}); free space there or give another --cache-dir"
+        )
 
 
 @dataclass
@@ -276,16 +295,51 @@ class _Cache:
         from speculators_vllm016.data_generation.sample_io import WriterSlot, remove_partial_files
 
         self.options, self.folder = options, folder
-        _prepare_output_dir(folder)
-        self._lock = ShardLock(folder, 0, 1).__enter__()
-        self._slot = WriterSlot(folder)
-        removed = remove_partial_files(folder)
-        if removed:
-            logger.info("cache: removed %d partial files of an interrupted run", removed)
-        self.identity = _run_identity(options, facts, samples_digest(dataset))
-        self._must_record = check_identity(folder, self.identity, False)
-        _write_token_counts(options, dataset, list(range(len(dataset))))
-        self._manifest = ManifestWriter(manifest_path(folder, 0, 1), fsync=options.fsync)
+        try:
+            _prepare_output_dir(folder)
+        except ValueError as error:
+            raise CacheFolderError(_first_line(error).replace("--output-dir", "--cache-dir")) from None
+        try:
+            self._lock = ShardLock(folder, 0, 1).__enter__()
+        except ValueError:
+            raise CacheFolderError(
+                f"another process is using --cache-dir {folder}; wait for it to finish, or give "
+                "this run another --cache-dir"
+            ) from None
+        except OSError as error:
+            raise CacheFolderError(f"cannot use --cache-dir {folder} ({error}); choose a writable folder") from None
+        try:
+            self._slot = WriterSlot(folder)
+        except OSError as error:
+            self._lock.__exit__(None, None, None)
+            raise CacheFolderError(f"cannot write --cache-dir {folder} ({error}); free space there or "
+                                   "choose another --cache-dir") from None
+        try:
+            removed = remove_partial_files(folder)
+            if removed:
+                logger.info("cache: removed %d partial files of an interrupted run", removed)
+            self.identity = _run_identity(options, facts, samples_digest(dataset))
+            try:
+                self._must_record = check_identity(folder, self.identity, False)
+            except ValueError as error:
+                text = _first_line(error).replace("--output-dir", "--cache-dir")
+                if "--adopt-existing" in text:  # datagen's flag; train has none
+                    text = (f"--cache-dir {folder} already holds sample files but no record of "
+                            "the run that wrote them; use an empty --cache-dir")
+                elif text.startswith(str(folder)):
+                    text = f"--cache-dir {text}"
+                raise CacheFolderError(text) from None
+            _write_token_counts(options, dataset, list(range(len(dataset))))
+            self._manifest = ManifestWriter(manifest_path(folder, 0, 1), fsync=options.fsync)
+        except OSError as error:
+            self._slot.close()
+            self._lock.__exit__(None, None, None)
+            raise CacheFolderError(f"cannot write --cache-dir {folder} ({error}); free space there or "
+                                   "choose another --cache-dir") from None
+        except BaseException:
+            self._slot.close()
+            self._lock.__exit__(None, None, None)
+            raise
         self._writers = SampleWriterPool(
             options.num_writer_threads, options.output_format, fsync=options.fsync,
             max_pending=64, slot=self._slot, manifest=self._manifest,
@@ -301,23 +355,32 @@ class _Cache:
         )
         from speculators_vllm016.data_generation.resume import record_identity
 
-        if self._must_record:
-            record_identity(self.folder, self.identity)
-            self._must_record = False
-        config = _data_config(generator, self.options, self._num_samples)
-        if config is not None:
-            _write_json_atomic(self.folder / CONFIG_FILE, config)
+        try:
+            if self._must_record:
+                record_identity(self.folder, self.identity)
+                self._must_record = False
+            config = _data_config(generator, self.options, self._num_samples)
+            if config is not None:
+                _write_json_atomic(self.folder / CONFIG_FILE, config)
+        except OSError as error:
+            raise CacheWriteFailed.of(self.folder, error) from error
 
     def write(self, index: int, sample: dict) -> None:
         from speculators_vllm016.data_generation.sample_io import sample_path
 
-        self._writers.submit(sample_path(self.folder, index, self.options.output_format), sample, index)
+        try:
+            self._writers.submit(sample_path(self.folder, index, self.options.output_format), sample, index)
+        except Exception as error:  # an earlier write of the pool failed
+            raise CacheWriteFailed.of(self.folder, error) from error
 
     def complete(self) -> set[int]:
         """Indices whose files are whole and listed in the manifest (pending writes finished)."""
         from speculators_vllm016.data_generation.manifest import read_manifest
 
-        self._writers.drain()
+        try:
+            self._writers.drain()
+        except Exception as error:
+            raise CacheWriteFailed.of(self.folder, error) from error
         found = set()
         for name, record in read_manifest(self.folder).items():
             path = self.folder / name
@@ -328,6 +391,8 @@ class _Cache:
     def close(self) -> None:
         try:
             self._writers.finish()
+        except Exception as error:
+            raise CacheWriteFailed.of(self.folder, error) from error
         finally:
             self._manifest.close()
             self._slot.close()
@@ -380,6 +445,18 @@ def _rank_plans(batch_sampler: Any, world_size: int) -> list[list[list[int]]]:
     return plans
 
 
+def _first_line(error: BaseException) -> str:
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
+def _as_source_error(error: BaseException, extractor: OnlineExtractor) -> DataSourceError:
+    """The producer's failure as the trainer reports it: a cache write failure says so."""
+    if isinstance(error, DataSourceError):
+        return error
+    return ExtractionFailed(_failure_message(error, getattr(extractor.generator, "worker_died", False)))
+
+
 def _failure_message(error: BaseException, died: bool) -> str:
     text = str(error).strip()
     return (
@@ -424,6 +501,8 @@ class OnlineLoader:
             yield from self._iter_ranks(self.exchange)
             return
         steps = [list(step) for step in self.batch_sampler]
+        if not steps:  # an empty plan: nothing to extract, the engine stays as it is
+            return
         cached = self.extractor.cached()
         need = {item for step in steps for item in step if self.indices[item] not in cached}
         if not need:
@@ -438,8 +517,7 @@ class OnlineLoader:
                 got = producer.rows.get()
                 stats.trainer_wait += time.perf_counter() - started
                 if isinstance(got, _Failure):
-                    died = getattr(self.extractor.generator, "worker_died", False)
-                    raise ExtractionFailed(_failure_message(got.error, died)) from got.error
+                    raise _as_source_error(got.error, self.extractor) from got.error
                 if got is _END:
                     raise ExtractionFailed("the extraction ended before the epoch's last step")
                 samples = [self.dataset.item(item, got.get(item)) for item in step]
@@ -459,8 +537,18 @@ class OnlineLoader:
     def _iter_ranks(self, exchange: SampleExchange) -> Iterator[PackedBatch]:
         """Every rank: its own steps; rank 0 also runs the engine and scatters the samples."""
         plans = _rank_plans(self.batch_sampler, exchange.world_size)
+        if not any(plans):  # every rank computes the same plans: all return here, or none
+            return
         steps = plans[exchange.rank]
-        cached = exchange.broadcast(self.extractor.cached() if exchange.rank == 0 else None)
+        cached: Any = None
+        if exchange.rank == 0:
+            try:
+                cached = self.extractor.cached()
+            except DataSourceError as error:  # every rank stops, not only rank 0
+                cached = _Failure(error)
+        cached = exchange.broadcast(cached)
+        if isinstance(cached, _Failure):
+            raise type(cached.error)(str(cached.error))
         union = [
             list(dict.fromkeys(item for plan in plans for item in plan[s]))
             for s in range(len(steps))
@@ -482,19 +570,19 @@ class OnlineLoader:
                     got = producer.rows.get()
                     stats.trainer_wait += time.perf_counter() - started
                     if isinstance(got, _Failure) or got is _END:
-                        message = (
-                            _failure_message(got.error, getattr(self.extractor.generator, "worker_died", False))
+                        error = (
+                            _as_source_error(got.error, self.extractor)
                             if isinstance(got, _Failure)
-                            else "the extraction ended before the epoch's last step"
+                            else ExtractionFailed("the extraction ended before the epoch's last step")
                         )
-                        parts = [_Failure(ExtractionFailed(message))] * exchange.world_size
+                        parts = [_Failure(error)] * exchange.world_size
                     else:
                         parts = [
                             {item: got[item] for item in plan[s] if item in got} for plan in plans
                         ]
                 mine = exchange.scatter(parts)
                 if isinstance(mine, _Failure):
-                    raise ExtractionFailed(str(mine.error))
+                    raise type(mine.error)(str(mine.error))
                 yield self.collate_fn([self.dataset.item(item, mine.get(item)) for item in step])
         finally:
             if producer is not None:

@@ -41,11 +41,71 @@ def test_flags_go_to_their_stage_and_the_layout_comes_from_output_dir():
         (BASE + ["--data-path", "x"], "--data-path is set by gen-and-train"),
         (["--train-data-path", "chat.jsonl"], "needs --target-model-path, --output-dir"),
         (BASE + ["--epoch", "2"], "unknown flag(s) --epoch 2"),  # no prefix matching
+        (BASE + ["--draft-vocab-size", "0"], "--draft-vocab-size must be at least 1, got 0"),
+        (BASE + ["--draft-vocab-size", "-3"], "--draft-vocab-size must be at least 1, got -3"),
+        (BASE + ["--draft-vocab-size", "64", "--target-vocab-size", "32"],
+         "--draft-vocab-size 64 exceeds --target-vocab-size 32"),
     ],
 )
 def test_bad_flags_are_one_line_errors(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_draft_vocabulary_larger_than_the_targets_is_refused_before_datagen(
+    tiny_llama, tmp_path, capsys, monkeypatch
+):
+    from transformers import AutoConfig
+
+    from speculators_vllm016.data_generation import offline
+
+    def datagen(options):
+        raise AssertionError("datagen started")
+
+    monkeypatch.setattr(offline, "run_datagen", datagen)
+
+    size = AutoConfig.from_pretrained(tiny_llama).vocab_size
+    argv = ["--target-model-path", str(tiny_llama), "--train-data-path", str(demo_conversations_path()),
+            "--output-dir", str(tmp_path / "out"), "--draft-vocab-size", str(size + 1)]
+    assert main(argv) == 2
+    assert f"--draft-vocab-size {size + 1} exceeds the target's vocabulary of {size} tokens" in (
+        capsys.readouterr().err
+    )
+    assert not (tmp_path / "out" / "data").exists()  # datagen never started
+
+
+def _vocab_plan(root: Path, draft: int, target: int = 64):
+    from types import SimpleNamespace
+
+    from speculators_vllm016.cli.gen_and_train import PipelinePlan
+
+    datagen = SimpleNamespace(output_dir=str(root / "data"), target_model_path="unused")
+    return PipelinePlan(root=root, datagen=datagen, datagen_argv=[], train=None, train_argv=[],
+                        draft_vocab_size=draft, target_vocab_size=target, debug=False)
+
+
+def test_vocabulary_maps_are_reused_only_while_their_sizes_match_the_flags(tmp_path, capsys):
+    import numpy as np
+
+    from speculators_vllm016.cli.gen_and_train import run_vocab_stage
+    from speculators_vllm016.data_generation.token_counts import save_token_counts
+
+    save_token_counts({i: 100 - i for i in range(50)}, tmp_path / "data/token_freq/shard-0-of-1.pth")
+    d2t = tmp_path / "vocab" / "d2t.npy"
+    run_vocab_stage(_vocab_plan(tmp_path, 32))
+    assert len(np.load(d2t)) == 32
+    capsys.readouterr()
+    run_vocab_stage(_vocab_plan(tmp_path, 32))
+    assert "done earlier" in capsys.readouterr().out
+    run_vocab_stage(_vocab_plan(tmp_path, 16))
+    out = capsys.readouterr().out
+    assert "building them again (they map 32 of 64 tokens, the flags ask 16 of 64)" in out
+    assert len(np.load(d2t)) == 16
+    run_vocab_stage(_vocab_plan(tmp_path, 16, target=80))
+    assert "they map 16 of 64 tokens, the flags ask 16 of 80" in capsys.readouterr().out
+    assert len(np.load(tmp_path / "vocab" / "t2d.npy")) == 80
+    run_vocab_stage(_vocab_plan(tmp_path, 16, target=80), data_changed=True)
+    assert "building them again (datagen ran again)" in capsys.readouterr().out
 
 
 def _pipeline(root: Path, target: Path) -> list[str]:

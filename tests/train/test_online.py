@@ -406,3 +406,211 @@ def test_two_rank_online_training_equals_two_rank_offline_training(setup, tiny_l
     assert sample_files(cache) == sample_files(datagen)
     for name in sample_files(cache):
         assert (cache / name).read_bytes() == (datagen / name).read_bytes(), name
+
+
+def _full_disk(monkeypatch, fails) -> list[str]:
+    """Datagen's sample writer raises ENOSPC for the sample indices `fails(index)` picks."""
+    import errno
+
+    from speculators_vllm016.data_generation import offline
+
+    real, failed = offline.write_sample_file, []
+
+    def write(path, *args, **kwargs):
+        if fails(int(Path(path).stem.split("_")[-1])):
+            failed.append(str(path))
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(offline, "write_sample_file", write)
+    monkeypatch.setattr(offline, "_data_config", lambda *args: None)  # the stand-in has no config
+    return failed
+
+
+def _closing_spies(monkeypatch) -> list[str]:
+    from speculators_vllm016.train import utils
+
+    calls = []
+    monkeypatch.setattr(utils, "maybe_destroy_distributed", lambda: calls.append("destroyed"))
+    return calls
+
+
+def test_a_full_cache_disk_is_reported_as_such_and_closing_replaces_no_error(
+    tiny_llama, tmp_path, monkeypatch, capsys
+):
+    """The cache's writes fail mid-epoch: the run stops with a checkpoint and a message naming
+    the cache folder and the disk error (not "the engine failed"); the writes still pending fail
+    again when the cache closes, which must neither replace that message by a traceback nor
+    skip the later closers; then, with space again, the same command resumes and finishes."""
+    from speculators_vllm016.data_generation import offline, sample_io
+
+    save, cache = tmp_path / "save", tmp_path / "cache"
+    argv = [*stand_in_argv(tiny_llama, tmp_path, save), "--max-num-seqs", "2", "--cache-dir", str(cache)]
+    generators = [StandInGenerator(None), StandInGenerator(None)]
+    monkeypatch.setattr(offline, "start_generator", lambda options, facts: generators.pop(0))
+    failed = _full_disk(monkeypatch, lambda index: True)
+    destroyed = _closing_spies(monkeypatch)
+    assert train_main(argv) == 143
+    err = capsys.readouterr().err
+    assert len(failed) >= 2  # one surfaces in the run, the others when the cache closes
+    assert f"writing the --cache-dir folder {cache} failed (OSError: [Errno 28] No space left" in err
+    assert "free space there or give another --cache-dir" in err
+    assert "run the same command again to resume" in err
+    assert "engine failed" not in err and "Traceback" not in err
+    assert destroyed == ["destroyed"]
+    assert not generators[1:]  # ... and the engine was started once, and closed
+    monkeypatch.setattr(offline, "write_sample_file", sample_io.write_sample_file)  # space again
+    assert train_main(argv) == 0
+    assert destroyed == ["destroyed", "destroyed"]
+
+
+def test_a_cache_write_failing_only_at_close_is_a_one_line_error(tiny_llama, tmp_path, monkeypatch, capsys):
+    """The validation samples' writes fail; they surface only when the cache closes, after the
+    run finished: one line naming the cache folder, exit status 2, closers all run."""
+    from speculators_vllm016.data_generation import offline
+    from speculators_vllm016.train import data
+
+    save, cache = tmp_path / "save", tmp_path / "cache"
+    argv = [*stand_in_argv(tiny_llama, tmp_path, save), "--cache-dir", str(cache)]
+    monkeypatch.setattr(offline, "start_generator", lambda options, facts: StandInGenerator(None))
+    real_split, validation = data.split_items, []
+
+    def split(items, ratio=0.9, seed=0):
+        train, val = real_split(items, ratio, seed)
+        validation.extend(val)
+        return train, val
+
+    monkeypatch.setattr(data, "split_items", split)
+    failed = _full_disk(monkeypatch, lambda index: index in validation)
+    destroyed = _closing_spies(monkeypatch)
+    assert train_main(argv) == 2
+    captured = capsys.readouterr()
+    assert failed and "Done:" in captured.out
+    assert "Traceback" not in captured.err
+    last = captured.err.strip().splitlines()[-1]  # the log lines go to stderr too
+    assert last.startswith(f"error: writing the --cache-dir folder {cache} failed (OSError: [Errno 28]")
+    assert "free space there or give another --cache-dir" in last
+    assert destroyed == ["destroyed"]
+    assert (save / "0" / "model.safetensors").is_file()
+
+
+class _WidthEight:
+    """A stand-in engine for the loader alone: 8-wide states, filled with the first token."""
+
+    def __init__(self) -> None:
+        self.closed = 0
+
+    def generate_stream(self, sequences):
+        for k, ids in enumerate(sequences):
+            states = [torch.full((len(ids), 8), float(ids[0])) for _ in range(4)]
+            yield k, HiddenStatesResult(input_ids=torch.tensor(ids), hidden_states=states)
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def _loader_over(tmp_path, monkeypatch, samples: int, cache: bool = True):
+    """An OnlineLoader of `samples` short samples over a stand-in engine (no model, no trainer)."""
+    from datasets import Dataset
+
+    from speculators_vllm016.data_generation import offline
+    from speculators_vllm016.data_generation.preflight import ModelFacts
+    from speculators_vllm016.train.data import Eagle3SampleFileDataset, create_collate_fn
+    from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+    from speculators_vllm016.train.online import OnlineExtractor, OnlineLoader
+
+    engines = []
+    monkeypatch.setattr(offline, "start_generator", lambda o, f: engines.append(_WidthEight()) or engines[-1])
+    monkeypatch.setattr(offline, "_data_config", lambda *args: None)
+    lengths = [5 + i % 7 for i in range(samples)]
+    dataset = Dataset.from_dict({
+        "input_ids": [[i % 50 + 1] * n for i, n in enumerate(lengths)],
+        "loss_mask": [[1] * n for n in lengths],
+    })
+    options = DatagenOptions(target_model_path="x", train_data_path="y",
+                             output_dir=str(tmp_path / "cache"), seq_length=64)
+    facts = ModelFacts(path="x", num_layers=4, hidden_size=8, layer_ids=[0, 1, 2, 3], config_dict={})
+    extractor = OnlineExtractor(options, facts, dataset, tmp_path / "cache" if cache else None)
+    items = extractor.indices
+    files = [str(extractor.sample_path(index)) for index in items]
+    data = Eagle3SampleFileDataset(64, file_list=files, lengths=extractor.lengths(items))
+    sampler = MultipackDistributedBatchSamplerV2(64, data.lengths, 1, 0)
+    return OnlineLoader(extractor, data, items, sampler, create_collate_fn(64), 2), engines
+
+
+def test_a_cache_write_failing_in_the_producer_is_not_called_an_engine_failure(tmp_path, monkeypatch):
+    """200 samples: more writes than the pool keeps pending, so the failure surfaces in the
+    producer thread (the engine's side), and must still be reported as the cache's."""
+    from speculators_vllm016.train.online import CacheWriteFailed
+
+    loader, _ = _loader_over(tmp_path, monkeypatch, 200)
+    _full_disk(monkeypatch, lambda index: True)
+    with pytest.raises(CacheWriteFailed, match=r"writing the --cache-dir folder .*cache failed "
+                       r"\(OSError: \[Errno 28\] No space left on device"):
+        list(loader)
+    with pytest.raises(CacheWriteFailed):  # the writes still pending fail when it closes
+        loader.extractor.close()
+
+
+@pytest.mark.parametrize("problem", ["another run", "in use", "not creatable"])
+def test_an_unusable_cache_dir_is_a_one_line_setup_error(tiny_llama, tmp_path, monkeypatch, capsys, problem):
+    from speculators_vllm016.data_generation import offline
+    from speculators_vllm016.data_generation.offline import ShardLock
+
+    cache = tmp_path / "cache"
+    held = None
+    if problem == "another run":  # a cache folder written for other samples of another target
+        other, _ = _loader_over(tmp_path / "other", monkeypatch, 6)
+        list(other)
+        other.extractor.close()
+        (tmp_path / "other" / "cache").rename(cache)
+        says = f"error: --cache-dir {cache} holds samples of a different run"
+    elif problem == "in use":
+        held = ShardLock(cache, 0, 1).__enter__()
+        says = f"error: another process is using --cache-dir {cache}; wait for it to finish"
+    else:
+        (tmp_path / "a-file").write_text("")
+        cache = tmp_path / "a-file" / "cache"
+        says = f"error: cannot create --cache-dir {cache}"
+    monkeypatch.setattr(offline, "start_generator", lambda options, facts: StandInGenerator(None))
+    save = tmp_path / "save"
+    capsys.readouterr()  # only what train prints counts
+    try:
+        assert train_main([*stand_in_argv(tiny_llama, tmp_path, save), "--cache-dir", str(cache)]) == 2
+    finally:
+        if held is not None:
+            held.__exit__(None, None, None)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(says), err[-600:]
+
+
+class _OneRank:
+    """SampleExchange's transfer for a single process (what gloo does with one rank)."""
+
+    rank, world_size = 0, 1
+
+    def broadcast(self, value):
+        return value
+
+    def scatter(self, values):
+        return values[0]
+
+
+@pytest.mark.parametrize("ranks", [False, True])
+def test_an_empty_epoch_plan_leaves_the_running_engine_alone(tmp_path, monkeypatch, caplog, ranks):
+    from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+    from speculators_vllm016.train.online import OnlineLoader
+
+    loader, engines = _loader_over(tmp_path, monkeypatch, 10, cache=False)
+    assert len(list(loader)) > 0 and len(engines) == 1  # the engine runs
+    empty_plan = MultipackDistributedBatchSamplerV2(64, [], 1, 0)
+    assert list(empty_plan) == []
+    empty = OnlineLoader(loader.extractor, loader.dataset, [], empty_plan, loader.collate_fn, 2,
+                         _OneRank() if ranks else None)
+    with caplog.at_level(logging.INFO):
+        assert list(empty) == []
+    assert loader.extractor.generator is engines[0] and engines[0].closed == 0
+    assert "in the cache" not in caplog.text
+    loader.extractor.close()
+    assert engines[0].closed == 1
