@@ -385,6 +385,16 @@ def _load_vocab_maps(
             f"d2t has {d2t.shape[0]} entries but t2d marks {int(t2d.sum())} tokens: the two files "
             "belong to different maps; rebuild both"
         )
+    # d2t holds offsets: draft token i is target token i + d2t[i]. Those targets must be exactly
+    # the tokens t2d marks (same-sized maps of two builds pass the count check above).
+    targets = torch.arange(d2t.shape[0]) + d2t
+    if bool((targets < 0).any() or (targets >= target_vocab).any()) or not bool(
+        torch.equal(torch.sort(targets).values, torch.nonzero(t2d).flatten())
+    ):
+        raise TrainSetupError(
+            "d2t's target tokens are not the tokens t2d marks: the two files belong to different "
+            "maps (a rebuild replaced one of them?); rebuild both with speculators vocab-mapping"
+        )
     return VocabMaps(d2t=d2t, t2d=t2d, built_from=built_from)
 
 

@@ -136,3 +136,26 @@ def test_bad_numbers_are_refused_before_anything_is_written(
     message = run_error(argv, capsys)
     assert flag in message
     assert not save.exists() and not (tmp_path / "logs").exists(), "a refused run wrote files"
+
+
+def test_maps_of_two_builds_are_refused_even_when_their_sizes_agree(
+    tiny_llama, training_data, tmp_path, capsys
+):
+    """d2t of one build beside t2d of another (a crash between vocab-mapping's two renames)."""
+    counts = torch.load(training_data / "token_freq.pt", weights_only=True)
+    other = {token: 1 for token in range(512)}  # another ranking: the top 64 are tokens 0..63
+    maps = tmp_path / "maps"
+    maps.mkdir()
+    from speculators_vllm016.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    d2t, _ = build_vocab_mappings_from_distribution(other, 64, 512)
+    _, t2d = build_vocab_mappings_from_distribution(counts, 64, 512)
+    np.save(maps / "d2t.npy", d2t.numpy())
+    np.save(maps / "t2d.npy", t2d.numpy())
+    save = tmp_path / "save"
+    argv = train_args(tiny_llama, training_data, save)
+    argv[argv.index("--d2t-path") + 1] = str(maps / "d2t.npy")
+    argv[argv.index("--t2d-path") + 1] = str(maps / "t2d.npy")
+    message = run_error(argv, capsys)
+    assert "different maps" in message and "t2d marks" in message
+    assert not save.exists()
