@@ -40,7 +40,8 @@ def reference_step(argv: list[str]) -> dict[str, torch.Tensor]:
     losses = []
     for row in rows:
         inputs = {k: v for k, v in row.items() if k != "skipped_samples"}
-        output = model(**inputs, ttt_steps=3, ttt_step_loss_decay=1.0)
+        output = model(**inputs, ttt_steps=3, ttt_step_loss_decay=1.0,
+                       use_off_policy_tokens=args.teacher_forcing)
         losses.append(output.loss if hasattr(output, "loss") else output[1])
     (sum(losses) / 2).backward()
     torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
