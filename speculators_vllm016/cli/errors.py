@@ -9,6 +9,8 @@ import errno
 import sys
 from collections.abc import Callable
 
+from speculators_vllm016.utils.errors import first_line
+
 __all__ = ["EXPECTED_ERRORS", "describe_error", "report_errors"]
 
 EXPECTED_ERRORS: tuple[type[BaseException], ...] = (
@@ -26,12 +28,11 @@ def describe_error(error: BaseException) -> str:
         return f"the disk is full{where}; free space or choose another place, then run again"
     if isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
         return f"permission denied: {error.filename or error}; choose a writable place"
-    text = [line for line in str(error).strip().splitlines() if line.strip()]
-    if not text:
-        return type(error).__name__
-    # A DataLoader worker's error arrives wrapped with the worker's traceback; the original
-    # message is its last line.
-    return text[-1] if "Original Traceback" in str(error) else text[0]
+    if "Original Traceback" in str(error):
+        # A DataLoader worker's error arrives wrapped with the worker's traceback; the original
+        # message is its last line.
+        return str(error).strip().splitlines()[-1]
+    return first_line(error)
 
 
 def report_errors(

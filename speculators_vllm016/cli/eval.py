@@ -8,6 +8,8 @@ from typing import NoReturn
 
 import typer
 
+from speculators_vllm016.utils.errors import first_line
+
 __all__ = ["evaluate"]
 
 EPILOG = (
@@ -95,7 +97,7 @@ def evaluate(
     except (ValueError, OSError, RuntimeError) as error:
         # OSError: transformers' answer to a tokenizer it cannot find (a folder without tokenizer
         # files, a hub id with no network); FileNotFoundError is one too.
-        _fail(str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__)
+        _fail(first_line(error))
     typer.echo(
         f"{report.num_prompts} prompts from {report.data_path}, verifier {report.verifier}, "
         f"engine {report.engine}, up to {report.max_new_tokens} new tokens"

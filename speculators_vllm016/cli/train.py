@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from speculators_vllm016.utils.errors import first_line
+
 __all__ = ["TrainSetup", "TrainSetupError", "build_model", "build_parser", "main", "prepare"]
 
 logger = logging.getLogger("speculators")
@@ -196,7 +198,7 @@ def _check_online(args: argparse.Namespace) -> OnlineSetup:
         facts = inspect_model(options.target_model_path, options.layer_ids, options.trust_remote_code)
         check_transfer_space(options, facts)
     except ValueError as error:
-        raise TrainSetupError(str(error).strip().splitlines()[0]) from None
+        raise TrainSetupError(first_line(error)) from None
     if args.cache_dir and Path(args.cache_dir).exists() and not Path(args.cache_dir).is_dir():
         raise TrainSetupError(f"--cache-dir {args.cache_dir} is a file; name a folder")
     dataset = preprocess_samples(options, facts).dataset
@@ -274,7 +276,7 @@ def _verifier_text_config(path: str) -> Any:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except Exception as error:  # noqa: BLE001 - any failure means: not a usable verifier
         raise TrainSetupError(
-            f"cannot read the verifier config at {path!r} ({str(error).splitlines()[0]}); "
+            f"cannot read the verifier config at {path!r} ({first_line(error)}); "
             "--verifier-name-or-path must be the target model folder"
         ) from None
     from speculators_vllm016.utils.text_config import text_config_of
@@ -338,7 +340,7 @@ def _token_counts(token_freq_path: str | None, data_path: Path) -> tuple[dict[in
                 counts = torch.load(path, weights_only=True)
                 return {int(token): int(count) for token, count in counts.items()}, str(path)
     except (OSError, ValueError, RuntimeError) as error:
-        raise TrainSetupError(f"cannot read token counts: {str(error).splitlines()[0]}") from None
+        raise TrainSetupError(f"cannot read token counts: {first_line(error)}") from None
     raise TrainSetupError(
         "--draft-vocab-size needs token counts: give --token-freq-path, or point --data-path at "
         f"a datagen folder (it writes {TOKEN_FREQ_DIR}/ beside the samples); none in {data_path}"

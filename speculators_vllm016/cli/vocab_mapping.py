@@ -12,6 +12,8 @@ from typing import NoReturn
 
 import typer
 
+from speculators_vllm016.utils.errors import type_and_first_line
+
 __all__ = ["D2T_FILE", "T2D_FILE", "target_vocab_size_of", "vocab_mapping", "write_vocab_mappings",
            "write_vocab_mappings_from_counts"]
 
@@ -45,7 +47,7 @@ def write_vocab_mappings(
     except Exception as error:  # noqa: BLE001 - pickle, zip and EOF errors alike: not our file
         raise ValueError(
             f"{token_freq_path} is not a readable token frequency file "
-            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+            f"({type_and_first_line(error)})"
         ) from error
     if not isinstance(counts, dict) or not counts:
         raise ValueError(f"{token_freq_path} is not a non-empty {{token_id: count}} mapping")

@@ -29,6 +29,7 @@ from speculators_vllm016.data_generation.conversations import (
     normalize_conversation,
     skip_reason,
 )
+from speculators_vllm016.utils.errors import type_and_first_line
 
 __all__ = [
     "PreprocessResult",
@@ -393,8 +394,7 @@ def load_and_preprocess(
         if hint is not None:
             raise hint from None
         raise ValueError(
-            f"cannot load the tokenizer of {target_model_path} ({type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else ''})"
+            f"cannot load the tokenizer of {target_model_path} ({type_and_first_line(error)})"
         ) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from speculators_vllm016.train.noise_transforms import TransformTensors
+from speculators_vllm016.utils.errors import type_and_first_line
 
 __all__ = [
     "BatchType",
@@ -290,7 +291,7 @@ def sample_lengths(
         try:
             return position, _read_length(paths[position]), None
         except Exception as error:  # noqa: BLE001 - any unreadable file is reported, not fatal
-            return position, None, f"{type(error).__name__}: {error}".splitlines()[0][:200]
+            return position, None, type_and_first_line(error)[:200]
 
     with ThreadPoolExecutor(max_workers=max(1, num_threads)) as pool:
         for position, length, reason in pool.map(read, to_read):

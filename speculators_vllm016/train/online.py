@@ -24,7 +24,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from speculators_vllm016.train.data import (
     Eagle3SampleFileDataset,
     PackedBatch,
 )
+from speculators_vllm016.utils.errors import first_line, type_and_first_line
 
 __all__ = [
     "CacheFolderError", "CacheWriteFailed", "ExtractionFailed", "OnlineExtractor", "OnlineLoader", "OnlineStats",
@@ -60,10 +62,9 @@ class CacheWriteFailed(DataSourceError):
 
     @classmethod
     def of(cls, folder: Path, error: BaseException) -> CacheWriteFailed:
-        text = str(error).strip().splitlines()
         return cls(
-            f"writing the --cache-dir folder {folder} failed ({type(error).__name__}: "
-            f"{text[0] if text else ''}); free space there or give another --cache-dir"
+            f"writing the --cache-dir folder {folder} failed ({type_and_first_line(error)}); "
+            "free space there or give another --cache-dir"
         )
 
 
@@ -298,53 +299,51 @@ class _Cache:
         try:
             _prepare_output_dir(folder)
         except ValueError as error:
-            raise CacheFolderError(_first_line(error).replace("--output-dir", "--cache-dir")) from None
-        try:
-            self._lock = ShardLock(folder, 0, 1).__enter__()
-        except ValueError:
-            raise CacheFolderError(
-                f"another process is using --cache-dir {folder}; wait for it to finish, or give "
-                "this run another --cache-dir"
-            ) from None
-        except OSError as error:
-            raise CacheFolderError(f"cannot use --cache-dir {folder} ({error}); choose a writable folder") from None
-        try:
-            self._slot = WriterSlot(folder)
-        except OSError as error:
-            self._lock.__exit__(None, None, None)
-            raise CacheFolderError(f"cannot write --cache-dir {folder} ({error}); free space there or "
-                                   "choose another --cache-dir") from None
-        try:
-            removed = remove_partial_files(folder)
-            if removed:
-                logger.info("cache: removed %d partial files of an interrupted run", removed)
-            self.identity = _run_identity(options, facts, samples_digest(dataset))
+            raise CacheFolderError(first_line(error).replace("--output-dir", "--cache-dir")) from None
+        cannot_write = (f"cannot write --cache-dir {folder} ({{}}); free space there or choose "
+                        "another --cache-dir")
+        with ExitStack() as taken:  # what set-up took is given back if a later part of it fails
             try:
-                self._must_record = check_identity(folder, self.identity, False)
-            except ValueError as error:
-                text = _first_line(error).replace("--output-dir", "--cache-dir")
-                if "--adopt-existing" in text:  # datagen's flag; train has none
-                    text = (f"--cache-dir {folder} already holds sample files but no record of "
-                            "the run that wrote them; use an empty --cache-dir")
-                elif text.startswith(str(folder)):
-                    text = f"--cache-dir {text}"
-                raise CacheFolderError(text) from None
-            _write_token_counts(options, dataset, list(range(len(dataset))))
-            self._manifest = ManifestWriter(manifest_path(folder, 0, 1), fsync=options.fsync)
-        except OSError as error:
-            self._slot.close()
-            self._lock.__exit__(None, None, None)
-            raise CacheFolderError(f"cannot write --cache-dir {folder} ({error}); free space there or "
-                                   "choose another --cache-dir") from None
-        except BaseException:
-            self._slot.close()
-            self._lock.__exit__(None, None, None)
-            raise
-        self._writers = SampleWriterPool(
-            options.num_writer_threads, options.output_format, fsync=options.fsync,
-            max_pending=64, slot=self._slot, manifest=self._manifest,
-        )
+                self._lock = taken.enter_context(ShardLock(folder, 0, 1))
+            except ValueError:
+                raise CacheFolderError(
+                    f"another process is using --cache-dir {folder}; wait for it to finish, or "
+                    "give this run another --cache-dir"
+                ) from None
+            except OSError as error:
+                raise CacheFolderError(
+                    f"cannot use --cache-dir {folder} ({error}); choose a writable folder"
+                ) from None
+            try:
+                self._slot = taken.enter_context(WriterSlot(folder))
+                removed = remove_partial_files(folder)
+                if removed:
+                    logger.info("cache: removed %d partial files of an interrupted run", removed)
+                self.identity = _run_identity(options, facts, samples_digest(dataset))
+                self._must_record = self._check_identity(check_identity)
+                _write_token_counts(options, dataset, list(range(len(dataset))))
+                self._manifest = ManifestWriter(manifest_path(folder, 0, 1), fsync=options.fsync)
+            except OSError as error:
+                raise CacheFolderError(cannot_write.format(error)) from None
+            self._writers = SampleWriterPool(
+                options.num_writer_threads, options.output_format, fsync=options.fsync,
+                max_pending=64, slot=self._slot, manifest=self._manifest,
+            )
+            taken.pop_all()
         self._num_samples = len(dataset)
+
+    def _check_identity(self, check_identity: Callable[..., bool]) -> bool:
+        """Whether this run must still be recorded; a folder of another run is refused."""
+        try:
+            return check_identity(self.folder, self.identity, False)
+        except ValueError as error:
+            text = first_line(error).replace("--output-dir", "--cache-dir")
+            if "--adopt-existing" in text:  # datagen's flag; train has none
+                text = (f"--cache-dir {self.folder} already holds sample files but no record of "
+                        "the run that wrote them; use an empty --cache-dir")
+            elif text.startswith(str(self.folder)):
+                text = f"--cache-dir {text}"
+            raise CacheFolderError(text) from None
 
     def started(self, generator: Any) -> None:
         """The engine runs: record the run and write `data_config.json` (as datagen does)."""
@@ -445,11 +444,6 @@ def _rank_plans(batch_sampler: Any, world_size: int) -> list[list[list[int]]]:
     return plans
 
 
-def _first_line(error: BaseException) -> str:
-    lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__
-
-
 def _as_source_error(error: BaseException, extractor: OnlineExtractor) -> DataSourceError:
     """The producer's failure as the trainer reports it: a cache write failure says so."""
     if isinstance(error, DataSourceError):
@@ -458,10 +452,9 @@ def _as_source_error(error: BaseException, extractor: OnlineExtractor) -> DataSo
 
 
 def _failure_message(error: BaseException, died: bool) -> str:
-    text = str(error).strip()
     return (
         f"the target model's engine failed{': a worker process died' if died else ''} "
-        f"({type(error).__name__}: {text.splitlines()[0] if text else ''})"
+        f"({type_and_first_line(error)})"
     )
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from speculators_vllm016.utils.errors import first_line
+
 __all__ = ["load_model_layers", "read_checkpoint_tensors"]
 
 logger = logging.getLogger(__name__)
@@ -63,7 +65,7 @@ def _read_file(path: Path, names: set[str] | None) -> dict[str, torch.Tensor]:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # torch raises RuntimeError, UnpicklingError, EOFError, ...
         raise ValueError(
-            f"{path} is not a readable PyTorch checkpoint ({str(err).splitlines()[0]}); "
+            f"{path} is not a readable PyTorch checkpoint ({first_line(err)}); "
             "re-save it or convert it to safetensors"
         ) from err
     if not isinstance(state, dict) or not all(

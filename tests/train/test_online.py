@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from speculators_vllm016.cli.train import main as train_main
 from speculators_vllm016.data_generation.offline import DatagenOptions, run_datagen
 from speculators_vllm016.data_generation.vllm_hidden_states_generator import HiddenStatesResult
+from speculators_vllm016.data_generation.sample_io import TEMP_DIR
 from speculators_vllm016.demo import demo_conversations_path
 from speculators_vllm016.train.data import list_files
 from speculators_vllm016.train.vocab_mapping import build_vocab_mappings_from_distribution
@@ -583,6 +584,10 @@ def test_an_unusable_cache_dir_is_a_one_line_setup_error(tiny_llama, tmp_path, m
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith(says), err[-600:]
+    if problem == "another run":  # refused after taking the lock and a writer slot: both given back
+        ShardLock(cache, 0, 1).__enter__().__exit__(None, None, None)
+        slots = cache / TEMP_DIR
+        assert not slots.exists() or not any(slots.iterdir())
 
 
 class _OneRank:
