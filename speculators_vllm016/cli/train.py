@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from speculators_vllm016.utils.errors import first_line
+from speculators_vllm016.utils.errors import first_line, type_and_first_line
 
 __all__ = ["TrainSetup", "TrainSetupError", "build_model", "build_parser", "main", "prepare"]
 
@@ -331,16 +331,21 @@ def _token_counts(token_freq_path: str | None, data_path: Path) -> tuple[dict[in
 
     from speculators_vllm016.data_generation.token_counts import TOKEN_FREQ_DIR, load_token_freq
 
-    candidates = [Path(token_freq_path)] if token_freq_path else [data_path / "token_freq.pt"]
-    try:
-        if token_freq_path is None and (data_path / TOKEN_FREQ_DIR).is_dir():
+    path = Path(token_freq_path) if token_freq_path else data_path / "token_freq.pt"
+    if token_freq_path is None and (data_path / TOKEN_FREQ_DIR).is_dir():
+        try:
             return load_token_freq(data_path), str(data_path / TOKEN_FREQ_DIR)
-        for path in candidates:
-            if path.is_file():
-                counts = torch.load(path, weights_only=True)
-                return {int(token): int(count) for token, count in counts.items()}, str(path)
-    except (OSError, ValueError, RuntimeError) as error:
-        raise TrainSetupError(f"cannot read token counts: {first_line(error)}") from None
+        except (OSError, ValueError, RuntimeError) as error:
+            raise TrainSetupError(f"cannot read token counts: {first_line(error)}") from None
+    if path.is_file():
+        try:
+            counts = torch.load(path, weights_only=True)
+            return {int(token): int(count) for token, count in counts.items()}, str(path)
+        except Exception as error:  # noqa: BLE001 - pickle, zip, EOF, not a mapping: not our file
+            raise TrainSetupError(
+                f"cannot read token counts from {path} ({type_and_first_line(error)}); "
+                "it must be a {token_id: count} mapping saved by datagen or vocab-mapping"
+            ) from None
     raise TrainSetupError(
         "--draft-vocab-size needs token counts: give --token-freq-path, or point --data-path at "
         f"a datagen folder (it writes {TOKEN_FREQ_DIR}/ beside the samples); none in {data_path}"

@@ -119,6 +119,24 @@ def test_vocab_maps_from_token_counts(tiny_llama, training_data, tmp_path):
     assert sorted(np.flatnonzero(t2d).tolist()) == sorted(most)
 
 
+@pytest.mark.parametrize("content", ["empty", "not a mapping", "text"])
+def test_unreadable_token_counts_are_a_one_line_error(tiny_llama, training_data, tmp_path, capsys, content):
+    counts = tmp_path / "token_freq.pt"
+    if content == "empty":
+        counts.write_bytes(b"")  # torch.load: EOFError with no message
+    elif content == "not a mapping":
+        torch.save(torch.arange(4), counts)
+    else:
+        counts.write_text("not a checkpoint")
+    save = tmp_path / "save"
+    argv = train_args(tiny_llama, training_data, save, "--draft-vocab-size", "48",
+                      "--token-freq-path", str(counts))
+    argv[argv.index("--d2t-path") + 1] = str(tmp_path / "none_d2t.npy")
+    message = run_error(argv, capsys)
+    assert message.startswith(f"error: cannot read token counts from {counts}"), message
+    assert not save.exists()
+
+
 @pytest.mark.parametrize(("flag", "value"), [
     ("--train-ratio", "0"), ("--train-ratio", "1.5"), ("--num-workers", "-1"), ("--max-steps", "0"),
     ("--scheduler-warmup-steps", "-1"), ("--scheduler-total-steps", "0"),
