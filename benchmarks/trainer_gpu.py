@@ -11,6 +11,9 @@ torchrun on `--gpus` devices. Throughput comes from the trainer's own `metrics.j
 included); the first `--warmup-steps` steps (compilation) are left out; median and spread per
 step, and the total tokens over the total seconds of the timed steps. `--step-benchmark` also runs
 `benchmarks/training.py` on the same shapes in this run, for the ratio trainer / step benchmark.
+Each run's last checkpoint write is timed (the trainer's log). `--resume-check` runs each kind
+twice more: half the steps, then the same command resumed to the end; it reports the checkpoint
+load time and whether the resumed run's final weights equal the uninterrupted run's, bit for bit.
 JSON and markdown go to --output-dir. NCCL's NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
 """
 
@@ -18,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import shlex
 import signal
 import statistics
@@ -63,6 +68,12 @@ class RunResult:
     median_step_seconds: float | None = None
     peak_memory_gib: float | None = None
     final_loss: float | None = None
+    checkpoint_save_seconds: float | None = None
+    checkpoint_load_seconds: float | None = None
+    resumed_equal: bool | None = None
+    resumed_max_abs_diff: float | None = None
+    repeat_equal: bool | None = None
+    repeat_max_abs_diff: float | None = None
     error: str | None = None
 
 
@@ -175,14 +186,22 @@ def write_synthetic_inputs(
 
 # -- runs ----------------------------------------------------------------------------------------
 def train_command(name: str, processes: int, paths: dict[str, Path], save: Path,
-                  args: argparse.Namespace) -> list[str]:
+                  args: argparse.Namespace, max_steps: int | None = None, resume: bool = False) -> list[str]:
     train = [
         "train", "--verifier-name-or-path", str(paths["verifier"]), "--data-path", str(paths["data"]),
         "--save-path", str(save), "--d2t-path", str(paths["d2t"]), "--t2d-path", str(paths["t2d"]),
-        "--total-seq-len", str(args.total_seq_len), "--max-steps", str(args.max_steps),
-        "--epochs", "1", "--train-ratio", "1.0", "--no-progress", "--no-resume-from-checkpoint",
-        "--log-dir", str(save.parent / "logs"),
+        "--total-seq-len", str(args.total_seq_len), "--max-steps", str(max_steps or args.max_steps),
+        "--epochs", "1", "--train-ratio", "1.0", "--no-progress", "--log-dir", str(save.parent / "logs"),
     ]
+    if not resume:  # resuming is the trainer's default
+        train.append("--no-resume-from-checkpoint")
+    if max_steps is not None:
+        # The schedule follows --max-steps: the resume check's shorter first part keeps the
+        # full run's schedule, so that it and the resumed part retrace the uninterrupted run.
+        from speculators_vllm016.train.trainer import default_warmup_steps
+
+        train += ["--scheduler-total-steps", str(args.max_steps),
+                  "--scheduler-warmup-steps", str(default_warmup_steps(args.max_steps))]
     if args.device:
         train += ["--device", args.device]
     if args.num_workers is not None:
@@ -224,13 +243,13 @@ def summarize_metrics(path: Path, warmup_steps: int) -> dict[str, Any]:
 
 
 def run_process_group(command: list[str], env: dict[str, str], log: Path,
-                      timeout: float) -> tuple[int | None, str | None]:
+                      timeout: float, cwd: Path | None = None) -> tuple[int | None, str | None]:
     """Run `command` (output to `log`) in its own session: `(returncode, None)`, or
     `(None, "timed out ...")` after killing the whole group. Killing torchrun alone would leave
     its workers holding the GPUs under the next run."""
     with open(log, "w") as handle:
         process = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+                                   start_new_session=True, cwd=cwd)
         try:
             return process.wait(timeout=timeout), None
         except subprocess.TimeoutExpired:
@@ -239,30 +258,100 @@ def run_process_group(command: list[str], env: dict[str, str], log: Path,
             return None, f"timed out after {timeout} s"
 
 
-def run_trainer(name: str, processes: int, paths: dict[str, Path], work: Path,
-                args: argparse.Namespace) -> RunResult:
-    save = work / f"run-{name}" / "checkpoints"
-    command = train_command(name, processes, paths, save, args)
+def checkpoint_seconds(log: str) -> tuple[float | None, float | None]:
+    """`(last checkpoint write, weights + optimizer state load)` seconds from a trainer's log."""
+    written = re.findall(r"checkpoint \S+ written in ([0-9.]+) s", log)
+    loaded = re.findall(r"(?:weights|optimizer state) of \S+ loaded in ([0-9.]+) s", log)
+    return (float(written[-1]) if written else None,
+            round(sum(map(float, loaded)), 3) if len(loaded) == 2 else None)
+
+
+def last_checkpoint(save: Path) -> Path | None:
+    """The checkpoint folder a run wrote last."""
+    folders = [folder for folder in save.glob("*") if (folder / "model.safetensors").is_file()]
+    return max(folders, key=lambda folder: folder.stat().st_mtime, default=None)
+
+
+def compare_weights(first: Path, second: Path) -> tuple[bool, float]:
+    """`(bit for bit equal, max |difference|)` of two checkpoints' trainable weights (the fp32
+    master copy when the checkpoint has one)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from speculators_vllm016.train.checkpointer import MASTER_WEIGHTS
+
+    name = MASTER_WEIGHTS if (first / MASTER_WEIGHTS).is_file() else "model.safetensors"
+    left, right = load_file(first / name), load_file(second / name)
+    if left.keys() != right.keys():
+        return False, math.inf
+    equal = all(torch.equal(left[key], right[key]) for key in left)
+    diff = max((float((left[key].double() - right[key].double()).abs().max()) for key in left), default=0.0)
+    return equal, diff
+
+
+def _launch(command: list[str], name: str, log: Path, timeout: float) -> tuple[int | None, str | None, float]:
     env = {**os.environ, **SAFE_ENV, "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     if name == "single" and "CUDA_VISIBLE_DEVICES" not in os.environ:
         env["CUDA_VISIBLE_DEVICES"] = "0"
-    log = work / f"run-{name}.log"
     print(f"$ {shlex.join(command)}", flush=True)
     started = time.perf_counter()
-    returncode, error = run_process_group(command, env, log, args.run_timeout)
+    # `python -m` puts the working folder first on sys.path: run in ROOT, or another checkout's
+    # package (the caller's folder) would be trained instead of ROOT's.
+    returncode, error = run_process_group(command, env, log, timeout, cwd=ROOT)
     seconds = time.perf_counter() - started
     if returncode not in (0, None):
         tail = log.read_text(errors="replace").strip().splitlines()[-25:]
         print("\n".join(tail), flush=True)
         error = f"exit {returncode}: " + (tail[-1][:300] if tail else "")
+    return returncode, error, seconds
+
+
+def run_trainer(name: str, processes: int, paths: dict[str, Path], work: Path,
+                args: argparse.Namespace) -> RunResult:
+    save = work / f"run-{name}" / "checkpoints"
+    command = train_command(name, processes, paths, save, args)
+    log = work / f"run-{name}.log"
+    returncode, error, seconds = _launch(command, name, log, args.run_timeout)
     metrics = save / "metrics.jsonl"
     summary = summarize_metrics(metrics, args.warmup_steps) if metrics.is_file() else {
         "steps_logged": 0, "timed_steps": 0}
+    written, _ = checkpoint_seconds(log.read_text(errors="replace")) if log.is_file() else (None, None)
     result = RunResult(name=name, processes=processes, command=shlex.join(command),
-                       returncode=returncode, seconds=round(seconds, 1), error=error, **summary)
+                       returncode=returncode, seconds=round(seconds, 1), error=error,
+                       checkpoint_save_seconds=written, **summary)
+    if args.resume_check and returncode == 0:
+        check_resume(result, paths, work, args, last_checkpoint(save))
     print(json.dumps(asdict(result)), flush=True)
     return result
+
+
+def check_resume(result: RunResult, paths: dict[str, Path], work: Path, args: argparse.Namespace,
+                 uninterrupted: Path | None) -> None:
+    """Half the steps, then the same command resumed to the end: load time and final weights.
+    The uninterrupted run is repeated too: on a GPU whose kernels are not deterministic, a
+    resumed run can only be as close to it as a repeat is."""
+    save = work / f"resume-{result.name}" / "checkpoints"
+    for part, (steps, resume) in enumerate(((max(1, args.max_steps // 2), False), (args.max_steps, True))):
+        command = train_command(result.name, result.processes, paths, save, args, steps, resume)
+        log = work / f"resume-{result.name}-{part}.log"
+        returncode, error, _ = _launch(command, result.name, log, args.run_timeout)
+        if returncode != 0:
+            result.error = f"resume check, part {part + 1}: {error}"
+            return
+    _, result.checkpoint_load_seconds = checkpoint_seconds(log.read_text(errors="replace"))
+    repeat = work / f"repeat-{result.name}" / "checkpoints"
+    command = train_command(result.name, result.processes, paths, repeat, args)
+    returncode, error, _ = _launch(command, result.name, work / f"repeat-{result.name}.log", args.run_timeout)
+    if returncode != 0:
+        result.error = f"resume check, repeat: {error}"
+        return
+    resumed, repeated = last_checkpoint(save), last_checkpoint(repeat)
+    if uninterrupted is None or resumed is None or repeated is None:
+        result.error = "resume check: a run wrote no checkpoint"
+        return
+    result.resumed_equal, result.resumed_max_abs_diff = compare_weights(uninterrupted, resumed)
+    result.repeat_equal, result.repeat_max_abs_diff = compare_weights(uninterrupted, repeated)
 
 
 def run_step_benchmark(preset: TrainingPreset, work: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -339,6 +428,24 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         )
     elif step:
         lines.append(f"| step benchmark | 1 | | | | | | | | | {step.get('error')} |")
+    checkpointed = [run for run in runs if run.get("checkpoint_save_seconds") is not None]
+    if checkpointed:
+        lines += ["", "| run | GPUs | last checkpoint write s | resume: load s (weights + optimizer) | "
+                  "resumed vs uninterrupted: final weights | repeat vs uninterrupted: final weights |",
+                  "|---|---:|---:|---:|---|---|"]
+
+        def same(run: dict[str, Any], kind: str) -> str:
+            equal, diff = run.get(f"{kind}_equal"), run.get(f"{kind}_max_abs_diff")
+            if equal is None:
+                return ""
+            return "equal, bit for bit" if equal else f"differ, max abs diff {diff:.3g}"
+
+        for run in checkpointed:
+            load = run.get("checkpoint_load_seconds")
+            lines.append(
+                f"| {run['name']} | {run['processes']} | {run['checkpoint_save_seconds']:.2f} | "
+                f"{'' if load is None else f'{load:.2f}'} | {same(run, 'resumed')} | {same(run, 'repeat')} |"
+            )
     lines += ["", "Commands:", ""]
     lines += [f"- `{run['command']}`" for run in runs]
     if step.get("command"):
@@ -371,6 +478,9 @@ def make_parser() -> argparse.ArgumentParser:
                         help="the samples' loss masks: answer (a 10%% prompt, then the answer) or "
                         "the step benchmark's kinds (then its run uses the same)")
     parser.add_argument("--run-timeout", type=int, default=300, help="seconds per run")
+    parser.add_argument("--resume-check", action="store_true",
+                        help="per run kind: half the steps, resume to the end, and a repeat of the "
+                        "whole run; compare their final weights with the run's")
     parser.add_argument("--train-args", nargs=argparse.REMAINDER, default=[],
                         help="further `speculators train` flags (last on the line)")
     parser.add_argument("--output-dir", default=str(ROOT / "benchmarks" / "results"))

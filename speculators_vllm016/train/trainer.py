@@ -232,7 +232,10 @@ class Trainer:
         if sharded:
             apply_fully_sharded(model)
         if self.resume_ref is not None:
+            started = time.perf_counter()
             self.checkpointer.load_model_state_dict(model, checkpoint=self.resume_ref.path)
+            root_logger.info("weights of %s loaded in %.2f s", self.resume_ref.path,
+                             time.perf_counter() - started)
         if self.is_distributed and not sharded:
             self.wrapped = apply_data_parallel(model, self.device)
         else:
@@ -257,6 +260,7 @@ class Trainer:
             return
         # The optimizer state restores each group's current learning rate: load it after the
         # scheduler's construction has set its own, and the scheduler's position after that.
+        started = time.perf_counter()
         self.checkpointer.load_optimizer_state_dict(
             self.model, self.opt, torch.float32, checkpoint=self.resume_ref.path
         )
@@ -264,6 +268,8 @@ class Trainer:
             self.checkpointer.load_scheduler_state_dict(
                 self.scheduler, checkpoint=self.resume_ref.path
             )
+        root_logger.info("optimizer state of %s loaded in %.2f s", self.resume_ref.path,
+                         time.perf_counter() - started)
 
     def _make_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None:
         if self.config.scheduler_type == "none":
@@ -587,11 +593,13 @@ class Trainer:
         self._wrote_checkpoint = True  # from here on the earlier run is gone
         if self._earlier_run:
             self._remove_earlier_run()
+        started = time.perf_counter()
         path = self.checkpointer.save(
             name, self.wrapped, self.opt, self.scheduler, self.state,
             float_dtype=self.config.checkpoint_dtype,
             optimizer_dtype=self.config.optimizer_state_dtype,
         )
+        root_logger.info("checkpoint %s written in %.2f s", path, time.perf_counter() - started)
         self._prune(path.name)
         return path
 
@@ -663,7 +671,6 @@ class Trainer:
                 path = self.save_checkpoint(epoch)
                 if improved:
                     self.checkpointer.point_best(str(epoch))
-                root_logger.info("checkpoint %s", path)
                 if self.config.max_steps is not None and self.state.global_step >= self.config.max_steps:
                     break
         except BaseException:

@@ -6,6 +6,8 @@ import os
 import sys
 import time
 
+import pytest
+
 from benchmarks.trainer_gpu import run_process_group
 
 # A parent that starts a child and waits: the shape of torchrun and its workers.
@@ -44,3 +46,34 @@ def test_a_finished_run_gives_its_exit_status(tmp_path) -> None:
     assert run_process_group([sys.executable, "-c", "print('done'); raise SystemExit(3)"],
                              dict(os.environ), log, timeout=30) == (3, None)
     assert log.read_text().strip() == "done"
+
+
+def test_runs_start_in_the_benchmarked_checkout(tmp_path, monkeypatch) -> None:
+    # `python -m speculators_vllm016` imports the package of the working folder first: a run
+    # started elsewhere would benchmark that folder's code, not ROOT's.
+    from benchmarks import trainer_gpu
+
+    monkeypatch.chdir(tmp_path)
+    log = tmp_path / "run.log"
+    returncode, _, _ = trainer_gpu._launch([sys.executable, "-c", "import os; print(os.getcwd())"],
+                                           "ddp", log, 30)
+    assert returncode == 0
+    assert log.read_text().strip() == str(trainer_gpu.ROOT)
+
+
+@pytest.mark.slow
+def test_resume_check_times_checkpoints_and_finds_the_resumed_run_equal(tmp_path) -> None:
+    # The real trainer on the CPU preset: an uninterrupted run, half of it then resumed, and a
+    # repeat; on the CPU all three end with the same weights, bit for bit.
+    from benchmarks.trainer_gpu import main
+
+    result = main(["--preset", "cpu-small", "--runs", "single", "--max-steps", "2", "--warmup-steps", "0",
+                   "--total-seq-len", "512", "--samples", "8", "--device", "cpu", "--run-timeout", "300",
+                   "--work-dir", str(tmp_path / "work"), "--output-dir", str(tmp_path / "out"),
+                   "--resume-check"])
+    run = result["runs"][0]
+    assert run["error"] is None and run["returncode"] == 0
+    assert run["checkpoint_save_seconds"] > 0 and run["checkpoint_load_seconds"] > 0
+    assert run["resumed_equal"] is True and run["resumed_max_abs_diff"] == 0
+    assert run["repeat_equal"] is True
+    assert "equal, bit for bit" in (tmp_path / "out" / "trainer-cpu-small.md").read_text()
