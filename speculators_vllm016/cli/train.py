@@ -97,6 +97,10 @@ def build_parser(prog: str = "speculators train") -> argparse.ArgumentParser:
                          help="auto: bf16 compute with fp32 master weights on GPU, fp32 on CPU")
     runtime.add_argument("--parallel", choices=["fsdp", "ddp"], default="fsdp",
                          help="data parallelism under torchrun")
+    runtime.add_argument("--fsdp-bf16-params", action="store_true",
+                         help="--parallel fsdp: gather bf16 copies of the weights, not the fp32 "
+                         "masters (half the traffic: for slow links; norms then use bf16 weights, "
+                         "so the numerics differ slightly from one-GPU training)")
     runtime.add_argument("--device", default=None, help="cpu or cuda (default: GPU if present)")
     runtime.add_argument("--num-workers", type=int, default=None,
                          help="loader processes (default: min(12, CPUs); 0.3.0 used 12)")
@@ -494,6 +498,8 @@ def prepare(args: argparse.Namespace) -> TrainSetup:
     for name in ("max_steps", "scheduler_total_steps"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise TrainSetupError(f"--{name.replace('_', '-')} must be at least 1 (leave it out for all steps)")
+    if args.fsdp_bf16_params and args.parallel != "fsdp":
+        raise TrainSetupError("--fsdp-bf16-params applies to --parallel fsdp only (DDP gathers no weights)")
     if not 0 < args.train_ratio <= 1:
         raise TrainSetupError(
             f"--train-ratio {args.train_ratio} must be in (0, 1]: the share of sample files that "
@@ -691,6 +697,7 @@ def run(args: argparse.Namespace) -> int:
             checkpoint_dtype=getattr(torch, DTYPES[args.checkpoint_dtype]),
             optimizer_state_dtype=torch.bfloat16 if args.bf16_optimizer_state else None,
             keep_mid_epoch_checkpoints=args.keep_mid_epoch_checkpoints,
+            fsdp_bf16_params=args.fsdp_bf16_params,
             show_progress=not args.no_progress,
         )
         trainer = Trainer(model, trainer_config, train_loader, val_loader)

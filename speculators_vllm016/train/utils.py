@@ -66,28 +66,36 @@ def maybe_destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def apply_fully_sharded(model: torch.nn.Module) -> torch.nn.Module:
+def apply_fully_sharded(
+    model: torch.nn.Module, param_dtype: torch.dtype | None = None
+) -> torch.nn.Module:
     """Shard the draft with FSDP2: each decoder layer, then the rest (embeddings, heads).
 
-    Parameters stay in their dtype (fp32 master weights); bf16 compute comes from autocast, so the
-    numerics match single-process and DDP training. The model must already be on its device with
+    By default the weights are gathered in their dtype (fp32 master weights) and bf16 compute
+    comes from autocast, so the numerics match single-process and DDP training.
+    `param_dtype=torch.bfloat16` gathers bf16 copies instead (FSDP2's mixed precision: half the
+    gather traffic and no gathered fp32 copies; gradients still reduced and accumulated in fp32).
+    Matrix products see the same bf16 weights as under autocast, but the norms then scale by
+    bf16 weights too, so losses differ from one-process training in the last digits.
+    The model must already be on its device with
     its weights loaded: nothing is re-initialised here (0.3.0 reset the shared weights).
     Frozen parameters (the verifier's embeddings, norm and head) stay whole on every rank: they
     get no gradient or optimizer state to shard, gathering the 1 GB embedding table at every use
     would cost more than it saves, and they may be stored in another dtype than the rest.
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     layers = getattr(model, "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no `layers` to shard")
     frozen = {parameter for parameter in model.parameters() if not parameter.requires_grad}
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for layer in layers:
         # Each layer runs once per TTT step, forward and backward: resharding after every call
         # would gather its weights 2 x ttt_steps times a step. A draft has one or a few layers,
         # so keeping them gathered until the backward pass costs little memory.
-        fully_shard(layer, reshard_after_forward=False, ignored_params=frozen or None)
-    fully_shard(model, ignored_params=frozen or None)
+        fully_shard(layer, reshard_after_forward=False, ignored_params=frozen or None, mp_policy=policy)
+    fully_shard(model, ignored_params=frozen or None, mp_policy=policy)
     for layer in layers:
         _reduce_once_per_backward(model, layer)
     return model

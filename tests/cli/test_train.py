@@ -156,6 +156,14 @@ def test_bad_numbers_are_refused_before_anything_is_written(
     assert not save.exists() and not (tmp_path / "logs").exists(), "a refused run wrote files"
 
 
+def test_fsdp_bf16_params_with_ddp_is_refused(tiny_llama, training_data, tmp_path, capsys):
+    save = tmp_path / "save"
+    message = run_error(train_args(tiny_llama, training_data, save, "--parallel", "ddp", "--fsdp-bf16-params"),
+                        capsys)
+    assert "--fsdp-bf16-params applies to --parallel fsdp only" in message
+    assert not save.exists()
+
+
 def test_maps_of_two_builds_are_refused_even_when_their_sizes_agree(
     tiny_llama, training_data, tmp_path, capsys
 ):

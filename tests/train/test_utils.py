@@ -62,9 +62,11 @@ def test_ddp_on_nccl_averages_the_gradients_of_the_ranks():
     mp.spawn(_ddp_gradients_equal_the_average, args=(_free_port(),), nprocs=2, join=True)
 
 
-def _sharded_draft_step(rank: int, port: int, verifier: str, out: str) -> None:
+def _sharded_draft_step(rank: int, port: int, verifier: str, out: str,
+                        param_dtype: torch.dtype | None = None) -> None:
     """One forward and backward of a tiny Eagle3 draft under `apply_fully_sharded` (gloo, CPU),
-    counting FSDP2's collectives; rank 0 saves the averaged gradients and the counts."""
+    counting FSDP2's collectives; rank 0 saves the averaged gradients and the counts, and the
+    dtypes the layer's weights had in the forward pass and keep between steps."""
     from speculators_vllm016.train.utils import apply_fully_sharded
     from tests.models.test_eagle3 import batch, draft_model
 
@@ -81,7 +83,10 @@ def _sharded_draft_step(rank: int, port: int, verifier: str, out: str) -> None:
     try:
         dist.reduce_scatter_tensor = counted("reduce_scatter", dist.reduce_scatter_tensor)
         dist.all_gather_into_tensor = counted("all_gather", dist.all_gather_into_tensor)
-        model = apply_fully_sharded(draft_model(verifier))
+        model = apply_fully_sharded(draft_model(verifier), param_dtype)
+        seen = set()
+        model.layers[0].register_forward_pre_hook(
+            lambda module, args: seen.update(p.dtype for p in module.parameters() if p.requires_grad))
         for step in range(2):  # the second step starts from the switches the first one left
             model.zero_grad(set_to_none=True)
             before = dict(calls)
@@ -90,7 +95,8 @@ def _sharded_draft_step(rank: int, port: int, verifier: str, out: str) -> None:
         grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()
                  if p.grad is not None}
         if rank == 0:
-            torch.save({"grads": grads, "per_step": per_step}, out)
+            kept = {p.dtype for p in model.parameters() if p.requires_grad}
+            torch.save({"grads": grads, "per_step": per_step, "gathered": seen, "kept": kept}, out)
     finally:
         dist.destroy_process_group()
 
@@ -116,3 +122,35 @@ def test_fully_sharded_draft_reduces_each_layer_once_a_step(tiny_llama, tmp_path
     assert sorted(saved["grads"]) == sorted(expected)
     for name, grad in expected.items():
         torch.testing.assert_close(saved["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_fully_sharded_draft_can_gather_bf16_copies_of_its_fp32_weights(tiny_llama, tmp_path):
+    """`param_dtype=bf16`: the layer computes with bf16 weights, the sharded masters and their
+    gradients stay fp32, the collectives are as many, and the gradients are those of a bf16 copy
+    of the draft (averaged over the two ranks' batches)."""
+    from tests.models.test_eagle3 import batch, draft_model
+
+    out = tmp_path / "sharded.pt"
+    mp.spawn(_sharded_draft_step, args=(_free_port(), str(tiny_llama), str(out), torch.bfloat16),
+             nprocs=2, join=True)
+    saved = torch.load(out)
+    assert saved["gathered"] == {torch.bfloat16} and saved["kept"] == {torch.float32}
+    assert saved["per_step"] == {"reduce_scatter": 2, "all_gather": 2}
+    reference = draft_model(str(tiny_llama))
+    for parameter in reference.parameters():
+        if parameter.requires_grad:
+            parameter.data = parameter.data.bfloat16()
+
+    def bf16_batch(seed: int) -> dict:  # FSDP2 casts the floating inputs of the forward too
+        return {key: value.bfloat16() if value.is_floating_point() else value
+                for key, value in batch(seed=seed).items()}
+
+    losses = [reference(**bf16_batch(rank), ttt_steps=3, ttt_step_loss_decay=0.8).loss
+              for rank in range(2)]
+    (sum(losses) / 2).backward()
+    expected = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+    assert sorted(saved["grads"]) == sorted(expected)
+    for name, grad in expected.items():
+        assert saved["grads"][name].dtype == torch.float32, name
+        torch.testing.assert_close(saved["grads"][name], grad.float(), rtol=2e-2, atol=2e-3, msg=name)
