@@ -24,7 +24,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -292,7 +292,7 @@ class _Cache:
             _run_identity,
             _write_token_counts,
         )
-        from speculators_vllm016.data_generation.resume import check_identity, samples_digest
+        from speculators_vllm016.data_generation.resume import samples_digest
         from speculators_vllm016.data_generation.sample_io import WriterSlot, remove_partial_files
 
         self.options, self.folder = options, folder
@@ -320,7 +320,7 @@ class _Cache:
                 if removed:
                     logger.info("cache: removed %d partial files of an interrupted run", removed)
                 self.identity = _run_identity(options, facts, samples_digest(dataset))
-                self._must_record = self._check_identity(check_identity)
+                self._must_record = self._check_identity()
                 _write_token_counts(options, dataset, list(range(len(dataset))))
                 self._manifest = ManifestWriter(manifest_path(folder, 0, 1), fsync=options.fsync)
             except OSError as error:
@@ -332,8 +332,10 @@ class _Cache:
             taken.pop_all()
         self._num_samples = len(dataset)
 
-    def _check_identity(self, check_identity: Callable[..., bool]) -> bool:
+    def _check_identity(self) -> bool:
         """Whether this run must still be recorded; a folder of another run is refused."""
+        from speculators_vllm016.data_generation.resume import check_identity
+
         try:
             return check_identity(self.folder, self.identity, False)
         except ValueError as error:
