@@ -82,6 +82,8 @@ class TrainingState:
     best_val_tau_sim: float | None = None
     best_checkpoint: str | None = None
     skipped_samples: int = 0
+    # The training files' names and token counts, hashed: the sampler's plans depend on them.
+    data_digest: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def resume_position(self) -> tuple[int, int]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -43,7 +44,7 @@ from speculators_vllm016.train.checkpointer import (
     remove_temporary_folders,
     restore_rng_state,
 )
-from speculators_vllm016.train.data import MODEL_INPUTS, DataSourceError
+from speculators_vllm016.train.data import MODEL_INPUTS, DataSourceError, Eagle3SampleFileDataset
 from speculators_vllm016.train.optimizer_step import clip_and_step
 from speculators_vllm016.train.utils import (
     apply_data_parallel,
@@ -172,7 +173,9 @@ class Trainer:
         sharded = self.is_distributed and config.parallel == "fsdp"
         checkpointer_class = DistributedCheckpointer if sharded else SingleGPUCheckpointer
         self.checkpointer: BaseCheckpointer = checkpointer_class(config.save_path)
-        self.state = TrainingState(seed=config.seed, world_size=self.world_size)
+        self.state = TrainingState(
+            seed=config.seed, world_size=self.world_size, data_digest=self._data_digest()
+        )
         self.resume_ref: CheckpointRef | None = None
         self._stop_requested = False
         self._pending_rng: dict[str, Any] | None = None
@@ -221,8 +224,27 @@ class Trainer:
                 self.state.seed, self.config.seed,
             )
         self.state.seed = self.config.seed  # the seed the rest of the run uses
+        digest = self._data_digest()
+        if self.state.data_digest is not None and digest is not None and self.state.data_digest != digest:
+            root_logger.warning(
+                "checkpoint written for other training data (sample files added, removed or "
+                "changed length): the batches of the rest of the run differ from an "
+                "uninterrupted one"
+            )
+        self.state.data_digest = digest
         epoch, step = self.state.resume_position()
         root_logger.info("resuming from %s at epoch %d, step %d", latest.path, epoch, step)
+
+    def _data_digest(self) -> str | None:
+        """A hash of the training files' names and token counts, in order (None when the
+        loader's dataset does not list them)."""
+        dataset = getattr(self.train_loader, "dataset", None)
+        if not isinstance(dataset, Eagle3SampleFileDataset):
+            return None
+        digest = hashlib.sha256()
+        for path, length in zip(dataset.data, dataset.lengths, strict=True):
+            digest.update(f"{Path(path).name}\t{int(length)}\n".encode())
+        return digest.hexdigest()[:16]
 
     def setup_model(self) -> None:
         """Move the model to its device, wrap it for data parallelism, load resumed weights."""

@@ -110,6 +110,24 @@ def test_resume_with_another_seed_warns_and_records_the_new_seed(
     assert "resuming with --seed" not in capsys.readouterr().err
 
 
+def test_resume_on_changed_training_data_warns(tiny_llama, training_data, tmp_path, capsys):
+    data = tmp_path / "data"
+    shutil.copytree(training_data, data)
+    for name in ("d2t.npy", "t2d.npy"):
+        shutil.copy(training_data.parent / name, tmp_path / name)
+    save = tmp_path / "ckpt"
+    assert main(train_args(tiny_llama, data, save, "--max-steps", "2")) == 0
+    capsys.readouterr()
+    assert main(train_args(tiny_llama, data, save, "--max-steps", "3")) == 0
+    assert "other training data" not in capsys.readouterr().err
+    samples = sorted(data.glob("data_*.pt"))
+    shutil.copy(samples[0], data / f"data_{len(samples) + 100}.pt")  # datagen added a sample
+    assert main(train_args(tiny_llama, data, save, "--max-steps", "4")) == 0
+    assert "checkpoint written for other training data" in capsys.readouterr().err
+    assert main(train_args(tiny_llama, data, save, "--max-steps", "5")) == 0
+    assert "other training data" not in capsys.readouterr().err, "the new data set was not recorded"
+
+
 def test_default_warmup_is_one_percent_of_the_capped_run(tiny_llama, training_data, tmp_path):
     # 100 epochs would warm up for a whole epoch's steps; capped at 3 steps the warm-up is 0
     # steps and the learning rate decays from the first step on.
