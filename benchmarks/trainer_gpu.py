@@ -195,9 +195,10 @@ def train_command(name: str, processes: int, paths: dict[str, Path], save: Path,
     ]
     if not resume:  # resuming is the trainer's default
         train.append("--no-resume-from-checkpoint")
-    if max_steps is not None:
-        # The schedule follows --max-steps: the resume check's shorter first part keeps the
-        # full run's schedule, so that it and the resumed part retrace the uninterrupted run.
+    if getattr(args, "resume_check", False):
+        # The default schedule follows --max-steps (and the data): under the resume check every
+        # run, the shorter first part included, gets the same explicit one, so that the parts
+        # retrace the uninterrupted run.
         from speculators_vllm016.train.trainer import default_warmup_steps
 
         train += ["--scheduler-total-steps", str(args.max_steps),
