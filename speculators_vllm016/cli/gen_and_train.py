@@ -4,8 +4,8 @@ The successor of 0.3.0's `scripts/gen_and_train.py`. Its own flags name the job 
 every other flag belongs to `speculators datagen` or `speculators train` and is handed to that
 stage unchanged. Layout under --output-dir: `data/` (datagen), `vocab/{d2t,t2d}.npy`,
 `checkpoints/` (training). Run the same command again after a crash: datagen computes only missing
-samples, the maps are kept while their sizes match the flags, and training resumes from its newest checkpoint, ending
-bit-identical to an uninterrupted run.
+samples, the maps are kept while their sizes match the flags, and training resumes from its newest
+checkpoint, ending bit-identical to an uninterrupted run.
 """
 
 from __future__ import annotations

@@ -331,9 +331,11 @@ def _check_sample(path: Path, standardize: Any, hidden_size: int) -> None:
 
 def _token_counts(token_freq_path: str | None, data_path: Path) -> tuple[dict[int, int], str]:
     """Token counts from --token-freq-path, else datagen's per-shard counts beside the data."""
-    import torch
-
-    from speculators_vllm016.data_generation.token_counts import TOKEN_FREQ_DIR, load_token_freq
+    from speculators_vllm016.data_generation.token_counts import (
+        TOKEN_FREQ_DIR,
+        load_token_freq,
+        read_token_counts,
+    )
 
     path = Path(token_freq_path) if token_freq_path else data_path / "token_freq.pt"
     if token_freq_path is None and (data_path / TOKEN_FREQ_DIR).is_dir():
@@ -343,11 +345,10 @@ def _token_counts(token_freq_path: str | None, data_path: Path) -> tuple[dict[in
             raise TrainSetupError(f"cannot read token counts: {first_line(error)}") from None
     if path.is_file():
         try:
-            counts = torch.load(path, weights_only=True)
-            return {int(token): int(count) for token, count in counts.items()}, str(path)
-        except Exception as error:  # noqa: BLE001 - pickle, zip, EOF, not a mapping: not our file
+            return read_token_counts(path), str(path)
+        except ValueError as error:
             raise TrainSetupError(
-                f"cannot read token counts from {path} ({type_and_first_line(error)}); "
+                f"cannot read token counts from {path} ({type_and_first_line(error.__cause__ or error)}); "
                 "it must be a {token_id: count} mapping saved by datagen or vocab-mapping"
             ) from None
     raise TrainSetupError(

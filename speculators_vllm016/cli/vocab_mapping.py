@@ -12,8 +12,6 @@ from typing import NoReturn
 
 import typer
 
-from speculators_vllm016.utils.errors import type_and_first_line
-
 __all__ = ["D2T_FILE", "T2D_FILE", "target_vocab_size_of", "vocab_mapping", "write_vocab_mappings",
            "write_vocab_mappings_from_counts"]
 
@@ -35,22 +33,14 @@ def write_vocab_mappings(
     token_freq_path: str | Path, draft_vocab_size: int, target_vocab_size: int, output_path: str | Path
 ) -> tuple[Path, Path]:
     """Build the maps from a `token_freq.pt` and write `d2t.npy`, `t2d.npy` (each whole or not at all)."""
-    import torch
+    from speculators_vllm016.data_generation.token_counts import read_token_counts
 
     token_freq_path = Path(token_freq_path)
     if not token_freq_path.is_file():
         raise FileNotFoundError(
             f"no token frequency file at {token_freq_path}; datagen writes it (--token-freq-path)"
         )
-    try:
-        counts = torch.load(token_freq_path, weights_only=True)
-    except Exception as error:  # noqa: BLE001 - pickle, zip and EOF errors alike: not our file
-        raise ValueError(
-            f"{token_freq_path} is not a readable token frequency file "
-            f"({type_and_first_line(error)})"
-        ) from error
-    if not isinstance(counts, dict) or not counts:
-        raise ValueError(f"{token_freq_path} is not a non-empty {{token_id: count}} mapping")
+    counts = read_token_counts(token_freq_path)
     return write_vocab_mappings_from_counts(counts, draft_vocab_size, target_vocab_size, output_path)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["TOKEN_FREQ_DIR", "load_token_freq", "save_token_counts", "shard_token_freq_path"]
+__all__ = ["TOKEN_FREQ_DIR", "load_token_freq", "read_token_counts", "save_token_counts", "shard_token_freq_path"]
 
 TOKEN_FREQ_DIR = "token_freq"
 
@@ -37,6 +37,25 @@ def save_token_counts(counts: dict[int, int], path: str | os.PathLike) -> Path:
         temp.unlink(missing_ok=True)
         raise
     return path
+
+
+def read_token_counts(path: str | os.PathLike) -> dict[int, int]:
+    """One `{token_id: count}` file (0.3.0's `token_freq.pt`, or one written by `vocab-mapping`).
+
+    `ValueError` naming the file when it is not one: unreadable (pickle, zip or EOF errors; the
+    original error is the cause), or not a non-empty mapping.
+    """
+    from speculators_vllm016.utils.errors import type_and_first_line
+
+    try:
+        counts = torch.load(path, weights_only=True)
+    except Exception as error:  # noqa: BLE001 - pickle, zip and EOF errors alike: not our file
+        raise ValueError(
+            f"{path} is not a readable token frequency file ({type_and_first_line(error)})"
+        ) from error
+    if not isinstance(counts, dict) or not counts:
+        raise ValueError(f"{path} is not a non-empty {{token_id: count}} mapping")
+    return {int(token): int(count) for token, count in counts.items()}
 
 
 def load_token_freq(data_dir: str | os.PathLike) -> dict[int, int]:

@@ -173,9 +173,8 @@ class Trainer:
         sharded = self.is_distributed and config.parallel == "fsdp"
         checkpointer_class = DistributedCheckpointer if sharded else SingleGPUCheckpointer
         self.checkpointer: BaseCheckpointer = checkpointer_class(config.save_path)
-        self.state = TrainingState(
-            seed=config.seed, world_size=self.world_size, data_digest=self._data_digest()
-        )
+        self.data_digest = self._data_digest()
+        self.state = TrainingState(seed=config.seed, world_size=self.world_size, data_digest=self.data_digest)
         self.resume_ref: CheckpointRef | None = None
         self._stop_requested = False
         self._pending_rng: dict[str, Any] | None = None
@@ -224,7 +223,7 @@ class Trainer:
                 self.state.seed, self.config.seed,
             )
         self.state.seed = self.config.seed  # the seed the rest of the run uses
-        digest = self._data_digest()
+        digest = self.data_digest
         if self.state.data_digest is not None and digest is not None and self.state.data_digest != digest:
             root_logger.warning(
                 "checkpoint written for other training data (sample files added, removed or "
