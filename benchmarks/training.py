@@ -175,8 +175,10 @@ def run_length(args: argparse.Namespace, preset: TrainingPreset, packed_tokens: 
     """Build a fresh model and optimizer, warm up, then time `args.steps` training steps."""
     import torch
 
+    from speculators_vllm016.models.eagle3.model_definitions import use_reproducible_compilation
     from speculators_vllm016.train.optimizer_step import clip_and_step
 
+    use_reproducible_compilation(args.deterministic)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     precision = args.precision
@@ -289,7 +291,7 @@ def profile_summary(step, cuda: bool) -> dict[str, float]:
         wall = time.perf_counter() - start
     averages = prof.key_averages()
     sort_key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    print(averages.table(sort_by=sort_key, row_limit=30), flush=True)
+    print(averages.table(sort_by=sort_key, row_limit=40, max_name_column_width=110), flush=True)
     totals: dict[str, float] = {"matmul": 0.0, "attention": 0.0, "optimizer": 0.0, "other": 0.0}
     for entry in averages:
         totals[kernel_category(entry.key)] += own_microseconds(entry, cuda, DeviceType.CUDA) / 1e3
@@ -361,6 +363,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--attention", choices=("auto", "flex", "sdpa"), default="auto")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="compile the element-wise blocks (auto: on CUDA)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="compile as `speculators train --deterministic` does (blocks with "
+                        "symbolic shapes from the first step, no rounding-changing autotuning)")
     parser.add_argument("--recompute-mlp", action="store_true",
                         help="recompute the MLP in the backward pass (less memory, more work)")
     parser.add_argument("--loss-chunk-size", type=int, default=4096)
@@ -395,7 +400,8 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         f"- device: {device}; torch {env.get('torch')}, transformers {env.get('transformers')}",
         f"- precision {settings['precision']}, frozen weights {settings['frozen_dtype']}, attention "
         f"{settings['attention']}, compile {settings['compile']}, recompute MLP "
-        f"{settings['recompute_mlp']}, TTT steps {settings['ttt_steps']}, loss mask "
+        f"{settings['recompute_mlp']}, deterministic {settings.get('deterministic', False)}, "
+        f"TTT steps {settings['ttt_steps']}, loss mask "
         f"{settings.get('loss_mask', 'random')}, skip unused positions "
         f"{settings.get('skip_unused_positions', 'off')}, "
         f"{settings['warmup']} warm-up + {settings['steps']} timed steps",

@@ -164,6 +164,22 @@ def test_fsdp_bf16_params_with_ddp_is_refused(tiny_llama, training_data, tmp_pat
     assert not save.exists()
 
 
+def test_deterministic_compiles_the_draft_reproducibly(tiny_llama, training_data, tmp_path):
+    """`--deterministic` reaches the compiled blocks (the guarantee itself:
+    tests/models/test_eagle3_compilation.py); a run without it goes back to the default."""
+    from speculators_vllm016.cli.train import main
+    from speculators_vllm016.models.eagle3 import model_definitions
+
+    try:
+        assert main(train_args(tiny_llama, training_data, tmp_path / "a", "--max-steps", "1",
+                               "--deterministic")) == 0
+        assert model_definitions._REPRODUCIBLE
+        assert main(train_args(tiny_llama, training_data, tmp_path / "b", "--max-steps", "1")) == 0
+        assert not model_definitions._REPRODUCIBLE
+    finally:
+        model_definitions.use_reproducible_compilation(False)
+
+
 def test_maps_of_two_builds_are_refused_even_when_their_sizes_agree(
     tiny_llama, training_data, tmp_path, capsys
 ):

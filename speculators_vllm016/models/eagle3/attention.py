@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from speculators_vllm016.models.eagle3.model_definitions import maybe_compiled
+
 __all__ = [
     "ATTENTION_INTERFACE_NAME",
     "block_mask_to_dense_attention_mask",
@@ -182,7 +184,6 @@ def block_mask_to_dense_attention_mask(
     return allowed.expand(batch, heads, q_len, kv_len).to(dtype)
 
 
-_compiled_flex: Callable | None = None
 _compiled_block_mask: Callable | None = None
 
 
@@ -197,7 +198,6 @@ def _block_mask_builder(device: torch.device) -> Callable:
 
 def _flex(query, key, value, block_mask, scale, enable_gqa):
     """Flex attention, compiled on accelerators (uncompiled it materialises all scores)."""
-    global _compiled_flex
     if query.device.type == "cpu":
         with warnings.catch_warnings():
             # Uncompiled on purpose: CPU runs are small (tests); compiling costs more there.
@@ -205,9 +205,7 @@ def _flex(query, key, value, block_mask, scale, enable_gqa):
             return flex_attention(
                 query, key, value, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa
             )
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention)
-    return _compiled_flex(
+    return maybe_compiled(flex_attention, True)(
         query, key, value, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa
     )
 
