@@ -461,6 +461,8 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         with self._autocast():
             loss, metrics = _unpack_output(self.wrapped(**inputs, **self.config.train_call_kwargs))
+        if self.is_distributed:
+            loss = loss * self._share_of_ranks_with_rows("input_ids" in batch)
         loss.backward()
         lr = self.opt.param_groups[0]["lr"]
         grad_norm = clip_and_step(self.opt, self.trainable_parameters(), self.config.max_grad_norm)
@@ -481,6 +483,14 @@ class Trainer:
                 "(weights and optimizer state unchanged)", self.state.global_step,
             )
         return reduced
+
+    def _share_of_ranks_with_rows(self, has_row: bool) -> torch.Tensor:
+        """world size / the ranks whose row this step holds samples. The ranks' gradients are
+        averaged; a rank whose row was empty (all its samples unusable) adds zeros, which would
+        scale everyone's step down. One scalar collective, no host read."""
+        present = torch.tensor([1.0 if has_row else 0.0], device=self._collective_device())
+        dist.all_reduce(present, op=dist.ReduceOp.SUM)
+        return (self.world_size / present.clamp(min=1.0)).to(self.device).reshape(())
 
     def _stop_flag(self) -> bool:
         """Whether any rank received SIGTERM (all ranks agree on the step to stop at)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -336,8 +337,9 @@ def test_training_steps_over_rows_whose_samples_are_all_unusable(tiny_llama, tra
     assert poisoned[0].name in error and "NaN" in error
 
 
-def tiny_trainer(verifier: Path, training_data: Path, save: Path, rows: list, val_rows: list):
-    """A CPU `Trainer` of the tiny verifier's draft over ready-made rows."""
+def tiny_trainer(verifier: Path, training_data: Path, save: Path, rows: list, val_rows: list, **config: Any):
+    """A CPU `Trainer` of the tiny verifier's draft over ready-made rows (`config`: more
+    `TrainerConfig` fields)."""
     from torch.utils.data import DataLoader
 
     from speculators_vllm016.cli.train import build_model, build_parser, prepare
@@ -348,7 +350,7 @@ def tiny_trainer(verifier: Path, training_data: Path, save: Path, rows: list, va
     model = build_model(args, prepare(args))
     config = TrainerConfig(
         lr=1e-3, num_epochs=1, save_path=str(save), device="cpu", show_progress=False,
-        handle_sigterm=False, scheduler_type="none", val_call_kwargs={"ttt_steps": 3},
+        handle_sigterm=False, scheduler_type="none", val_call_kwargs={"ttt_steps": 3}, **config,
     )
     loader = lambda items: DataLoader(items, batch_size=None)  # noqa: E731 - rows as they are
     return Trainer(model, config, loader(rows), loader(val_rows))

@@ -121,3 +121,63 @@ def test_static_graph_and_unused_parameter_ddp_average_like_plain_ddp(tiny_llama
         assert found[mode].keys() == plain.keys(), mode
         for name, grad in plain.items():
             torch.testing.assert_close(found[mode][name], grad, msg=f"{mode}: {name}")
+
+
+def _rows(training_data: str, rank: int) -> dict:
+    """Rank 0's row holds two samples; rank 1's row lost all of its samples (unusable)."""
+    from pathlib import Path
+
+    files = sorted(Path(training_data).glob("data_*.pt"))[:2]
+    dataset = Eagle3SampleFileDataset(128, file_list=[str(f) for f in files])
+    collate = create_collate_fn(128)
+    return collate([dataset[0], dataset[1]]) if rank == 0 else collate([None])
+
+
+def _gradients_beside_an_empty_rank(rank: int, port: int, verifier: str, data: str, save: str, out: str) -> None:
+    """One step of the real trainer (DDP, gloo); rank 0 saves the averaged gradients."""
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from tests.train.test_data import tiny_trainer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        row = _rows(data, rank)
+        trainer = tiny_trainer(Path(verifier), Path(data), Path(save) / str(rank), [row], [],
+                               is_distributed=True, local_rank=rank, parallel="ddp", max_grad_norm=1e9)
+        trainer.train_step(row)
+        if rank == 0:
+            torch.save({n: p.grad for n, p in trainer.model.named_parameters() if p.grad is not None}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_rank_with_an_empty_row_does_not_scale_the_others_step_down(tiny_llama, training_data, tmp_path):
+    """The step's gradient is that of the rows that were there: rank 0's row alone, as one
+    process gets it, not half of it (the empty rank's zeros averaged in)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from tests.train.test_data import tiny_trainer
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = tmp_path / "grads.pt"
+    mp.spawn(_gradients_beside_an_empty_rank,
+             args=(port, str(tiny_llama), str(training_data), str(tmp_path / "ranks"), str(out)),
+             nprocs=2, join=True)
+    found = torch.load(out)
+    row = _rows(str(training_data), 0)
+    alone = tiny_trainer(tiny_llama, training_data, tmp_path / "alone", [row], [], max_grad_norm=1e9)
+    alone.train_step(row)
+    expected = {n: p.grad for n, p in alone.model.named_parameters() if p.grad is not None}
+    assert found.keys() == expected.keys() and "fc.weight" in expected
+    for name, grad in expected.items():
+        torch.testing.assert_close(found[name], grad, rtol=1e-5, atol=1e-7, msg=name)
