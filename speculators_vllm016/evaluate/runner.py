@@ -198,20 +198,22 @@ def _run_hf(options, settings, verifier_path, tokenizer, prompts, labels, report
     dtype = _torch_dtype(options.dtype, device)
     verifier = AutoModelForCausalLM.from_pretrained(verifier_path, dtype=dtype).to(device).eval()
     eos = [] if options.ignore_eos else _eos_ids(verifier, tokenizer)
+    ks = [options.num_speculative_tokens or setting.speculative_tokens for setting in settings]
     limit = getattr(verifier.config, "max_position_embeddings", None)
-    for draft_path, setting, label in zip(options.drafts, settings, labels):
-        k = options.num_speculative_tokens or setting.speculative_tokens
-        usable = prompts
-        if limit is not None:
-            usable = [p for p in prompts if len(p) + options.max_new_tokens + k + 1 <= limit]
-            if not usable:
-                raise ValueError(
-                    f"every prompt plus --max-new-tokens exceeds the verifier's {limit} positions"
-                )
-            if len(usable) < len(prompts):
-                logger.warning(
-                    "left out %d prompts too long for %d positions", len(prompts) - len(usable), limit
-                )
+    usable = prompts
+    if limit is not None:
+        # One prompt set for every draft (sized for the largest k), so their rows compare.
+        usable = [p for p in prompts if len(p) + options.max_new_tokens + max(ks) + 1 <= limit]
+        if not usable:
+            raise ValueError(
+                f"every prompt plus --max-new-tokens exceeds the verifier's {limit} positions"
+            )
+        if len(usable) < len(prompts):
+            logger.warning(
+                "left out %d prompts too long for %d positions", len(prompts) - len(usable), limit
+            )
+            report.num_prompts = len(usable)
+    for draft_path, k, label in zip(options.drafts, ks, labels):
         draft = _load_draft(draft_path, verifier.dtype, device)
         result = speculative_generate(
             verifier,

@@ -70,6 +70,35 @@ def test_eval_needs_a_readable_draft_and_says_so(workspace):
     assert "no config.json" in result.output
 
 
+def test_drafts_of_different_k_are_measured_on_the_same_prompts(workspace, tiny_llama, tmp_path):
+    """--max-new-tokens that leaves room for the longest prompt with k=1 but not with k=5: that
+    prompt is left out for both drafts, and the report counts the prompts they saw."""
+    from transformers import AutoTokenizer
+
+    from speculators_vllm016.evaluate.prompts import load_eval_prompts
+
+    for k in (1, 5):
+        build_draft(str(tiny_llama), speculative_tokens=k).save_pretrained(tmp_path / f"k{k}")
+    lengths = [len(p) for p in load_eval_prompts(
+        str(workspace / "chat.jsonl"), AutoTokenizer.from_pretrained(str(tiny_llama)), max_prompts=3
+    ).token_ids]
+    longest = max(lengths)
+    new_tokens = 1024 - longest - 1 - 1  # room for the longest prompt and 1 draft token, not 5
+    out = tmp_path / "eval.json"
+    result = CliRunner().invoke(app, [
+        "eval", "--draft", str(tmp_path / "k1"), "--draft", str(tmp_path / "k5"),
+        "--data-path", str(workspace / "chat.jsonl"), "--max-prompts", "3",
+        "--max-new-tokens", str(new_tokens), "--ignore-eos", "--engine", "hf",
+        "--output-json", str(out), "--no-progress",
+    ])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    fitting = sum(length + new_tokens + 5 + 1 <= 1024 for length in lengths)
+    assert 0 < fitting < 3 and report["num_prompts"] == fitting
+    assert [d["num_speculative_tokens"] for d in report["drafts"]] == [1, 5]
+    assert [d["generated_tokens"] for d in report["drafts"]] == [fitting * new_tokens] * 2
+
+
 def _cpu_build() -> bool:
     from vllm.platforms import current_platform
 
