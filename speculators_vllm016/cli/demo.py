@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from collections.abc import Sequence
 
 __all__ = ["build_parser", "main", "print_summary"]
@@ -71,13 +72,23 @@ def print_summary(result) -> None:
     print(f"total: {sum(s.seconds for s in result.stages):.1f} s")
 
 
+def work_offline() -> None:
+    """The demo never needs the hub: say so to huggingface_hub (and so transformers), unless the
+    user's environment says otherwise. The hub reads `HF_HUB_OFFLINE` once, when first imported,
+    and the command line may have imported it already: then its setting is changed too."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    constants = sys.modules.get("huggingface_hub.constants")
+    if constants is not None and os.environ["HF_HUB_OFFLINE"].lower() in ("1", "true", "yes", "on"):
+        constants.HF_HUB_OFFLINE = True
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "speculators demo") -> int:
+    work_offline()
     from speculators_vllm016.cli.datagen import report_errors
     from speculators_vllm016.demo.pipeline import DemoOptions, run_demo
 
     args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     values = vars(args).copy()
     debug = values.pop("debug")
     values["show_progress"] = not values.pop("no_progress")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,21 @@ def test_the_summary_prints_stage_times_throughputs_and_tau(demo_run):
     assert f"tau: untrained {figures['tau_untrained']:.3f} -> trained {figures['tau_trained']:.3f}" in printed
     for text in ("extraction:", "draft training:", "tokens/s", "pos1", "training_curves.png"):
         assert text in printed
+
+
+@pytest.mark.parametrize(("environment", "offline"), [(None, True), ("0", False)])
+def test_the_demo_works_offline_even_after_the_hub_was_imported(monkeypatch, environment, offline):
+    """huggingface_hub reads HF_HUB_OFFLINE once, at import; the CLI imports it before `demo`
+    runs. A user's own HF_HUB_OFFLINE=0 is left alone."""
+    import huggingface_hub.constants
+
+    from speculators_vllm016.cli.demo import work_offline
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    if environment is None:
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    else:
+        monkeypatch.setenv("HF_HUB_OFFLINE", environment)
+    work_offline()
+    assert huggingface_hub.constants.HF_HUB_OFFLINE is offline
+    assert os.environ["HF_HUB_OFFLINE"] == (environment or "1")
