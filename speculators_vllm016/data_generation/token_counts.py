@@ -39,11 +39,12 @@ def save_token_counts(counts: dict[int, int], path: str | os.PathLike) -> Path:
     return path
 
 
-def read_token_counts(path: str | os.PathLike) -> dict[int, int]:
-    """One `{token_id: count}` file (0.3.0's `token_freq.pt`, or one written by `vocab-mapping`).
+def read_token_counts(path: str | os.PathLike, allow_empty: bool = False) -> dict[int, int]:
+    """One `{token_id: count}` file (0.3.0's `token_freq.pt`, one written by `vocab-mapping`, or
+    one of datagen's shards, which may be empty: `allow_empty`).
 
     `ValueError` naming the file when it is not one: unreadable (pickle, zip or EOF errors; the
-    original error is the cause), or not a non-empty mapping.
+    original error is the cause), or not a mapping (a non-empty one unless `allow_empty`).
     """
     from speculators_vllm016.utils.errors import type_and_first_line
 
@@ -53,13 +54,14 @@ def read_token_counts(path: str | os.PathLike) -> dict[int, int]:
         raise ValueError(
             f"{path} is not a readable token frequency file ({type_and_first_line(error)})"
         ) from error
-    if not isinstance(counts, dict) or not counts:
+    if not isinstance(counts, dict) or not (counts or allow_empty):
         raise ValueError(f"{path} is not a non-empty {{token_id: count}} mapping")
     return {int(token): int(count) for token, count in counts.items()}
 
 
 def load_token_freq(data_dir: str | os.PathLike) -> dict[int, int]:
-    """The summed counts of every shard file in `data_dir`; refuses a set with shards missing."""
+    """The summed counts of every shard file in `data_dir`; refuses a set with shards missing,
+    and names a shard that is not a readable mapping (`ValueError`)."""
     folder = Path(data_dir) / TOKEN_FREQ_DIR
     files = sorted(folder.glob("shard-*-of-*.pth")) if folder.is_dir() else []
     if not files:
@@ -70,5 +72,5 @@ def load_token_freq(data_dir: str | os.PathLike) -> dict[int, int]:
         raise ValueError(f"{folder} holds an incomplete or mixed set of shards ({names})")
     total: Counter[int] = Counter()
     for file in files:
-        total.update(torch.load(file, weights_only=True))
+        total.update(read_token_counts(file, allow_empty=True))
     return dict(total)
