@@ -488,7 +488,8 @@ class Trainer:
         """world size / the ranks whose row this step holds samples. The ranks' gradients are
         averaged; a rank whose row was empty (all its samples unusable) adds zeros, which would
         scale everyone's step down. One scalar collective, no host read."""
-        present = torch.tensor([1.0 if has_row else 0.0], device=self._collective_device())
+        # A fill on the device: torch.tensor(..., device=cuda) copies from the host and waits.
+        present = torch.full((1,), 1.0 if has_row else 0.0, device=self._collective_device())
         dist.all_reduce(present, op=dist.ReduceOp.SUM)
         return (self.world_size / present.clamp(min=1.0)).to(self.device).reshape(())
 
