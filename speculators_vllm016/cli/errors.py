@@ -18,7 +18,7 @@ EXPECTED_ERRORS: tuple[type[BaseException], ...] = (
 )
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130  # Ctrl-C
-EXIT_STOPPED = 143  # stopped by a signal after saving what resumes it (SIGTERM's status)
+EXIT_STOPPED = 143  # stopped by a signal (SIGTERM, a first Ctrl-C) after saving what resumes it
 
 
 def describe_error(error: BaseException) -> str:

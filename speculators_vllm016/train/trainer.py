@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -127,7 +128,7 @@ class TrainerConfig:
 
 
 class TrainingInterrupted(RuntimeError):
-    """Training stopped on SIGTERM after writing a checkpoint; run the same command to resume."""
+    """Training stopped on SIGTERM or Ctrl-C after writing a checkpoint; run the same command to resume."""
 
 
 def default_warmup_steps(run_steps: int) -> int:
@@ -183,6 +184,8 @@ class Trainer:
         self.state = TrainingState(seed=config.seed, world_size=self.world_size, data_digest=self.data_digest)
         self.resume_ref: CheckpointRef | None = None
         self._stop_requested = False
+        self._stop_reason = "a stop signal on another rank"
+        self._handler_pid = os.getpid()
         self._pending_rng: dict[str, Any] | None = None
         # Checkpoints of an earlier run a from-scratch run found: removed at its first save.
         self._earlier_run: list[CheckpointRef] = []
@@ -494,7 +497,7 @@ class Trainer:
         return (self.world_size / present.clamp(min=1.0)).to(self.device).reshape(())
 
     def _stop_flag(self) -> bool:
-        """Whether any rank received SIGTERM (all ranks agree on the step to stop at)."""
+        """Whether any rank received SIGTERM or Ctrl-C (all ranks agree on the step to stop at)."""
         if not self.is_distributed:
             return self._stop_requested
         flag = torch.tensor([1.0 if self._stop_requested else 0.0], device=self._collective_device())
@@ -519,7 +522,7 @@ class Trainer:
         return iter(loader)
 
     def train_epoch(self, epoch: int, *, start_step: int = 0) -> bool:
-        """Train one epoch from `start_step`; False when stopped early (max_steps or SIGTERM)."""
+        """Train one epoch from `start_step`; False when stopped early (max_steps)."""
         self.wrapped.train()
         batches = self._to_device(self._epoch_batches(self.train_loader, epoch, start_step))
         steps = len(self.train_loader)  # the plan of this epoch (packing varies per epoch)
@@ -574,7 +577,7 @@ class Trainer:
                 if self._stop_flag():
                     path = self._save_mid_epoch()
                     raise TrainingInterrupted(
-                        f"stopped by SIGTERM at step {self.state.global_step}; checkpoint {path}; "
+                        f"stopped by {self._stop_reason} at step {self.state.global_step}; checkpoint {path}; "
                         "run the same command again to resume"
                     )
                 if self.config.max_steps is not None and self.state.global_step >= self.config.max_steps:
@@ -668,9 +671,33 @@ class Trainer:
         return self._save(str(epoch))
 
     # -- the run -------------------------------------------------------------------------------
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        root_logger.warning("SIGTERM: finishing this step, then writing a checkpoint")
-        self._stop_requested = True
+    def _on_stop_signal(self, signum: int, frame: Any) -> None:
+        """SIGTERM or a first Ctrl-C: finish the step, write a checkpoint, stop. A second Ctrl-C
+        meets Python's own handler again and stops at once (KeyboardInterrupt), without one.
+        Loader processes forked from this one inherit the handler; there it does nothing (the
+        terminal's Ctrl-C reaches them too): this process stops them when it is done."""
+        if os.getpid() != self._handler_pid:
+            return
+        name = "SIGTERM"
+        hint = ""
+        if signum == signal.SIGINT:
+            name, hint = "Ctrl-C", " (Ctrl-C again stops at once, without one)"
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        root_logger.warning("%s: finishing this step, then writing a checkpoint%s", name, hint)
+        self._stop_requested, self._stop_reason = True, name
+
+    def _install_stop_handlers(self) -> dict[int, Any]:
+        """SIGTERM, and Ctrl-C where Python's default handler has it (not where the shell made
+        the process ignore it); the handlers replaced, to put back."""
+        replaced: dict[int, Any] = {}
+        if not self.config.handle_sigterm:
+            return replaced
+        self._handler_pid = os.getpid()
+        with contextlib.suppress(ValueError):  # not the main thread: no handlers
+            replaced[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_stop_signal)
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                replaced[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_stop_signal)
+        return replaced
 
     def run_training(self) -> TrainingState:
         """Train to the end (or `max_steps`); returns the final progress."""
@@ -682,10 +709,7 @@ class Trainer:
             self._truncate_metrics_file()
             if not self.resume_ref.legacy:
                 self._pending_rng = self.checkpointer.load_rng_state(self.resume_ref.path)
-        previous = None
-        if self.config.handle_sigterm:
-            with contextlib.suppress(ValueError):  # not the main thread: no handler
-                previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        replaced = self._install_stop_handlers()
         try:
             start_epoch, start_step = self.state.resume_position()
             if self.config.max_steps is not None and self.state.global_step >= self.config.max_steps:
@@ -722,8 +746,8 @@ class Trainer:
                 self._swap_metrics_files()
             raise
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            for signum, handler in replaced.items():
+                signal.signal(signum, handler)
         return self.state
 
     @property

@@ -1,4 +1,4 @@
-"""The trainer end to end on CPU: checkpoints, exact resume after SIGKILL and SIGTERM, 0.3.0 folders."""
+"""The trainer end to end on CPU: checkpoints, exact resume after SIGKILL, SIGTERM and Ctrl-C, 0.3.0 folders."""
 
 from __future__ import annotations
 
@@ -157,12 +157,15 @@ def test_sigkill_then_resume_is_bit_identical(tiny_llama, training_data, tmp_pat
 
 
 @pytest.mark.slow
-def test_sigterm_writes_a_checkpoint_and_the_rerun_finishes_identically(tiny_llama, training_data, tmp_path, trained):
+@pytest.mark.parametrize(("sig", "name"), [(signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "Ctrl-C")])
+def test_sigterm_or_ctrl_c_writes_a_checkpoint_and_the_rerun_finishes_identically(
+    tiny_llama, training_data, tmp_path, trained, sig, name
+):
     save = tmp_path / "ckpt"
     command = train_command(train_args(tiny_llama, training_data, save))
-    code, output = _run_killed(command, save, 2, signal.SIGTERM)
+    code, output = _run_killed(command, save, 2, sig)
     assert code == 143, output[-2000:]
-    assert "run the same command again to resume" in output
+    assert f"stopped by {name} at step" in output and "run the same command again to resume" in output
     mid = [p.name for p in save.iterdir() if "-step" in p.name]
     assert len(mid) == 1
     again = subprocess.run(command, env=cli_env(), capture_output=True, text=True, timeout=600)
@@ -199,3 +202,31 @@ def test_no_resume_starts_over(tiny_llama, training_data, tmp_path, trained):
     assert main(train_args(tiny_llama, training_data, save, "--no-resume-from-checkpoint")) == 0
     steps = [json.loads(line)["step"] for line in (save / "metrics.jsonl").read_text().splitlines()]
     assert steps[0] == 0
+
+
+def test_a_second_ctrl_c_stops_at_once_and_loader_processes_ignore_the_signals(
+    tiny_llama, training_data, tmp_path
+):
+    """In-process: the first SIGINT asks for a checkpoint, the second raises KeyboardInterrupt;
+    in a forked loader process (another pid) the handler leaves the flag alone."""
+    from tests.train.test_data import tiny_trainer
+
+    trainer = tiny_trainer(tiny_llama, training_data, tmp_path, [], [])
+    trainer.config = trainer.config._replace(handle_sigterm=True)
+    replaced = trainer._install_stop_handlers()
+    try:
+        assert set(replaced) == {signal.SIGTERM, signal.SIGINT}
+        trainer._handler_pid = -1  # as a loader process sees it
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert not trainer._stop_requested
+        trainer._handler_pid = os.getpid()
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        assert trainer._stop_requested and trainer._stop_reason == "Ctrl-C"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)
+    finally:
+        for signum, handler in replaced.items():
+            signal.signal(signum, handler)
