@@ -14,6 +14,7 @@ import importlib
 import json
 import logging
 import os
+import sys
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
@@ -205,9 +206,22 @@ class TrackioHandler(WandbHandler):
         self.run = self.backend.init(name=_run_name(run_name), **init_kwargs)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to `sys.stderr` as it is when a record comes, not as it was at set-up: a caller
+    that runs the command in-process (a test, a notebook) may have swapped and closed it since."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def setup_root_logger(level: str | int = "INFO") -> None:
     """Console logging for rank 0, with metric mappings rendered readably."""
-    handler = logging.StreamHandler()
+    handler = _StderrHandler()
     handler.addFilter(IsRank0Filter(local_rank=True))
     handler.addFilter(FormatDictFilter())
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
