@@ -135,6 +135,7 @@ def _rows(training_data: str, rank: int) -> dict:
 
 def _gradients_beside_an_empty_rank(rank: int, port: int, verifier: str, data: str, save: str, out: str) -> None:
     """One step of the real trainer (DDP, gloo); rank 0 saves the averaged gradients."""
+    import gc
     import os
     from pathlib import Path
 
@@ -150,8 +151,14 @@ def _gradients_beside_an_empty_rank(rank: int, port: int, verifier: str, data: s
         trainer = tiny_trainer(Path(verifier), Path(data), Path(save) / str(rank), [row], [],
                                is_distributed=True, local_rank=rank, parallel="ddp", max_grad_norm=1e9)
         trainer.train_step(row)
+        grads = {n: p.grad for n, p in trainer.model.named_parameters() if p.grad is not None}
         if rank == 0:
-            torch.save({n: p.grad for n, p in trainer.model.named_parameters() if p.grad is not None}, out)
+            torch.save(grads, out)
+        # Both ranks done with every collective, and DDP let go of the group, before it goes:
+        # a rank that tore gloo down while the other still held DDP's reducer hung in CI.
+        dist.barrier()
+        del trainer
+        gc.collect()
     finally:
         dist.destroy_process_group()
 
