@@ -104,3 +104,12 @@ def finished_checkpoints(save: Path) -> list[str]:
         return []
     return sorted(p.parent.name for p in save.glob("*/training_state.json")
                   if not p.parent.name.startswith("."))
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for a test's own process group (gloo rendezvous)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

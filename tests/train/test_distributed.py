@@ -14,7 +14,7 @@ from speculators_vllm016.cli.train import _verifier_text_config, build_draft_con
 from speculators_vllm016.models.eagle3 import Eagle3DraftModel
 from speculators_vllm016.train.data import Eagle3SampleFileDataset, create_collate_fn, split_files
 from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
-from tests.training_fixtures import cli_env, train_args, train_command
+from tests.training_fixtures import cli_env, free_port, train_args, train_command
 
 
 def reference_step(argv: list[str]) -> dict[str, torch.Tensor]:
@@ -105,15 +105,10 @@ def _gradients_under_ddp_modes(rank: int, port: int, verifier: str, out: str) ->
 
 @pytest.mark.slow
 def test_static_graph_and_unused_parameter_ddp_average_like_plain_ddp(tiny_llama, tmp_path):
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     out = tmp_path / "grads.pt"
-    mp.spawn(_gradients_under_ddp_modes, args=(port, str(tiny_llama), str(out)), nprocs=2, join=True)
+    mp.spawn(_gradients_under_ddp_modes, args=(free_port(), str(tiny_llama), str(out)), nprocs=2, join=True)
     found = torch.load(out)
     plain = found["plain"]
     assert plain and "lm_head.weight" in plain
@@ -167,18 +162,13 @@ def _gradients_beside_an_empty_rank(rank: int, port: int, verifier: str, data: s
 def test_a_rank_with_an_empty_row_does_not_scale_the_others_step_down(tiny_llama, training_data, tmp_path):
     """The step's gradient is that of the rows that were there: rank 0's row alone, as one
     process gets it, not half of it (the empty rank's zeros averaged in)."""
-    import socket
-
     import torch.multiprocessing as mp
 
     from tests.train.test_data import tiny_trainer
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     out = tmp_path / "grads.pt"
     mp.spawn(_gradients_beside_an_empty_rank,
-             args=(port, str(tiny_llama), str(training_data), str(tmp_path / "ranks"), str(out)),
+             args=(free_port(), str(tiny_llama), str(training_data), str(tmp_path / "ranks"), str(out)),
              nprocs=2, join=True)
     found = torch.load(out)
     row = _rows(str(training_data), 0)

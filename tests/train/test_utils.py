@@ -8,22 +8,17 @@ by `test_distributed.py`.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.training_fixtures import free_port
+
 needs_two_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices"
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _rows(rank: int) -> torch.Tensor:
@@ -59,7 +54,7 @@ def _ddp_gradients_equal_the_average(rank: int, port: int) -> None:
 
 @needs_two_gpus
 def test_ddp_on_nccl_averages_the_gradients_of_the_ranks():
-    mp.spawn(_ddp_gradients_equal_the_average, args=(_free_port(),), nprocs=2, join=True)
+    mp.spawn(_ddp_gradients_equal_the_average, args=(free_port(),), nprocs=2, join=True)
 
 
 def _sharded_draft_step(rank: int, port: int, verifier: str, out: str,
@@ -109,7 +104,7 @@ def test_fully_sharded_draft_reduces_each_layer_once_a_step(tiny_llama, tmp_path
     from tests.models.test_eagle3 import batch, draft_model
 
     out = tmp_path / "sharded.pt"
-    mp.spawn(_sharded_draft_step, args=(_free_port(), str(tiny_llama), str(out)), nprocs=2,
+    mp.spawn(_sharded_draft_step, args=(free_port(), str(tiny_llama), str(out)), nprocs=2,
              join=True)
     saved = torch.load(out)
     # One unit per decoder layer plus the root (fc, lm_head, norm): one gather, one reduce each.
@@ -132,7 +127,7 @@ def test_fully_sharded_draft_can_gather_bf16_copies_of_its_fp32_weights(tiny_lla
     from tests.models.test_eagle3 import batch, draft_model
 
     out = tmp_path / "sharded.pt"
-    mp.spawn(_sharded_draft_step, args=(_free_port(), str(tiny_llama), str(out), torch.bfloat16),
+    mp.spawn(_sharded_draft_step, args=(free_port(), str(tiny_llama), str(out), torch.bfloat16),
              nprocs=2, join=True)
     saved = torch.load(out)
     assert saved["gathered"] == {torch.bfloat16} and saved["kept"] == {torch.float32}
