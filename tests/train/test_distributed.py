@@ -14,7 +14,7 @@ from speculators_vllm016.cli.train import _verifier_text_config, build_draft_con
 from speculators_vllm016.models.eagle3 import Eagle3DraftModel
 from speculators_vllm016.train.data import Eagle3SampleFileDataset, create_collate_fn, split_files
 from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
-from tests.training_fixtures import cli_env, free_port, train_args, train_command
+from tests.training_fixtures import cli_env, free_port, gloo_group, train_args, train_command
 
 
 def reference_step(argv: list[str]) -> dict[str, torch.Tensor]:
@@ -72,18 +72,15 @@ def test_one_step_on_two_processes_equals_one_process(tiny_llama, training_data,
 def _gradients_under_ddp_modes(rank: int, port: int, verifier: str, out: str) -> None:
     """Two steps of the tiny draft under plain, static-graph and find-unused DDP; rank 0 saves
     each mode's gradients after the second step."""
-    import os
+    import gc
 
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     from tests.models.test_eagle3 import batch, eagle3_config
     from tests.models.test_eagle3_training import vocab_maps
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with gloo_group(rank, port):
         found = {}
         for mode in ("plain", "static_graph", "find_unused_parameters"):
             torch.manual_seed(0)
@@ -99,8 +96,8 @@ def _gradients_under_ddp_modes(rank: int, port: int, verifier: str, out: str) ->
             found[mode] = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
         if rank == 0:
             torch.save(found, out)
-    finally:
-        dist.destroy_process_group()
+        del wrapped  # DDP's reducer lets go of the group before the group goes
+        gc.collect()
 
 
 @pytest.mark.slow
@@ -131,17 +128,12 @@ def _rows(training_data: str, rank: int) -> dict:
 def _gradients_beside_an_empty_rank(rank: int, port: int, verifier: str, data: str, save: str, out: str) -> None:
     """One step of the real trainer (DDP, gloo); rank 0 saves the averaged gradients."""
     import gc
-    import os
     from pathlib import Path
-
-    import torch.distributed as dist
 
     from tests.train.test_data import tiny_trainer
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with gloo_group(rank, port):
         row = _rows(data, rank)
         trainer = tiny_trainer(Path(verifier), Path(data), Path(save) / str(rank), [row], [],
                                is_distributed=True, local_rank=rank, parallel="ddp", max_grad_norm=1e9)
@@ -149,13 +141,8 @@ def _gradients_beside_an_empty_rank(rank: int, port: int, verifier: str, data: s
         grads = {n: p.grad for n, p in trainer.model.named_parameters() if p.grad is not None}
         if rank == 0:
             torch.save(grads, out)
-        # Both ranks done with every collective, and DDP let go of the group, before it goes:
-        # a rank that tore gloo down while the other still held DDP's reducer hung in CI.
-        dist.barrier()
-        del trainer
+        del trainer  # DDP's reducer lets go of the group before the group goes
         gc.collect()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
