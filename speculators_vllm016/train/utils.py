@@ -69,7 +69,7 @@ def maybe_destroy_distributed() -> None:
 def apply_fully_sharded(
     model: torch.nn.Module, param_dtype: torch.dtype | None = None
 ) -> torch.nn.Module:
-    """Shard the draft with FSDP2: each decoder layer, then the rest (embeddings, heads).
+    """Shard the draft with FSDP2: each decoder layer, the draft LM head, then the rest.
 
     By default the weights are gathered in their dtype (fp32 master weights) and bf16 compute
     comes from autocast, so the numerics match single-process and DDP training.
@@ -82,20 +82,40 @@ def apply_fully_sharded(
     Frozen parameters (the verifier's embeddings, norm and head) stay whole on every rank: they
     get no gradient or optimizer state to shard, gathering the 1 GB embedding table at every use
     would cost more than it saves, and they may be stored in another dtype than the rest.
+
+    Overlap: the root gathers the layers and the head as soon as it has its own weights (they
+    arrive while the root's first matrix products run), and a `DraftLMHead` reduce-scatters
+    its gradient as soon as the loss has handed it over, at the start of the backward pass,
+    instead of with the root's at its end.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    from speculators_vllm016.models.eagle3.core import DraftLMHead
 
     layers = getattr(model, "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no `layers` to shard")
     frozen = {parameter for parameter in model.parameters() if not parameter.requires_grad}
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    units = []
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, DraftLMHead) and head.weight.requires_grad:
+        # Stays gathered through the forward pass: every TTT step reads it.
+        fully_shard(head, reshard_after_forward=False, mp_policy=policy)
+        register_fsdp_forward_method(head, "mark_read")
+        units.append(head)
     for layer in layers:
         # Each layer runs once per TTT step, forward and backward: resharding after every call
         # would gather its weights 2 x ttt_steps times a step. A draft has one or a few layers,
         # so keeping them gathered until the backward pass costs little memory.
         fully_shard(layer, reshard_after_forward=False, ignored_params=frozen or None, mp_policy=policy)
+        units.append(layer)
     fully_shard(model, ignored_params=frozen or None, mp_policy=policy)
+    model.set_modules_to_forward_prefetch(units)
+    if head in units:
+        # By default the first layer's backward would prefetch what ran forward before it, the
+        # head, which is resharded by then: a wasted gather. The root is still gathered there.
+        layers[0].set_modules_to_backward_prefetch([model])
     for layer in layers:
         _reduce_once_per_backward(model, layer)
     return model

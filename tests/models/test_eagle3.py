@@ -148,6 +148,25 @@ def test_forward_shapes_losses_and_step_accuracies(draft):
                  ttt_steps=2).__len__() == 2
 
 
+def test_the_head_gradient_is_complete_when_the_last_steps_head_input_gets_its_own(tiny_llama):
+    """FSDP2 reduce-scatters the head's gradient when the gradient of the last TTT step's head
+    input (`DraftLMHead.mark_read`) exists: the head's whole gradient must be accumulated by
+    then, once, and that must be the first thing the backward pass does with it."""
+    model = draft_model(str(tiny_llama))
+    events: list[str] = []
+    model.lm_head.weight.register_post_accumulate_grad_hook(lambda weight: events.append("head"))
+    plain = model.lm_head.mark_read
+
+    def marked(tensor=None):
+        if tensor is not None:
+            tensor.register_hook(lambda grad: events.append("last step's head input"))
+        return plain(tensor)
+
+    model.lm_head.mark_read = marked
+    model(**batch(seed=0), ttt_steps=3).loss.backward()
+    assert events == ["head", "last step's head input"]
+
+
 def test_packed_samples_do_not_see_each_other(draft):
     first, second = batch(10, seed=1), batch(14, seed=2)
     packed = {

@@ -131,6 +131,8 @@ def test_mlp_and_output_gradients_are_complete_before_the_first_steps_attention_
 
 
 def test_shared_head_gradient_equals_separate_gradients_and_survives_a_second_backward():
+    """Three calls share a sink, the last one owning the weight (the others get it detached):
+    the weight's gradient is that of three separate calls, and the hidden states' too."""
     torch.manual_seed(0)
     weight = torch.randn(11, 5, requires_grad=True)
     hiddens = [torch.randn(7, 5, requires_grad=True) for _ in range(3)]
@@ -139,8 +141,9 @@ def test_shared_head_gradient_equals_separate_gradients_and_survives_a_second_ba
 
     def total(sink: WeightGradSink | None) -> torch.Tensor:
         losses = [
-            linear_kl_loss(h, weight, t, w, chunk_size=3, weight_grad_sink=sink)[0]
-            for h, t, w in zip(hiddens, targets, row_weights, strict=True)
+            linear_kl_loss(h, weight if sink is None or index == 2 else weight.detach(), t, w,
+                           chunk_size=3, weight_grad_sink=sink)[0]
+            for index, (h, t, w) in enumerate(zip(hiddens, targets, row_weights, strict=True))
         ]
         return 1.5 * (losses[0] + losses[1] + losses[2])
 
@@ -156,3 +159,11 @@ def test_shared_head_gradient_equals_separate_gradients_and_survives_a_second_ba
         torch.testing.assert_close(h.grad, grad)
     loss.backward()  # a second round over the retained graph adds the same again
     torch.testing.assert_close(weight.grad, 2 * expected[0])
+
+
+def test_a_shared_head_gradient_has_one_owner():
+    weight = torch.randn(11, 5, requires_grad=True)
+    sink = WeightGradSink()
+    linear_kl_loss(torch.randn(7, 5), weight, torch.randn(7, 11), torch.rand(7), weight_grad_sink=sink)
+    with pytest.raises(ValueError, match="one linear_kl_loss call"):
+        linear_kl_loss(torch.randn(7, 5), weight, torch.randn(7, 11), torch.rand(7), weight_grad_sink=sink)

@@ -7,6 +7,7 @@ by `test_distributed.py`.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.training_fixtures import free_port
+from tests.training_fixtures import free_port, gloo_group
 
 needs_two_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices"
@@ -65,17 +66,18 @@ def _sharded_draft_step(rank: int, port: int, verifier: str, out: str,
     from speculators_vllm016.train.utils import apply_fully_sharded
     from tests.models.test_eagle3 import batch, draft_model
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
     calls = {"reduce_scatter": 0, "all_gather": 0}
+    reduced_sizes: list[int] = []  # each reduce-scatter's input numel, in the order issued
 
     def counted(name, collective):
         def call(*args, **kwargs):
             calls[name] += 1
+            if name == "reduce_scatter":
+                reduced_sizes.append((args[1] if len(args) > 1 else kwargs["input"]).numel())
             return collective(*args, **kwargs)
         return call
 
-    try:
+    with gloo_group(rank, port):
         dist.reduce_scatter_tensor = counted("reduce_scatter", dist.reduce_scatter_tensor)
         dist.all_gather_into_tensor = counted("all_gather", dist.all_gather_into_tensor)
         model = apply_fully_sharded(draft_model(verifier), param_dtype)
@@ -85,31 +87,40 @@ def _sharded_draft_step(rank: int, port: int, verifier: str, out: str,
         for step in range(2):  # the second step starts from the switches the first one left
             model.zero_grad(set_to_none=True)
             before = dict(calls)
+            reduced_sizes.clear()
             model(**batch(seed=rank), ttt_steps=3, ttt_step_loss_decay=0.8).loss.backward()
             per_step = {name: calls[name] - before[name] for name in calls}
         grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()
                  if p.grad is not None}
         if rank == 0:
             kept = {p.dtype for p in model.parameters() if p.requires_grad}
-            torch.save({"grads": grads, "per_step": per_step, "gathered": seen, "kept": kept}, out)
-    finally:
-        dist.destroy_process_group()
+            torch.save({"grads": grads, "per_step": per_step, "gathered": seen, "kept": kept,
+                        "reduced_sizes": reduced_sizes}, out)
+        del model  # its device mesh holds the group
+        gc.collect()
 
 
 @pytest.mark.slow
 def test_fully_sharded_draft_reduces_each_layer_once_a_step(tiny_llama, tmp_path):
     """A draft layer runs once per TTT step; FSDP2 must still gather its weights once and
-    reduce-scatter its gradients once a step (not once per call), and the gradients are the
-    average of what each rank's batch gives an unsharded copy."""
+    reduce-scatter its gradients once a step (not once per call); the draft head's gradient is
+    reduce-scattered first, before the layer's backward pass ends (so the two overlap); and the
+    gradients are the average of what each rank's batch gives an unsharded copy."""
     from tests.models.test_eagle3 import batch, draft_model
 
     out = tmp_path / "sharded.pt"
     mp.spawn(_sharded_draft_step, args=(free_port(), str(tiny_llama), str(out)), nprocs=2,
              join=True)
     saved = torch.load(out)
-    # One unit per decoder layer plus the root (fc, lm_head, norm): one gather, one reduce each.
-    assert saved["per_step"] == {"reduce_scatter": 2, "all_gather": 2}
+    # One unit per decoder layer, the draft head and the root (fc, norm): one gather, one
+    # reduce each.
+    assert saved["per_step"] == {"reduce_scatter": 3, "all_gather": 3}
     reference = draft_model(str(tiny_llama))
+    vocab, hidden = reference.lm_head.weight.shape
+    layer_size = sum(p.numel() for p in reference.layers[0].parameters() if p.requires_grad)
+    head_size = -(-vocab // 2) * 2 * hidden  # rows padded to a multiple of the 2 ranks
+    assert saved["reduced_sizes"][0] == head_size
+    assert saved["reduced_sizes"][1] >= layer_size
     losses = [reference(**batch(seed=rank), ttt_steps=3, ttt_step_loss_decay=0.8).loss
               for rank in range(2)]
     (sum(losses) / 2).backward()
@@ -131,7 +142,7 @@ def test_fully_sharded_draft_can_gather_bf16_copies_of_its_fp32_weights(tiny_lla
              nprocs=2, join=True)
     saved = torch.load(out)
     assert saved["gathered"] == {torch.bfloat16} and saved["kept"] == {torch.float32}
-    assert saved["per_step"] == {"reduce_scatter": 2, "all_gather": 2}
+    assert saved["per_step"] == {"reduce_scatter": 3, "all_gather": 3}
     reference = draft_model(str(tiny_llama))
     for parameter in reference.parameters():
         if parameter.requires_grad:

@@ -44,6 +44,7 @@ from speculators_vllm016.utils.layer_ids import eagle3_aux_layer_ids
 
 __all__ = [
     "AttentionBackend",
+    "DraftLMHead",
     "Eagle3DraftModel",
     "Eagle3DraftOutput",
     "accuracy_from_ids",
@@ -259,32 +260,36 @@ class WeightGradSink:
     """One gradient of a weight shared by several `linear_kl_loss` calls (the TTT steps of one
     forward pass) whose losses are summed into one loss.
 
-    Each call adds its part in its forward pass; the backward pass hands the total over once,
-    from whichever call runs first, scaled by that call's upstream gradient (the same for all
-    calls, as their losses are summed). One `[vocab, hidden]` buffer in the compute dtype then
-    serves all steps, accumulated by the matmuls themselves (as autograd sums the steps'
-    gradients of every other weight in that dtype).
+    Every call adds its part in its forward pass, into one `[vocab, hidden]` buffer in the
+    compute dtype (accumulated by the matmuls themselves, as autograd sums the steps' gradients
+    of every other weight in that dtype). Exactly one call, the owner, takes the weight itself;
+    the others take `weight.detach()`. The owner's backward hands the total over, scaled by its
+    upstream gradient (the same for all calls, as their losses are summed). With one
+    differentiable use the weight's gradient is complete, and accumulated, as soon as the
+    owner's backward has run (autograd accumulates a leaf's gradient once all its uses have run
+    backward, before anything else that is ready): make the owner the call made last, whose
+    backward runs first, and a data-parallel wrapper can reduce the gradient while the rest of
+    the backward pass runs.
     """
 
     def __init__(self) -> None:
         self.total: torch.Tensor | None = None
-        self.calls = 0
-        self._handed = 0
+        self.has_owner = False
 
-    def add(self, shape: torch.Size, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    def add(
+        self, shape: torch.Size, device: torch.device, dtype: torch.dtype, owner: bool
+    ) -> torch.Tensor:
         """The buffer a new call accumulates into (zeros at the first call)."""
+        if owner:
+            if self.has_owner:
+                raise ValueError(
+                    "a WeightGradSink hands its total to one call: pass the weight itself to "
+                    "one linear_kl_loss call and weight.detach() to the others"
+                )
+            self.has_owner = True
         if self.total is None:
             self.total = torch.zeros(shape, dtype=dtype, device=device)
-        self.calls += 1
         return self.total
-
-    def hand_over(self) -> torch.Tensor | None:
-        """The total at the first backward call of a round, None at the others."""
-        self._handed += 1
-        first = self._handed == 1
-        if self._handed == self.calls:
-            self._handed = 0  # a second backward over a retained graph starts a new round
-        return self.total if first else None
 
 
 class _LinearKL(torch.autograd.Function):
@@ -293,7 +298,8 @@ class _LinearKL(torch.autograd.Function):
     The logits exist one chunk of rows at a time; their gradients w.r.t. `hidden` and `weight`
     are formed in the forward pass (so nothing is recomputed) and scaled in the backward pass.
     `weight_compute` is `weight` in the compute dtype when the caller has it already (one cast
-    per forward pass), and `sink` a `WeightGradSink` shared with the other steps.
+    per forward pass), and `sink` a `WeightGradSink` shared with the other steps (every call
+    adds to it; the one given the weight itself, not detached, hands the total over).
     With `scored_rows` (the count of rows whose weight is not zero) the rows are taken scored
     ones first: the others (masked prompt tokens, sample boundaries) only get their argmax, and
     the two gradient matmuls run over the scored rows alone. With `used` (`[rows]` bool, a
@@ -324,12 +330,10 @@ class _LinearKL(torch.autograd.Function):
         if need_hidden:
             grad_hidden = torch.empty_like(hidden) if order is None else torch.zeros_like(hidden)
         grad_weight = None
-        if need_weight:
-            grad_weight = (
-                sink.add(weight.shape, weight.device, compute)
-                if sink is not None
-                else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            )
+        if sink is not None:
+            grad_weight = sink.add(weight.shape, weight.device, compute, owner=need_weight)
+        elif need_weight:
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         if argmax_rows < rows:
             predicted = torch.full((rows,), -1, dtype=torch.long, device=hidden.device)
@@ -366,7 +370,7 @@ class _LinearKL(torch.autograd.Function):
     def backward(ctx, grad_total, _grad_predicted):
         grad_hidden, grad_weight = ctx.saved_tensors
         if ctx.sink is not None and ctx.needs_input_grad[1]:
-            grad_weight = ctx.sink.hand_over()
+            grad_weight = ctx.sink.total
         if grad_hidden is not None:
             grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
         if grad_weight is not None:
@@ -392,7 +396,8 @@ def linear_kl_loss(
     argmax_i)` for `hidden [N, H]`, `target_logits [N, V]`, computed `chunk_size` rows at a time.
 
     `weight_compute`: `weight` already cast to the compute dtype (detached); `weight_grad_sink`:
-    a `WeightGradSink` shared by calls whose losses are summed (see there); `scored_rows`: how
+    a `WeightGradSink` shared by calls whose losses are summed, one of which takes `weight`
+    itself and the others `weight.detach()` (see there); `scored_rows`: how
     many `row_weights` are not zero, when the caller knows it without waiting for the device
     (the gradient matmuls then skip the other rows; a wrong count drops scored rows);
     `used` / `used_rows`: the rows whose argmax anyone reads (a superset of the scored ones, with
@@ -551,6 +556,26 @@ class _StepKeyValues:
         return key, value
 
 
+class DraftLMHead(nn.Linear):
+    """The draft's LM head: a bias-free `nn.Linear` (the same `lm_head.weight` in checkpoints).
+
+    The fused loss reads `weight` directly instead of calling the module, for all TTT steps at
+    once. `mark_read` is a call of the module that returns its argument unchanged; the draft
+    makes one before its first direct read of a forward pass (no argument) and one on the last
+    TTT step's head input. A wrapper that acts on module calls (FSDP2, through
+    `register_fsdp_forward_method`) then has the weight gathered before it is read, and
+    reduces its gradient as soon as that input's gradient exists. The last step's loss is the
+    weight's one differentiable use (see `WeightGradSink`) and the first to run backward, so the
+    gradient is complete by then and its reduction overlaps the rest of the backward pass.
+    """
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+
+    def mark_read(self, tensor: torch.Tensor | None = None) -> torch.Tensor | None:
+        return tensor
+
+
 def _final_norm(model: Eagle3DraftModel, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return model.norm(hidden).to(dtype)
 
@@ -655,7 +680,7 @@ class Eagle3DraftModel(SpeculatorModel):
         self.norm = components.norm_class(self.hidden_size, eps=layer_config.rms_norm_eps)
         self.rotary_emb = components.rotary_emb_class(config=layer_config)
         self.embed_tokens = nn.Embedding(target_vocab, self.hidden_size)
-        self.lm_head = nn.Linear(self.hidden_size, self.draft_vocab_size, bias=False)
+        self.lm_head = DraftLMHead(self.hidden_size, self.draft_vocab_size)
         self.verifier_norm: nn.Module | None = (
             components.norm_class(self.target_hidden_size, eps=layer_config.rms_norm_eps)
             if use_verifier_norm
@@ -880,8 +905,13 @@ class Eagle3DraftModel(SpeculatorModel):
             targets = self.target_logits(spare)
             del spare
             target_ids = targets.argmax(dim=-1)
+            self.lm_head.mark_read()  # after the targets' matmul: a gather may overlap it
             head_compute = self.lm_head.weight.detach().to(compute_dtype)
-            head_grad = WeightGradSink()
+            head_grad = (
+                WeightGradSink()
+                if torch.is_grad_enabled() and self.lm_head.weight.requires_grad
+                else None
+            )
             base_mask = torch.ones(padded + ttt_steps, dtype=torch.bool, device=device)
             if loss_mask is not None:
                 base_mask[:total] = loss_mask[0].to(torch.bool)
@@ -926,11 +956,19 @@ class Eagle3DraftModel(SpeculatorModel):
             if all_logits is not None:
                 all_logits.append(self.lm_head(normed[:total])[None])
             if scoring:
+                last_step = step == ttt_steps - 1
+                # The head's gradient goes through the last step's loss alone (`WeightGradSink`):
+                # complete at the start of the backward pass, and reducible from there on.
+                head_weight = self.lm_head.weight
+                if last_step:
+                    normed = self.lm_head.mark_read(normed)
+                elif head_grad is not None:
+                    head_weight = head_weight.detach()
                 if scored_counts is None and self._skipping_unscored_rows(device):
                     # Read here, with step 0's layer queued: the device is busy meanwhile.
                     scored_counts = scored_position_counts(scored_masks, total)
                 score = score_ttt_step(
-                    normed, self.lm_head.weight, targets, scored_masks[step], prev_correct, step,
+                    normed, head_weight, targets, scored_masks[step], prev_correct, step,
                     ttt_step_loss_decay, valid_rows=total,
                     masked_denominator=loss_mask is not None,
                     chunk_size=self.loss_chunk_size, compiled=compiled,
@@ -1002,6 +1040,7 @@ class Eagle3DraftModel(SpeculatorModel):
     @torch.no_grad()
     def _draft_argmax(self, normed: torch.Tensor) -> torch.Tensor:
         """Argmax of the draft logits, `loss_chunk_size` rows at a time."""
+        self.lm_head.mark_read()
         weight = self.lm_head.weight.to(normed.dtype)
         return torch.cat(
             [(part @ weight.T).argmax(-1) for part in normed.split(self.loss_chunk_size)]
