@@ -84,6 +84,8 @@ class TrainingState:
     skipped_samples: int = 0
     # The training files' names and token counts, hashed: the sampler's plans depend on them.
     data_digest: str | None = None
+    # `--deterministic` (None: a checkpoint from before it was recorded).
+    deterministic: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def resume_position(self) -> tuple[int, int]:

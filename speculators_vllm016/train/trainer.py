@@ -181,7 +181,8 @@ class Trainer:
         checkpointer_class = DistributedCheckpointer if sharded else SingleGPUCheckpointer
         self.checkpointer: BaseCheckpointer = checkpointer_class(config.save_path)
         self.data_digest = self._data_digest()
-        self.state = TrainingState(seed=config.seed, world_size=self.world_size, data_digest=self.data_digest)
+        self.state = TrainingState(seed=config.seed, world_size=self.world_size,
+                                   data_digest=self.data_digest, deterministic=config.deterministic)
         self.resume_ref: CheckpointRef | None = None
         self._stop_requested = False
         self._stop_reason = "a stop signal on another rank"
@@ -240,6 +241,14 @@ class Trainer:
                 "uninterrupted one"
             )
         self.state.data_digest = digest
+        recorded = self.state.deterministic
+        if recorded is not None and recorded != self.config.deterministic:
+            root_logger.warning(
+                "checkpoint written %s --deterministic, resuming %s it: on a GPU the rest of the "
+                "run does not end bit for bit where an uninterrupted one would",
+                "with" if recorded else "without", "without" if recorded else "with",
+            )
+        self.state.deterministic = self.config.deterministic
         epoch, step = self.state.resume_position()
         root_logger.info("resuming from %s at epoch %d, step %d", latest.path, epoch, step)
 

@@ -128,6 +128,18 @@ def test_resume_on_changed_training_data_warns(tiny_llama, training_data, tmp_pa
     assert "other training data" not in capsys.readouterr().err, "the new data set was not recorded"
 
 
+def test_resume_with_another_deterministic_setting_warns(tiny_llama, training_data, tmp_path, capsys):
+    save = tmp_path / "ckpt"
+    assert main(train_args(tiny_llama, training_data, save, "--max-steps", "1", "--deterministic")) == 0
+    capsys.readouterr()
+    assert main(train_args(tiny_llama, training_data, save, "--max-steps", "2", "--deterministic")) == 0
+    assert "--deterministic" not in capsys.readouterr().err
+    assert main(train_args(tiny_llama, training_data, save, "--max-steps", "3")) == 0
+    assert "checkpoint written with --deterministic, resuming without it" in capsys.readouterr().err
+    assert main(train_args(tiny_llama, training_data, save, "--max-steps", "4")) == 0
+    assert "--deterministic" not in capsys.readouterr().err, "the new setting was not recorded"
+
+
 def test_default_warmup_is_one_percent_of_the_capped_run(tiny_llama, training_data, tmp_path):
     # 100 epochs would warm up for a whole epoch's steps; capped at 3 steps the warm-up is 0
     # steps and the learning rate decays from the first step on.
