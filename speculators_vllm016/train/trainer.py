@@ -60,6 +60,10 @@ root_logger = logging.getLogger("speculators")
 metric_logger = logging.getLogger("speculators.metrics")
 
 METRICS_FILE = "metrics.jsonl"
+# Present while a run from scratch has moved the earlier run's metrics to `.prev` but written
+# no checkpoint yet. A run killed then (SIGKILL, power loss) leaves it, and the next start puts
+# the earlier run's metrics back beside the earlier run's checkpoints, which are still there.
+UNCONFIRMED_RUN_FILE = ".run-without-checkpoint"
 
 
 @dataclass(frozen=True)
@@ -202,6 +206,14 @@ class Trainer:
         """Pick the checkpoint to resume from (the newest complete one), if asked to resume."""
         if self.rank == 0:
             remove_temporary_folders(Path(self.config.save_path))
+            if (Path(self.config.save_path) / UNCONFIRMED_RUN_FILE).is_file():
+                self._restore_earlier_metrics()
+                root_logger.warning(
+                    "an earlier run from scratch in %s ended before its first checkpoint, without "
+                    "cleaning up (killed?): the metrics of the run whose checkpoints are there are "
+                    "back in %s, its own lines are in %s.prev",
+                    self.config.save_path, METRICS_FILE, METRICS_FILE,
+                )
         latest = self.checkpointer.latest
         if latest is None:
             root_logger.info("no checkpoint in %s: starting from scratch", self.config.save_path)
@@ -354,11 +366,26 @@ class Trainer:
         return True
 
     def _start_metrics_file(self) -> bool:
-        """A run from scratch starts its own metrics log; an earlier run's lines go to `.prev`."""
+        """A run from scratch starts its own metrics log; an earlier run's lines go to `.prev`
+        until this run's first checkpoint replaces the earlier run (`UNCONFIRMED_RUN_FILE`)."""
         moved = self._swap_metrics_files()
+        if self.rank == 0 and self._earlier_run:  # after the swap: a marker means it happened
+            (Path(self.config.save_path) / UNCONFIRMED_RUN_FILE).touch()
         if moved:
             root_logger.info("the earlier run's %s moved to %s.prev", METRICS_FILE, METRICS_FILE)
         return moved
+
+    def _restore_earlier_metrics(self) -> None:
+        """Undo `_start_metrics_file` for a run from scratch that ends before its first
+        checkpoint: the earlier run's metrics come back, this run's lines go to `.prev`."""
+        folder = Path(self.config.save_path)
+        if self.rank != 0:
+            return
+        if not self._swap_metrics_files():  # this run logged nothing: only `.prev` to put back
+            previous = folder / f"{METRICS_FILE}.prev"
+            if previous.is_file():
+                previous.replace(folder / METRICS_FILE)
+        (folder / UNCONFIRMED_RUN_FILE).unlink(missing_ok=True)
 
     def _log(self, metrics: dict[str, Any]) -> None:
         metric_logger.info(metrics, extra={"step": self.state.global_step})
@@ -654,6 +681,8 @@ class Trainer:
             optimizer_dtype=self.config.optimizer_state_dtype,
         )
         root_logger.info("checkpoint %s written in %.2f s", path, time.perf_counter() - started)
+        if self.rank == 0:
+            (Path(self.config.save_path) / UNCONFIRMED_RUN_FILE).unlink(missing_ok=True)
         self._prune(path.name)
         return path
 
@@ -752,7 +781,7 @@ class Trainer:
             if moved_metrics and not self._wrote_checkpoint:
                 # Stopped before its first checkpoint, this run leaves the earlier one as it
                 # was: its metrics come back (and this run's lines go to `.prev`).
-                self._swap_metrics_files()
+                self._restore_earlier_metrics()
             raise
         finally:
             for signum, handler in replaced.items():

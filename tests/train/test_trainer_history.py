@@ -95,6 +95,37 @@ def test_no_resume_stopped_before_its_first_checkpoint_leaves_the_earlier_run(
     assert train_steps(save / "metrics.jsonl.prev") == [0], "the stopped run's line is lost"
 
 
+def test_a_killed_no_resume_run_leaves_the_earlier_run_whole_at_the_next_start(
+    tiny_llama, training_data, tmp_path, earlier_run, monkeypatch, capsys
+):
+    """SIGKILL before the first checkpoint runs no clean-up: emulated by a run that stops with
+    its clean-up (`_restore_earlier_metrics`) switched off. The next start puts the earlier
+    run's metrics back beside its checkpoints, and resuming continues that run's log."""
+    save = tmp_path / "ckpt"
+    shutil.copytree(earlier_run, save, symlinks=True)
+    step = Trainer.train_step
+    calls = []
+
+    def killed_step(self, batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step(self, batch)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Trainer, "train_step", killed_step)
+        patched.setattr(Trainer, "_restore_earlier_metrics", lambda self: None)
+        assert main(train_args(tiny_llama, training_data, save, "--no-resume-from-checkpoint")) == 130
+    assert train_steps(save / "metrics.jsonl") == [0, 1], "the emulated kill cleaned up"
+    capsys.readouterr()
+    assert main(train_args(tiny_llama, training_data, save, "--epochs", "3")) == 0
+    assert "ended before its first checkpoint" in capsys.readouterr().err
+    assert train_steps(save / "metrics.jsonl.prev") == [0, 1]
+    earlier = train_steps(earlier_run / "metrics.jsonl")
+    assert train_steps(save / "metrics.jsonl")[: len(earlier)] == earlier
+    assert not (save / ".run-without-checkpoint").exists()
+
+
 def test_resume_with_another_seed_warns_and_records_the_new_seed(
     tiny_llama, training_data, tmp_path, capsys
 ):
