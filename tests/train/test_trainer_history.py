@@ -73,8 +73,9 @@ def test_no_resume_replaces_the_earlier_run_at_its_first_checkpoint(
     assert train_steps(save / "metrics.jsonl") == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("stopped_in_step", [1, 2])
 def test_no_resume_stopped_before_its_first_checkpoint_leaves_the_earlier_run(
-    tiny_llama, training_data, tmp_path, earlier_run, monkeypatch
+    tiny_llama, training_data, tmp_path, earlier_run, monkeypatch, stopped_in_step
 ):
     save = tmp_path / "ckpt"
     shutil.copytree(earlier_run, save, symlinks=True)
@@ -83,8 +84,8 @@ def test_no_resume_stopped_before_its_first_checkpoint_leaves_the_earlier_run(
 
     def interrupted_step(self, batch):
         calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt  # Ctrl-C in the second step, before any checkpoint
+        if len(calls) == stopped_in_step:
+            raise KeyboardInterrupt  # Ctrl-C before any checkpoint
         return step(self, batch)
 
     monkeypatch.setattr(Trainer, "train_step", interrupted_step)
@@ -92,7 +93,11 @@ def test_no_resume_stopped_before_its_first_checkpoint_leaves_the_earlier_run(
     assert checkpoint_names(save) == {"0", "1"}
     assert os.readlink(save / "best") == os.readlink(earlier_run / "best")
     assert (save / "metrics.jsonl").read_text() == (earlier_run / "metrics.jsonl").read_text()
-    assert train_steps(save / "metrics.jsonl.prev") == [0], "the stopped run's line is lost"
+    if stopped_in_step == 1:  # nothing logged: nothing of this run to keep
+        assert not (save / "metrics.jsonl.prev").exists()
+    else:
+        assert train_steps(save / "metrics.jsonl.prev") == [0], "the stopped run's line is lost"
+    assert not (save / ".run-without-checkpoint").exists()
 
 
 def test_a_killed_no_resume_run_leaves_the_earlier_run_whole_at_the_next_start(
