@@ -23,12 +23,13 @@ reached it, which reveals checkpoint tensors that vLLM silently drops.
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from tests.training_fixtures import free_port
 
 __all__ = [
     "Eagle3LoadResult",
@@ -119,12 +120,6 @@ def build_vllm_config(
 # one-process distributed state
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def ensure_vllm_distributed() -> None:
     """Initialise vLLM's world / TP / PP groups for a single gloo process; a no-op when done.
 
@@ -138,7 +133,7 @@ def ensure_vllm_distributed() -> None:
         ps.init_distributed_environment(
             world_size=1,
             rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
             local_rank=0,
             backend="gloo",
         )
