@@ -31,6 +31,20 @@ def lrs(save: Path) -> list[float]:
             if '"train"' in line]
 
 
+def interrupt_in_step(patcher: pytest.MonkeyPatch, number: int) -> None:
+    """Make the trainer's `number`-th step raise KeyboardInterrupt (Ctrl-C) before its work."""
+    step = Trainer.train_step
+    calls = []
+
+    def interrupted_step(self, batch):
+        calls.append(1)
+        if len(calls) == number:
+            raise KeyboardInterrupt
+        return step(self, batch)
+
+    patcher.setattr(Trainer, "train_step", interrupted_step)
+
+
 @pytest.fixture(scope="module")
 def earlier_run(tiny_llama, training_data, tmp_path_factory) -> Path:
     """A finished two-epoch run: folders 0 and 1, `best`, metrics.jsonl."""
@@ -79,16 +93,7 @@ def test_no_resume_stopped_before_its_first_checkpoint_leaves_the_earlier_run(
 ):
     save = tmp_path / "ckpt"
     shutil.copytree(earlier_run, save, symlinks=True)
-    step = Trainer.train_step
-    calls = []
-
-    def interrupted_step(self, batch):
-        calls.append(1)
-        if len(calls) == stopped_in_step:
-            raise KeyboardInterrupt  # Ctrl-C before any checkpoint
-        return step(self, batch)
-
-    monkeypatch.setattr(Trainer, "train_step", interrupted_step)
+    interrupt_in_step(monkeypatch, stopped_in_step)  # before any checkpoint
     assert main(train_args(tiny_llama, training_data, save, "--no-resume-from-checkpoint")) == 130
     assert checkpoint_names(save) == {"0", "1"}
     assert os.readlink(save / "best") == os.readlink(earlier_run / "best")
@@ -108,17 +113,8 @@ def test_a_killed_no_resume_run_leaves_the_earlier_run_whole_at_the_next_start(
     run's metrics back beside its checkpoints, and resuming continues that run's log."""
     save = tmp_path / "ckpt"
     shutil.copytree(earlier_run, save, symlinks=True)
-    step = Trainer.train_step
-    calls = []
-
-    def killed_step(self, batch):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return step(self, batch)
-
     with monkeypatch.context() as patched:
-        patched.setattr(Trainer, "train_step", killed_step)
+        interrupt_in_step(patched, 3)
         patched.setattr(Trainer, "_restore_earlier_metrics", lambda self: None)
         assert main(train_args(tiny_llama, training_data, save, "--no-resume-from-checkpoint")) == 130
     assert train_steps(save / "metrics.jsonl") == [0, 1], "the emulated kill cleaned up"
