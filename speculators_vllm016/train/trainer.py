@@ -367,8 +367,12 @@ class Trainer:
 
     def _start_metrics_file(self) -> bool:
         """A run from scratch starts its own metrics log; an earlier run's lines go to `.prev`
-        until this run's first checkpoint replaces the earlier run (`UNCONFIRMED_RUN_FILE`)."""
-        moved = self._swap_metrics_files()
+        until this run's first checkpoint replaces the earlier run (`UNCONFIRMED_RUN_FILE`).
+        A `.prev` from before that goes: this run's log starts empty."""
+        path = Path(self.config.save_path) / METRICS_FILE
+        moved = self.rank == 0 and path.is_file()
+        if moved:
+            path.replace(path.with_name(f"{path.name}.prev"))
         if self.rank == 0 and self._earlier_run:  # after the swap: a marker means it happened
             (Path(self.config.save_path) / UNCONFIRMED_RUN_FILE).touch()
         if moved:

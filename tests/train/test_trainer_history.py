@@ -87,6 +87,16 @@ def test_no_resume_replaces_the_earlier_run_at_its_first_checkpoint(
     assert train_steps(save / "metrics.jsonl") == [0, 1, 2, 3]
 
 
+def test_each_no_resume_run_starts_its_own_metrics_log(tiny_llama, training_data, tmp_path):
+    save = tmp_path / "ckpt"
+    no_resume = "--no-resume-from-checkpoint"
+    assert main(train_args(tiny_llama, training_data, save, "--max-steps", "3")) == 0
+    assert main(train_args(tiny_llama, training_data, save, no_resume, "--max-steps", "2")) == 0
+    assert main(train_args(tiny_llama, training_data, save, no_resume, "--max-steps", "1")) == 0
+    assert train_steps(save / "metrics.jsonl") == [0]
+    assert train_steps(save / "metrics.jsonl.prev") == [0, 1]
+
+
 @pytest.mark.parametrize("stopped_in_step", [1, 2])
 def test_no_resume_stopped_before_its_first_checkpoint_leaves_the_earlier_run(
     tiny_llama, training_data, tmp_path, earlier_run, monkeypatch, stopped_in_step
