@@ -125,11 +125,13 @@ def _run_killed(command: list[str], save: Path, kill_at: int, sig: int,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("processes", [1, 2])
-def test_sigkill_then_resume_is_bit_identical(tiny_llama, training_data, tmp_path, processes):
+@pytest.mark.parametrize(("processes", "parallel"), [(1, None), (2, "fsdp"), (2, "ddp")])
+def test_sigkill_then_resume_is_bit_identical(tiny_llama, training_data, tmp_path, processes, parallel):
     epochs = 2 if processes == 1 else 3  # two ranks halve the steps of an epoch
     last = str(epochs - 1)
     extra = ["--checkpoint-freq", "0.25", "--epochs", str(epochs)]
+    if parallel is not None:
+        extra += ["--parallel", parallel]
     straight = tmp_path / "straight"
     done = subprocess.run(train_command(train_args(tiny_llama, training_data, straight, *extra), processes),
                           env=cli_env(), capture_output=True, text=True, timeout=600)
