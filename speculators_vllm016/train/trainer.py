@@ -206,7 +206,7 @@ class Trainer:
         """Pick the checkpoint to resume from (the newest complete one), if asked to resume."""
         if self.rank == 0:
             remove_temporary_folders(Path(self.config.save_path))
-            if (Path(self.config.save_path) / UNCONFIRMED_RUN_FILE).is_file():
+            if self._unconfirmed_marker.is_file():
                 self._restore_earlier_metrics()
                 root_logger.warning(
                     "an earlier run from scratch in %s ended before its first checkpoint, without "
@@ -352,51 +352,52 @@ class Trainer:
         """The run's progress (what `training_state.json` holds)."""
         return dataclasses.asdict(self.state)
 
-    def _swap_metrics_files(self) -> bool:
-        """Swap `metrics.jsonl` and `metrics.jsonl.prev` (rank 0); False when there is none."""
-        path = Path(self.config.save_path) / METRICS_FILE
-        if self.rank != 0 or not path.is_file():
-            return False
-        previous = path.with_name(f"{path.name}.prev")
-        temporary = path.with_name(f".{path.name}.swap")
-        path.replace(temporary)
-        if previous.is_file():
-            previous.replace(path)
-        temporary.replace(previous)
-        return True
+    @property
+    def _metrics_path(self) -> Path:
+        return Path(self.config.save_path) / METRICS_FILE
+
+    @property
+    def _unconfirmed_marker(self) -> Path:
+        return Path(self.config.save_path) / UNCONFIRMED_RUN_FILE
 
     def _start_metrics_file(self) -> bool:
         """A run from scratch starts its own metrics log; an earlier run's lines go to `.prev`
         until this run's first checkpoint replaces the earlier run (`UNCONFIRMED_RUN_FILE`).
-        A `.prev` from before that goes: this run's log starts empty."""
-        path = Path(self.config.save_path) / METRICS_FILE
-        moved = self.rank == 0 and path.is_file()
+        A `.prev` from before that goes: this run's log starts empty. Rank 0; True if moved."""
+        if self.rank != 0:
+            return False
+        path = self._metrics_path
+        moved = path.is_file()
         if moved:
             path.replace(path.with_name(f"{path.name}.prev"))
-        if self.rank == 0 and self._earlier_run:  # after the swap: a marker means it happened
-            (Path(self.config.save_path) / UNCONFIRMED_RUN_FILE).touch()
-        if moved:
             root_logger.info("the earlier run's %s moved to %s.prev", METRICS_FILE, METRICS_FILE)
+        if self._earlier_run:  # after the move: a marker means it happened
+            self._unconfirmed_marker.touch()
         return moved
 
     def _restore_earlier_metrics(self) -> None:
         """Undo `_start_metrics_file` for a run from scratch that ends before its first
         checkpoint: the earlier run's metrics come back, this run's lines go to `.prev`."""
-        folder = Path(self.config.save_path)
         if self.rank != 0:
             return
-        if not self._swap_metrics_files():  # this run logged nothing: only `.prev` to put back
-            previous = folder / f"{METRICS_FILE}.prev"
+        path = self._metrics_path
+        previous = path.with_name(f"{path.name}.prev")
+        if path.is_file():
+            temporary = path.with_name(f".{path.name}.swap")
+            path.replace(temporary)
             if previous.is_file():
-                previous.replace(folder / METRICS_FILE)
-        (folder / UNCONFIRMED_RUN_FILE).unlink(missing_ok=True)
+                previous.replace(path)
+            temporary.replace(previous)
+        elif previous.is_file():  # this run logged nothing: only the earlier lines to put back
+            previous.replace(path)
+        self._unconfirmed_marker.unlink(missing_ok=True)
 
     def _log(self, metrics: dict[str, Any]) -> None:
         metric_logger.info(metrics, extra={"step": self.state.global_step})
 
     def _truncate_metrics_file(self) -> None:
         """Drop metric lines the interrupted run wrote after the checkpoint we resume from."""
-        path = Path(self.config.save_path) / METRICS_FILE
+        path = self._metrics_path
         if self.rank != 0 or not path.is_file():
             return
         kept = []
@@ -686,7 +687,7 @@ class Trainer:
         )
         root_logger.info("checkpoint %s written in %.2f s", path, time.perf_counter() - started)
         if self.rank == 0:
-            (Path(self.config.save_path) / UNCONFIRMED_RUN_FILE).unlink(missing_ok=True)
+            self._unconfirmed_marker.unlink(missing_ok=True)
         self._prune(path.name)
         return path
 
