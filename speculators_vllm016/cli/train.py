@@ -594,7 +594,7 @@ def run(args: argparse.Namespace) -> int:
         split_items,
     )
     from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
-    from speculators_vllm016.train.logger import setup_metric_logger, setup_root_logger
+    from speculators_vllm016.train.logger import METRICS_FILE, setup_metric_logger, setup_root_logger
     from speculators_vllm016.train.trainer import Trainer, TrainerConfig
     from speculators_vllm016.train.utils import (
         maybe_destroy_distributed,
@@ -621,7 +621,7 @@ def run(args: argparse.Namespace) -> int:
             np.save(save_path / "d2t.npy", vocab.d2t.numpy())
             np.save(save_path / "t2d.npy", vocab.t2d.numpy())
             logger.info("vocabulary maps built from %s -> %s/{d2t,t2d}.npy", vocab.built_from, save_path)
-        setup_metric_logger(args.logger, args.run_name, args.log_dir, jsonl_path=save_path / "metrics.jsonl")
+        setup_metric_logger(args.logger, args.run_name, args.log_dir, jsonl_path=save_path / METRICS_FILE)
         model = build_model(args, setup)
         hidden_size = int(setup.text_config.hidden_size)
 

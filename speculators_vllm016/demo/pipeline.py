@@ -313,13 +313,14 @@ def run_demo(options: DemoOptions) -> DemoResult:
 
     def train_stage() -> tuple[dict, dict]:
         from speculators_vllm016.cli.train import main as train_main
+        from speculators_vllm016.train.logger import METRICS_FILE
 
         started = time.perf_counter()
         rc = train_main(train_argv)
         if rc != 0:
             raise RuntimeError(f"draft training failed (exit status {rc}); see the error above")
         seconds = time.perf_counter() - started
-        metrics = read_training_metrics(save / "metrics.jsonl")
+        metrics = read_training_metrics(save / METRICS_FILE)
         tokens, rate = training_throughput(metrics, seconds)
         curves = root / "training_curves.png"
         try:
@@ -327,7 +328,7 @@ def run_demo(options: DemoOptions) -> DemoResult:
         except ImportError:
             curves = Path("(no PNG: pip install matplotlib)")
         return {"checkpoints": str(save), "trained_draft": str(trained), "curves": str(curves),
-                "metrics": str(save / "metrics.jsonl")}, {
+                "metrics": str(save / METRICS_FILE)}, {
             "steps": len(metrics), "tokens": tokens, "tokens_per_second": rate,
             "first_loss": metrics[0].get("loss") if metrics else None,
             "last_loss": metrics[-1].get("loss") if metrics else None,

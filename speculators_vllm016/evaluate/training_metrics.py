@@ -20,11 +20,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from speculators_vllm016.train.logger import flatten
+from speculators_vllm016.train.logger import METRICS_FILE, flatten
 
 __all__ = ["METRICS_FILE", "TrainingEstimate", "find_training_estimate", "simulated_tau"]
 
-METRICS_FILE = "metrics.jsonl"
 _KEY = re.compile(r"^(?P<val>val[/_])?full_acc_(?P<step>\d+)(?:_epoch)?$")
 
 

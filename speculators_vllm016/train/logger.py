@@ -25,6 +25,7 @@ __all__ = [
     "IsMappingFilter",
     "IsRank0Filter",
     "JsonlHandler",
+    "METRICS_FILE",
     "TensorBoardHandler",
     "TrackioHandler",
     "WandbHandler",
@@ -33,6 +34,9 @@ __all__ = [
 ]
 
 METRICS_LOGGER = "speculators.metrics"
+# The file name of the JSON-lines metrics log in a training run's save folder; the trainer moves it
+# aside for a run from scratch, and evaluation reads tau_sim back from it.
+METRICS_FILE = "metrics.jsonl"
 
 
 def flatten(values: Mapping[str, Any], prefix: str = "", sep: str = "/") -> dict[str, Any]:

@@ -47,6 +47,7 @@ from speculators_vllm016.train.checkpointer import (
     restore_rng_state,
 )
 from speculators_vllm016.train.data import MODEL_INPUTS, DataSourceError, Eagle3SampleFileDataset
+from speculators_vllm016.train.logger import METRICS_FILE, METRICS_LOGGER
 from speculators_vllm016.train.optimizer_step import clip_and_step
 from speculators_vllm016.train.utils import (
     apply_data_parallel,
@@ -57,9 +58,8 @@ from speculators_vllm016.train.utils import (
 __all__ = ["Trainer", "TrainerConfig", "TrainingInterrupted", "tau_sim"]
 
 root_logger = logging.getLogger("speculators")
-metric_logger = logging.getLogger("speculators.metrics")
+metric_logger = logging.getLogger(METRICS_LOGGER)
 
-METRICS_FILE = "metrics.jsonl"
 # Present while a run from scratch has moved the earlier run's metrics to `.prev` but written
 # no checkpoint yet. A run killed then (SIGKILL, power loss) leaves it, and the next start puts
 # the earlier run's metrics back beside the earlier run's checkpoints, which are still there.
