@@ -26,6 +26,7 @@ __all__ = [
     "IsRank0Filter",
     "JsonlHandler",
     "METRICS_FILE",
+    "METRICS_LOGGER",
     "TensorBoardHandler",
     "TrackioHandler",
     "WandbHandler",
