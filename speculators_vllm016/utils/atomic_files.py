@@ -1,0 +1,112 @@
+"""Files that appear whole or not at all: write under a temporary name, then rename.
+
+Every module that writes a file a crash must not leave half-written (sample files, checkpoints,
+vocabulary maps, token counts, run records, metrics logs) goes through here, so there is one
+temporary-name scheme for the whole package: `.{name}.{random}.tmp` beside the target.
+A reader never sees a partial file, and a crash leaves at most a hidden temporary file behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = [
+    "TEMP_SUFFIX",
+    "atomic_torch_save",
+    "atomic_write",
+    "atomic_write_json",
+    "atomic_write_text",
+    "fsync_folder",
+    "replace_folder",
+    "temporary_path",
+]
+
+TEMP_SUFFIX = ".tmp"
+
+
+def temporary_path(path: Path) -> Path:
+    """A hidden name beside `path` that no other writer (thread or process) picks too."""
+    return path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}")
+
+
+def fsync_folder(folder: Path) -> None:
+    """Make a rename inside `folder` durable (the directory entry itself is flushed)."""
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def atomic_write(
+    path: str | os.PathLike,
+    write: Callable[[IO[bytes]], Any],
+    *,
+    fsync: bool = False,
+    temp: Path | None = None,
+) -> Path:
+    """Call `write(handle)` on a temporary file, then rename it to `path`.
+
+    `fsync` also flushes the data and the folder, so the file survives a power loss and not
+    only a crash of this process. `temp` lets a caller that tracks its own temporary files
+    (to sweep them after a crash) choose the name. On any error the temporary file is removed
+    and the error propagates; an existing `path` is left as it was.
+    """
+    path = Path(path)
+    temp = temporary_path(path) if temp is None else temp
+    try:
+        with open(temp, "wb") as handle:
+            write(handle)
+            if fsync:
+                handle.flush()
+                os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    if fsync:
+        fsync_folder(path.parent)
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, *, fsync: bool = False) -> Path:
+    return atomic_write(path, lambda handle: handle.write(text.encode("utf-8")), fsync=fsync)
+
+
+def atomic_write_json(
+    path: str | os.PathLike, payload: Any, *, indent: int | None = 2, sort_keys: bool = False
+) -> Path:
+    return atomic_write_text(path, json.dumps(payload, indent=indent, sort_keys=sort_keys))
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike, *, fsync: bool = False) -> Path:
+    import torch
+
+    return atomic_write(path, lambda handle: torch.save(obj, handle), fsync=fsync)
+
+
+def replace_folder(
+    source: Path, target: Path, *, aside: Path | None = None, fsync: bool = True
+) -> None:
+    """Rename the folder `source` to `target`, replacing an existing `target`.
+
+    A folder cannot be swapped in one rename; the old one is first moved aside under a hidden
+    name (`aside`, for callers that sweep their own leftovers after a crash), so at every
+    moment either the old or the new folder is complete under some name.
+    """
+    if target.exists():
+        old = target.with_name(f".old-{target.name}") if aside is None else aside
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)
+        os.replace(source, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(source, target)
+    if fsync:
+        fsync_folder(target.parent)

@@ -1,0 +1,59 @@
+"""The one atomic-write helper: whole or nothing, one temporary-name scheme."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from speculators_vllm016.utils.atomic_files import (
+    TEMP_SUFFIX,
+    atomic_torch_save,
+    atomic_write,
+    atomic_write_json,
+    atomic_write_text,
+    replace_folder,
+)
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    target = tmp_path / "file.bin"
+    target.write_bytes(b"old")
+
+    def fail(handle):
+        handle.write(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write(target, fail)
+    assert target.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["file.bin"]
+
+
+def test_writes_land_whole_under_the_final_name(tmp_path):
+    atomic_write_text(tmp_path / "a.txt", "hello", fsync=True)
+    atomic_write_json(tmp_path / "b.json", {"x": 1})
+    atomic_torch_save({"t": torch.arange(3)}, tmp_path / "c.pt")
+    assert (tmp_path / "a.txt").read_text() == "hello"
+    assert json.loads((tmp_path / "b.json").read_text()) == {"x": 1}
+    assert torch.equal(torch.load(tmp_path / "c.pt", weights_only=True)["t"], torch.arange(3))
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(TEMP_SUFFIX)]
+
+
+def test_the_temporary_file_is_hidden_beside_the_target(tmp_path):
+    seen = []
+    atomic_write(tmp_path / "x.pt", lambda handle: seen.append(handle.name))
+    assert seen[0].startswith(str(tmp_path / ".x.pt."))
+    assert seen[0].endswith(TEMP_SUFFIX)
+
+
+def test_replace_folder_swaps_an_existing_folder(tmp_path):
+    old, new = tmp_path / "ckpt", tmp_path / "stage"
+    old.mkdir()
+    (old / "f").write_text("old")
+    new.mkdir()
+    (new / "f").write_text("new")
+    replace_folder(new, old)
+    assert (old / "f").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
