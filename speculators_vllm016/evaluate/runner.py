@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from speculators_vllm016.evaluate.generation import GenerationResult
 from speculators_vllm016.evaluate.report import DraftEvaluation, EvaluationReport
 from speculators_vllm016.evaluate.training_metrics import find_training_estimate
 
@@ -174,7 +175,9 @@ def _load_draft(path: str, dtype, device: str):
     return draft.to(device).eval()
 
 
-def _draft_evaluation(draft_path: str, label: str, engine: str, k: int, result) -> DraftEvaluation:
+def _draft_evaluation(
+    draft_path: str, label: str, engine: str, k: int, result: GenerationResult
+) -> DraftEvaluation:
     """One draft's row of the report from either engine's result (counts, tokens, seconds)."""
     return DraftEvaluation(
         draft=draft_path,

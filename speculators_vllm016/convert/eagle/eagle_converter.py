@@ -17,15 +17,15 @@ from transformers import LlamaConfig
 
 from speculators_vllm016.config import SpeculatorsConfig, VerifierConfig
 from speculators_vllm016.convert.eagle.utils import (
-    loaded_on,
     detect_fusion_bias_and_layernorms,
     ensure_checkpoint_is_local,
     load_checkpoint_config,
     load_checkpoint_weights,
-    load_verifier_config_dict,
 )
+from speculators_vllm016.convert.eagle.validation import check_reloaded_weights
 from speculators_vllm016.models.eagle import EagleSpeculator, EagleSpeculatorConfig
 from speculators_vllm016.proposals.greedy import GreedyTokenProposalConfig
+from speculators_vllm016.utils.verifier_config import load_verifier_config_dict
 
 __all__ = ["EagleConverter"]
 
@@ -216,14 +216,7 @@ class EagleConverter:
         model = EagleSpeculator.from_pretrained(
             checkpoint_path, verifier=base_model, verifier_attachment_mode="detached"
         )
-        if weights is not None:
-            state = loaded_on(model, device)
-            bad = [
-                k
-                for k, v in weights.items()
-                if k not in state or state[k].device != torch.device(device)
-                or not torch.equal(state[k].cpu(), v.cpu())
-            ]
-            if bad:
-                raise RuntimeError(f"converted checkpoint did not reload equal: {bad[:8]}")
-        logger.info("validated %s", checkpoint_path)
+        if weights is None:
+            logger.info("validated %s", checkpoint_path)
+            return
+        check_reloaded_weights(model, weights, device, checkpoint_path)

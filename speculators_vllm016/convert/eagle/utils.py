@@ -8,8 +8,10 @@ from pathlib import Path
 
 import torch
 
+from speculators_vllm016.convert.eagle.validation import loaded_on
 from speculators_vllm016.utils.loading import read_checkpoint_tensors
 from speculators_vllm016.utils.text_config import text_config_of
+from speculators_vllm016.utils.verifier_config import load_verifier_config_dict
 
 __all__ = [
     "detect_fusion_bias_and_layernorms",
@@ -18,6 +20,9 @@ __all__ = [
     "find_vocab_size",
     "load_checkpoint_config",
     "load_checkpoint_weights",
+    # Re-exported from their homes (earlier releases and the train CLI import them from here).
+    "load_verifier_config_dict",
+    "loaded_on",
 ]
 
 logger = logging.getLogger(__name__)
@@ -100,30 +105,3 @@ def detect_fusion_bias_and_layernorms(weights: dict[str, torch.Tensor]) -> tuple
     if has_norms:
         logger.info("checkpoint has extra layernorms")
     return has_bias, has_norms
-
-
-def loaded_on(model: torch.nn.Module, device: str) -> dict[str, torch.Tensor]:
-    """The model's loaded tensors placed on `device` (refused early if the device is unusable).
-
-    Tensors left on the meta device (parts a checkpoint does not carry) are skipped.
-    """
-    try:
-        target = torch.device(device)
-        return {
-            name: tensor.to(target)
-            for name, tensor in model.state_dict().items()
-            if not tensor.is_meta
-        }
-    except (RuntimeError, AssertionError) as err:
-        raise ValueError(f"cannot validate on --validate-device {device!r}: {err}") from err
-
-
-def load_verifier_config_dict(base_model: str) -> dict:
-    """The verifier's config.json as a dict, with an error that names the verifier."""
-    from transformers import PretrainedConfig
-
-    try:
-        config_dict, _ = PretrainedConfig.get_config_dict(base_model)
-    except Exception as err:
-        raise ValueError(f"cannot read the verifier config of {base_model!r}: {err}") from err
-    return config_dict

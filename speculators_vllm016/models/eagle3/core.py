@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -33,9 +32,6 @@ from torch import nn
 from speculators_vllm016.model import SpeculatorModel
 from speculators_vllm016.models.eagle3.attention import (
     ATTENTION_INTERFACE_NAME,
-    FLEX_BLOCK_SIZE,
-    build_step_zero_mask,
-    document_ids,
     extend_mask_for_draft_tokens,
 )
 from speculators_vllm016.models.eagle3.config import Eagle3SpeculatorConfig
@@ -53,6 +49,7 @@ from speculators_vllm016.models.eagle3.model_definitions import (
     model_classes,
 )
 from speculators_vllm016.models.eagle3.output import Eagle3DraftOutput
+from speculators_vllm016.models.eagle3.packed_row import PackedRow, StepKeyValues, pack_row
 from speculators_vllm016.models.eagle3.proposer import Eagle3Proposer
 from speculators_vllm016.models.eagle3.scoring import (
     MAX_USED_FRACTION_TO_SKIP,
@@ -94,23 +91,8 @@ __all__ = [
 
 AttentionBackend = Literal["auto", "flex", "sdpa"]
 
-
-class _StepKeyValues:
-    """Keys and values of the TTT steps so far, per layer; each step appends one block.
-
-    Quacks like transformers' `Cache.update` for the layers' attention modules.
-    """
-
-    def __init__(self) -> None:
-        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def update(self, key, value, layer_idx, cache_kwargs=None):
-        if layer_idx in self.layers:
-            old_key, old_value = self.layers[layer_idx]
-            key = torch.cat([old_key, key], dim=-2)
-            value = torch.cat([old_value, value], dim=-2)
-        self.layers[layer_idx] = (key, value)
-        return key, value
+# The name the layer tests (and earlier releases) import the step cache under.
+_StepKeyValues = StepKeyValues
 
 
 class DraftLMHead(nn.Linear):
@@ -136,34 +118,6 @@ class DraftLMHead(nn.Linear):
 def _final_norm(model: Eagle3DraftModel, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The kernel of `Eagle3DraftModel.final_norm` (compiled once per process when asked)."""
     return model.norm(hidden).to(dtype)
-
-
-@dataclass
-class _PackedRow:
-    """A forward pass's row after its checks: what every TTT step reads.
-
-    Padded to `padded` positions for flex attention (whole blocks); the padding sees only
-    itself and is never scored or returned.
-    """
-
-    hidden_states: torch.Tensor
-    """`[1, padded, 3 * target_hidden]` the fused target states."""
-    input_ids: torch.Tensor
-    """`[1, padded]` step 0's tokens."""
-    position_ids: torch.Tensor
-    """`[1, padded]` step 0's positions."""
-    documents: torch.Tensor
-    """`[padded]` the packed sample of each position."""
-    mask: Any
-    """Step 0's attention mask (a flex block mask or a dense mask)."""
-    total: int
-    """The real positions."""
-    padded: int
-    """The positions with padding."""
-
-    @property
-    def device(self) -> torch.device:
-        return self.hidden_states.device
 
 
 @SpeculatorModel.register("eagle3")
@@ -433,7 +387,10 @@ class Eagle3DraftModel(SpeculatorModel):
         `output_logits=True` also returns every step's draft logits `[1, T, draft_vocab]`.
         With `skip_unused_positions`, draft tokens of positions nothing reads are -1.
         """
-        row = self._packed_row(hidden_states, input_ids, lengths, position_ids)
+        row = pack_row(
+            hidden_states, input_ids, lengths, position_ids,
+            flex=self.resolved_attention_backend(hidden_states.device) == "flex",
+        )
         compiled = self.prepare_blocks(row.device)
         hidden = self.fc(row.hidden_states)
         cast_dtype = autocast_dtype(row.device.type)
@@ -446,7 +403,7 @@ class Eagle3DraftModel(SpeculatorModel):
                 row, verifier_last_hidden_states, loss_mask, ttt_steps, ttt_step_loss_decay,
                 compute_dtype, compiled, output_logits,
             )
-        cache = _StepKeyValues()
+        cache = StepKeyValues()
         input_ids, position_ids, mask = row.input_ids, row.position_ids, row.mask
         draft_tokens: list[torch.Tensor] = []
         all_logits: list[torch.Tensor] | None = [] if output_logits else None
@@ -474,43 +431,9 @@ class Eagle3DraftModel(SpeculatorModel):
             return Eagle3DraftOutput(draft_tokens, None, None, all_logits)
         return Eagle3DraftOutput(draft_tokens, scoring.loss, scoring.final_metrics(), all_logits)
 
-    def _packed_row(
-        self,
-        hidden_states: torch.Tensor,
-        input_ids: torch.Tensor,
-        lengths: torch.Tensor | None,
-        position_ids: torch.Tensor | None,
-    ) -> _PackedRow:
-        """The forward's inputs checked, with defaults, padded for the attention backend."""
-        if hidden_states.dim() != 3 or hidden_states.shape[0] != 1:
-            raise ValueError(f"hidden_states must be [1, seq, 3*hidden], got {tuple(hidden_states.shape)}")
-        device = hidden_states.device
-        total = hidden_states.shape[1]
-        if input_ids.shape != (1, total):
-            raise ValueError(f"input_ids must be [1, {total}], got {tuple(input_ids.shape)}")
-        backend = self.resolved_attention_backend(device)
-        if lengths is None:
-            lengths = torch.tensor([total], device=device)
-        if position_ids is None:
-            position_ids = torch.arange(1, total + 1, device=device).unsqueeze(0)
-        # Flex rows are padded to whole blocks; padded positions see only themselves and are
-        # never scored or returned.
-        padded = -(-total // FLEX_BLOCK_SIZE) * FLEX_BLOCK_SIZE if backend == "flex" else total
-        pad = padded - total
-        if pad:
-            hidden_states = F.pad(hidden_states, (0, 0, 0, pad))
-            input_ids = F.pad(input_ids, (0, pad))
-            position_ids = F.pad(position_ids.to(device), (0, pad))
-        lengths = lengths.to(device)
-        documents = document_ids(lengths, padded)
-        mask = build_step_zero_mask(
-            lengths, padded, flex=backend == "flex", device=device, documents=documents
-        )
-        return _PackedRow(hidden_states, input_ids, position_ids, documents, mask, total, padded)
-
     def _start_scoring(
         self,
-        row: _PackedRow,
+        row: PackedRow,
         verifier_last_hidden_states: torch.Tensor,
         loss_mask: torch.Tensor | None,
         ttt_steps: int,
@@ -571,7 +494,7 @@ class Eagle3DraftModel(SpeculatorModel):
         return scoring.score(step, normed, head_weight)
 
     def _next_input_ids(
-        self, row: _PackedRow, predicted: torch.Tensor, step: int, off_policy: bool
+        self, row: PackedRow, predicted: torch.Tensor, step: int, off_policy: bool
     ) -> torch.Tensor:
         """The tokens step `step + 1` feeds: the ground truth shifted (`off_policy`), else the
         draft's own argmax `predicted` `[1, padded]` mapped to target ids."""
