@@ -40,15 +40,8 @@ class ProposingDraft(Protocol):
 
     def prepare_blocks(self, device: torch.device) -> bool: ...
 
-    def run_layers(
-        self,
-        embeds: torch.Tensor,
-        hidden: torch.Tensor,
-        position_ids: torch.Tensor,
-        mask: Any,
-        cache: Any,
-        weight_cache: FirstLayerWeightCache,
-    ) -> torch.Tensor: ...
+    def run_layers(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+                   mask: Any, cache: Any, weight_cache: FirstLayerWeightCache) -> torch.Tensor: ...
 
     def final_norm(self, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
 
