@@ -18,12 +18,7 @@ import torch
 from transformers import LlamaConfig
 
 from speculators_vllm016.convert.eagle.eagle_converter import greedy_speculators_config
-from speculators_vllm016.convert.eagle.utils import (
-    ensure_checkpoint_is_local,
-    find_vocab_size,
-    load_checkpoint_config,
-    load_checkpoint_weights,
-)
+from speculators_vllm016.convert.eagle.utils import find_vocab_size, read_research_checkpoint
 from speculators_vllm016.convert.eagle.validation import check_reloaded_weights
 from speculators_vllm016.utils.loading import load_model_layers
 from speculators_vllm016.utils.verifier_config import load_verifier_config_dict
@@ -68,9 +63,8 @@ class Eagle3Converter:
         cache_dir: str | Path | None = None,
         validate_device: str = "cpu",
     ) -> None:
-        local = ensure_checkpoint_is_local(input_path, cache_dir)
-        research_config = load_checkpoint_config(local)
-        weights = load_checkpoint_weights(local)
+        checkpoint = read_research_checkpoint(input_path, cache_dir)
+        research_config, weights = checkpoint.config, checkpoint.weights
         verifier_dict = load_verifier_config_dict(base_model)
         renamed = self.rename_weights(weights)
 

@@ -18,9 +18,7 @@ from transformers import LlamaConfig
 from speculators_vllm016.config import SpeculatorsConfig, VerifierConfig
 from speculators_vllm016.convert.eagle.utils import (
     detect_fusion_bias_and_layernorms,
-    ensure_checkpoint_is_local,
-    load_checkpoint_config,
-    load_checkpoint_weights,
+    read_research_checkpoint,
 )
 from speculators_vllm016.convert.eagle.validation import check_reloaded_weights
 from speculators_vllm016.models.eagle import EagleSpeculator, EagleSpeculatorConfig
@@ -81,9 +79,8 @@ class EagleConverter:
         cache_dir: str | Path | None = None,
         validate_device: str = "cpu",
     ) -> None:
-        local = ensure_checkpoint_is_local(input_path, cache_dir)
-        research_config = load_checkpoint_config(local)
-        weights = load_checkpoint_weights(local)
+        checkpoint = read_research_checkpoint(input_path, cache_dir)
+        research_config, weights = checkpoint.config, checkpoint.weights
         has_bias, has_norms = detect_fusion_bias_and_layernorms(weights)
         fusion_bias = fusion_bias or has_bias
         layernorms = layernorms or has_norms

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,6 +21,8 @@ __all__ = [
     "find_vocab_size",
     "load_checkpoint_config",
     "load_checkpoint_weights",
+    "read_research_checkpoint",
+    "ResearchCheckpoint",
     # Re-exported from their homes (earlier releases and the train CLI import them from here).
     "load_verifier_config_dict",
     "loaded_on",
@@ -105,3 +108,23 @@ def detect_fusion_bias_and_layernorms(weights: dict[str, torch.Tensor]) -> tuple
     if has_norms:
         logger.info("checkpoint has extra layernorms")
     return has_bias, has_norms
+
+
+@dataclass
+class ResearchCheckpoint:
+    """A research checkpoint as both converters start from it."""
+
+    config: dict
+    """Its config.json."""
+    weights: dict[str, torch.Tensor]
+    """All its tensors, under their research names."""
+
+
+def read_research_checkpoint(
+    input_path: str | Path, cache_dir: str | Path | None = None
+) -> ResearchCheckpoint:
+    """The config and weights of a local folder or hub id (downloaded into `cache_dir`)."""
+    local = ensure_checkpoint_is_local(input_path, cache_dir)
+    return ResearchCheckpoint(
+        config=load_checkpoint_config(local), weights=load_checkpoint_weights(local)
+    )
