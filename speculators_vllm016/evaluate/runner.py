@@ -47,7 +47,7 @@ class DraftSettings:
 
 def draft_settings(draft: str) -> DraftSettings:
     """Verifier and default proposal length of a draft folder; errors name the folder."""
-    from speculators_vllm016.config import SpeculatorModelConfig
+    from speculators_vllm016.config import SpeculatorModelConfig, default_speculative_tokens
 
     if not (Path(draft) / "config.json").is_file():
         raise ValueError(f"{draft} is not a draft folder (no config.json); pass --draft <folder>")
@@ -57,10 +57,7 @@ def draft_settings(draft: str) -> DraftSettings:
         raise ValueError(f"cannot read the draft config of {draft}: {error}") from error
     speculators = getattr(config, "speculators_config", None)
     verifier = speculators.verifier.name_or_path if speculators and speculators.verifier else None
-    tokens = 3
-    if speculators is not None and speculators.proposal_methods:
-        tokens = int(getattr(speculators.proposal_methods[0], "speculative_tokens", 3))
-    return DraftSettings(verifier=verifier, speculative_tokens=tokens)
+    return DraftSettings(verifier=verifier, speculative_tokens=default_speculative_tokens(config))
 
 
 def resolve_engine(engine: str) -> str:
