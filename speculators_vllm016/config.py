@@ -18,12 +18,17 @@ from transformers import PretrainedConfig
 from speculators_vllm016.utils import PydanticClassRegistryMixin, ReloadableBaseModel
 
 __all__ = [
+    "DEFAULT_SPECULATIVE_TOKENS",
     "SpeculatorModelConfig",
     "SpeculatorsConfig",
     "TokenProposalConfig",
     "VerifierConfig",
+    "default_speculative_tokens",
     "reload_and_populate_configs",
 ]
+
+# Tokens a draft proposes per round when neither the caller nor its config says (0.3.0's default).
+DEFAULT_SPECULATIVE_TOKENS = 3
 
 
 def _library_version() -> str:
@@ -191,6 +196,16 @@ class SpeculatorModelConfig(PydanticClassRegistryMixin, PretrainedConfig):
 
     def to_diff_dict(self) -> dict[str, Any]:
         return super().to_diff_dict()
+
+
+def default_speculative_tokens(config: PretrainedConfig) -> int:
+    """How many tokens a draft proposes when the caller names no count: its first proposal
+    method's `speculative_tokens`, else `DEFAULT_SPECULATIVE_TOKENS`."""
+    speculators = getattr(config, "speculators_config", None)
+    if speculators is None or not speculators.proposal_methods:
+        return DEFAULT_SPECULATIVE_TOKENS
+    first = speculators.proposal_methods[0]
+    return int(getattr(first, "speculative_tokens", DEFAULT_SPECULATIVE_TOKENS))
 
 
 def reload_and_populate_configs() -> None:

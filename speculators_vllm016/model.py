@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 
-from speculators_vllm016.config import SpeculatorModelConfig
+from speculators_vllm016.config import SpeculatorModelConfig, default_speculative_tokens
 from speculators_vllm016.utils import ClassRegistryMixin
 
 __all__ = ["SpeculatorModel", "reload_and_populate_models"]
@@ -336,7 +336,7 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
         max_new_tokens = int(settings.get("max_new_tokens") or 20)
         eos = settings.get("eos_token_id")
         eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
-        proposals = self._default_speculative_tokens()
+        proposals = default_speculative_tokens(self.config)
         k = int(settings.get("num_speculative_tokens") or proposals)
 
         verifier = self.verifier
@@ -368,12 +368,6 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
                     break
         self.last_acceptance = {"proposed": proposed, "accepted": accepted}
         return generated
-
-    def _default_speculative_tokens(self) -> int:
-        speculators = getattr(self.config, "speculators_config", None)
-        if speculators is not None and speculators.proposal_methods:
-            return int(getattr(speculators.proposal_methods[0], "speculative_tokens", 3))
-        return 3
 
     def propose_tokens(
         self, verifier_hidden_states: tuple[torch.Tensor, ...], tokens: torch.Tensor, count: int

@@ -14,6 +14,8 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from speculators_vllm016.utils.atomic_files import replace_folder
+
 __all__ = ["check_output_path", "staged_output"]
 
 
@@ -52,10 +54,5 @@ def staged_output(target: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    old = None
-    if target.exists():
-        old = target.parent / f".{target.name}.replaced-{uuid.uuid4().hex[:8]}"
-        target.rename(old)
-    stage.rename(target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    aside = target.parent / f".{target.name}.replaced-{uuid.uuid4().hex[:8]}"
+    replace_folder(stage, target, aside=aside, fsync=False)

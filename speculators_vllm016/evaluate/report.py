@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from speculators_vllm016.data_generation.sample_io import _atomic_write
 from speculators_vllm016.evaluate.acceptance import AcceptanceCounts
+from speculators_vllm016.evaluate.generation import tokens_per_second
 from speculators_vllm016.evaluate.training_metrics import TrainingEstimate
+from speculators_vllm016.utils.atomic_files import atomic_write
 
 __all__ = ["DraftEvaluation", "EvaluationReport", "format_table", "write_json", "write_plot"]
 
@@ -30,7 +31,7 @@ class DraftEvaluation:
 
     @property
     def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+        return tokens_per_second(self.generated_tokens, self.seconds)
 
     def to_dict(self) -> dict:
         counts = self.counts
@@ -102,7 +103,7 @@ def format_table(evaluations: Sequence[DraftEvaluation]) -> str:
 def _write_file(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """Write whole or not at all (a crash leaves no half file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, write, fsync=False)
+    atomic_write(path, write, fsync=False)
 
 
 def write_json(report: EvaluationReport, path: str | Path) -> None:

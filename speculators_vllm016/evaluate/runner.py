@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from speculators_vllm016.evaluate.generation import GenerationResult
 from speculators_vllm016.evaluate.report import DraftEvaluation, EvaluationReport
 from speculators_vllm016.evaluate.training_metrics import find_training_estimate
 
@@ -46,7 +47,7 @@ class DraftSettings:
 
 def draft_settings(draft: str) -> DraftSettings:
     """Verifier and default proposal length of a draft folder; errors name the folder."""
-    from speculators_vllm016.config import SpeculatorModelConfig
+    from speculators_vllm016.config import SpeculatorModelConfig, default_speculative_tokens
 
     if not (Path(draft) / "config.json").is_file():
         raise ValueError(f"{draft} is not a draft folder (no config.json); pass --draft <folder>")
@@ -56,10 +57,7 @@ def draft_settings(draft: str) -> DraftSettings:
         raise ValueError(f"cannot read the draft config of {draft}: {error}") from error
     speculators = getattr(config, "speculators_config", None)
     verifier = speculators.verifier.name_or_path if speculators and speculators.verifier else None
-    tokens = 3
-    if speculators is not None and speculators.proposal_methods:
-        tokens = int(getattr(speculators.proposal_methods[0], "speculative_tokens", 3))
-    return DraftSettings(verifier=verifier, speculative_tokens=tokens)
+    return DraftSettings(verifier=verifier, speculative_tokens=default_speculative_tokens(config))
 
 
 def resolve_engine(engine: str) -> str:
@@ -174,7 +172,9 @@ def _load_draft(path: str, dtype, device: str):
     return draft.to(device).eval()
 
 
-def _draft_evaluation(draft_path: str, label: str, engine: str, k: int, result) -> DraftEvaluation:
+def _draft_evaluation(
+    draft_path: str, label: str, engine: str, k: int, result: GenerationResult
+) -> DraftEvaluation:
     """One draft's row of the report from either engine's result (counts, tokens, seconds)."""
     return DraftEvaluation(
         draft=draft_path,

@@ -25,27 +25,13 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from speculators_vllm016.evaluate.acceptance import AcceptanceCounts
+from speculators_vllm016.evaluate.generation import GenerationResult
 
 __all__ = ["SpeculativeGeneration", "speculative_generate"]
 
 
-@dataclass
-class SpeculativeGeneration:
-    """What one call of `speculative_generate` produced, prompt order kept."""
-
-    outputs: list[list[int]]  # generated token ids per prompt (EOS included, if reached)
-    counts: AcceptanceCounts
-    seconds: float
-    verifier_passes: int = 0  # forward passes of the verifier (prefills included)
-    prompt_tokens: int = 0
-
-    @property
-    def generated_tokens(self) -> int:
-        return sum(len(output) for output in self.outputs)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+# The name this engine's result had before both engines shared one type.
+SpeculativeGeneration = GenerationResult
 
 
 @dataclass
@@ -269,7 +255,7 @@ def speculative_generate(
     batch_size: int = 8,
     show_progress: bool = False,
     cached_draft: bool = True,
-) -> SpeculativeGeneration:
+) -> GenerationResult:
     """Greedy speculative decoding of `prompts` (token ids); outputs equal the verifier's greedy ones.
 
     A draft with `incremental_proposer(count)` (an EAGLE-3 draft) proposes for all prompts of a
@@ -325,7 +311,7 @@ def speculative_generate(
         verifier.train(was_training[1])
         if progress is not None:
             progress.close()
-    return SpeculativeGeneration(
+    return GenerationResult(
         outputs=[outputs[index] for index in range(len(prompts))],
         counts=counts,
         seconds=seconds,

@@ -19,9 +19,8 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-
 from speculators_vllm016.evaluate.acceptance import AcceptanceCounts
+from speculators_vllm016.evaluate.generation import GenerationResult
 
 __all__ = [
     "VllmGeneration",
@@ -36,19 +35,8 @@ _ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 _PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
-@dataclass
-class VllmGeneration:
-    outputs: list[list[int]]
-    counts: AcceptanceCounts
-    seconds: float
-
-    @property
-    def generated_tokens(self) -> int:
-        return sum(len(output) for output in self.outputs)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+# The name this engine's result had before both engines shared one type.
+VllmGeneration = GenerationResult
 
 
 def speculative_decoding_unavailable() -> str | None:
@@ -106,7 +94,7 @@ def evaluate_with_vllm(
     tensor_parallel_size: int = 1,
     seed: int = 0,
     show_progress: bool = True,
-) -> VllmGeneration:
+) -> GenerationResult:
     """Greedy generation of `prompts` by vLLM with the draft; acceptance from vLLM's counters."""
     reason = speculative_decoding_unavailable()
     if reason is not None:
@@ -141,4 +129,4 @@ def evaluate_with_vllm(
     finally:
         del llm
         gc.collect()
-    return VllmGeneration(outputs=outputs, counts=_difference(after, before), seconds=seconds)
+    return GenerationResult(outputs=outputs, counts=_difference(after, before), seconds=seconds)

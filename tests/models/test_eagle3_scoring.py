@@ -15,6 +15,7 @@ from speculators_vllm016.models.eagle3.core import (
     WeightGradSink,
     score_ttt_step,
     scored_position_counts,
+    TTTStepInput,
 )
 from speculators_vllm016.train.vocab_mapping import build_vocab_mappings_from_distribution
 from tests.models.test_eagle3 import DRAFT_VOCAB, batch, eagle3_config
@@ -33,8 +34,10 @@ def test_one_ttt_step_by_hand():
     scored = torch.tensor([1, 1, 0, 1, 1, 1], dtype=torch.bool)  # loss mask of target positions
     prev_correct = torch.tensor([True, True, True, False])
     score = score_ttt_step(
-        hidden, torch.eye(2), targets, scored, prev_correct, ttt_step=1, ttt_step_loss_decay=0.5,
-        valid_rows=4,
+        TTTStepInput(
+            hidden, torch.eye(2), targets, scored, prev_correct, ttt_step=1,
+            ttt_step_loss_decay=0.5, valid_rows=4,
+        )
     )
     # pairs (0, 1) and (2, 3) are scored; (1, 2) is masked; position 3 has no target
     expected = 0.5 * (kl(p[1], q[0]) + kl(p[3], q[2])) / (2 + 1e-5)

@@ -18,15 +18,10 @@ import torch
 from transformers import LlamaConfig
 
 from speculators_vllm016.convert.eagle.eagle_converter import greedy_speculators_config
-from speculators_vllm016.convert.eagle.utils import (
-    loaded_on,
-    ensure_checkpoint_is_local,
-    find_vocab_size,
-    load_checkpoint_config,
-    load_checkpoint_weights,
-    load_verifier_config_dict,
-)
+from speculators_vllm016.convert.eagle.utils import find_vocab_size, read_research_checkpoint
+from speculators_vllm016.convert.eagle.validation import check_reloaded_weights
 from speculators_vllm016.utils.loading import load_model_layers
+from speculators_vllm016.utils.verifier_config import load_verifier_config_dict
 
 __all__ = ["Eagle3Converter"]
 
@@ -68,9 +63,8 @@ class Eagle3Converter:
         cache_dir: str | Path | None = None,
         validate_device: str = "cpu",
     ) -> None:
-        local = ensure_checkpoint_is_local(input_path, cache_dir)
-        research_config = load_checkpoint_config(local)
-        weights = load_checkpoint_weights(local)
+        checkpoint = read_research_checkpoint(input_path, cache_dir)
+        research_config, weights = checkpoint.config, checkpoint.weights
         verifier_dict = load_verifier_config_dict(base_model)
         renamed = self.rename_weights(weights)
 
@@ -290,13 +284,6 @@ class Eagle3Converter:
         from speculators_vllm016.model import SpeculatorModel
 
         model = SpeculatorModel.from_pretrained(checkpoint_path)
-        state = loaded_on(model, device)
-        bad = [
-            k
-            for k, v in weights.items()
-            if k not in state or state[k].device != torch.device(device)
-            or not torch.equal(state[k].cpu(), v.cpu())
-        ]
-        if bad:
-            raise RuntimeError(f"converted EAGLE-3 checkpoint did not reload equal: {bad[:8]}")
-        logger.info("validated %s", checkpoint_path)
+        check_reloaded_weights(
+            model, weights, device, checkpoint_path, what="converted EAGLE-3 checkpoint"
+        )

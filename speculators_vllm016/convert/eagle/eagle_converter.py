@@ -17,15 +17,13 @@ from transformers import LlamaConfig
 
 from speculators_vllm016.config import SpeculatorsConfig, VerifierConfig
 from speculators_vllm016.convert.eagle.utils import (
-    loaded_on,
     detect_fusion_bias_and_layernorms,
-    ensure_checkpoint_is_local,
-    load_checkpoint_config,
-    load_checkpoint_weights,
-    load_verifier_config_dict,
+    read_research_checkpoint,
 )
+from speculators_vllm016.convert.eagle.validation import check_reloaded_weights
 from speculators_vllm016.models.eagle import EagleSpeculator, EagleSpeculatorConfig
 from speculators_vllm016.proposals.greedy import GreedyTokenProposalConfig
+from speculators_vllm016.utils.verifier_config import load_verifier_config_dict
 
 __all__ = ["EagleConverter"]
 
@@ -81,9 +79,8 @@ class EagleConverter:
         cache_dir: str | Path | None = None,
         validate_device: str = "cpu",
     ) -> None:
-        local = ensure_checkpoint_is_local(input_path, cache_dir)
-        research_config = load_checkpoint_config(local)
-        weights = load_checkpoint_weights(local)
+        checkpoint = read_research_checkpoint(input_path, cache_dir)
+        research_config, weights = checkpoint.config, checkpoint.weights
         has_bias, has_norms = detect_fusion_bias_and_layernorms(weights)
         fusion_bias = fusion_bias or has_bias
         layernorms = layernorms or has_norms
@@ -216,14 +213,7 @@ class EagleConverter:
         model = EagleSpeculator.from_pretrained(
             checkpoint_path, verifier=base_model, verifier_attachment_mode="detached"
         )
-        if weights is not None:
-            state = loaded_on(model, device)
-            bad = [
-                k
-                for k, v in weights.items()
-                if k not in state or state[k].device != torch.device(device)
-                or not torch.equal(state[k].cpu(), v.cpu())
-            ]
-            if bad:
-                raise RuntimeError(f"converted checkpoint did not reload equal: {bad[:8]}")
-        logger.info("validated %s", checkpoint_path)
+        if weights is None:
+            logger.info("validated %s", checkpoint_path)
+            return
+        check_reloaded_weights(model, weights, device, checkpoint_path)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from speculators_vllm016.convert.eagle.validation import loaded_on
 from speculators_vllm016.utils.loading import read_checkpoint_tensors
 from speculators_vllm016.utils.text_config import text_config_of
+from speculators_vllm016.utils.verifier_config import load_verifier_config_dict
 
 __all__ = [
     "detect_fusion_bias_and_layernorms",
@@ -18,6 +21,11 @@ __all__ = [
     "find_vocab_size",
     "load_checkpoint_config",
     "load_checkpoint_weights",
+    "read_research_checkpoint",
+    "ResearchCheckpoint",
+    # Re-exported from their homes (earlier releases and the train CLI import them from here).
+    "load_verifier_config_dict",
+    "loaded_on",
 ]
 
 logger = logging.getLogger(__name__)
@@ -102,28 +110,21 @@ def detect_fusion_bias_and_layernorms(weights: dict[str, torch.Tensor]) -> tuple
     return has_bias, has_norms
 
 
-def loaded_on(model: torch.nn.Module, device: str) -> dict[str, torch.Tensor]:
-    """The model's loaded tensors placed on `device` (refused early if the device is unusable).
+@dataclass
+class ResearchCheckpoint:
+    """A research checkpoint as both converters start from it."""
 
-    Tensors left on the meta device (parts a checkpoint does not carry) are skipped.
-    """
-    try:
-        target = torch.device(device)
-        return {
-            name: tensor.to(target)
-            for name, tensor in model.state_dict().items()
-            if not tensor.is_meta
-        }
-    except (RuntimeError, AssertionError) as err:
-        raise ValueError(f"cannot validate on --validate-device {device!r}: {err}") from err
+    config: dict
+    """Its config.json."""
+    weights: dict[str, torch.Tensor]
+    """All its tensors, under their research names."""
 
 
-def load_verifier_config_dict(base_model: str) -> dict:
-    """The verifier's config.json as a dict, with an error that names the verifier."""
-    from transformers import PretrainedConfig
-
-    try:
-        config_dict, _ = PretrainedConfig.get_config_dict(base_model)
-    except Exception as err:
-        raise ValueError(f"cannot read the verifier config of {base_model!r}: {err}") from err
-    return config_dict
+def read_research_checkpoint(
+    input_path: str | Path, cache_dir: str | Path | None = None
+) -> ResearchCheckpoint:
+    """The config and weights of a local folder or hub id (downloaded into `cache_dir`)."""
+    local = ensure_checkpoint_is_local(input_path, cache_dir)
+    return ResearchCheckpoint(
+        config=load_checkpoint_config(local), weights=load_checkpoint_weights(local)
+    )

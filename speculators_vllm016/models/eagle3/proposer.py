@@ -14,16 +14,38 @@ number of key slots to each row, and the slots of padding are masked out for goo
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Sequence
+from typing import Any, Protocol
 
-from speculators_vllm016.models.eagle3.core import Eagle3DraftModel, _final_norm
+import torch
+from torch import nn
+
 from speculators_vllm016.models.eagle3.model_definitions import (
     FirstLayerWeightCache,
     autocast_dtype,
 )
-from speculators_vllm016.utils.layer_ids import eagle3_aux_layer_ids
 
-__all__ = ["Eagle3Proposer"]
+__all__ = ["Eagle3Proposer", "ProposingDraft"]
+
+
+class ProposingDraft(Protocol):
+    """What the proposer uses of an `Eagle3DraftModel` (its public surface; `core` imports this
+    module, not the other way round)."""
+
+    fc: nn.Linear
+    embed_tokens: nn.Embedding
+    d2t: torch.Tensor
+
+    def fuse_verifier_states(self, verifier_hidden_states: Sequence[torch.Tensor]) -> torch.Tensor: ...
+
+    def prepare_blocks(self, device: torch.device) -> bool: ...
+
+    def run_layers(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+                   mask: Any, cache: Any, weight_cache: FirstLayerWeightCache) -> torch.Tensor: ...
+
+    def final_norm(self, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
+
+    def draft_argmax(self, normed: torch.Tensor) -> torch.Tensor: ...
 
 
 class _RoundKeyValues:
@@ -69,7 +91,7 @@ class Eagle3Proposer:
     only those rows (finished prompts leave the batch).
     """
 
-    def __init__(self, draft: Eagle3DraftModel, count: int) -> None:
+    def __init__(self, draft: ProposingDraft, count: int) -> None:
         if count < 1:
             raise ValueError(f"the draft must propose at least 1 token, got {count}")
         self.draft = draft
@@ -85,12 +107,6 @@ class Eagle3Proposer:
         self.consumed = self.consumed[rows]
         self.cache.select(rows)
 
-    def _fused(self, states: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        layer_ids = self.draft.config.eagle_aux_hidden_state_layer_ids
-        if not layer_ids:
-            layer_ids = eagle3_aux_layer_ids(len(states) - 1)  # vLLM's default for EAGLE-3
-        return torch.cat([states[i] for i in layer_ids], dim=-1).to(self.draft.fc.weight.dtype)
-
     def _run_layers(
         self, embeds, hidden, position_ids, mask, weights: FirstLayerWeightCache
     ) -> torch.Tensor:
@@ -98,7 +114,7 @@ class Eagle3Proposer:
 
     def _predict(self, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Target ids of the draft's argmax at `hidden` `[rows, hidden]`."""
-        draft_ids = self.draft._draft_argmax(_final_norm(self.draft, hidden, dtype))
+        draft_ids = self.draft.draft_argmax(self.draft.final_norm(hidden, dtype))
         return draft_ids + self.draft.d2t[draft_ids]
 
     @torch.no_grad()
@@ -113,15 +129,13 @@ class Eagle3Proposer:
             raise ValueError(f"tokens must be [{rows}, {new}] like valid, got {tuple(tokens.shape)}")
         if not bool(valid.any(dim=1).all()):
             raise ValueError("every row needs at least one new position to propose from")
-        compiled = draft._compiling(device)
-        for layer in draft.layers:
-            layer.compile_blocks = compiled
+        draft.prepare_blocks(device)
         if self.slots is None:
             self.slots = valid.new_zeros(rows, 0)
             self.consumed = torch.zeros(rows, dtype=torch.long, device=device)
 
         # Step 0 over the new positions; position t of the history has position id t + 1.
-        hidden = draft.fc(self._fused(states).to(device))
+        hidden = draft.fc(draft.fuse_verifier_states(states).to(device))
         dtype = hidden.dtype
         order = valid.long().cumsum(dim=1)  # 1-based rank of each new position in its row
         position_ids = self.consumed[:, None] + order
