@@ -199,7 +199,7 @@ def train_command(name: str, processes: int, paths: dict[str, Path], save: Path,
         # The default schedule follows --max-steps (and the data): under the resume check every
         # run, the shorter first part included, gets the same explicit one, so that the parts
         # retrace the uninterrupted run.
-        from speculators_vllm016.train.trainer import default_warmup_steps
+        from speculators_vllm016.train.lr_schedule import default_warmup_steps
 
         train += ["--scheduler-total-steps", str(args.max_steps),
                   "--scheduler-warmup-steps", str(default_warmup_steps(args.max_steps))]

@@ -1,6 +1,7 @@
 """The training loop: packed rows in, optimizer steps, validation, checkpoints, exact resume.
 
-`Trainer(model, config, train_loader, val_loader)` is 0.3.0's API. The loaders yield
+`Trainer(model, config, train_loader, val_loader)` is 0.3.0's API (`TrainerConfig` lives in
+`trainer_config`, re-exported here). The loaders yield
 `PackedBatch` rows (`speculators_vllm016.train.data`); the model returns its loss and metrics
 (`train.draft_contract`: a `DraftOutput`, or 0.3.0's `(draft_tokens, loss, metrics)` tuple).
 
@@ -22,19 +23,14 @@ import logging
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 from tqdm import tqdm
-from transformers import (
-    PreTrainedModel,
-    get_cosine_schedule_with_warmup,
-    get_linear_schedule_with_warmup,
-)
+from transformers import PreTrainedModel
 
 from speculators_vllm016.models.eagle3.model_definitions import use_reproducible_compilation
 from speculators_vllm016.train.checkpointer import (
@@ -48,14 +44,12 @@ from speculators_vllm016.train.checkpointer import (
 )
 from speculators_vllm016.train.data import DataSourceError, PackedBatch
 from speculators_vllm016.train.device_rows import StepRow, prefetch_to_device, to_step_row
-from speculators_vllm016.train.draft_contract import (
-    DraftCallOptions,
-    StoresFrozenWeights,
-    loss_and_metrics,
-)
+from speculators_vllm016.train.draft_contract import StoresFrozenWeights, loss_and_metrics
 from speculators_vllm016.train.graceful_shutdown import GracefulShutdown
+from speculators_vllm016.train.lr_schedule import build_lr_scheduler, default_warmup_steps
 from speculators_vllm016.train.metrics_log import MetricsLog, log_train_step, log_validation, tau_sim
 from speculators_vllm016.train.resume import reconcile_resumed_state, training_data_digest
+from speculators_vllm016.train.trainer_config import TrainerConfig
 from speculators_vllm016.train.train_step import (
     TrainStep,
     autocast,
@@ -69,98 +63,13 @@ from speculators_vllm016.train.utils import (
     training_device,
 )
 
-__all__ = ["Trainer", "TrainerConfig", "TrainingInterrupted", "tau_sim"]
+__all__ = ["Trainer", "TrainerConfig", "TrainingInterrupted", "default_warmup_steps", "tau_sim"]
 
 root_logger = logging.getLogger("speculators")
 
 
-@dataclass(frozen=True)
-class TrainerConfig:
-    """How to train. The first twelve fields are 0.3.0's `TrainerConfig`, in its order."""
-
-    lr: float
-    """AdamW's learning rate (the peak, after warm-up)."""
-    num_epochs: int
-    """Epochs to train; a resumed run counts the epochs already done."""
-    save_path: str
-    """The checkpoint folder: `<epoch>/`, `<epoch>-step<global>/`, `best`, `metrics.jsonl`."""
-    resume_from_checkpoint: bool = False
-    """Continue from the newest complete checkpoint in `save_path`. Off, a run from scratch
-    replaces the checkpoints there at its first save."""
-    is_distributed: bool = False
-    """Set by `maybe_setup_distributed()` under torchrun."""
-    local_rank: int = 0
-    """This process's rank on its host (its GPU), set by `maybe_setup_distributed()`."""
-    train_call_kwargs: DraftCallOptions = field(default_factory=DraftCallOptions)
-    """Options of the model's training call (`ttt_steps`, `ttt_step_loss_decay`,
-    `use_off_policy_tokens`); 0.3.0's dict of the same names is accepted and converted."""
-    val_call_kwargs: DraftCallOptions = field(default_factory=DraftCallOptions)
-    """Options of the model's validation call, as `train_call_kwargs`."""
-    scheduler_type: Literal["linear", "cosine", "none"] = "linear"
-    """Learning-rate decay after the warm-up, or none (constant `lr`)."""
-    scheduler_warmup_steps: int | None = None
-    """Warm-up steps; None: 1% of the run's steps (epochs x steps per epoch, capped at
-    `max_steps`: 0.3.0's value without the cap)."""
-    scheduler_total_steps: int | None = None
-    """Steps the schedule spans; None: the run's steps."""
-    scheduler_num_cosine_cycles: float = 0.5
-    """Cosine cycles over the schedule (0.5: one decay from `lr` to 0)."""
-    weight_decay: float = 0.01
-    """AdamW's decoupled weight decay."""
-    max_grad_norm: float = 1.0
-    """Gradients are clipped to this global norm before each step."""
-    seed: int = 0
-    """Seeds the sampler's shuffles and the noise (set on the loaders by the caller); recorded
-    in checkpoints so a resume with another seed warns."""
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """"fp32", or "bf16" (bf16 autocast over fp32 master weights); "auto" is bf16 on CUDA and
-    fp32 on CPUs."""
-    parallel: Literal["fsdp", "ddp"] = "fsdp"
-    """Under torchrun: "fsdp" (FSDP2, shards weights and optimizer state) or "ddp"."""
-    device: str | None = None
-    """Where to train ("cpu", "cuda"); None: this rank's GPU, else the CPU."""
-    checkpoint_freq: float | None = None
-    """Also checkpoint every this fraction of an epoch (0.25: four times); None: epoch ends only."""
-    max_steps: int | None = None
-    """Stop (with a checkpoint) after this many optimizer steps in all."""
-    checkpoint_dtype: torch.dtype = torch.bfloat16
-    """Dtype of the served `model.safetensors` (fp32 master weights are kept beside it)."""
-    optimizer_state_dtype: torch.dtype | None = None
-    """None keeps the optimizer state as it is (fp32); bf16 is 0.3.0's (its defect D2)."""
-    keep_mid_epoch_checkpoints: int = 1
-    """How many mid-epoch checkpoints after the newest epoch one to keep (older ones are
-    deleted; epoch ones stay). The checkpoint just written is never deleted, so 0 keeps just
-    that one, like 1."""
-    fsdp_bf16_params: bool = False
-    """Under FSDP2, gather bf16 copies of the weights instead of the fp32 masters (half the
-    traffic, less memory; norms then scale by bf16 weights)."""
-    deterministic: bool = False
-    """Compile the draft's blocks so that a GPU run's numbers do not depend on the shapes
-    compiled before (`use_reproducible_compilation`): a resumed run then ends with the
-    uninterrupted run's weights bit for bit, as CPU runs always do. Slower (7% a step on an
-    H200 at 8B-draft shapes, one measurement)."""
-    show_progress: bool = True
-    """A progress bar per epoch and for validation (rank 0)."""
-    handle_sigterm: bool = True
-    """Stop on SIGTERM or a first Ctrl-C after the current step, with a checkpoint
-    (`graceful_shutdown`); off, the signals keep their default handlers."""
-
-    def __post_init__(self) -> None:
-        for name in ("train_call_kwargs", "val_call_kwargs"):
-            object.__setattr__(self, name, DraftCallOptions.coerce(getattr(self, name)))
-
-    def _replace(self, **changes: Any) -> TrainerConfig:
-        """NamedTuple-style copy with changes (0.3.0's config was a NamedTuple)."""
-        return dataclasses.replace(self, **changes)
-
-
 class TrainingInterrupted(RuntimeError):
     """Training stopped on SIGTERM or Ctrl-C after writing a checkpoint; run the same command to resume."""
-
-
-def default_warmup_steps(run_steps: int) -> int:
-    """1% of the steps this run trains (0.3.0's default, which ignored a step cap)."""
-    return run_steps // 100
 
 
 class Trainer:
@@ -261,7 +170,12 @@ class Trainer:
         """AdamW over the model's parameters (frozen ones get no update), the LR schedule, and
         the step that uses them."""
         self.opt = build_optimizer(self.model, self.config.lr, self.config.weight_decay, self.device)
-        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = self._make_scheduler()
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = build_lr_scheduler(
+            self.opt, self.config.scheduler_type, run_steps=self._total_steps(),
+            warmup_steps=self.config.scheduler_warmup_steps,
+            total_steps=self.config.scheduler_total_steps,
+            num_cosine_cycles=self.config.scheduler_num_cosine_cycles,
+        )
         self.step_runner = TrainStep(
             model=self.wrapped, optimizer=self.opt, parameters=self.trainable_parameters(),
             device=self.device, max_grad_norm=self.config.max_grad_norm,
@@ -282,21 +196,6 @@ class Trainer:
             )
         root_logger.info("optimizer state of %s loaded in %.2f s", self.resume_ref.path,
                          time.perf_counter() - started)
-
-    def _make_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None:
-        if self.config.scheduler_type == "none":
-            return None
-        total = self.config.scheduler_total_steps or self._total_steps()
-        warmup = self.config.scheduler_warmup_steps
-        if warmup is None:
-            warmup = default_warmup_steps(self._total_steps())
-        if self.config.scheduler_type == "linear":
-            return get_linear_schedule_with_warmup(self.opt, warmup, total)
-        if self.config.scheduler_type == "cosine":
-            return get_cosine_schedule_with_warmup(
-                self.opt, warmup, total, num_cycles=self.config.scheduler_num_cosine_cycles
-            )
-        raise ValueError(f"unknown scheduler_type {self.config.scheduler_type!r}")
 
     def _total_steps(self) -> int:
         total = self.config.num_epochs * len(self.train_loader)
