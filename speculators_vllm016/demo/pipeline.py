@@ -177,10 +177,9 @@ def _save_initial_draft(train_argv: list[str], output: Path) -> None:
 
 def read_training_metrics(path: Path) -> list[dict]:
     """The train lines of the trainer's metrics.jsonl: `{"step", "loss", "full_acc_0", "tokens"}`."""
-    from speculators_vllm016.train.metrics_log import read_metrics
+    from speculators_vllm016.train.metrics_log import read_train_steps
 
-    return [{"step": record.step, **record.train} for record in read_metrics(path)
-            if record.train is not None]
+    return read_train_steps(path)
 
 
 def training_throughput(metrics: list[dict], call_seconds: float) -> tuple[int, float]:

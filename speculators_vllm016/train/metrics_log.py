@@ -45,6 +45,7 @@ __all__ = [
     "log_train_step",
     "log_validation",
     "read_metrics",
+    "read_train_steps",
     "simulated_tau",
     "tau_sim",
 ]
@@ -128,6 +129,12 @@ def read_metrics(path: str | os.PathLike) -> list[MetricsRecord]:
         if isinstance(entry, dict):
             records.append(MetricsRecord.from_object(entry))
     return records
+
+
+def read_train_steps(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The optimizer steps of a metrics log as flat rows, `{"step": g, **train}`, in file order."""
+    return [{"step": record.step, **record.train} for record in read_metrics(path)
+            if record.train is not None]
 
 
 def log_train_step(step: int, epoch: int, lr: float, metrics: Mapping[str, float]) -> None:

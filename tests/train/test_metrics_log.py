@@ -16,6 +16,7 @@ from speculators_vllm016.train.metrics_log import (
     log_train_step,
     log_validation,
     read_metrics,
+    read_train_steps,
     simulated_tau,
     tau_sim,
 )
@@ -78,3 +79,10 @@ def test_a_run_from_scratch_moves_the_earlier_log_aside_and_back(tmp_path):
     assert log.path.read_text() == "earlier\n" and log.previous.read_text() == "this run\n"
     assert not log.unconfirmed_marker.exists()
     assert not log.recover_unconfirmed_run()
+
+
+def test_train_steps_as_flat_rows(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "train": {"loss": 2.0, "tokens": 5}, "epoch": 0, "lr": 0.1}\n'
+                    '{"step": 2, "val": {"loss_epoch": 1.0}, "epoch": 0}\n')
+    assert read_train_steps(path) == [{"step": 1, "loss": 2.0, "tokens": 5}]
