@@ -199,7 +199,7 @@ def train_command(name: str, processes: int, paths: dict[str, Path], save: Path,
         # The default schedule follows --max-steps (and the data): under the resume check every
         # run, the shorter first part included, gets the same explicit one, so that the parts
         # retrace the uninterrupted run.
-        from speculators_vllm016.train.trainer import default_warmup_steps
+        from speculators_vllm016.train.lr_schedule import default_warmup_steps
 
         train += ["--scheduler-total-steps", str(args.max_steps),
                   "--scheduler-warmup-steps", str(default_warmup_steps(args.max_steps))]
@@ -217,17 +217,18 @@ def train_command(name: str, processes: int, paths: dict[str, Path], save: Path,
 
 def summarize_metrics(path: Path, warmup_steps: int) -> dict[str, Any]:
     """Throughput of the timed steps in a trainer's metrics.jsonl (train lines only)."""
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    steps = sorted((entry for entry in lines if "train" in entry), key=lambda entry: entry["step"])
+    from speculators_vllm016.train.metrics_log import read_train_steps
+
+    steps = sorted(read_train_steps(path), key=lambda entry: entry["step"])
     timed = steps[warmup_steps:]
     summary: dict[str, Any] = {"steps_logged": len(steps), "timed_steps": len(timed)}
     if not timed:
         return summary
-    tokens = [entry["train"]["tokens"] for entry in timed]
-    seconds = [entry["train"]["step_seconds"] for entry in timed]
+    tokens = [entry["tokens"] for entry in timed]
+    seconds = [entry["step_seconds"] for entry in timed]
     rates = [n / s for n, s in zip(tokens, seconds, strict=True)]
     median = statistics.median(rates)
-    memory = [entry["train"].get("peak_memory_gib") for entry in steps]
+    memory = [entry.get("peak_memory_gib") for entry in steps]
     memory = [value for value in memory if value is not None]
     summary.update(
         tokens_per_step=round(statistics.mean(tokens), 1),
@@ -238,7 +239,7 @@ def summarize_metrics(path: Path, warmup_steps: int) -> dict[str, Any]:
         aggregate_tokens_per_second=round(sum(tokens) / sum(seconds), 1),
         median_step_seconds=round(statistics.median(seconds), 5),
         peak_memory_gib=round(max(memory), 3) if memory else None,
-        final_loss=timed[-1]["train"].get("loss"),
+        final_loss=timed[-1].get("loss"),
     )
     return summary
 

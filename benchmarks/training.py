@@ -2,8 +2,9 @@
 
     python benchmarks/training.py --preset llama-3.1-8b-draft --packed-tokens 2048 8192 32768
 
-One step is what the trainer runs per packed row: forward over `--ttt-steps` test-time steps,
-backward, gradient clipping at 1.0 and AdamW (fused on CUDA, the clip folded into it), with the
+One step is the trainer's own (`train.train_step.TrainStep`, what `Trainer.train_step` runs per
+packed row): forward over `--ttt-steps` test-time steps, backward, gradient clipping at 1.0 and
+AdamW (fused on CUDA, the clip folded into it), the step's metrics brought to the host, with the
 verifier's embeddings, final norm and LM head frozen. The synthetic rows score 70% of their
 positions (`loss_mask`: each position on its own by default, `--loss-mask spans` as chat turns
 do, `all` every position). The first `--warmup` steps (compilation included) are not timed;
@@ -176,7 +177,9 @@ def run_length(args: argparse.Namespace, preset: TrainingPreset, packed_tokens: 
     import torch
 
     from speculators_vllm016.models.eagle3.model_definitions import use_reproducible_compilation
-    from speculators_vllm016.train.optimizer_step import clip_and_step
+    from speculators_vllm016.train.device_rows import StepRow
+    from speculators_vllm016.train.draft_contract import DraftCallOptions
+    from speculators_vllm016.train.train_step import TrainStep, build_optimizer
 
     use_reproducible_compilation(args.deterministic)
     device = torch.device(args.device)
@@ -198,18 +201,20 @@ def run_length(args: argparse.Namespace, preset: TrainingPreset, packed_tokens: 
     for layer in model.layers:
         layer.recompute_mlp = args.recompute_mlp
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, fused=cuda)
+    optimizer = build_optimizer(model, lr=1e-5, weight_decay=0.01, device=device)
     data_dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     batch = synthetic_batch(preset, packed_tokens, device, data_dtype, loss_mask=args.loss_mask)
+    row = StepRow(batch, has_samples=True)
+    # The trainer's own step: forward, backward, clip at 1.0, AdamW, metrics to the host.
+    train_step = TrainStep(
+        model=model, optimizer=optimizer,
+        parameters=[p for p in model.parameters() if p.requires_grad], device=device,
+        max_grad_norm=1.0, call_options=DraftCallOptions(ttt_steps=args.ttt_steps),
+        autocast_dtype=torch.bfloat16 if autocast else None,
+    )
 
     def step() -> float:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            out = model(**batch, ttt_steps=args.ttt_steps)
-        out.loss.backward()
-        clip_and_step(optimizer, params, 1.0)
-        optimizer.zero_grad(set_to_none=True)
-        return out.loss
+        return train_step(row)["loss"]
 
     loss = None
     for _ in range(args.warmup):
@@ -231,8 +236,8 @@ def run_length(args: argparse.Namespace, preset: TrainingPreset, packed_tokens: 
     median = statistics.median(rates)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     reserved = torch.cuda.max_memory_reserved() / 2**30 if cuda else None
-    final = float(loss.detach()) if loss is not None else float("nan")
-    del model, optimizer, batch
+    final = float(loss) if loss is not None else float("nan")
+    del model, optimizer, batch, row, train_step
     return LengthResult(
         packed_tokens=packed_tokens,
         step_seconds=[round(t, 5) for t in times],

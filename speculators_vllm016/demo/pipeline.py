@@ -177,17 +177,9 @@ def _save_initial_draft(train_argv: list[str], output: Path) -> None:
 
 def read_training_metrics(path: Path) -> list[dict]:
     """The train lines of the trainer's metrics.jsonl: `{"step", "loss", "full_acc_0", "tokens"}`."""
-    lines = []
-    if not path.is_file():
-        return lines
-    for line in path.read_text().splitlines():
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(entry.get("train"), dict):
-            lines.append({"step": entry.get("step"), **entry["train"]})
-    return lines
+    from speculators_vllm016.train.metrics_log import read_train_steps
+
+    return read_train_steps(path)
 
 
 def training_throughput(metrics: list[dict], call_seconds: float) -> tuple[int, float]:

@@ -5,9 +5,11 @@ The trainer logs per TTT step k the validation accuracy `full_acc_k` (the draft 
 if acceptance on generated text matched those figures; showing both tells users how far the
 estimate is from the measured value.
 
-Metrics are read from `metrics.jsonl` (one JSON object a line) in the draft folder or the folder
-above it (`<save>/metrics.jsonl` for a checkpoint `<save>/<epoch>/`); the trainer writes its
-validation means as `{"step": s, "epoch": e, "val": {"full_acc_0_epoch": ...}}`. Nested keys are
+Metrics are read from `metrics.jsonl` in the draft folder or the folder above it
+(`<save>/metrics.jsonl` for a checkpoint `<save>/<epoch>/`) with `train.metrics_log.read_metrics`,
+whose module documents the record schema; the trainer writes its validation means as
+`{"step": s, "val": {"full_acc_0_epoch": ...}, "epoch": e}`. The formula, `simulated_tau`, lives
+there too (re-exported here). Nested keys are
 joined with "/"; a line counts when it holds `full_acc_<k>` keys, plain or with a `val/` or `val_`
 prefix and an optional `_epoch` suffix; lines with validation keys win over lines without. For
 an epoch folder the line whose `epoch` matches is used, otherwise the last one.
@@ -15,12 +17,16 @@ an epoch folder the line whose `epoch` matches is used, otherwise the last one.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from speculators_vllm016.train.logger import METRICS_FILE, flatten
+from speculators_vllm016.train.metrics_log import (
+    METRICS_FILE,
+    MetricsRecord,
+    read_metrics,
+    simulated_tau,
+)
 
 __all__ = ["METRICS_FILE", "TrainingEstimate", "find_training_estimate", "simulated_tau"]
 
@@ -37,15 +43,10 @@ class TrainingEstimate:
     epoch: int | None
 
 
-def simulated_tau(full_acc: list[float]) -> float:
-    """1 + sum over steps of `full_acc_k`."""
-    return 1.0 + float(sum(full_acc))
-
-
-def _accuracies(record: dict) -> tuple[bool, list[float]] | None:
+def _accuracies(record: MetricsRecord) -> tuple[bool, list[float]] | None:
     by_step: dict[int, float] = {}
     validation = False
-    for key, value in flatten(record).items():
+    for key, value in record.flat().items():
         match = _KEY.match(key)
         if match is None or not isinstance(value, (int, float)):
             continue
@@ -57,21 +58,6 @@ def _accuracies(record: dict) -> tuple[bool, list[float]] | None:
     return validation, [by_step[step] for step in range(len(by_step))]
 
 
-def _read_records(path: Path) -> list[dict]:
-    records = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by a crash must not hide the others
-        if isinstance(record, dict):
-            records.append(record)
-    return records
-
-
 def find_training_estimate(draft_path: str | Path) -> TrainingEstimate | None:
     """tau_sim of the draft at `draft_path` from the trainer's metrics, or None when none apply."""
     folder = Path(draft_path).resolve()  # `<save>/best` links to an epoch folder
@@ -80,22 +66,21 @@ def find_training_estimate(draft_path: str | Path) -> TrainingEstimate | None:
         if not candidate.is_file():
             continue
         scored = []
-        for record in _read_records(candidate):
+        for record in read_metrics(candidate):
             found = _accuracies(record)
             if found is not None:
                 scored.append((record, *found))
         if any(validation for _, validation, _ in scored):
             scored = [entry for entry in scored if entry[1]]
         if epoch is not None and candidate.parent != folder:
-            scored = [entry for entry in scored if entry[0].get("epoch") == epoch]
+            scored = [entry for entry in scored if entry[0].epoch == epoch]
         if not scored:
             continue
         record, _, accuracies = scored[-1]
-        record_epoch = record.get("epoch")
         return TrainingEstimate(
             tau_sim=simulated_tau(accuracies),
             full_acc=accuracies,
             source=str(candidate),
-            epoch=record_epoch if isinstance(record_epoch, int) else None,
+            epoch=record.epoch,
         )
     return None

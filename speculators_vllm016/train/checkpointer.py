@@ -15,6 +15,10 @@ Layout under the save path (0.3.0's, extended):
 A checkpoint is assembled in a hidden temporary folder and renamed into place, so a crash leaves
 no half-written checkpoint under a real name. Resume takes the newest complete checkpoint; a folder
 of 0.3.0's layout (no training_state.json) counts as the end of its epoch.
+
+Retention belongs here too: `apply_retention` keeps the newest `keep_mid_epoch` mid-epoch
+checkpoints (epoch folders stay), and a run from scratch over an earlier run's checkpoints
+(`replace_earlier_run`) deletes them right before its own first save.
 """
 
 from __future__ import annotations
@@ -45,6 +49,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers.modeling_utils import PreTrainedModel
 
+from speculators_vllm016.utils.atomic_files import (
+    TEMP_SUFFIX,
+    atomic_torch_save,
+    fsync_folder,
+    replace_folder,
+)
+
 __all__ = [
     "BaseCheckpointer",
     "CheckpointRef",
@@ -62,7 +73,11 @@ STATE_FILE = "training_state.json"
 MASTER_WEIGHTS = "master_weights.safetensors"
 BEST_LINK = "best"
 _MID_EPOCH = re.compile(r"^(\d+)-step(\d+)$")
+# Checkpoint folders are assembled under `.tmp-<name>` (every rank derives the same name);
+# single files written in the save folder use utils/atomic_files' `.<name>.<hex8>.tmp` (before
+# it, `.<name>.tmp`: the sweep knows both).
 _TEMP_PREFIX = ".tmp-"
+_TEMP_FILE = re.compile(rf"^\..+?(\.[0-9a-f]{{8}})?{re.escape(TEMP_SUFFIX)}$")
 
 
 @dataclass
@@ -152,11 +167,14 @@ def find_checkpoints(save_path: str | os.PathLike) -> list[CheckpointRef]:
 
 
 def remove_temporary_folders(save_path: Path) -> None:
-    """Delete what an interrupted save left behind (only this run's save path)."""
+    """Delete what an interrupted save left behind (only this run's save path): checkpoint
+    folders being assembled, and temporary files of an atomic write (the metrics log's)."""
     if save_path.is_dir():
         for entry in save_path.iterdir():
             if entry.name.startswith(_TEMP_PREFIX) and entry.is_dir():
                 shutil.rmtree(entry, ignore_errors=True)
+            elif _TEMP_FILE.match(entry.name) and entry.is_file() and not entry.is_symlink():
+                entry.unlink(missing_ok=True)
 
 
 def convert_float_dtype(sd: pytree.PyTree, dtype: torch.dtype) -> pytree.PyTree:
@@ -260,8 +278,15 @@ class BaseCheckpointer:
 
     sharded: bool = False
 
-    def __init__(self, path: Path | str) -> None:
+    def __init__(self, path: Path | str, *, keep_mid_epoch: int | None = None) -> None:
+        """`keep_mid_epoch`: how many mid-epoch checkpoints `apply_retention` keeps after the
+        newest epoch one (None: it keeps them all)."""
+        if keep_mid_epoch is not None and keep_mid_epoch < 0:
+            raise ValueError(f"keep_mid_epoch_checkpoints must be >= 0, got {keep_mid_epoch}")
         self.path = Path(path)
+        self.keep_mid_epoch = keep_mid_epoch
+        # Checkpoints of an earlier run a from-scratch run found: removed at its first save.
+        self.earlier_run: list[CheckpointRef] = []
         self.refresh()
 
     def refresh(self) -> None:
@@ -358,7 +383,7 @@ class BaseCheckpointer:
     ) -> None:
         """0.3.0's separate scheduler save into an existing epoch folder."""
         if self._rank() == 0:
-            _atomic_torch_save(scheduler.state_dict(), self.scheduler_path(epoch))
+            atomic_torch_save(scheduler.state_dict(), self.scheduler_path(epoch))
 
     @abstractmethod
     def save_checkpoint(
@@ -391,6 +416,8 @@ class BaseCheckpointer:
 
         `optimizer_dtype=None` keeps the optimizer state in its own dtype (0.3.0 cast it to bf16).
         """
+        if self.earlier_run:
+            self._remove_earlier_run()
         rank = self._rank()
         distributed = dist.is_available() and dist.is_initialized()
         weights = self._model_state(model)
@@ -402,7 +429,7 @@ class BaseCheckpointer:
             temporary.mkdir(parents=True)
         if distributed:
             dist.barrier()
-        _atomic_torch_save(rng_state or capture_rng_state(), temporary / f"rng_state_rank{rank}.pt")
+        atomic_torch_save(rng_state or capture_rng_state(), temporary / f"rng_state_rank{rank}.pt")
         if rank == 0:
             inner = _unwrap(model)
             served = convert_float_dtype(weights, float_dtype)
@@ -423,8 +450,8 @@ class BaseCheckpointer:
             dist.barrier()
         if rank == 0:
             (temporary / STATE_FILE).write_text(state.to_json())
-            _fsync_tree(temporary)
-            _replace_folder(temporary, final)
+            _fsync_files(temporary)
+            replace_folder(temporary, final, aside=self.path / f"{_TEMP_PREFIX}old-{name}")
         if distributed:
             dist.barrier()
         self.refresh()
@@ -455,6 +482,35 @@ class BaseCheckpointer:
             for name in names:
                 shutil.rmtree(self.path / name, ignore_errors=True)
         self.refresh()
+
+    # -- retention ---------------------------------------------------------------------------
+    def replace_earlier_run(self) -> None:
+        """The checkpoints now here belong to a run this one replaces: `save` deletes them
+        right before this run's first checkpoint. A run stopped before that leaves the earlier
+        one intact; after it, resume and pruning see only this run."""
+        self.earlier_run = list(self.checkpoints)
+
+    def _remove_earlier_run(self) -> None:
+        """Newest first, so an interrupted removal leaves a (shorter) earlier run, never a mix."""
+        earlier, self.earlier_run = self.earlier_run, []
+        self.remove([ref.name for ref in reversed(earlier)])
+        logger.info("removed the %d checkpoints of the earlier run", len(earlier))
+
+    def apply_retention(self, just_saved: str) -> None:
+        """Keep the newest `keep_mid_epoch` mid-epoch checkpoints after the newest epoch one, and
+        `just_saved` (so 0 keeps just that one, like 1); older mid-epoch ones are deleted."""
+        if self.keep_mid_epoch is None:
+            return
+        newest_epoch = max(
+            (ref.sort_key() for ref in self.checkpoints if ref.state.epoch_complete), default=(-1, 0)
+        )
+        recent = [
+            ref.name for ref in self.checkpoints
+            if not ref.state.epoch_complete and ref.sort_key() > newest_epoch
+        ]
+        count = self.keep_mid_epoch
+        keep = set(recent[-count:]) if count > 0 else set()
+        self.prune(keep | {just_saved})
 
     def prune(self, keep: set[str]) -> None:
         """Delete mid-epoch checkpoints not in `keep` (epoch folders are always kept)."""
@@ -512,36 +568,10 @@ class DistributedCheckpointer(SingleGPUCheckpointer):
         )
 
 
-def _atomic_torch_save(obj: Any, path: Path) -> None:
-    temporary = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, temporary)
-    os.replace(temporary, path)
-
-
-def _fsync_tree(folder: Path) -> None:
+def _fsync_files(folder: Path) -> None:
+    """Flush every file of a checkpoint folder and the folder itself before it is renamed."""
     for entry in folder.iterdir():
         if entry.is_file():
             with open(entry, "rb") as handle:
                 os.fsync(handle.fileno())
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def _replace_folder(source: Path, target: Path) -> None:
-    """Rename `source` to `target`, replacing an existing `target` without a moment of neither."""
-    if target.exists():
-        old = target.with_name(f"{_TEMP_PREFIX}old-{target.name}")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(target, old)
-        os.replace(source, target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(source, target)
-    descriptor = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+    fsync_folder(folder)

@@ -114,7 +114,8 @@ class FormatDictFilter(logging.Filter):
 
 
 class JsonlHandler(logging.Handler):
-    """Appends one JSON object per metrics record: `{"step": ..., **metrics}`.
+    """Appends one JSON object per metrics record: `{"step": ..., **metrics}` (the trainer's
+    records and their one reader: `train.metrics_log`).
 
     The file is opened per record, so a resumed run may rewrite it (dropping the lines of lost
     steps) while the handler is attached.

@@ -35,6 +35,17 @@ def test_a_complete_looking_temporary_folder_is_not_a_checkpoint(tmp_path):
     assert [ref.name for ref in find_checkpoints(tmp_path)] == ["0-step1"]
 
 
+def test_the_sweep_removes_temporary_folders_and_files_old_and_new(tmp_path):
+    from speculators_vllm016.train.checkpointer import remove_temporary_folders
+
+    _complete_folder(tmp_path / ".tmp-0-step2", TrainingState(epoch=0, step_in_epoch=2, global_step=2))
+    _complete_folder(tmp_path / "0-step1", TrainingState(epoch=0, step_in_epoch=1, global_step=1))
+    for name in (".metrics.jsonl.0123abcd.tmp", ".metrics.jsonl.tmp", "metrics.jsonl"):
+        (tmp_path / name).write_text("")
+    remove_temporary_folders(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0-step1", "metrics.jsonl"]
+
+
 def _trained(verifier: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model = draft_model(verifier)
     optimizer = torch.optim.AdamW(list(model.named_parameters()), lr=1e-3)

@@ -204,31 +204,3 @@ def test_no_resume_starts_over(tiny_llama, training_data, tmp_path, trained):
     assert main(train_args(tiny_llama, training_data, save, "--no-resume-from-checkpoint")) == 0
     steps = [json.loads(line)["step"] for line in (save / "metrics.jsonl").read_text().splitlines()]
     assert steps[0] == 0
-
-
-def test_a_second_ctrl_c_stops_at_once_and_loader_processes_ignore_the_signals(
-    tiny_llama, training_data, tmp_path
-):
-    """In-process: the first SIGINT asks for a checkpoint, the second raises KeyboardInterrupt;
-    in a forked loader process (another pid) the handler leaves the flag alone."""
-    from tests.train.test_data import tiny_trainer
-
-    trainer = tiny_trainer(tiny_llama, training_data, tmp_path, [], [])
-    trainer.config = trainer.config._replace(handle_sigterm=True)
-    replaced = trainer._install_stop_handlers()
-    try:
-        assert set(replaced) == {signal.SIGTERM, signal.SIGINT}
-        trainer._handler_pid = -1  # as a loader process sees it
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.05)
-        assert not trainer._stop_requested
-        trainer._handler_pid = os.getpid()
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.05)
-        assert trainer._stop_requested and trainer._stop_reason == "Ctrl-C"
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.5)
-    finally:
-        for signum, handler in replaced.items():
-            signal.signal(signum, handler)

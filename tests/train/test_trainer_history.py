@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from speculators_vllm016.cli.train import main
+from speculators_vllm016.train.metrics_log import MetricsLog
 from speculators_vllm016.train.trainer import Trainer
 from tests.training_fixtures import train_args
 
@@ -119,13 +120,13 @@ def test_a_killed_no_resume_run_leaves_the_earlier_run_whole_at_the_next_start(
     tiny_llama, training_data, tmp_path, earlier_run, monkeypatch, capsys
 ):
     """SIGKILL before the first checkpoint runs no clean-up: emulated by a run that stops with
-    its clean-up (`_restore_earlier_metrics`) switched off. The next start puts the earlier
+    its clean-up (`MetricsLog.restore_earlier`) switched off. The next start puts the earlier
     run's metrics back beside its checkpoints, and resuming continues that run's log."""
     save = tmp_path / "ckpt"
     shutil.copytree(earlier_run, save, symlinks=True)
     with monkeypatch.context() as patched:
         interrupt_in_step(patched, 3)
-        patched.setattr(Trainer, "_restore_earlier_metrics", lambda self: None)
+        patched.setattr(MetricsLog, "restore_earlier", lambda self: None)
         assert main(train_args(tiny_llama, training_data, save, "--no-resume-from-checkpoint")) == 130
     assert train_steps(save / "metrics.jsonl") == [0, 1], "the emulated kill cleaned up"
     capsys.readouterr()

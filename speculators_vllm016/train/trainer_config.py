@@ -1,0 +1,98 @@
+"""`TrainerConfig`: how the trainer trains, one documented field per knob (0.3.0's fields first).
+
+The CLI (`speculators train`), online training, the demo and the benchmarks build it; the
+trainer reads nothing else. Imported as `speculators_vllm016.train.trainer.TrainerConfig` too
+(0.3.0's path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from speculators_vllm016.train.draft_contract import DraftCallOptions
+
+__all__ = ["TrainerConfig"]
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """How to train. The first twelve fields are 0.3.0's `TrainerConfig`, in its order."""
+
+    lr: float
+    """AdamW's learning rate (the peak, after warm-up)."""
+    num_epochs: int
+    """Epochs to train; a resumed run counts the epochs already done."""
+    save_path: str
+    """The checkpoint folder: `<epoch>/`, `<epoch>-step<global>/`, `best`, `metrics.jsonl`."""
+    resume_from_checkpoint: bool = False
+    """Continue from the newest complete checkpoint in `save_path`. Off, a run from scratch
+    replaces the checkpoints there at its first save."""
+    is_distributed: bool = False
+    """Set by `maybe_setup_distributed()` under torchrun."""
+    local_rank: int = 0
+    """This process's rank on its host (its GPU), set by `maybe_setup_distributed()`."""
+    train_call_kwargs: DraftCallOptions = field(default_factory=DraftCallOptions)
+    """Options of the model's training call (`ttt_steps`, `ttt_step_loss_decay`,
+    `use_off_policy_tokens`); 0.3.0's dict of the same names is accepted and converted."""
+    val_call_kwargs: DraftCallOptions = field(default_factory=DraftCallOptions)
+    """Options of the model's validation call, as `train_call_kwargs`."""
+    scheduler_type: Literal["linear", "cosine", "none"] = "linear"
+    """Learning-rate decay after the warm-up, or none (constant `lr`)."""
+    scheduler_warmup_steps: int | None = None
+    """Warm-up steps; None: 1% of the run's steps (epochs x steps per epoch, capped at
+    `max_steps`: 0.3.0's value without the cap)."""
+    scheduler_total_steps: int | None = None
+    """Steps the schedule spans; None: the run's steps."""
+    scheduler_num_cosine_cycles: float = 0.5
+    """Cosine cycles over the schedule (0.5: one decay from `lr` to 0)."""
+    weight_decay: float = 0.01
+    """AdamW's decoupled weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradients are clipped to this global norm before each step."""
+    seed: int = 0
+    """Seeds the sampler's shuffles and the noise (set on the loaders by the caller); recorded
+    in checkpoints so a resume with another seed warns."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """"fp32", or "bf16" (bf16 autocast over fp32 master weights); "auto" is bf16 on CUDA and
+    fp32 on CPUs."""
+    parallel: Literal["fsdp", "ddp"] = "fsdp"
+    """Under torchrun: "fsdp" (FSDP2, shards weights and optimizer state) or "ddp"."""
+    device: str | None = None
+    """Where to train ("cpu", "cuda"); None: this rank's GPU, else the CPU."""
+    checkpoint_freq: float | None = None
+    """Also checkpoint every this fraction of an epoch (0.25: four times); None: epoch ends only."""
+    max_steps: int | None = None
+    """Stop (with a checkpoint) after this many optimizer steps in all."""
+    checkpoint_dtype: torch.dtype = torch.bfloat16
+    """Dtype of the served `model.safetensors` (fp32 master weights are kept beside it)."""
+    optimizer_state_dtype: torch.dtype | None = None
+    """None keeps the optimizer state as it is (fp32); bf16 is 0.3.0's (its defect D2)."""
+    keep_mid_epoch_checkpoints: int = 1
+    """How many mid-epoch checkpoints after the newest epoch one to keep (older ones are
+    deleted; epoch ones stay). The checkpoint just written is never deleted, so 0 keeps just
+    that one, like 1."""
+    fsdp_bf16_params: bool = False
+    """Under FSDP2, gather bf16 copies of the weights instead of the fp32 masters (half the
+    traffic, less memory; norms then scale by bf16 weights)."""
+    deterministic: bool = False
+    """Compile the draft's blocks so that a GPU run's numbers do not depend on the shapes
+    compiled before (`use_reproducible_compilation`): a resumed run then ends with the
+    uninterrupted run's weights bit for bit, as CPU runs always do. Slower (7% a step on an
+    H200 at 8B-draft shapes, one measurement)."""
+    show_progress: bool = True
+    """A progress bar per epoch and for validation (rank 0)."""
+    handle_sigterm: bool = True
+    """Stop on SIGTERM or a first Ctrl-C after the current step, with a checkpoint
+    (`graceful_shutdown`); off, the signals keep their default handlers."""
+
+    def __post_init__(self) -> None:
+        for name in ("train_call_kwargs", "val_call_kwargs"):
+            object.__setattr__(self, name, DraftCallOptions.coerce(getattr(self, name)))
+
+    def _replace(self, **changes: Any) -> TrainerConfig:
+        """NamedTuple-style copy with changes (0.3.0's config was a NamedTuple)."""
+        return dataclasses.replace(self, **changes)
