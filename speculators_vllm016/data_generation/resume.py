@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from speculators_vllm016.data_generation.manifest import ManifestWriter, SampleRecord
+from speculators_vllm016.utils.atomic_files import atomic_write_json
 
 __all__ = ["RunIdentity", "check_identity", "record_identity", "samples_digest", "verify_present"]
 
@@ -116,16 +117,13 @@ def check_identity(output_dir: Path, identity: RunIdentity, adopt_existing: bool
 
 
 def record_identity(output_dir: Path, identity: RunIdentity) -> None:
-    state = output_dir / STATE_FILE
-    temp = state.with_name(f".{state.name}.{os.getpid()}.tmp")
-    temp.write_text(json.dumps(identity.to_json(), indent=2, sort_keys=True))
-    os.replace(temp, state)
+    atomic_write_json(output_dir / STATE_FILE, identity.to_json(), indent=2, sort_keys=True)
 
 
 def has_sample_files(output_dir: Path) -> bool:
-    from speculators_vllm016.data_generation.sample_io import _SAMPLE_NAME
+    from speculators_vllm016.data_generation.sample_io import SAMPLE_FILE
 
-    return output_dir.is_dir() and any(_SAMPLE_NAME.match(name) for name in os.listdir(output_dir))
+    return output_dir.is_dir() and any(SAMPLE_FILE.match(name) for name in os.listdir(output_dir))
 
 
 def _sample_matches(path: Path, expected_ids: torch.Tensor, num_layers: int) -> bool:
