@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from speculators_vllm016.data_generation.config_generator import CONFIG_FILE, DataGenerationConfig
 from speculators_vllm016.data_generation.manifest import ManifestWriter, manifest_path
 from speculators_vllm016.data_generation.resume import RunIdentity, check_identity, record_identity
 from speculators_vllm016.data_generation.resume import refuse_unrecorded as _refuse_unrecorded
@@ -28,7 +29,6 @@ from speculators_vllm016.data_generation.token_counts import save_token_counts, 
 from speculators_vllm016.utils.atomic_files import atomic_write_json
 
 if TYPE_CHECKING:
-    from speculators_vllm016.data_generation.config_generator import DataGenerationConfig
     from speculators_vllm016.data_generation.options import DatagenOptions
 
 __all__ = [
@@ -43,7 +43,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 LOCK_DIR = ".locks"
-CONFIG_FILE = "data_config.json"
 
 
 class FolderInUse(ValueError):
@@ -211,7 +210,6 @@ def data_config_of(
     """`data_config.json` of a run whose engine is `generator`; None when no engine ran."""
     from datasets import config as datasets_config
 
-    from speculators_vllm016.data_generation.config_generator import DataGenerationConfig
     from speculators_vllm016.data_generation.sample_io import SAMPLE_PATTERNS
 
     if generator is None:
