@@ -10,7 +10,7 @@ import logging
 from collections.abc import Sequence
 
 from speculators_vllm016.cli.errors import describe_error, report_errors
-from speculators_vllm016.data_generation.offline import DTYPES, DatagenOptions
+from speculators_vllm016.data_generation.options import DTYPES, DatagenOptions
 
 __all__ = [
     "add_preprocessing_arguments",
@@ -174,10 +174,8 @@ def build_parser(prog: str = "speculators datagen") -> argparse.ArgumentParser:
 
 
 def options_from_args(args: argparse.Namespace) -> DatagenOptions:
-    values = vars(args).copy()
-    values.pop("debug", None)
-    values["show_progress"] = not values.pop("no_progress")
-    return DatagenOptions(**values)
+    """Datagen's parsed flags as options (`DatagenOptions.from_args`, which train's --online uses too)."""
+    return DatagenOptions.from_args(args)
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "speculators datagen") -> int:

@@ -174,32 +174,13 @@ def _check_online(args: argparse.Namespace) -> OnlineSetup:
     if args.online_queue_size < 1:
         raise TrainSetupError("--online-queue-size must be at least 1")
     devices = _check_train_devices(args)
-    options = DatagenOptions(
+    options = DatagenOptions.from_args(  # train's --seed, --token-freq-path, --no-progress are its own
+        args,
         target_model_path=args.target_model_path or args.verifier_name_or_path,
-        train_data_path=args.train_data_path,
         output_dir=args.cache_dir or "",
-        tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-        max_model_len=args.max_model_len,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        seq_length=args.seq_length,
-        max_samples=args.max_samples,
-        hf_cache_dir=args.hf_cache_dir,
-        assistant_pattern=args.assistant_pattern,
-        turn_dropout=args.turn_dropout,
-        layer_ids=args.layer_ids,
         seed=args.data_seed,
-        start_idx=args.start_idx,
-        num_preprocessing_workers=args.num_preprocessing_workers,
-        output_format=args.output_format,
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        num_writer_threads=args.num_writer_threads,
-        fsync=args.fsync,
+        token_freq_path=None,
         show_progress=False,
-        trust_remote_code=args.trust_remote_code,
-        transfer_root=args.transfer_root,
     )
     try:
         options.validate()

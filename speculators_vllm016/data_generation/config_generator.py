@@ -1,9 +1,16 @@
-"""`data_config.json`: how a directory of samples was made (schema version 2.0 of 0.3.0)."""
+"""`data_config.json`: how a directory of samples was made (schema version 2.0 of 0.3.0).
+
+Datagen writes it (`output_folder.DatagenFolder.write_data_config`); `read_data_config` is the one
+reader. Fields added since 0.3.0 (`hidden_states.before_final_norm`) have defaults, so files of
+older runs, and hand-written ones holding only some sections, stay readable.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -15,7 +22,9 @@ if TYPE_CHECKING:
         VllmHiddenStatesGenerator,
     )
 
-__all__ = ["DataGenerationConfig", "PackageVersions"]
+__all__ = ["CONFIG_FILE", "DataGenerationConfig", "PackageVersions", "read_data_config"]
+
+CONFIG_FILE = "data_config.json"
 
 
 def _get_gpu_info() -> str:
@@ -83,6 +92,11 @@ class DataConfig:
 class HiddenStatesConfig:
     layer_ids: list[int]
     description: str = "Layers selected for EAGLE3 fusion and target logits"
+    before_final_norm: bool = True
+    """The final-norm contract (see `sample_io`): every stored state is the residual stream after
+    its decoder layer, never passed through the model's final norm; the last one is the final
+    norm's input, so final norm + LM head of it give the verifier's logits. Every version of
+    datagen stored states this way, so a file without the field means True."""
 
 
 @dataclass
@@ -131,17 +145,20 @@ class FormatConfig:
 
 @dataclass
 class DataGenerationConfig:
+    """What `data_config.json` holds. Datagen fills every section; read back from a file, a
+    section the file lacks (an older or hand-written one) is None."""
+
     VERSION: ClassVar[str] = "2.0"
 
-    version: str
-    generated_at: str
-    speculators_version: str
-    reproducibility: ReproducibilityInfo
-    model: ModelConfig
-    data: DataConfig
-    hidden_states: HiddenStatesConfig
-    generation: GenerationConfig
-    format: FormatConfig
+    version: str | None = None
+    generated_at: str | None = None
+    speculators_version: str | None = None
+    reproducibility: ReproducibilityInfo | None = None
+    model: ModelConfig | None = None
+    data: DataConfig | None = None
+    hidden_states: HiddenStatesConfig | None = None
+    generation: GenerationConfig | None = None
+    format: FormatConfig | None = None
 
     def to_dict(self) -> dict[str, Any]:
         def plain(value: Any) -> Any:
@@ -154,6 +171,27 @@ class DataGenerationConfig:
             return value
 
         return plain(asdict(self))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> DataGenerationConfig:
+        """The config a parsed `data_config.json` describes; keys it does not know are ignored,
+        and a section that is missing or not of its shape is None."""
+        reproducibility = raw.get("reproducibility")
+        if isinstance(reproducibility, dict):
+            reproducibility = {
+                **reproducibility,
+                "package_versions": _section(PackageVersions, reproducibility.get("package_versions")),
+            }
+        top = {item.name: raw.get(item.name) for item in fields(cls)}
+        top.update(
+            reproducibility=_section(ReproducibilityInfo, reproducibility),
+            model=_section(ModelConfig, raw.get("model")),
+            data=_section(DataConfig, raw.get("data")),
+            hidden_states=_section(HiddenStatesConfig, raw.get("hidden_states")),
+            generation=_section(GenerationConfig, raw.get("generation")),
+            format=_section(FormatConfig, raw.get("format")),
+        )
+        return cls(**top)
 
     @classmethod
     def from_generator(
@@ -199,3 +237,25 @@ class DataGenerationConfig:
                 hidden_dtype=str(generator.dtype),
             ),
         )
+
+
+def _section(cls: type, raw: Any) -> Any:
+    """`cls` from a JSON object (unknown keys ignored); None when it is not one or lacks a key."""
+    if not isinstance(raw, dict):
+        return None
+    names = {item.name for item in fields(cls)}
+    try:
+        return cls(**{key: value for key, value in raw.items() if key in names})
+    except TypeError:
+        return None
+
+
+def read_data_config(folder: str | os.PathLike) -> DataGenerationConfig | None:
+    """The `data_config.json` of a datagen folder; None when there is none or it is not a JSON
+    object (callers decide whether a folder without one is usable)."""
+    path = Path(folder) / CONFIG_FILE
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return DataGenerationConfig.from_dict(raw) if isinstance(raw, dict) else None

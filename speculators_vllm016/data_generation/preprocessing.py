@@ -383,7 +383,7 @@ def load_and_preprocess(
     from transformers import AutoTokenizer
 
     from speculators_vllm016.data_generation.preflight import remote_code_hint
-    from speculators_vllm016.train.vocab_mapping import save_token_frequency_distribution
+    from speculators_vllm016.data_generation.token_counts import count_trained_tokens, save_token_counts
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(
@@ -419,6 +419,6 @@ def load_and_preprocess(
         seed=seed,
     )
     if token_freq_path is not None:
-        save_token_frequency_distribution(result.dataset, token_freq_path)
+        save_token_counts(count_trained_tokens(result.dataset), token_freq_path)
     return PreprocessResult(result.dataset, result.skipped_rows, tokenizer)
 

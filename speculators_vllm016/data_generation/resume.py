@@ -21,12 +21,25 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from speculators_vllm016.data_generation.manifest import ManifestWriter, SampleRecord
+from speculators_vllm016.utils.atomic_files import atomic_write_json
 
-__all__ = ["RunIdentity", "check_identity", "record_identity", "samples_digest", "verify_present"]
+if TYPE_CHECKING:
+    from speculators_vllm016.data_generation.options import DatagenOptions
+    from speculators_vllm016.data_generation.preflight import ModelFacts
+
+__all__ = [
+    "RunIdentity",
+    "check_identity",
+    "record_identity",
+    "run_identity",
+    "samples_digest",
+    "verify_present",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +56,31 @@ class RunIdentity:
 
     def to_json(self) -> dict:
         return {"version": IDENTITY_VERSION, **self.compared, "details": self.informational}
+
+
+def run_identity(options: DatagenOptions, facts: ModelFacts, digest: str) -> RunIdentity:
+    """The identity of a run with these options over samples whose `samples_digest` is `digest`."""
+    data_path = options.preprocessing.train_data_path
+    data = Path(data_path)
+    return RunIdentity(
+        compared={
+            "target_model_path": facts.path,
+            "layer_ids": facts.layer_ids,
+            "dtype": options.engine.dtype,
+            "output_format": options.output.output_format,
+            "start_idx": options.output.start_idx,
+            "num_shards": options.output.num_shards,
+            "samples_sha256": digest,
+        },
+        informational={
+            "train_data": str(data.resolve()) if data.exists() else data_path,
+            "seq_length": options.preprocessing.seq_length,
+            "seed": options.preprocessing.seed,
+            "max_samples": options.preprocessing.max_samples,
+            "assistant_pattern": options.preprocessing.assistant_pattern,
+            "turn_dropout": options.preprocessing.turn_dropout,
+        },
+    )
 
 
 def resolve_model_path(model: str) -> str:
@@ -62,35 +100,68 @@ def samples_digest(dataset) -> str:
     return digest.hexdigest()
 
 
-def refuse_unrecorded(output_dir: Path, adopt_existing: bool) -> None:
-    """Sample files without a record of their run are refused unless the caller adopts them."""
+def refuse_unrecorded(
+    output_dir: Path,
+    adopt_existing: bool,
+    *,
+    flag: str = "--output-dir",
+    adopt_flag: str | None = "--adopt-existing",
+) -> None:
+    """Sample files without a record of their run are refused unless the caller adopts them.
+
+    `flag` names the folder in the message; `adopt_flag` is the flag that adopts (None: the
+    command has none, and the way out is an empty folder).
+    """
     if (
         not (output_dir / STATE_FILE).exists()
         and has_sample_files(output_dir)
         and not adopt_existing
     ):
-        raise ValueError(
-            f"{output_dir} already holds sample files but no record of the run that wrote "
-            "them (0.3.0 output, or its .datagen_state.json was removed); pass "
-            "--adopt-existing to check and keep those that match this run, or use an empty "
-            "--output-dir"
+        raise ValueError(_unrecorded(output_dir, flag, adopt_flag))
+
+
+def _unrecorded(output_dir: Path, flag: str, adopt_flag: str | None) -> str:
+    if adopt_flag is None:
+        return (
+            f"{flag} {output_dir} already holds sample files but no record of the run that "
+            f"wrote them; use an empty {flag}"
         )
+    return (
+        f"{flag} {output_dir} already holds sample files but no record of the run that wrote "
+        f"them (0.3.0 output, or its {STATE_FILE} was removed); pass {adopt_flag} to check and "
+        f"keep those that match this run, or use an empty {flag}"
+    )
 
 
-def check_identity(output_dir: Path, identity: RunIdentity, adopt_existing: bool) -> bool:
-    """Refuse a folder of another run; returns whether the identity still has to be recorded."""
+def check_identity(
+    output_dir: Path,
+    identity: RunIdentity,
+    adopt_existing: bool,
+    *,
+    flag: str = "--output-dir",
+    adopt_flag: str | None = "--adopt-existing",
+) -> bool:
+    """Refuse a folder of another run; returns whether the identity still has to be recorded.
+
+    Messages name the folder by `flag`; without an `adopt_flag` a record that cannot be read or
+    compared is refused like a missing one.
+    """
     state = output_dir / STATE_FILE
     if not state.exists():
-        refuse_unrecorded(output_dir, adopt_existing)
+        refuse_unrecorded(output_dir, adopt_existing, flag=flag, adopt_flag=adopt_flag)
         return True
     try:
         recorded = json.loads(state.read_text())
     except (OSError, ValueError) as error:
-        raise ValueError(f"{state} is unreadable ({error}); remove it and pass --adopt-existing")
+        if adopt_flag is None:
+            raise ValueError(_unrecorded(output_dir, flag, adopt_flag)) from None
+        raise ValueError(f"{state} is unreadable ({error}); remove it and pass {adopt_flag}")
     if recorded.get("version") != IDENTITY_VERSION:
+        if adopt_flag is None:
+            raise ValueError(_unrecorded(output_dir, flag, adopt_flag))
         raise ValueError(
-            f"{output_dir} was written by another version of datagen; remove {STATE_FILE} "
-            "and pass --adopt-existing to check and keep its files"
+            f"{flag} {output_dir} was written by another version of datagen; remove {STATE_FILE} "
+            f"and pass {adopt_flag} to check and keep its files"
         )
     differing = {
         key: (recorded.get(key), value)
@@ -110,22 +181,19 @@ def check_identity(output_dir: Path, identity: RunIdentity, adopt_existing: bool
         if causes:
             details += " (changed flags: " + "; ".join(causes) + ")"
     raise ValueError(
-        f"{output_dir} holds samples of a different run ({details}); use another --output-dir "
+        f"{flag} {output_dir} holds samples of a different run ({details}); use another {flag} "
         "or remove it"
     )
 
 
 def record_identity(output_dir: Path, identity: RunIdentity) -> None:
-    state = output_dir / STATE_FILE
-    temp = state.with_name(f".{state.name}.{os.getpid()}.tmp")
-    temp.write_text(json.dumps(identity.to_json(), indent=2, sort_keys=True))
-    os.replace(temp, state)
+    atomic_write_json(output_dir / STATE_FILE, identity.to_json(), indent=2, sort_keys=True)
 
 
 def has_sample_files(output_dir: Path) -> bool:
-    from speculators_vllm016.data_generation.sample_io import _SAMPLE_NAME
+    from speculators_vllm016.data_generation.sample_io import SAMPLE_FILE
 
-    return output_dir.is_dir() and any(_SAMPLE_NAME.match(name) for name in os.listdir(output_dir))
+    return output_dir.is_dir() and any(SAMPLE_FILE.match(name) for name in os.listdir(output_dir))
 
 
 def _sample_matches(path: Path, expected_ids: torch.Tensor, num_layers: int) -> bool:

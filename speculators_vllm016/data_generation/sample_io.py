@@ -5,6 +5,16 @@ flushed to disk, and renamed. Each writing process owns a folder `.tmp/<writer i
 folder and holds a lock on it while it lives; at start a run removes only the folders whose lock
 nobody holds (their writer died), so shards that share one output folder never delete each other's
 files. A crash (even SIGKILL) leaves at most such a folder, which the next run deletes.
+A sample written without a writer folder (`write_sample`) goes through `utils.atomic_files`, whose
+temporary `.data_{idx}.pt.{hex8}.tmp` beside the target the next run's sweep removes too.
+
+What a sample holds (the contract every consumer relies on; `data_config.json` records it too):
+`hidden_states[k]` is the residual stream after decoder layer `layer_ids[k]` (the layer's output
+plus its residual input, as `layer_capture.residual_stream` computes it), taken BEFORE the model's
+final norm: no captured state is ever normalized. The last captured layer (the model's last
+decoder layer by default) is the input of the final norm, so `lm_head(final_norm(state))` of it
+is the verifier's own logits; the trainer applies the verifier's frozen final norm and LM head to
+it to make its targets (`Eagle3DraftModel.target_logits`).
 """
 
 from __future__ import annotations
@@ -21,7 +31,10 @@ from typing import Any
 
 import torch
 
+from speculators_vllm016.utils.atomic_files import TEMP_SUFFIX, atomic_write
+
 __all__ = [
+    "SAMPLE_FILE",
     "SAMPLE_PATTERNS",
     "WriterSlot",
     "WrittenFile",
@@ -32,9 +45,13 @@ __all__ = [
     "write_sample_file",
 ]
 
+# The one home of the sample-file name: datagen writes it, the trainer and resume read it.
 SAMPLE_PATTERNS = {"pt": "data_{idx}.pt", "safetensors": "data_{idx}.safetensors"}
-_SAMPLE_NAME = re.compile(r"^data_(\d+)\.(pt|safetensors)$")
+SAMPLE_FILE = re.compile(r"^data_(\d+)\.(pt|safetensors)$")  # group 1: index, group 2: format
+_SAMPLE_NAME = SAMPLE_FILE  # the private name resume.py and earlier callers used
 _TEMP_PREFIX = ".tmp-"  # temporary files of earlier versions, beside the samples
+# `utils.atomic_files`' temporary of a sample written without a writer folder (`write_sample`).
+_LOOSE_TEMP = re.compile(r"^\.data_\d+\.(pt|safetensors)\.[0-9a-f]{8}" + re.escape(TEMP_SUFFIX) + "$")
 TEMP_DIR = ".tmp"
 _LOCK_NAME = ".lock"
 _PART_SUFFIX = ".part"  # never ends in "pt": 0.3.0's trainer reads every file ending in "pt"
@@ -119,27 +136,33 @@ def sample_path(output_dir: Path, index: int, output_format: str) -> Path:
     return output_dir / SAMPLE_PATTERNS[output_format].format(idx=index)
 
 
-def _atomic_write(path: Path, write, fsync: bool, slot: WriterSlot | None = None) -> str:
-    """Write through a temporary file and rename; return the content's sha256."""
-    if slot is not None:
-        temp = slot.temp_for(path)
-    else:
-        temp = path.with_name(f"{_TEMP_PREFIX}{uuid.uuid4().hex[:8]}-{path.name}{_PART_SUFFIX}")
+def _write_hashed(path: Path, write, fsync: bool, slot: WriterSlot | None = None) -> str:
+    """`atomic_write` through a hashing handle; return the content's sha256.
+
+    With a writer slot the temporary file lives in the slot's folder (swept when its writer is
+    gone). A write error the serializer swallowed (torch.save's zip writer reports a position
+    mismatch instead) is raised as itself, so a full disk is called one.
+    """
     hashing: _HashingWriter | None = None
+
+    def through_hash(handle) -> None:
+        nonlocal hashing
+        hashing = _HashingWriter(handle)
+        write(hashing)
+
     try:
-        with open(temp, "wb") as handle:
-            hashing = _HashingWriter(handle)
-            write(hashing)
-            if fsync:  # survive power loss too, not only a crash of this process
-                handle.flush()
-                os.fsync(handle.fileno())
-        os.replace(temp, path)
+        atomic_write(path, through_hash, fsync=fsync, temp=None if slot is None else slot.temp_for(path))
     except BaseException as failure:
-        temp.unlink(missing_ok=True)
         if hashing is not None and hashing.error is not None and hashing.error is not failure:
             raise hashing.error from failure
         raise
+    assert hashing is not None
     return hashing.digest.hexdigest()
+
+
+def _atomic_write(path: Path, write, fsync: bool, slot: WriterSlot | None = None) -> str:
+    """Kept for the modules that still import it privately; new code uses `utils.atomic_files`."""
+    return _write_hashed(path, write, fsync, slot)
 
 
 def _independent_layers(layers: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -176,14 +199,14 @@ def write_sample_file(
     hidden_states = _independent_layers(list(sample["hidden_states"]))
     if output_format == "pt":
         payload = {"input_ids": input_ids, "hidden_states": hidden_states, "loss_mask": loss_mask}
-        digest = _atomic_write(path, lambda handle: torch.save(payload, handle), fsync, slot)
+        digest = _write_hashed(path, lambda handle: torch.save(payload, handle), fsync, slot)
     elif output_format == "safetensors":
         from safetensors.torch import save
 
         tensors = {"input_ids": input_ids, "loss_mask": loss_mask}
         tensors.update({f"hidden_states.{i}": layer for i, layer in enumerate(hidden_states)})
         blob = save(tensors, metadata={"num_hidden_states": str(len(hidden_states))})
-        digest = _atomic_write(path, lambda handle: handle.write(blob), fsync, slot)
+        digest = _write_hashed(path, lambda handle: handle.write(blob), fsync, slot)
     else:
         raise ValueError(f"unknown output format {output_format!r}; use 'pt' or 'safetensors'")
     return WrittenFile(path=path, bytes=path.stat().st_size, sha256=digest)
@@ -212,7 +235,7 @@ def existing_sample_indices(output_dir: Path, output_format: str) -> set[int]:
     suffix = "pt" if output_format == "pt" else "safetensors"
     found = set()
     for entry in os.scandir(output_dir):
-        match = _SAMPLE_NAME.match(entry.name)
+        match = SAMPLE_FILE.match(entry.name)
         if match and match.group(2) == suffix:
             found.add(int(match.group(1)))
     return found
@@ -222,15 +245,15 @@ def remove_partial_files(output_dir: Path) -> int:
     """Delete temporary files of writers that are gone; return how many files.
 
     A writer folder is removed only when its lock can be taken, i.e. its process has ended;
-    live writers (other shards sharing the folder) are left alone. Loose `.tmp-*` files are
-    from earlier versions, which wrote beside the samples.
+    live writers (other shards sharing the folder) are left alone. Loose temporaries beside the
+    samples are `write_sample`'s (`.data_{idx}.pt.{hex8}.tmp`) or earlier versions' (`.tmp-*`).
     """
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return 0
     removed = 0
     for entry in os.scandir(output_dir):
-        if entry.name.startswith(_TEMP_PREFIX):
+        if entry.name.startswith(_TEMP_PREFIX) or _LOOSE_TEMP.match(entry.name):
             Path(entry.path).unlink(missing_ok=True)
             removed += 1
     root = output_dir / TEMP_DIR

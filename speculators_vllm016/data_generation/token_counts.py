@@ -4,18 +4,35 @@
 shard I's rows (a torch-saved dict, as 0.3.0's `token_freq.pt`). The suffix is not "pt" on
 purpose: 0.3.0's trainer reads every file ending in "pt" under the data folder as a sample.
 Summing the shards' files gives the counts of the whole data set.
+
+This is the one home of token counting and of the count files: datagen, online training's cache
+and `train.vocab_mapping` (0.3.0's public names) all count and save through here.
 """
 
 from __future__ import annotations
 
 import os
-import uuid
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-__all__ = ["TOKEN_FREQ_DIR", "load_token_freq", "read_token_counts", "save_token_counts", "shard_token_freq_path"]
+from speculators_vllm016.utils.atomic_files import atomic_torch_save
+
+if TYPE_CHECKING:
+    from datasets import Dataset as HFDataset
+
+__all__ = [
+    "TOKEN_FREQ_DIR",
+    "count_trained_tokens",
+    "load_token_freq",
+    "read_token_counts",
+    "save_token_counts",
+    "shard_token_freq_path",
+    "sum_token_counts",
+]
 
 TOKEN_FREQ_DIR = "token_freq"
 
@@ -24,19 +41,22 @@ def shard_token_freq_path(data_dir: str | os.PathLike, shard_index: int, num_sha
     return Path(data_dir) / TOKEN_FREQ_DIR / f"shard-{shard_index}-of-{num_shards}.pth"
 
 
+def count_trained_tokens(dataset: HFDataset) -> Counter[int]:
+    """How often each token id appears where `loss_mask` is 1."""
+    counts: Counter[int] = Counter()
+    for input_ids, loss_mask in zip(dataset["input_ids"], dataset["loss_mask"]):
+        ids = torch.as_tensor(input_ids)
+        mask = torch.as_tensor(loss_mask).bool()
+        unique, frequency = ids[mask].unique(return_counts=True)
+        counts.update(dict(zip(unique.tolist(), frequency.tolist())))
+    return counts
+
+
 def save_token_counts(counts: dict[int, int], path: str | os.PathLike) -> Path:
     """Write atomically, readable as any file the user writes (the umask decides, not 0600)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.part")
-    try:
-        with open(temp, "wb") as handle:
-            torch.save(dict(counts), handle)
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_torch_save(dict(counts), path)
 
 
 def read_token_counts(path: str | os.PathLike, allow_empty: bool = False) -> dict[int, int]:
@@ -70,7 +90,12 @@ def load_token_freq(data_dir: str | os.PathLike) -> dict[int, int]:
     if len(totals) != 1 or len(files) != next(iter(totals)):
         names = ", ".join(f.name for f in files)
         raise ValueError(f"{folder} holds an incomplete or mixed set of shards ({names})")
+    return sum_token_counts(files)
+
+
+def sum_token_counts(paths: Iterable[str | os.PathLike]) -> dict[int, int]:
+    """The summed counts of several count files (e.g. one per shard); empty ones count as 0."""
     total: Counter[int] = Counter()
-    for file in files:
-        total.update(read_token_counts(file, allow_empty=True))
+    for path in paths:
+        total.update(read_token_counts(path, allow_empty=True))
     return dict(total)

@@ -1,9 +1,9 @@
 """Hidden states of a target model for every prompt token, computed by vLLM 0.16's engine.
 
-The generator drives vLLM's engine pieces itself, the way `EngineCore` does: a multiprocess
-executor whose workers carry `HiddenStatesWorkerExtension`, KV caches sized from the workers' own
-memory profile, a `Scheduler`, and a step loop of `schedule` -> `execute_model` -> `sample_tokens`
--> `update_from_output`. Each prompt becomes one request with `max_tokens=1`: its prefill (chunked
+The generator drives vLLM's engine pieces itself, the way `EngineCore` does: `engine_setup` builds
+them once (a multiprocess executor whose workers carry `HiddenStatesWorkerExtension`, KV caches
+sized from the workers' own memory profile, a `Scheduler`), and this module runs the step loop of
+`schedule` -> `execute_model` -> `sample_tokens` -> `update_from_output`. Each prompt becomes one request with `max_tokens=1`: its prefill (chunked
 when long) computes every prompt token, the worker copies the residual stream of the requested
 layers into a shared-memory file per request, and the request finishes normally.
 """
@@ -17,55 +17,30 @@ import os
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
-from contextlib import nullcontext
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from speculators_vllm016.data_generation.cpu_defaults import (
-    cpu_defaults_applied,
-    cpu_vector_flags,
-    is_cpu_platform,
-    slow_cpu_dtype_warning,
+# Engine construction lives in engine_setup; its names stay importable from here.
+from speculators_vllm016.data_generation.engine_setup import (  # noqa: F401 - re-exported
+    DEFAULT_MAX_NUM_SEQS,
+    MIN_MAX_NUM_BATCHED_TOKENS,
+    TEXT_ONLY_MODALITIES,
+    WORKER_EXTENSION,
+    EngineSettings,
+    HiddenStatesEngine,
+    build_engine,
+    normalize_layer_ids,
+    shutdown_engine,
 )
-from speculators_vllm016.data_generation.transfer import TakenRequest, TransferDir, TransferLayout
-from speculators_vllm016.utils.layer_ids import default_layer_ids
-
-if TYPE_CHECKING:
-    from speculators_vllm016.data_generation.custom_worker import CaptureSetup
+from speculators_vllm016.data_generation.transfer import TakenRequest, TransferDir
+from speculators_vllm016.utils.layer_ids import default_layer_ids  # noqa: F401 - re-exported
 
 __all__ = ["HiddenStatesResult", "VllmHiddenStatesGenerator"]
 
 logger = logging.getLogger(__name__)
-
-WORKER_EXTENSION = "speculators_vllm016.data_generation.custom_worker.HiddenStatesWorkerExtension"
-DEFAULT_MAX_NUM_SEQS = 32
-MIN_MAX_NUM_BATCHED_TOKENS = 8192
-TEXT_ONLY_MODALITIES = ("image", "video", "audio", "vision_chunk")
-
-
-def normalize_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
-    """Resolve negative ids from the end and refuse ids out of range.
-
-    A layer may appear twice (0.3.0's defaults repeat one on models of fewer than 6 layers); each
-    occurrence gets its own copy in the output.
-    """
-    if len(layer_ids) == 0:
-        raise ValueError("layer_ids is empty: name at least one decoder layer to capture")
-    resolved: list[int] = []
-    for layer_id in layer_ids:
-        if isinstance(layer_id, bool) or not isinstance(layer_id, int):
-            raise ValueError(f"layer id {layer_id!r} is not an integer")
-        index = layer_id + num_layers if layer_id < 0 else layer_id
-        if not 0 <= index < num_layers:
-            raise ValueError(
-                f"layer id {layer_id} is out of range for a model with {num_layers} decoder "
-                f"layers (valid: {-num_layers}..{num_layers - 1})"
-            )
-        resolved.append(index)
-    return resolved
 
 
 @dataclass(frozen=True)
@@ -114,16 +89,6 @@ def _finished_outputs(engine_outputs: dict[int, Any]) -> list[Any]:
     ]
 
 
-def _shutdown(executor: Any, transfer: TransferDir | None) -> None:
-    if executor is not None:
-        try:
-            executor.shutdown()
-        except Exception:  # noqa: BLE001 - shutdown must not raise at interpreter exit
-            logger.exception("error while shutting down the vLLM executor")
-    if transfer is not None:
-        transfer.cleanup()
-
-
 class VllmHiddenStatesGenerator:
     """Extracts the residual stream after chosen decoder layers for every prompt token.
 
@@ -155,7 +120,6 @@ class VllmHiddenStatesGenerator:
         max_transfer_bytes: int | None = None,
     ) -> None:
         self.model_path = model_path
-        self._max_transfer_bytes = max_transfer_bytes
         self.tensor_parallel_size = tensor_parallel_size
         self.pipeline_parallel_size = pipeline_parallel_size
         self._executor: Any = None
@@ -171,102 +135,22 @@ class VllmHiddenStatesGenerator:
             raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(MIN_MAX_NUM_BATCHED_TOKENS, max_model_len)
-        try:
-            self._start(
-                layer_ids=layer_ids,
-                max_model_len=max_model_len,
-                gpu_memory_utilization=gpu_memory_utilization,
-                dtype=dtype,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                trust_remote_code=trust_remote_code,
-                enable_prefix_caching=enable_prefix_caching,
-                transfer_root=transfer_root,
-            )
-        except BaseException:
-            self.close()
-            raise
-
-    # -- start-up --------------------------------------------------------------------------------
-
-    def _start(
-        self,
-        *,
-        layer_ids: list[int] | None,
-        max_model_len: int,
-        gpu_memory_utilization: float,
-        dtype: str,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        trust_remote_code: bool,
-        enable_prefix_caching: bool,
-        transfer_root: str | os.PathLike | None,
-    ) -> None:
-        from transformers import PretrainedConfig
-        from vllm.engine.arg_utils import EngineArgs
-
-        config_dict, _ = PretrainedConfig.get_config_dict(self.model_path)
-        world_size = self.tensor_parallel_size * self.pipeline_parallel_size
-        engine_args = EngineArgs(
-            model=self.model_path,
-            # Multimodal wrappers (Kimi-K2.5) build their processing info from the tokenizer at
-            # start-up, so it is loaded even though requests arrive as token ids.
-            skip_tokenizer_init=False,
-            # Text-only: a multimodal model's encoders are never built (keys a model does not
-            # have are ignored).
-            limit_mm_per_prompt=dict.fromkeys(TEXT_ONLY_MODALITIES, 0),
-            trust_remote_code=trust_remote_code,
-            dtype=dtype,
+        settings = EngineSettings(
+            model_path=model_path,
+            layer_ids=layer_ids,
             max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization,
-            tensor_parallel_size=self.tensor_parallel_size,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-            distributed_executor_backend="mp",
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            dtype=dtype,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=True,
+            trust_remote_code=trust_remote_code,
             enable_prefix_caching=enable_prefix_caching,
-            async_scheduling=False,
-            enforce_eager=True,
-            worker_extension_cls=WORKER_EXTENSION,
-            disable_log_stats=True,
+            transfer_root=transfer_root,
+            max_transfer_bytes=max_transfer_bytes,
         )
-        defaults = (
-            cpu_defaults_applied(world_size, config_dict) if is_cpu_platform() else nullcontext({})
-        )
-        with defaults as chosen:
-            for name, value in chosen.items():
-                logger.info("vLLM CPU build: %s=%s (set it yourself to override)", name, value)
-            self._start_engine(engine_args, layer_ids, transfer_root)
-
-    def _start_engine(self, engine_args: Any, layer_ids: list[int] | None, transfer_root: Any) -> None:
-        """Config, workers, KV caches, scheduler and capture hooks, in the order vLLM needs."""
-        self.vllm_config = vllm_config = engine_args.create_engine_config()
-        model_config = vllm_config.model_config
-        self.num_hidden_layers = int(model_config.hf_text_config.num_hidden_layers)
-        self.hidden_size = int(model_config.get_hidden_size())
-        self.vocab_size = int(model_config.get_vocab_size())
-        self.max_model_len = int(model_config.max_model_len)
-        # The scheduler never computes position max_model_len - 1 of a prompt (it is kept for the
-        # sampled token), so a prompt of max_model_len tokens would never finish.
-        self.max_sequence_length = self.max_model_len - 1
-        self.dtype: torch.dtype = model_config.dtype
-        if is_cpu_platform():
-            warning = slow_cpu_dtype_warning(self.dtype, cpu_vector_flags())
-            if warning:
-                logger.warning(warning)
-        self.layer_ids = normalize_layer_ids(
-            default_layer_ids(self.num_hidden_layers) if layer_ids is None else layer_ids,
-            self.num_hidden_layers,
-        )
-        self._layout = TransferLayout.of(len(self.layer_ids), self.hidden_size, self.dtype)
-        self._transfer = TransferDir(transfer_root)
-        # Bytes of transfer files in flight at once: half the room there is, unless told.
-        self.max_transfer_bytes = self._max_transfer_bytes or max(1, self._transfer.free_bytes() // 2)
-        self._executor = self._make_executor()
-        self._finalizer = weakref.finalize(self, _shutdown, self._executor, self._transfer)
-        self._init_scheduler()
-        self._setup_capture()
+        self._adopt(build_engine(settings))  # what it started is shut down if it fails
         logger.info(
             "hidden-state generator ready: %s, layers %s of %d, hidden %d, %s, tp=%d pp=%d",
             self.model_path,
@@ -278,93 +162,34 @@ class VllmHiddenStatesGenerator:
             self.pipeline_parallel_size,
         )
 
-    def _make_executor(self) -> Any:
-        from vllm.v1.executor import Executor
+    # -- start-up: the engine is built by `engine_setup` ----------------------------------------
 
-        executor_class = Executor.get_class(self.vllm_config)
-        return executor_class(self.vllm_config)
-
-    def _init_scheduler(self) -> None:
-        """KV caches, scheduler and block hasher, exactly as `EngineCore.__init__` makes them."""
-        from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core.kv_cache_utils import (
-            generate_scheduler_kv_cache_config,
-            get_kv_cache_configs,
-            get_request_block_hasher,
-            init_none_hash,
-        )
-        from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.structured_output import StructuredOutputManager
-
-        config = self.vllm_config
-        executor = self._executor
-        kv_cache_specs = executor.get_kv_cache_specs()
-        if any(kv_cache_specs):
-            available = executor.determine_available_memory()
-        else:
-            available = [0] * len(kv_cache_specs)
-        kv_cache_configs = get_kv_cache_configs(config, kv_cache_specs, available)
-        scheduler_kv_cache_config = generate_scheduler_kv_cache_config(kv_cache_configs)
-        executor.initialize_from_config(kv_cache_configs)
-        config.cache_config.num_gpu_blocks = scheduler_kv_cache_config.num_blocks
-        config.cache_config.num_cpu_blocks = 0
-        executor.collective_rpc("initialize_cache", args=(scheduler_kv_cache_config.num_blocks, 0))
-
-        parallel = config.parallel_config
-        block_size = (
-            config.cache_config.block_size
-            * parallel.decode_context_parallel_size
-            * parallel.prefill_context_parallel_size
-        )
-        self._scheduler = Scheduler(
-            vllm_config=config,
-            kv_cache_config=scheduler_kv_cache_config,
-            structured_output_manager=StructuredOutputManager(config),
-            block_size=block_size,
-            include_finished_set=False,
-            log_stats=False,
-        )
-        self._block_hasher = None
-        if config.cache_config.enable_prefix_caching or config.kv_transfer_config is not None:
-            hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
-            init_none_hash(hash_fn)
-            self._block_hasher = get_request_block_hasher(block_size, hash_fn)
-        self.num_kv_blocks = scheduler_kv_cache_config.num_blocks
-        self.kv_block_size = block_size
-        # As `EngineCore.__init__`: with pipeline parallelism several batches are in flight at
-        # once (one per stage), so that no stage waits for the driver between batches.
-        self._batch_queue_size = int(executor.max_concurrent_batches)
+    def _adopt(self, engine: HiddenStatesEngine) -> None:
+        """Take over the built engine's pieces; from here `close()` shuts them down."""
+        self._executor, self._transfer = engine.executor, engine.transfer
+        self._finalizer = weakref.finalize(self, shutdown_engine, engine.executor, engine.transfer)
+        self.vllm_config = engine.vllm_config
+        self.num_hidden_layers = engine.num_hidden_layers
+        self.hidden_size = engine.hidden_size
+        self.vocab_size = engine.vocab_size
+        self.max_model_len = engine.max_model_len
+        # The scheduler never computes position max_model_len - 1 of a prompt (it is kept for the
+        # sampled token), so a prompt of max_model_len tokens would never finish.
+        self.max_sequence_length = self.max_model_len - 1
+        self.dtype: torch.dtype = engine.dtype
+        self.layer_ids = engine.layer_ids
+        self.layer_path, self.model_class = engine.layer_path, engine.model_class
+        self.max_transfer_bytes = engine.max_transfer_bytes
+        self.num_kv_blocks, self.kv_block_size = engine.num_kv_blocks, engine.kv_block_size
+        self._layout = engine.layout
+        self._scheduler = engine.scheduler
+        self._block_hasher = engine.block_hasher
+        self._batch_queue_size = engine.batch_queue_size
         self._batch_queue: deque[tuple[Any, Any, Any]] | None = None
         self._step_fn = self._step
         if self._batch_queue_size > 1:
             self._batch_queue = deque(maxlen=self._batch_queue_size)
             self._step_fn = self._step_with_batch_queue
-
-    def _setup_capture(self) -> None:
-        assert self._transfer is not None
-        replies = self._executor.collective_rpc(
-            "speculators_setup_capture",
-            args=(
-                self.layer_ids,
-                self.num_hidden_layers,
-                self.hidden_size,
-                str(self.dtype).removeprefix("torch."),
-                str(self._transfer.path),
-            ),
-        )
-        setups: list[CaptureSetup] = list(replies)
-        owners: dict[int, int] = {}
-        for setup in setups:
-            for layer in setup.captured_layers:
-                owners[layer] = owners.get(layer, 0) + 1
-        wrong = sorted({layer for layer in self.layer_ids if owners.get(layer) != 1})
-        if wrong:
-            raise RuntimeError(
-                f"layers {wrong} of {setups[0].model_class} were not captured by exactly one "
-                f"worker (captures per layer: {owners})"
-            )
-        self.layer_path = setups[0].layer_path
-        self.model_class = setups[0].model_class
 
     # -- generation -------------------------------------------------------------------------------
 
@@ -633,7 +458,7 @@ class VllmHiddenStatesGenerator:
         if self._finalizer is not None:
             self._finalizer()
         else:
-            _shutdown(self._executor, self._transfer)
+            shutdown_engine(self._executor, self._transfer)
         self._executor = None
         self._transfer = None
 

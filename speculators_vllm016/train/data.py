@@ -34,7 +34,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -45,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from speculators_vllm016.data_generation.sample_io import SAMPLE_FILE  # the one home of the name
 from speculators_vllm016.train.noise_transforms import TransformTensors
 from speculators_vllm016.utils.errors import type_and_first_line
 
@@ -74,7 +74,6 @@ BatchType = dict[str, Any]
 T = TypeVar("T")
 StandardizeFnSig = Callable[[dict[str, Any]], dict[str, Any]]
 
-SAMPLE_FILE = re.compile(r"^data_(\d+)\.(pt|safetensors)$")
 MODEL_INPUTS = (
     "input_ids",
     "hidden_states",

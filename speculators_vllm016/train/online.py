@@ -25,10 +25,9 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +37,10 @@ from speculators_vllm016.train.data import (
     PackedBatch,
 )
 from speculators_vllm016.utils.errors import first_line, type_and_first_line
+
+if TYPE_CHECKING:
+    from speculators_vllm016.data_generation.options import DatagenOptions
+    from speculators_vllm016.data_generation.preflight import ModelFacts
 
 __all__ = [
     "CacheFolderError", "CacheWriteFailed", "ExtractionFailed", "OnlineExtractor", "OnlineLoader", "OnlineStats",
@@ -106,7 +109,7 @@ class OnlineExtractor:
     """
 
     def __init__(
-        self, options: Any, facts: Any, dataset: Any, cache_dir: Path | None,
+        self, options: DatagenOptions, facts: ModelFacts, dataset: Any, cache_dir: Path | None,
         engine_devices: str | None = None, writes_cache: bool = True,
     ) -> None:
         self.options = options
@@ -126,18 +129,18 @@ class OnlineExtractor:
     @property
     def indices(self) -> list[int]:
         """Every sample's datagen index, in datagen's file order."""
-        return [self.options.start_idx + position for position in range(len(self.dataset))]
+        return [self.options.output.start_idx + position for position in range(len(self.dataset))]
 
     def sample_path(self, index: int) -> Path:
         from speculators_vllm016.data_generation.sample_io import sample_path
 
         folder = self.cache_dir if self.cache_dir is not None else Path("<online>")
-        return sample_path(folder, index, self.options.output_format)
+        return sample_path(folder, index, self.options.output.output_format)
 
     def lengths(self, indices: list[int]) -> list[int]:
         """Shifted lengths (tokens - 1), what the sampler packs."""
         ids = self.dataset["input_ids"]
-        return [max(len(ids[index - self.options.start_idx]) - 1, 0) for index in indices]
+        return [max(len(ids[index - self.options.output.start_idx]) - 1, 0) for index in indices]
 
     def cached(self) -> set[int]:
         return self._cache.complete() if self._cache is not None else set()
@@ -169,7 +172,7 @@ class OnlineExtractor:
     def extract(self, indices: list[int]) -> Iterator[tuple[int, dict[str, Any]]]:
         """`(k, raw sample)` for `indices[k]` as the engine finishes them; cached if asked."""
         assert self.generator is not None
-        positions = [index - self.options.start_idx for index in indices]
+        positions = [index - self.options.output.start_idx for index in indices]
         rows = self.dataset.select(positions)
         input_ids = [torch.as_tensor(ids).tolist() for ids in rows["input_ids"]]
         masks = rows["loss_mask"]
@@ -281,88 +284,60 @@ class OnlineExtractor:
 
 
 class _Cache:
-    """Hybrid mode's datagen folder: datagen's lock, writer slot, manifest, identity and config."""
+    """Hybrid mode's cache: a datagen folder (`DatagenFolder`, one shard of one) named --cache-dir."""
 
-    def __init__(self, options: Any, facts: Any, dataset: Any, folder: Path) -> None:
-        from speculators_vllm016.data_generation.manifest import ManifestWriter, manifest_path
-        from speculators_vllm016.data_generation.offline import (
-            SampleWriterPool,
-            ShardLock,
-            _prepare_output_dir,
-            _run_identity,
-            _write_token_counts,
-        )
-        from speculators_vllm016.data_generation.resume import samples_digest
-        from speculators_vllm016.data_generation.sample_io import WriterSlot, remove_partial_files
+    def __init__(self, options: DatagenOptions, facts: ModelFacts, dataset: Any, folder: Path) -> None:
+        from speculators_vllm016.data_generation.output_folder import DatagenFolder, FolderInUse
+        from speculators_vllm016.data_generation.resume import run_identity, samples_digest
+        from speculators_vllm016.data_generation.sample_writers import SampleWriterPool
+        from speculators_vllm016.data_generation.token_counts import count_trained_tokens
 
         self.options, self.folder = options, folder
+        # Train has no --adopt-existing: a folder it cannot trust is refused outright.
+        self._folder = DatagenFolder(folder, fsync=options.output.fsync, flag="--cache-dir", adopt_flag=None)
         try:
-            _prepare_output_dir(folder)
+            self._folder.prepare()
         except ValueError as error:
-            raise CacheFolderError(first_line(error).replace("--output-dir", "--cache-dir")) from None
-        cannot_write = (f"cannot write --cache-dir {folder} ({{}}); free space there or choose "
-                        "another --cache-dir")
-        with ExitStack() as taken:  # what set-up took is given back if a later part of it fails
+            raise CacheFolderError(first_line(error)) from None
+        try:  # what set-up took is given back if a later part of it fails
             try:
-                self._lock = taken.enter_context(ShardLock(folder, 0, 1))
-            except ValueError:
-                raise CacheFolderError(
-                    f"another process is using --cache-dir {folder}; wait for it to finish, or "
-                    "give this run another --cache-dir"
-                ) from None
+                self._folder.lock()
+            except FolderInUse as error:
+                raise CacheFolderError(first_line(error)) from None
             except OSError as error:
                 raise CacheFolderError(
                     f"cannot use --cache-dir {folder} ({error}); choose a writable folder"
                 ) from None
             try:
-                self._slot = taken.enter_context(WriterSlot(folder))
-                removed = remove_partial_files(folder)
-                if removed:
-                    logger.info("cache: removed %d partial files of an interrupted run", removed)
-                self.identity = _run_identity(options, facts, samples_digest(dataset))
-                self._must_record = self._check_identity()
-                _write_token_counts(options, dataset, list(range(len(dataset))))
-                self._manifest = ManifestWriter(manifest_path(folder, 0, 1), fsync=options.fsync)
+                self._folder.open_slot()
+                self.identity = run_identity(options, facts, samples_digest(dataset))
+                try:
+                    self._must_record = self._folder.check_identity(self.identity)
+                except ValueError as error:
+                    raise CacheFolderError(first_line(error)) from None
+                self._folder.write_token_counts(dict(count_trained_tokens(dataset)))
+                manifest = self._folder.open_manifest()
             except OSError as error:
-                raise CacheFolderError(cannot_write.format(error)) from None
+                raise CacheFolderError(
+                    f"cannot write --cache-dir {folder} ({error}); free space there or choose "
+                    "another --cache-dir"
+                ) from None
             self._writers = SampleWriterPool(
-                options.num_writer_threads, options.output_format, fsync=options.fsync,
-                max_pending=64, slot=self._slot, manifest=self._manifest,
+                options.output.num_writer_threads, options.output.output_format,
+                fsync=options.output.fsync, max_pending=64, slot=self._folder.slot, manifest=manifest,
             )
-            taken.pop_all()
+        except BaseException:
+            self._folder.close()
+            raise
         self._num_samples = len(dataset)
-
-    def _check_identity(self) -> bool:
-        """Whether this run must still be recorded; a folder of another run is refused."""
-        from speculators_vllm016.data_generation.resume import check_identity
-
-        try:
-            return check_identity(self.folder, self.identity, False)
-        except ValueError as error:
-            text = first_line(error).replace("--output-dir", "--cache-dir")
-            if "--adopt-existing" in text:  # datagen's flag; train has none
-                text = (f"--cache-dir {self.folder} already holds sample files but no record of "
-                        "the run that wrote them; use an empty --cache-dir")
-            elif text.startswith(str(self.folder)):
-                text = f"--cache-dir {text}"
-            raise CacheFolderError(text) from None
 
     def started(self, generator: Any) -> None:
         """The engine runs: record the run and write `data_config.json` (as datagen does)."""
-        from speculators_vllm016.data_generation.offline import (
-            CONFIG_FILE,
-            _data_config,
-            _write_json_atomic,
-        )
-        from speculators_vllm016.data_generation.resume import record_identity
-
         try:
             if self._must_record:
-                record_identity(self.folder, self.identity)
+                self._folder.record_identity(self.identity)
                 self._must_record = False
-            config = _data_config(generator, self.options, self._num_samples)
-            if config is not None:
-                _write_json_atomic(self.folder / CONFIG_FILE, config)
+            self._folder.write_data_config(generator, self.options, self._num_samples)
         except OSError as error:
             raise CacheWriteFailed.of(self.folder, error) from error
 
@@ -370,7 +345,7 @@ class _Cache:
         from speculators_vllm016.data_generation.sample_io import sample_path
 
         try:
-            self._writers.submit(sample_path(self.folder, index, self.options.output_format), sample, index)
+            self._writers.submit(sample_path(self.folder, index, self.options.output.output_format), sample, index)
         except Exception as error:  # an earlier write of the pool failed
             raise CacheWriteFailed.of(self.folder, error) from error
 
@@ -395,9 +370,7 @@ class _Cache:
         except Exception as error:
             raise CacheWriteFailed.of(self.folder, error) from error
         finally:
-            self._manifest.close()
-            self._slot.close()
-            self._lock.__exit__(None, None, None)
+            self._folder.close()
 
 
 class SampleExchange:

@@ -2,38 +2,20 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
-from collections import Counter
 from pathlib import Path
 
 import torch
 from datasets import Dataset as HFDataset
 
+# Counting and the count files live in data_generation.token_counts (datagen counts too); the
+# 0.3.0 names below are kept here on top of them.
+from speculators_vllm016.data_generation.token_counts import (
+    count_trained_tokens,
+    save_token_counts,
+    sum_token_counts,
+)
+
 __all__ = ["build_vocab_mappings_from_distribution", "save_token_frequency_distribution"]
-
-
-def _atomic_torch_save(obj: object, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(obj, handle)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def count_trained_tokens(dataset: HFDataset) -> Counter[int]:
-    """How often each token id appears where `loss_mask` is 1."""
-    counts: Counter[int] = Counter()
-    for input_ids, loss_mask in zip(dataset["input_ids"], dataset["loss_mask"]):
-        ids = torch.as_tensor(input_ids)
-        mask = torch.as_tensor(loss_mask).bool()
-        unique, frequency = ids[mask].unique(return_counts=True)
-        counts.update(dict(zip(unique.tolist(), frequency.tolist())))
-    return counts
 
 
 def save_token_frequency_distribution(
@@ -43,7 +25,7 @@ def save_token_frequency_distribution(
 
     Always recomputed: a file left from another dataset is replaced, not reused.
     """
-    _atomic_torch_save(dict(count_trained_tokens(dataset)), Path(output_path))
+    save_token_counts(count_trained_tokens(dataset), output_path)
     return output_path
 
 
@@ -51,10 +33,7 @@ def combine_token_frequency_distributions(
     token_freq_paths: list[str | Path], output_path: str | Path
 ) -> None:
     """Sum several `token_freq.pt` files (e.g. one per shard) into one."""
-    total: Counter[int] = Counter()
-    for path in token_freq_paths:
-        total.update(torch.load(path, weights_only=True))
-    _atomic_torch_save(dict(total), Path(output_path))
+    save_token_counts(sum_token_counts(token_freq_paths), output_path)
 
 
 def build_vocab_mappings_from_distribution(

@@ -81,6 +81,7 @@ _KILLED_MID_WRITE = textwrap.dedent(
     from pathlib import Path
     import torch
     from speculators_vllm016.data_generation import sample_io
+    from speculators_vllm016.utils import atomic_files  # opens the temporary file sample_io writes
 
     directory, output_format = Path(sys.argv[1]), sys.argv[2]
     final = sample_io.sample_path(directory, 0, output_format)
@@ -118,7 +119,7 @@ _KILLED_MID_WRITE = textwrap.dedent(
             def __exit__(self, *exc):
                 self.handle.close()
 
-        sample_io.open = lambda path, mode="r", *a, **k: HalfWriter(real_open(path, mode, *a, **k))
+        atomic_files.open = lambda path, mode="r", *a, **k: HalfWriter(real_open(path, mode, *a, **k))
 
     sample = {
         "input_ids": torch.arange(64),

@@ -424,11 +424,13 @@ def test_enforce_eager_false_refused_before_any_worker_starts(tiny_llama):
 
 
 def test_failure_during_startup_leaves_no_worker(tiny_llama, monkeypatch):
-    def broken_setup(self):
+    from speculators_vllm016.data_generation import engine_setup  # builds the generator's engine
+
+    def broken_setup(*args):
         assert len(live_children()) >= 1  # the workers were running
         raise RuntimeError("injected start-up failure")
 
-    monkeypatch.setattr(VllmHiddenStatesGenerator, "_setup_capture", broken_setup)
+    monkeypatch.setattr(engine_setup, "_setup_capture", broken_setup)
     with pytest.raises(RuntimeError, match="injected start-up failure"):
         VllmHiddenStatesGenerator(str(tiny_llama), max_model_len=64, dtype="float32")
     assert wait_for_no_children() == []

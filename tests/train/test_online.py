@@ -413,9 +413,9 @@ def _full_disk(monkeypatch, fails) -> list[str]:
     """Datagen's sample writer raises ENOSPC for the sample indices `fails(index)` picks."""
     import errno
 
-    from speculators_vllm016.data_generation import offline
+    from speculators_vllm016.data_generation import output_folder, sample_writers
 
-    real, failed = offline.write_sample_file, []
+    real, failed = sample_writers.write_sample_file, []
 
     def write(path, *args, **kwargs):
         if fails(int(Path(path).stem.split("_")[-1])):
@@ -423,8 +423,8 @@ def _full_disk(monkeypatch, fails) -> list[str]:
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(offline, "write_sample_file", write)
-    monkeypatch.setattr(offline, "_data_config", lambda *args: None)  # the stand-in has no config
+    monkeypatch.setattr(sample_writers, "write_sample_file", write)
+    monkeypatch.setattr(output_folder, "data_config_of", lambda *args: None)  # the stand-in has no config
     return failed
 
 
@@ -443,7 +443,7 @@ def test_a_full_cache_disk_is_reported_as_such_and_closing_replaces_no_error(
     the cache folder and the disk error (not "the engine failed"); the writes still pending fail
     again when the cache closes, which must neither replace that message by a traceback nor
     skip the later closers; then, with space again, the same command resumes and finishes."""
-    from speculators_vllm016.data_generation import offline, sample_io
+    from speculators_vllm016.data_generation import offline, sample_io, sample_writers
 
     save, cache = tmp_path / "save", tmp_path / "cache"
     argv = [*stand_in_argv(tiny_llama, tmp_path, save), "--max-num-seqs", "2", "--cache-dir", str(cache)]
@@ -460,7 +460,7 @@ def test_a_full_cache_disk_is_reported_as_such_and_closing_replaces_no_error(
     assert "engine failed" not in err and "Traceback" not in err
     assert destroyed == ["destroyed"]
     assert not generators[1:]  # ... and the engine was started once, and closed
-    monkeypatch.setattr(offline, "write_sample_file", sample_io.write_sample_file)  # space again
+    monkeypatch.setattr(sample_writers, "write_sample_file", sample_io.write_sample_file)  # space again
     assert train_main(argv) == 0
     assert destroyed == ["destroyed", "destroyed"]
 
@@ -514,7 +514,7 @@ def _loader_over(tmp_path, monkeypatch, samples: int, cache: bool = True):
     """An OnlineLoader of `samples` short samples over a stand-in engine (no model, no trainer)."""
     from datasets import Dataset
 
-    from speculators_vllm016.data_generation import offline
+    from speculators_vllm016.data_generation import offline, output_folder
     from speculators_vllm016.data_generation.preflight import ModelFacts
     from speculators_vllm016.train.data import Eagle3SampleFileDataset, create_collate_fn
     from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
@@ -522,7 +522,7 @@ def _loader_over(tmp_path, monkeypatch, samples: int, cache: bool = True):
 
     engines = []
     monkeypatch.setattr(offline, "start_generator", lambda o, f: engines.append(_WidthEight()) or engines[-1])
-    monkeypatch.setattr(offline, "_data_config", lambda *args: None)
+    monkeypatch.setattr(output_folder, "data_config_of", lambda *args: None)
     lengths = [5 + i % 7 for i in range(samples)]
     dataset = Dataset.from_dict({
         "input_ids": [[i % 50 + 1] * n for i, n in enumerate(lengths)],

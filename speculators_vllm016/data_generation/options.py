@@ -1,0 +1,257 @@
+"""What a datagen run is asked to do, in three typed parts: engine, preprocessing and output.
+
+Each part holds the flags of one group of `speculators datagen --help` (the same names, without the
+dashes), and each consumer takes the part it needs: the engine builder `EngineOptions`, the
+preprocessing `PreprocessingOptions`, the folder and the writers `OutputOptions`. `DatagenOptions`
+joins them; `DatagenOptions.from_args` is the one way from parsed flags (datagen's own, or train's
+`--online` flags, which are datagen's) to options.
+
+`DatagenOptions(**flags)` with the flat flag names, and reading or setting `options.seq_length`,
+keep working as they did when the options were one flat dataclass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+from speculators_vllm016.data_generation.sample_io import SAMPLE_PATTERNS
+
+__all__ = [
+    "DTYPES",
+    "DatagenOptions",
+    "EngineOptions",
+    "OutputOptions",
+    "PreprocessingOptions",
+]
+
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+
+
+@dataclass
+class EngineOptions:
+    """The target model and its vLLM engine (`add_target_model_arguments`)."""
+
+    target_model_path: str
+    """HF model id or local folder of the target model."""
+    tensor_parallel_size: int = 1
+    """GPUs (or CPU workers) per model copy; 0.3.0 used every visible GPU."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages per model copy."""
+    max_model_len: int | None = None
+    """Engine context length; None: `seq_length + 1` (see `DatagenOptions.resolved_max_model_len`)."""
+    gpu_memory_utilization: float = 0.8
+    """Share of GPU memory vLLM may use."""
+    dtype: str = "auto"
+    """Model dtype, one of `DTYPES`; part of the run identity (it changes every sample's bytes)."""
+    max_num_seqs: int | None = None
+    """Sequences per engine step; None: `max(32, batch_size)`."""
+    max_num_batched_tokens: int | None = None
+    """Tokens per engine step; None: `max(8192, max model len)` (the generator decides)."""
+    trust_remote_code: bool = False
+    """Run Python code shipped in the model folder (some models need it); 0.3.0 always did."""
+    transfer_root: str | None = None
+    """Folder of the shared-memory files that carry hidden states from the workers; None:
+    `$SPECULATORS_TRANSFER_ROOT`, else /dev/shm, else the temp dir."""
+
+
+@dataclass
+class PreprocessingOptions:
+    """Which chat rows become samples and how they are tokenized and masked
+    (`add_preprocessing_arguments`); all of it is hashed into the run identity through the samples."""
+
+    train_data_path: str
+    """Local .json/.jsonl (ShareGPT or messages shape), or 'sharegpt' / 'ultrachat'."""
+    seq_length: int = 2048
+    """Samples are truncated to this many tokens."""
+    max_samples: int | None = None
+    """Use at most this many conversations; None: all."""
+    hf_cache_dir: str | None = None
+    """The `datasets` cache directory; None: the library's default."""
+    assistant_pattern: str | None = None
+    """Regex whose first group is assistant text; None: found from the chat template."""
+    turn_dropout: bool = False
+    """Keep a random prefix of each conversation."""
+    seed: int = 0
+    """Shuffle seed of the chat data (train's `--data-seed`)."""
+    num_preprocessing_workers: int = 8
+    """Processes that tokenize."""
+
+
+@dataclass
+class OutputOptions:
+    """The sample files: where, which layers, in what format, by which shard and writers
+    (datagen's output group and `add_sample_file_arguments`)."""
+
+    output_dir: str
+    """Folder of the sample files (train's `--cache-dir`; "" when online training keeps none)."""
+    output_format: str = "pt"
+    """Sample file format, a key of `SAMPLE_PATTERNS`."""
+    start_idx: int = 0
+    """Index of the first sample file; row i becomes `data_{start_idx + i}`."""
+    layer_ids: list[int] | None = None
+    """Decoder layers whose hidden states each file holds; None: [2, N/2, N-3, N-1] of N layers."""
+    num_writer_threads: int = 4
+    """Threads writing sample files while extraction goes on."""
+    fsync: bool = False
+    """fsync every file (survives power loss; files are always whole after a crash)."""
+    batch_size: int = 128
+    """Sequences per extraction call; a resumed run recomputes whole calls."""
+    num_shards: int = 1
+    """Shards of the whole job; shard I extracts rows I, I+N, I+2N, ..."""
+    shard_index: int = 0
+    """This process's shard."""
+    token_freq_path: str | None = None
+    """Also write the token counts here (0.3.0's file); they always go beside the data too."""
+    adopt_existing: bool = False
+    """Accept a folder with sample files of an unrecorded run, checking each against this run."""
+    show_progress: bool = True
+    """Show the progress bar (the flag is `--no-progress`)."""
+
+
+_PARTS: dict[str, type] = {
+    "engine": EngineOptions,
+    "preprocessing": PreprocessingOptions,
+    "output": OutputOptions,
+}
+# flag name (argparse dest) -> the part that holds it
+_PART_OF: dict[str, str] = {
+    item.name: part for part, cls in _PARTS.items() for item in fields(cls)
+}
+
+
+class _FlagView:
+    """`options.seq_length` reads and sets `options.preprocessing.seq_length`: the flat flag names
+    of the one-dataclass options, kept for callers written against them."""
+
+    def __init__(self, part: str, name: str) -> None:
+        self.part, self.name = part, name
+
+    def __get__(self, options: Any, owner: type | None = None) -> Any:
+        if options is None:
+            return self
+        return getattr(getattr(options, self.part), self.name)
+
+    def __set__(self, options: Any, value: Any) -> None:
+        setattr(getattr(options, self.part), self.name, value)
+
+
+@dataclass(init=False)
+class DatagenOptions:
+    """Every setting of a datagen run, as its three parts.
+
+    Build it from parsed flags with `from_args`, from the parts, or from flag names as keywords
+    (`DatagenOptions(target_model_path=..., train_data_path=..., output_dir=..., seq_length=...)`).
+    """
+
+    engine: EngineOptions
+    preprocessing: PreprocessingOptions
+    output: OutputOptions
+
+    def __init__(
+        self,
+        engine: EngineOptions | None = None,
+        preprocessing: PreprocessingOptions | None = None,
+        output: OutputOptions | None = None,
+        **flags: Any,
+    ) -> None:
+        parts = {"engine": engine, "preprocessing": preprocessing, "output": output}
+        grouped: dict[str, dict[str, Any]] = {part: {} for part in _PARTS}
+        for name, value in flags.items():
+            part = _PART_OF.get(name)
+            if part is None:
+                raise TypeError(f"DatagenOptions got an unknown flag {name!r}")
+            if parts[part] is not None:
+                raise TypeError(f"{name!r} given both as a flag and inside the {part} part")
+            grouped[part][name] = value
+        for part, cls in _PARTS.items():
+            setattr(self, part, parts[part] if parts[part] is not None else cls(**grouped[part]))
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides: Any) -> DatagenOptions:
+        """The one builder from parsed flags: each field is `overrides[name]`, else the flag of
+        that name where the parser has it (`--no-progress` gives `show_progress`), else its default.
+
+        A parser that gives a flag of the same name another meaning (train's `--seed`,
+        `--token-freq-path`, `--no-progress`) passes datagen's value as an override.
+        """
+        values = vars(args)
+        flags: dict[str, Any] = {}
+        for name in _PART_OF:
+            if name in overrides:
+                flags[name] = overrides.pop(name)
+            elif name == "show_progress" and "no_progress" in values:
+                flags[name] = not values["no_progress"]
+            elif name in values:
+                flags[name] = values[name]
+        if overrides:
+            raise TypeError(f"not datagen options: {', '.join(sorted(overrides))}")
+        return cls(**flags)
+
+    def validate(self) -> None:
+        """Every check the flags alone allow; a ValueError names the flag and what it needs."""
+        engine, data, output = self.engine, self.preprocessing, self.output
+        for flag, value in (
+            ("--tensor-parallel-size", engine.tensor_parallel_size),
+            ("--pipeline-parallel-size", engine.pipeline_parallel_size),
+            ("--num-writer-threads", output.num_writer_threads),
+            ("--num-preprocessing-workers", data.num_preprocessing_workers),
+            ("--max-num-seqs", engine.max_num_seqs),
+            ("--max-num-batched-tokens", engine.max_num_batched_tokens),
+            ("--max-samples", data.max_samples),
+        ):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be at least 1, got {value}")
+        if not 0 < engine.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"--gpu-memory-utilization must be in (0, 1], got {engine.gpu_memory_utilization}"
+            )
+        if engine.dtype not in DTYPES:
+            raise ValueError(f"--dtype {engine.dtype!r} is not one of {', '.join(DTYPES)}")
+        if data.assistant_pattern is not None:
+            try:
+                re.compile(data.assistant_pattern)
+            except re.error as error:
+                raise ValueError(
+                    f"--assistant-pattern is not a valid regular expression ({error})"
+                ) from None
+        if output.num_shards < 1:
+            raise ValueError(f"--num-shards must be at least 1, got {output.num_shards}")
+        if not 0 <= output.shard_index < output.num_shards:
+            raise ValueError(
+                f"--shard-index must be in [0, {output.num_shards}), got {output.shard_index}"
+            )
+        if output.output_format not in SAMPLE_PATTERNS:
+            raise ValueError(f"--output-format must be one of {sorted(SAMPLE_PATTERNS)}")
+        if output.batch_size < 1:
+            raise ValueError(f"--batch-size must be at least 1, got {output.batch_size}")
+        if data.seq_length < 1:
+            raise ValueError(f"--seq-length must be at least 1, got {data.seq_length}")
+        if output.start_idx < 0:
+            raise ValueError(f"--start-idx must be non-negative, got {output.start_idx}")
+        if engine.max_model_len is not None and engine.max_model_len <= data.seq_length:
+            raise ValueError(
+                f"--max-model-len {engine.max_model_len} must exceed --seq-length "
+                f"{data.seq_length} (vLLM keeps one position for the sampled token)"
+            )
+
+    @property
+    def resolved_max_num_seqs(self) -> int:
+        """The engine's batch: `--max-num-seqs`, else room for one extraction call (at least 32)."""
+        if self.engine.max_num_seqs is not None:
+            return self.engine.max_num_seqs
+        return max(32, self.output.batch_size)
+
+    @property
+    def resolved_max_model_len(self) -> int:
+        """The engine's context: `--max-model-len`, else the longest sample plus the sampled token."""
+        if self.engine.max_model_len is not None:
+            return self.engine.max_model_len
+        return self.preprocessing.seq_length + 1
+
+
+for _name, _part in _PART_OF.items():
+    setattr(DatagenOptions, _name, _FlagView(_part, _name))
+del _name, _part

@@ -1,0 +1,76 @@
+"""The datagen folder protocol: messages name the folder by its flag; data_config.json read back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from speculators_vllm016.data_generation.config_generator import (
+    DataGenerationConfig,
+    FormatConfig,
+    HiddenStatesConfig,
+    read_data_config,
+)
+from speculators_vllm016.data_generation.output_folder import DatagenFolder, FolderInUse
+from speculators_vllm016.data_generation.resume import RunIdentity
+
+
+def test_a_held_shard_is_refused_in_the_words_of_the_flag(tmp_path):
+    with DatagenFolder(tmp_path, flag="--cache-dir") as first:
+        first.lock()
+        with pytest.raises(FolderInUse, match=rf"another process is using --cache-dir {tmp_path}; .* another --cache-dir"):
+            DatagenFolder(tmp_path, flag="--cache-dir").lock()
+    with DatagenFolder(tmp_path, shard_index=1, num_shards=2) as first:
+        first.lock()
+        with pytest.raises(FolderInUse, match="for shard 1 of 2; .*another --shard-index"):
+            DatagenFolder(tmp_path, shard_index=1, num_shards=2).lock()
+    DatagenFolder(tmp_path, flag="--cache-dir").lock()  # released on close
+
+
+def test_another_runs_folder_is_named_by_its_flag(tmp_path):
+    identity = RunIdentity(compared={"samples_sha256": "a"}, informational={})
+    folder = DatagenFolder(tmp_path, flag="--cache-dir", adopt_flag=None)
+    assert folder.check_identity(identity) is True
+    folder.record_identity(identity)
+    assert folder.check_identity(identity) is False
+    other = RunIdentity(compared={"samples_sha256": "b"}, informational={})
+    with pytest.raises(ValueError, match=rf"^--cache-dir {tmp_path} holds samples of a different run .*another --cache-dir"):
+        folder.check_identity(other)
+    (tmp_path / ".datagen_state.json").unlink()
+    (tmp_path / "data_0.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match="no record of the run that wrote them; use an empty --cache-dir"):
+        folder.check_identity(identity)
+    with pytest.raises(ValueError, match="no record of the run .*pass --adopt-existing"):
+        DatagenFolder(tmp_path).check_identity(identity, adopt_existing=False)
+
+
+def test_prepare_refuses_a_file_in_the_words_of_the_flag(tmp_path):
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ValueError, match="--cache-dir .*f is a file"):
+        DatagenFolder(tmp_path / "f", flag="--cache-dir").prepare()
+    assert DatagenFolder(tmp_path / "new").prepare() is True
+
+
+def test_data_config_is_read_back_typed(tmp_path):
+    assert read_data_config(tmp_path) is None
+    written = DataGenerationConfig(
+        version="2.0", hidden_states=HiddenStatesConfig(layer_ids=[2, 2, 1, 3]),
+        format=FormatConfig.create_default(4, 8),
+    )
+    (tmp_path / "data_config.json").write_text(json.dumps(written.to_dict()))
+    config = read_data_config(tmp_path)
+    assert config == written
+    assert config.hidden_states.before_final_norm is True
+
+
+def test_older_and_partial_data_configs_stay_readable(tmp_path):
+    (tmp_path / "data_config.json").write_text(json.dumps(
+        {"version": "2.0", "hidden_states": {"layer_ids": [1, 2], "description": "x"}, "model": 3}
+    ))
+    config = read_data_config(tmp_path)
+    assert config.hidden_states.layer_ids == [1, 2]
+    assert config.hidden_states.before_final_norm is True  # every datagen stored pre-norm states
+    assert config.model is None and config.data is None
+    (tmp_path / "data_config.json").write_text("[1]")
+    assert read_data_config(tmp_path) is None
