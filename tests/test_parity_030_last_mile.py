@@ -94,3 +94,111 @@ def test_auto_importer_takes_walk_packages_entries_as_plain_tuples():
         Importer.auto_import_package_modules()
     assert Importer.auto_imported_modules == ["pkg.a", "pkg.b"]
     import_module.assert_any_call("pkg")
+
+
+# ---------------------------------------------------------- SpeculatorModel: wording, checks
+
+
+@SpeculatorModelConfig.register("last_mile_test_config")
+class _LastMileConfig(SpeculatorModelConfig):
+    speculators_model_type: Literal["last_mile_test_config"] = "last_mile_test_config"
+
+
+@SpeculatorModel.register("last_mile_test_model")
+class _LastMileModel(SpeculatorModel):
+    config_class: ClassVar[type[_LastMileConfig]] = _LastMileConfig  # type: ignore[misc]
+
+    def __init__(self, config, verifier=None, verifier_attachment_mode=None):
+        super().__init__(config, verifier=verifier, verifier_attachment_mode=verifier_attachment_mode)
+        self.proj = nn.Linear(2, 2)
+        self.post_init()
+
+
+def _config() -> _LastMileConfig:
+    return _LastMileConfig(
+        speculators_config=SpeculatorsConfig(
+            algorithm="test", proposal_methods=[GreedyTokenProposalConfig()],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=None, architectures=[]),
+        )
+    )
+
+
+def test_model_construction_errors_start_with_0_3_0_sentences():
+    with pytest.raises(ValueError, match="^Config must be provided to initialize a SpeculatorModel"):
+        SpeculatorModel(config=None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="^Expected config to be an instance of SpeculatorModelConfig"):
+        SpeculatorModel(config="a string")  # type: ignore[arg-type]
+    # A wrong verifier or mode is refused by the constructor itself, as in 0.3.0.
+    with pytest.raises(TypeError, match="^Expected verifier to be a PreTrainedModel, a string path,"):
+        SpeculatorModel(config=_config(), verifier=123)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="^Invalid verifier_attachment_mode: sideways"):
+        SpeculatorModel(config=_config(), verifier="some/verifier",
+                        verifier_attachment_mode="sideways")  # type: ignore[arg-type]
+
+
+def test_model_method_errors_start_with_0_3_0_sentences():
+    model = _LastMileModel(_config())
+    with pytest.raises(NotImplementedError, match="^The forward method is only supported on concrete"):
+        SpeculatorModel.forward(model)
+    with pytest.raises(ValueError, match="^Invalid verifier_attachment_mode: bad"):
+        model.attach_verifier("some/verifier", mode="bad")  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="^Verifier is already detached"):
+        model.detach_verifier()
+    # "full" mode refuses a second verifier even when the attribute was cleared by hand.
+    model.verifier_attachment_mode = "full"
+    with pytest.raises(RuntimeError, match="^Cannot attach a verifier when the speculator is not in "
+                                           "detached mode.*detach_verifier"):
+        model.attach_verifier(mock.MagicMock(spec=nn.Module))
+    with pytest.raises(TypeError, match="^Expected config to be an instance of SpeculatorModelConfig"):
+        SpeculatorModel.registered_model_class_from_config("a string")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="^Received a SpeculatorModelConfig instance but expected a "
+                                        "subclass"):
+        SpeculatorModel.registered_model_class_from_config(
+            SpeculatorModelConfig(speculators_model_type="last_mile_test_config")
+        )
+
+
+def test_from_pretrained_errors_start_with_0_3_0_sentences():
+    with pytest.raises(ValueError, match="^Either `config` or `pretrained_model_name_or_path` must"):
+        SpeculatorModel.from_pretrained(None)
+    with pytest.raises(ValueError, match="^Either `pretrained_model_name_or_path` or `state_dict`"):
+        SpeculatorModel.from_pretrained(None, config=_config())
+    with pytest.raises(TypeError, match="^Expected config to be an instance of SpeculatorModelConfig"):
+        SpeculatorModel.from_pretrained("somewhere", config="not a config")
+
+
+def test_config_loading_errors_start_with_0_3_0_sentences(tmp_path: Path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(NotImplementedError,
+                       match="^Loading a non-speculator model config is not supported yet"):
+        SpeculatorModelConfig.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="^The config dictionary must contain the "
+                                         "'speculators_model_type' field"):
+        SpeculatorModelConfig.from_dict({"model_type": "llama"})
+
+
+def test_eagle_layer_config_without_a_causal_lm_is_refused_in_0_3_0_words():
+    from transformers import PretrainedConfig
+
+    from speculators_vllm016.models.eagle import _modeling_module_for
+
+    class NoCausalLM(PretrainedConfig):
+        model_type = "no_causal_lm_here"
+
+    with pytest.raises(TypeError, match="is not a valid causal language model config class"):
+        _modeling_module_for(NoCausalLM())
+
+
+# -------------------------------------------------------------- TokenProposalConfig as root
+
+
+def test_base_proposal_config_carries_the_named_methods_fields():
+    """0.3.0: `TokenProposalConfig(proposal_type="greedy")` has greedy's fields as attributes."""
+    config = TokenProposalConfig(proposal_type="greedy", speculative_tokens=4)
+    assert type(config) is TokenProposalConfig
+    assert config.speculative_tokens == 4  # type: ignore[attr-defined]
+    assert config.verifier_accept_k == 1  # type: ignore[attr-defined]
+    assert config.model_dump() == {"proposal_type": "greedy"}
+    # A type that is not registered keeps only its own field.
+    assert not hasattr(TokenProposalConfig(proposal_type="unregistered"), "speculative_tokens")
