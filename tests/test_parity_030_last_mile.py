@@ -202,3 +202,113 @@ def test_base_proposal_config_carries_the_named_methods_fields():
     assert config.model_dump() == {"proposal_type": "greedy"}
     # A type that is not registered keeps only its own field.
     assert not hasattr(TokenProposalConfig(proposal_type="unregistered"), "speculative_tokens")
+
+
+# ------------------------------------------- convert.eagle.utils: names patched, 0.3.0 calls
+
+
+def test_hub_download_goes_through_the_patchable_snapshot_download(tmp_path: Path):
+    from speculators_vllm016.convert.eagle import utils
+
+    with mock.patch.object(utils, "snapshot_download", return_value=str(tmp_path)) as download:
+        assert utils.download_checkpoint_from_hub("org/draft", cache_dir="c") == tmp_path
+    download.assert_called_once_with(
+        repo_id="org/draft", allow_patterns=["*.json", "*.safetensors", "*.bin", "*.index.json"],
+        cache_dir="c",
+    )
+    with (
+        mock.patch.object(utils, "snapshot_download", side_effect=OSError("offline")),
+        pytest.raises(FileNotFoundError, match="^Checkpoint not found: org/draft.*offline"),
+    ):
+        utils.download_checkpoint_from_hub("org/draft")
+    # ensure_checkpoint_is_local names its argument as 0.3.0 did (callers assert the call).
+    with mock.patch.object(utils, "download_checkpoint_from_hub", return_value=tmp_path) as hub:
+        utils.ensure_checkpoint_is_local("org/not-a-local-folder")
+    hub.assert_called_once_with(model_id="org/not-a-local-folder", cache_dir=None)
+
+
+def test_checkpoint_config_and_weights_errors_start_with_0_3_0_sentences(tmp_path: Path):
+    from speculators_vllm016.convert.eagle import utils
+
+    with pytest.raises(FileNotFoundError, match="^No config.json found at"):
+        utils.load_checkpoint_config(tmp_path)
+    with pytest.raises(FileNotFoundError, match="^No weights found at"):
+        utils.load_checkpoint_weights(tmp_path)
+
+
+def test_checkpoint_weights_read_through_patchable_safe_open_and_torch_load(tmp_path: Path):
+    """model.safetensors wins over pytorch_model.bin; a .bin is read with weights_only=True."""
+    import torch
+
+    from speculators_vllm016.convert.eagle import utils
+
+    (tmp_path / "model.safetensors").touch()
+    (tmp_path / "pytorch_model.bin").touch()
+    handle = mock.MagicMock()
+    handle.keys.return_value = ["a"]
+    handle.get_tensor.return_value = torch.ones(1)
+    with mock.patch.object(utils, "safe_open") as safe_open:
+        safe_open.return_value.__enter__.return_value = handle
+        assert list(utils.load_checkpoint_weights(tmp_path)) == ["a"]
+    safe_open.assert_called_once()
+    (tmp_path / "model.safetensors").unlink()
+    with mock.patch.object(utils.torch, "load", return_value={"b": torch.ones(1)}) as load:
+        assert list(utils.load_checkpoint_weights(tmp_path)) == ["b"]
+    load.assert_called_once_with(tmp_path / "pytorch_model.bin", map_location="cpu",
+                                 weights_only=True)
+
+
+def test_fusion_detection_logs_0_3_0_sentences():
+    import torch
+
+    from speculators_vllm016.convert.eagle import utils
+
+    with mock.patch.object(utils, "logger") as logger:
+        utils.detect_fusion_bias_and_layernorms(
+            {"fc.bias": torch.ones(1), "embed_layernorm.weight": torch.ones(1)}
+        )
+    logger.info.assert_any_call("Detected fusion bias in checkpoint")
+    logger.info.assert_any_call("Detected extra layernorms in checkpoint")
+
+
+def test_resolve_file_takes_0_3_0_two_arguments(tmp_path: Path):
+    from speculators_vllm016.utils.loading import _resolve_file
+
+    (tmp_path / "config.json").write_text("{}")
+    assert _resolve_file(tmp_path, "config.json") == tmp_path / "config.json"
+    assert _resolve_file(tmp_path, "absent.json") is None
+
+
+# ------------------------------------------------- Eagle3Converter: 0.3.0's config builders
+
+RESEARCH_CONFIG = {"target_vocab_size": 1000, "hidden_size": 64, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "intermediate_size": 128,
+                   "max_position_embeddings": 2048, "rope_theta": 10000.0}
+
+
+def test_eagle3_converter_builds_configs_as_0_3_0_did():
+    from speculators_vllm016.convert.eagle.eagle3_converter import Eagle3Converter
+
+    converter = Eagle3Converter()
+    target = "speculators_vllm016.convert.eagle.eagle3_converter.PretrainedConfig.get_config_dict"
+    with mock.patch(target, return_value=({"max_position_embeddings": 131072,
+                                           "architectures": ["LlamaForCausalLM"]}, {})):
+        layer = converter._create_transformer_config_from_eagle(dict(RESEARCH_CONFIG), "org/v")
+        assert layer.max_position_embeddings == 131072  # the larger of draft and verifier
+        assert layer.rope_theta == 10000.0 and layer.vocab_size == 1000
+        assert layer.num_hidden_layers == 1
+        layered = converter._create_transformer_config_from_eagle(
+            {**RESEARCH_CONFIG, "num_hidden_layers": 3}, "org/v"
+        )
+        assert layered.num_hidden_layers == 3
+        config = converter._build_eagle3_speculator_config(
+            dict(RESEARCH_CONFIG), "org/v", eagle_aux_hidden_state_layer_ids=[1, 5, 9]
+        )
+    assert config.speculators_config.verifier.name_or_path == "org/v"
+    assert config.draft_vocab_size == 32000  # 0.3.0's default when the config names none
+    assert config.to_dict()["eagle_aux_hidden_state_layer_ids"] == [1, 5, 9]
+    with (
+        mock.patch(target, side_effect=OSError("offline")),
+        pytest.raises((RuntimeError, ValueError), match="org/v"),
+    ):
+        converter._create_transformer_config_from_eagle(dict(RESEARCH_CONFIG), "org/v")

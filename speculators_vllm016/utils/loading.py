@@ -28,12 +28,19 @@ _LAYOUTS = (
 )
 
 
-def _resolve_file(model_path: str | Path, file_name: str, cache_dir: str | Path | None) -> Path | None:
-    """`file_name` in the local folder, or downloaded from the hub repo; None when absent."""
+def _resolve_file(
+    model_path: str | Path, file_name: str, cache_dir: str | Path | None = None
+) -> Path | None:
+    """`file_name` in the local folder, or downloaded from the hub repo; None when absent.
+
+    Called as 0.3.0 called it (`_resolve_file(repo, name)`); unlike 0.3.0 an absent file is
+    None, not an error, so that callers can try the next layout.
+    """
     folder = Path(model_path)
     if folder.is_dir():
         candidate = folder / file_name
         return candidate if candidate.is_file() else None
+    # Looked up at call time, so that patching huggingface_hub.hf_hub_download takes effect.
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError
 
