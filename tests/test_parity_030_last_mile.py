@@ -255,7 +255,7 @@ def test_checkpoint_weights_read_through_patchable_safe_open_and_torch_load(tmp_
     with mock.patch.object(utils.torch, "load", return_value={"b": torch.ones(1)}) as load:
         assert list(utils.load_checkpoint_weights(tmp_path)) == ["b"]
     load.assert_called_once_with(tmp_path / "pytorch_model.bin", map_location="cpu",
-                                 weights_only=True)
+                                 weights_only=True, mmap=True)
 
 
 def test_fusion_detection_logs_0_3_0_sentences():

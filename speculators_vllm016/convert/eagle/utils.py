@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import snapshot_download
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 
 from speculators_vllm016.convert.eagle.validation import loaded_on
 from speculators_vllm016.utils.errors import first_line
-from speculators_vllm016.utils.loading import read_checkpoint_tensors
+from speculators_vllm016.utils.loading import read_checkpoint_tensors, read_weights_file
 from speculators_vllm016.utils.text_config import text_config_of
 from speculators_vllm016.utils.verifier_config import load_verifier_config_dict
 
@@ -108,32 +108,15 @@ def load_checkpoint_weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     """All tensors of the folder's weights.
 
     As in 0.3.0: model.safetensors first, else pytorch_model.bin, read through this module's
-    `safe_open` and `torch.load` (names that callers patch). Unlike 0.3.0, a .bin is read with
-    `weights_only=True` (a checkpoint is data; pickled code is refused), and a sharded
-    checkpoint (only an index and its shards) is read instead of refused.
+    `safe_open` and `torch.load` (names that callers patch; `torch` is the one torch module).
+    Unlike 0.3.0, a .bin is read with `weights_only=True` (a checkpoint is data; pickled code is
+    refused), and a sharded checkpoint (only an index and its shards) is read, not refused.
     """
     folder = Path(checkpoint_dir)
-    single = folder / "model.safetensors"
-    if single.exists():
-        logger.debug("reading %s", single)
-        try:
-            with safe_open(single, framework="pt") as handle:
-                return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
-        except SafetensorError as err:
-            raise ValueError(f"{single} is not a readable safetensors file: {err}") from err
-    pickled = folder / "pytorch_model.bin"
-    if pickled.exists():
-        logger.debug("reading %s", pickled)
-        try:
-            state = torch.load(pickled, map_location="cpu", weights_only=True)
-        except Exception as err:  # torch raises RuntimeError, UnpicklingError, EOFError, ...
-            raise ValueError(
-                f"{pickled} is not a readable PyTorch checkpoint ({first_line(err)}); "
-                "re-save it or convert it to safetensors"
-            ) from err
-        if not isinstance(state, dict):
-            raise ValueError(f"{pickled} does not hold a name -> tensor state dict")
-        return state
+    for single in (folder / "model.safetensors", folder / "pytorch_model.bin"):
+        if single.exists():
+            logger.debug("reading %s", single)
+            return read_weights_file(single, open_safetensors=safe_open)
     if any((folder / index).exists() for index in SHARD_INDEXES):
         return read_checkpoint_tensors(folder)
     raise FileNotFoundError(
