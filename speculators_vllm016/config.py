@@ -52,6 +52,29 @@ class TokenProposalConfig(PydanticClassRegistryMixin):
 
     proposal_type: str = Field(description="The registered name of the proposal method.")
 
+    def __init__(self, /, **data: Any) -> None:
+        super().__init__(**data)
+        if type(self) is TokenProposalConfig:
+            self._adopt_registered_fields(data)
+
+    def _adopt_registered_fields(self, data: dict[str, Any]) -> None:
+        """`TokenProposalConfig(proposal_type="greedy")` carries greedy's fields, as in 0.3.0.
+
+        0.3.0 validated the base class through its tagged union, so an instance of the base
+        held the registered method's fields (given or defaulted) as attributes. They are set
+        here as plain attributes: the instance stays a `TokenProposalConfig`, and its dump
+        holds `proposal_type` only, as 0.3.0's did.
+        """
+        if self.registry_auto_discovery and not self.registry_populated:
+            type(self).auto_populate_registry()
+        method = (self.registry or {}).get(self.proposal_type)
+        if method is None or method is TokenProposalConfig:
+            return
+        validated = method.model_validate(data)
+        for name, value in validated.__dict__.items():
+            if name not in type(self).model_fields:
+                self.__dict__[name] = value
+
 
 class VerifierConfig(BaseModel):
     """The target model a draft was made for: where to load it and what architecture it has."""
@@ -173,6 +196,7 @@ class SpeculatorModelConfig(PydanticClassRegistryMixin, PretrainedConfig):
         )
         if "speculators_model_type" not in config_dict:
             raise NotImplementedError(
+                "Loading a non-speculator model config is not supported yet. "
                 f"{pretrained_model_name_or_path} is not a speculator checkpoint (its config "
                 "has no speculators_model_type); convert it with `speculators convert` first"
             )
@@ -182,7 +206,11 @@ class SpeculatorModelConfig(PydanticClassRegistryMixin, PretrainedConfig):
     def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> SpeculatorModelConfig:
         merged = {**config_dict, **kwargs}
         if "speculators_model_type" not in merged:
-            raise ValueError("a speculator config needs 'speculators_model_type'")
+            raise ValueError(
+                "The config dictionary must contain the 'speculators_model_type' field for "
+                "loading a SpeculatorModelConfig in the Speculators library. "
+                "a speculator config needs 'speculators_model_type'"
+            )
         if cls.registry_auto_discovery:
             cls.auto_populate_registry()
         return cls.model_validate(merged)

@@ -33,11 +33,23 @@ def _check_verifier_argument(verifier: Any) -> None:
     if isinstance(verifier, (str, os.PathLike)) and not str(verifier):
         raise ValueError("verifier must name a model: got an empty path")
     if verifier is None:
-        raise ValueError("verifier must be a PreTrainedModel, a hub id or a local path, got None")
+        raise ValueError(
+            "Verifier must be provided as a path, identifier, or PreTrainedModel. "
+            "verifier must be a PreTrainedModel, a hub id or a local path, got None"
+        )
     if not isinstance(verifier, (str, os.PathLike, PreTrainedModel)):
         raise TypeError(
-            "verifier must be a PreTrainedModel, a hub id or a local path, got "
-            f"{type(verifier).__name__}"
+            "Expected verifier to be a PreTrainedModel, a string path, or an os.PathLike "
+            f"object, got {type(verifier)}. verifier must be a PreTrainedModel, a hub id or a "
+            f"local path, got {type(verifier).__name__}"
+        )
+
+
+def _check_attachment_mode(mode: Any) -> None:
+    if mode not in (None, "full", "train_only"):
+        raise ValueError(
+            f"Invalid verifier_attachment_mode: {mode}. "
+            "Must be one of 'full', 'train_only', or None."
         )
 
 
@@ -61,9 +73,14 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
         any name load, as in 0.3.0.
         """
         if not isinstance(config, SpeculatorModelConfig):
-            raise TypeError(f"expected a SpeculatorModelConfig, got {type(config).__name__}")
+            raise TypeError(
+                "Expected config to be an instance of SpeculatorModelConfig, "
+                f"got {type(config)}. Pass the config of a model type, not a "
+                f"{type(config).__name__}"
+            )
         if type(config) is SpeculatorModelConfig:
             raise TypeError(
+                "Received a SpeculatorModelConfig instance but expected a subclass. "
                 "got the base SpeculatorModelConfig; use the config class of a model type "
                 "(e.g. Eagle3SpeculatorConfig), or SpeculatorModelConfig.from_dict/from_pretrained"
             )
@@ -71,6 +88,7 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
             cls.auto_populate_registry()
         if not cls.registry:
             raise ValueError(
+                "No registered model classes found. "
                 "no speculator model class is registered; register one with "
                 "@SpeculatorModel.register(name)"
             )
@@ -78,6 +96,7 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
             if type(config) is model_class.config_class:
                 return model_class
         raise ValueError(
+            f"No registered model class found for config type {type(config)}. "
             f"no registered speculator model has config_class {type(config).__name__}; "
             f"registered: {sorted(cls.registry)}"
         )
@@ -110,7 +129,9 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
         if config is None:
             if not pretrained_model_name_or_path:
                 raise ValueError(
-                    "from_pretrained needs a checkpoint path (or a config and a state_dict)"
+                    "Either `config` or `pretrained_model_name_or_path` must be provided to "
+                    "load a SpeculatorModel. from_pretrained needs a checkpoint path (or a "
+                    "config and a state_dict)"
                 )
             config = cls.config_class.from_pretrained(
                 pretrained_model_name_or_path,
@@ -122,11 +143,16 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
             )
         if not isinstance(config, SpeculatorModelConfig):
             raise TypeError(
+                "Expected config to be an instance of SpeculatorModelConfig, "
+                f"got {type(config)}. "
                 f"config must be a SpeculatorModelConfig, got {type(config).__name__}; to read "
                 "one from a folder use SpeculatorModelConfig.from_pretrained(path)"
             )
         if not pretrained_model_name_or_path and kwargs.get("state_dict") is None:
-            raise ValueError("from_pretrained needs a checkpoint path or a state_dict")
+            raise ValueError(
+                "Either `pretrained_model_name_or_path` or `state_dict` must be provided to "
+                "load a SpeculatorModel. from_pretrained needs a checkpoint path or a state_dict"
+            )
         loader_arguments = {
             "cache_dir": cache_dir,
             "ignore_mismatched_sizes": ignore_mismatched_sizes,
@@ -191,11 +217,16 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
     ) -> None:
         if config is None:
             raise ValueError(
+                "Config must be provided to initialize a SpeculatorModel. "
                 "a SpeculatorModel needs a config: pass an instance of a SpeculatorModelConfig "
                 "subclass (e.g. EagleSpeculatorConfig)"
             )
         if not isinstance(config, SpeculatorModelConfig):
-            raise TypeError(f"expected a SpeculatorModelConfig, got {type(config).__name__}")
+            raise TypeError(
+                "Expected config to be an instance of SpeculatorModelConfig, "
+                f"got {type(config)}. A SpeculatorModel is built from the config of its model "
+                f"type, not a {type(config).__name__}"
+            )
         super().__init__(config, **kwargs)
         self.verifier: PreTrainedModel | None = None
         self.verifier_attachment_mode: AttachmentMode = "detached"
@@ -205,6 +236,9 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
         if verifier is None and config.speculators_config is not None:
             verifier = config.speculators_config.verifier.name_or_path
         if verifier is not None and verifier_attachment_mode != "detached":
+            # A wrong verifier or mode fails here, as in 0.3.0, not later in post_init.
+            _check_attachment_mode(verifier_attachment_mode)
+            _check_verifier_argument(verifier)
             self._pending_verifier = (verifier, verifier_attachment_mode)
         else:
             self._pending_verifier = None
@@ -237,13 +271,14 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
         with (EAGLE: the verifier's embeddings, rotary embedding and lm_head). Returns the
         verifier model in "full" mode.
         """
-        if self.verifier_attachment_mode != "detached" and self._holds_verifier():
+        attached = self.verifier_attachment_mode
+        if attached == "full" or (attached != "detached" and self._holds_verifier()):
             raise RuntimeError(
+                "Cannot attach a verifier when the speculator is not in detached mode. "
                 f"a verifier is already attached ({self.verifier_attachment_mode!r}); call "
                 "detach_verifier() before attaching another"
             )
-        if mode not in (None, "full", "train_only"):
-            raise ValueError(f"attachment mode must be 'full', 'train_only' or None, got {mode!r}")
+        _check_attachment_mode(mode)
         _check_verifier_argument(verifier)
         mode = mode or "full"
         resolved = self.resolve_verifier(verifier) if mode == "full" else None
@@ -261,7 +296,10 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
 
     def detach_verifier(self) -> None:
         if self.verifier_attachment_mode == "detached":
-            raise RuntimeError("no verifier is attached (detach_verifier was already called)")
+            raise RuntimeError(
+                "Verifier is already detached, cannot be called again until a new verifier is "
+                "attached. no verifier is attached (detach_verifier was already called)"
+            )
         self.verifier = None
         self.verifier_attachment_mode = "detached"
 
@@ -285,7 +323,10 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
         return state
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(f"{type(self).__name__} does not implement forward")
+        raise NotImplementedError(
+            "The forward method is only supported on concrete speculator model subclasses. "
+            f"{type(self).__name__} does not implement forward"
+        )
 
     @torch.no_grad()
     def generate(

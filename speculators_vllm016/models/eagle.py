@@ -94,6 +94,7 @@ def _modeling_module_for(config: PretrainedConfig) -> Any:
     config_class = type(config)
     if config_class not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise TypeError(
+            f"Config class {config_class} is not a valid causal language model config class. "
             f"{config_class.__name__} has no causal LM in transformers; use a decoder-only "
             "config such as LlamaConfig for transformer_layer_config"
         )
@@ -282,7 +283,10 @@ class EagleSpeculator(SpeculatorModel):
         `past_key_values` is a transformers `Cache` (a DynamicCache is made when use_cache).
         """
         if self.embed_tokens is None or self.rotary_emb is None or self.lm_head is None:
-            raise ValueError("no verifier attached: call attach_verifier(verifier) first")
+            raise ValueError(
+                "Verifier model layers not initialized. "
+                "no verifier attached: call attach_verifier(verifier) first"
+            )
         if input_ids.dim() != 2 or hidden_states.dim() != 3:
             raise ValueError(
                 "expected input_ids [batch, seq] and hidden_states [batch, seq, hidden], got "

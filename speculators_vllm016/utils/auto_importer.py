@@ -24,16 +24,20 @@ class AutoImporterMixin:
     @classmethod
     def auto_import_package_modules(cls) -> None:
         if cls.auto_package is None:
-            raise ValueError(f"{cls.__name__}.auto_package must name the package to import from")
+            raise ValueError(
+                "The class variable 'auto_package' must be set to the package name to import "
+                f"modules from. {cls.__name__}.auto_package is None"
+            )
         packages = cls.auto_package if isinstance(cls.auto_package, tuple) else (cls.auto_package,)
         ignored = set(cls.auto_ignore_modules or ())
         imported: list[str] = []
         for package_name in packages:
             package = importlib.import_module(package_name)
             prefix = package.__name__ + "."
-            for info in pkgutil.walk_packages(package.__path__, prefix):
-                name = info.name
-                if info.ispkg or name in ignored or name in imported:
+            # Unpacked as a 3-tuple (finder, name, ispkg), as 0.3.0 did: code that mocks
+            # walk_packages with plain tuples keeps working, and ModuleInfo is a namedtuple.
+            for _finder, name, is_package in pkgutil.walk_packages(package.__path__, prefix):
+                if is_package or name in ignored or name in imported:
                     continue
                 if name not in sys.modules:
                     importlib.import_module(name)

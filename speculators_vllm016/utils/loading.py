@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from speculators_vllm016.utils.errors import first_line
 
-__all__ = ["load_model_layers", "read_checkpoint_tensors"]
+__all__ = ["load_model_layers", "read_checkpoint_tensors", "read_weights_file"]
 
 logger = logging.getLogger(__name__)
 
@@ -28,12 +29,19 @@ _LAYOUTS = (
 )
 
 
-def _resolve_file(model_path: str | Path, file_name: str, cache_dir: str | Path | None) -> Path | None:
-    """`file_name` in the local folder, or downloaded from the hub repo; None when absent."""
+def _resolve_file(
+    model_path: str | Path, file_name: str, cache_dir: str | Path | None = None
+) -> Path | None:
+    """`file_name` in the local folder, or downloaded from the hub repo; None when absent.
+
+    Called as 0.3.0 called it (`_resolve_file(repo, name)`); unlike 0.3.0 an absent file is
+    None, not an error, so that callers can try the next layout.
+    """
     folder = Path(model_path)
     if folder.is_dir():
         candidate = folder / file_name
         return candidate if candidate.is_file() else None
+    # Looked up at call time, so that patching huggingface_hub.hf_hub_download takes effect.
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError
 
@@ -49,12 +57,20 @@ def _resolve_file(model_path: str | Path, file_name: str, cache_dir: str | Path 
         return None
 
 
-def _read_file(path: Path, names: set[str] | None) -> dict[str, torch.Tensor]:
+def read_weights_file(
+    path: Path, names: set[str] | None = None, *, open_safetensors: Callable[..., Any] | None = None
+) -> dict[str, torch.Tensor]:
+    """The tensors called `names` (all when None) of one .safetensors or PyTorch .bin file.
+
+    `open_safetensors` stands in for `safetensors.safe_open` (the EAGLE converter passes the
+    name 0.3.0 code patches). A .bin is read with `weights_only`.
+    """
     if path.suffix == ".safetensors":
         from safetensors import SafetensorError, safe_open
 
+        opener = open_safetensors or safe_open
         try:
-            with safe_open(str(path), framework="pt", device="cpu") as handle:
+            with opener(str(path), framework="pt", device="cpu") as handle:
                 keys = list(handle.keys())
                 wanted = keys if names is None else [n for n in keys if n in names]
                 return {name: handle.get_tensor(name) for name in wanted}
@@ -100,11 +116,11 @@ def read_checkpoint_tensors(
                 shard_path = _resolve_file(model_path, shard, cache_dir)
                 if shard_path is None:
                     raise FileNotFoundError(f"{model_path}: {index_name} names {shard}, which is missing")
-                found.update(_read_file(shard_path, wanted))
+                found.update(read_weights_file(shard_path, wanted))
             return found
         single = _resolve_file(model_path, single_name, cache_dir)
         if single is not None:
-            return _read_file(single, wanted)
+            return read_weights_file(single, wanted)
     raise FileNotFoundError(
         f"no weights in {model_path}: expected model.safetensors, pytorch_model.bin or a sharded "
         "index of either"

@@ -45,7 +45,10 @@ class PydanticClassRegistryMixin(ReloadableBaseModel, ABC, ClassRegistryMixin):
     @classmethod
     def register_decorator(cls, clazz: type[BaseModel], name: str | None = None) -> type[BaseModel]:
         if not (isinstance(clazz, type) and issubclass(clazz, BaseModel)):
-            raise TypeError(f"{clazz!r} is not a pydantic model and cannot be registered")
+            raise TypeError(
+                f"Cannot register {getattr(clazz, '__name__', clazz)} as it is not a subclass of "
+                f"Pydantic BaseModel. Only pydantic models can be registered on {cls.__name__}"
+            )
         return super().register_decorator(clazz, name=name)
 
     @classmethod

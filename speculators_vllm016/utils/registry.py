@@ -24,17 +24,26 @@ class ClassRegistryMixin(AutoImporterMixin):
     @classmethod
     def register(cls, name: str | None = None) -> Callable[[type[Any]], type[Any]]:
         if name is not None and not isinstance(name, str):
-            raise ValueError(f"{cls.__name__}.register() takes a str name or None, got {name!r}")
+            raise ValueError(
+                "ClassRegistryMixin.register() name must be a string or None. "
+                f"{cls.__name__}.register() got {name!r}"
+            )
         return lambda clazz: cls.register_decorator(clazz, name=name)
 
     @classmethod
     def register_decorator(cls, clazz: type[Any], name: str | None = None) -> type[Any]:
         if not isinstance(clazz, type):
-            raise TypeError(f"{cls.__name__}.register_decorator expects a class, got {clazz!r}")
+            raise TypeError(
+                "ClassRegistryMixin.register_decorator must be used as a class decorator and "
+                f"without invocation. {cls.__name__}.register_decorator got {clazz!r}, not a class"
+            )
         if name is None or name == "":
             name = clazz.__name__
         if not isinstance(name, str):
-            raise ValueError(f"registry names are strings, got {name!r}")
+            raise ValueError(
+                "ClassRegistryMixin.register_decorator must be used as a class decorator and "
+                f"without invocation. Registry names are strings, got {name!r}"
+            )
         if cls.registry is None:
             cls.registry = {}
         existing = cls.registry.get(name)
@@ -47,7 +56,11 @@ class ClassRegistryMixin(AutoImporterMixin):
     def auto_populate_registry(cls) -> bool:
         """Import `auto_package` once; True if this call did the import."""
         if not cls.registry_auto_discovery:
-            raise ValueError(f"{cls.__name__} does not auto-discover (registry_auto_discovery)")
+            raise ValueError(
+                "ClassRegistryMixin.auto_populate_registry() cannot be called because "
+                f"registry_auto_discovery is set to False. {cls.__name__} does not auto-discover; "
+                "set registry_auto_discovery = True on it"
+            )
         if cls.registry_populated:
             return False
         cls.auto_import_package_modules()
@@ -59,5 +72,9 @@ class ClassRegistryMixin(AutoImporterMixin):
         if cls.registry_auto_discovery:
             cls.auto_populate_registry()
         if cls.registry is None:
-            raise ValueError(f"nothing is registered on {cls.__name__} yet")
+            raise ValueError(
+                "ClassRegistryMixin.registered_classes() must be called after registering "
+                f"classes with ClassRegistryMixin.register(). Nothing is registered on "
+                f"{cls.__name__} yet"
+            )
         return tuple(cls.registry.values())

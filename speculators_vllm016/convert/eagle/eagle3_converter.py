@@ -15,7 +15,9 @@ import logging
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig
+# PretrainedConfig is named here because code written for 0.3.0 patches
+# `eagle3_converter.PretrainedConfig.get_config_dict` to stand in for the verifier's config.
+from transformers import LlamaConfig, PretrainedConfig
 
 from speculators_vllm016.convert.eagle.eagle_converter import greedy_speculators_config
 from speculators_vllm016.convert.eagle.utils import find_vocab_size, read_research_checkpoint
@@ -23,7 +25,7 @@ from speculators_vllm016.convert.eagle.validation import check_reloaded_weights
 from speculators_vllm016.utils.loading import load_model_layers
 from speculators_vllm016.utils.verifier_config import load_verifier_config_dict
 
-__all__ = ["Eagle3Converter"]
+__all__ = ["Eagle3Converter", "PretrainedConfig"]
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +208,42 @@ class Eagle3Converter:
             draft_vocab_size=draft_vocab,
             norm_before_residual=norm_before_residual,
             target_hidden_size=research_config.get("target_hidden_size"),
+            eagle_aux_hidden_state_layer_ids=eagle_aux_hidden_state_layer_ids,
+        )
+
+    def _create_transformer_config_from_eagle(
+        self, eagle_config: dict, base_model: str
+    ) -> LlamaConfig:
+        """0.3.0's name: the draft layer's LlamaConfig from a research config.json alone.
+
+        The target vocabulary is the config's `target_vocab_size` (0.3.0's default 128000);
+        `convert` takes it from the weights instead. The verifier's config is read for its
+        context length; a verifier that cannot be read raises (ValueError).
+        """
+        verifier_dict = load_verifier_config_dict(base_model)
+        return self.layer_config_from(
+            eagle_config, verifier_dict, eagle_config.get("target_vocab_size", 128000)
+        )
+
+    def _build_eagle3_speculator_config(
+        self,
+        eagle_config: dict,
+        base_model: str,
+        norm_before_residual: bool = False,
+        eagle_aux_hidden_state_layer_ids: list[int] | None = None,
+    ):
+        """0.3.0's name: the speculator config from a research config.json alone.
+
+        The draft vocabulary is the config's `draft_vocab_size` (0.3.0's default 32000);
+        `convert` takes it from lm_head.weight and checks the two agree.
+        """
+        return self.build_config(
+            eagle_config,
+            load_verifier_config_dict(base_model),
+            base_model,
+            target_vocab=eagle_config.get("target_vocab_size", 128000),
+            draft_vocab=eagle_config.get("draft_vocab_size", 32000),
+            norm_before_residual=norm_before_residual,
             eagle_aux_hidden_state_layer_ids=eagle_aux_hidden_state_layer_ids,
         )
 

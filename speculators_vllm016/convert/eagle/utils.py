@@ -8,9 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub import snapshot_download
+from safetensors import safe_open
 
 from speculators_vllm016.convert.eagle.validation import loaded_on
-from speculators_vllm016.utils.loading import read_checkpoint_tensors
+from speculators_vllm016.utils.errors import first_line
+from speculators_vllm016.utils.loading import read_checkpoint_tensors, read_weights_file
 from speculators_vllm016.utils.text_config import text_config_of
 from speculators_vllm016.utils.verifier_config import load_verifier_config_dict
 
@@ -32,6 +35,9 @@ logger = logging.getLogger(__name__)
 
 # Weight names whose presence marks a HASS-style checkpoint with extra norms.
 LAYERNORM_MARKERS = ("embed_layernorm.weight", "post_embedding_layernorm.weight")
+# What a hub download fetches: configs (the shard indexes included) and weights, as in 0.3.0.
+DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.bin", "*.index.json"]
+SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
 def find_vocab_size(config_dict: dict) -> int | None:
@@ -49,19 +55,20 @@ def find_vocab_size(config_dict: dict) -> int | None:
 
 
 def download_checkpoint_from_hub(model_id: str, cache_dir: str | None = None) -> Path:
-    """Fetch only configs and weights of a hub repo; returns the local snapshot folder."""
-    from huggingface_hub import snapshot_download
+    """Fetch only configs and weights of a hub repo; returns the local snapshot folder.
 
+    `snapshot_download` is looked up in this module when called, so code that patches
+    `speculators.convert.eagle.utils.snapshot_download` (as 0.3.0's tests do) is served.
+    """
     logger.info("downloading %s from the Hugging Face hub", model_id)
     try:
         path = snapshot_download(
-            repo_id=model_id,
-            allow_patterns=["*.json", "*.safetensors", "*.bin"],
-            cache_dir=cache_dir,
+            repo_id=model_id, allow_patterns=DOWNLOAD_PATTERNS, cache_dir=cache_dir
         )
     except Exception as err:
         raise FileNotFoundError(
-            f"checkpoint {model_id!r} is neither a local folder nor downloadable: {err}"
+            f"Checkpoint not found: {model_id}. It is neither a local folder nor downloadable: "
+            f"{first_line(err)}"
         ) from err
     return Path(path)
 
@@ -76,7 +83,7 @@ def ensure_checkpoint_is_local(
             raise NotADirectoryError(f"checkpoint {path} must be a folder, not a file")
         return path
     return download_checkpoint_from_hub(
-        str(checkpoint_path), cache_dir=str(cache_dir) if cache_dir else None
+        model_id=str(checkpoint_path), cache_dir=str(cache_dir) if cache_dir else None
     )
 
 
@@ -84,7 +91,10 @@ def load_checkpoint_config(checkpoint_dir: Path) -> dict:
     """The checkpoint's config.json as a dict."""
     path = Path(checkpoint_dir) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"no config.json in {checkpoint_dir}")
+        raise FileNotFoundError(
+            f"No config.json found at {checkpoint_dir}. A research checkpoint folder holds its "
+            "config.json next to its weights"
+        )
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as err:  # the type 0.3.0 raised, with the file named
@@ -95,18 +105,35 @@ def load_checkpoint_config(checkpoint_dir: Path) -> dict:
 
 
 def load_checkpoint_weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the folder's weights (safetensors or .bin, one file or shards)."""
-    return read_checkpoint_tensors(Path(checkpoint_dir))
+    """All tensors of the folder's weights.
+
+    As in 0.3.0: model.safetensors first, else pytorch_model.bin, read through this module's
+    `safe_open` and `torch.load` (names that callers patch; `torch` is the one torch module).
+    Unlike 0.3.0, a .bin is read with `weights_only=True` (a checkpoint is data; pickled code is
+    refused), and a sharded checkpoint (only an index and its shards) is read, not refused.
+    """
+    folder = Path(checkpoint_dir)
+    for single in (folder / "model.safetensors", folder / "pytorch_model.bin"):
+        if single.exists():
+            logger.debug("reading %s", single)
+            return read_weights_file(single, open_safetensors=safe_open)
+    if any((folder / index).exists() for index in SHARD_INDEXES):
+        return read_checkpoint_tensors(folder)
+    raise FileNotFoundError(
+        f"No weights found at {folder}. Expected model.safetensors, pytorch_model.bin or a "
+        "sharded index of either"
+    )
 
 
 def detect_fusion_bias_and_layernorms(weights: dict[str, torch.Tensor]) -> tuple[bool, bool]:
     """(has fusion bias, has extra layernorms), judged by the weight names of a HASS checkpoint."""
     has_bias = "fc.bias" in weights
     has_norms = any(name in weights for name in LAYERNORM_MARKERS)
+    # One-argument calls with 0.3.0's sentences: code that mocks `logger` checks them.
     if has_bias:
-        logger.info("checkpoint has a fusion bias (fc.bias)")
+        logger.info("Detected fusion bias in checkpoint")
     if has_norms:
-        logger.info("checkpoint has extra layernorms")
+        logger.info("Detected extra layernorms in checkpoint")
     return has_bias, has_norms
 
 
