@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from speculators_vllm016.train.job_config import (
     CHECKPOINT_DTYPES,
@@ -34,6 +35,9 @@ from speculators_vllm016.train.setup import (
 from speculators_vllm016.train.setup import build_model as _build_model
 from speculators_vllm016.train.setup import prepare as _prepare
 from speculators_vllm016.train.vocab_maps import VocabMaps
+
+if TYPE_CHECKING:
+    from speculators_vllm016.models.eagle3 import Eagle3DraftModel
 
 __all__ = [
     "OnlineSetup",
@@ -130,7 +134,7 @@ def prepare(args: argparse.Namespace | TrainJobConfig) -> TrainSetup:
     return _prepare(_as_config(args))
 
 
-def build_model(args: argparse.Namespace | TrainJobConfig, setup: TrainSetup):
+def build_model(args: argparse.Namespace | TrainJobConfig, setup: TrainSetup) -> Eagle3DraftModel:
     """`train.setup.build_model` for a parsed command line (or a config)."""
     return _build_model(_as_config(args), setup)
 
@@ -153,9 +157,7 @@ def run_config(config: TrainJobConfig) -> int:
     from speculators_vllm016.train.trainer import TrainingInterrupted
 
     def run() -> int:
-        result = run_train_job(config)
-        if result.rank == 0:
-            print(result.describe())
+        run_train_job(config, report=lambda result: print(result.describe()))
         return 0
 
     expected = (TrainSetupError, SampleFileError, DataSourceError, FileNotFoundError, ImportError)

@@ -331,7 +331,7 @@ def run_demo(options: DemoOptions) -> DemoResult:
         from speculators_vllm016.train.logger import METRICS_FILE
 
         started = time.perf_counter()
-        print(run_train_job(train_config).describe())
+        run_train_job(train_config, report=lambda result: print(result.describe()))
         seconds = time.perf_counter() - started
         metrics = read_training_metrics(save / METRICS_FILE)
         tokens, rate = training_throughput(metrics, seconds)

@@ -52,8 +52,15 @@ class TrainJobResult:
         return f"Done: {self.state.global_step} steps, checkpoints in {self.save_path}{skipped}"
 
 
-def run_train_job(config: TrainJobConfig, setup: TrainSetup | None = None) -> TrainJobResult:
-    """Train the draft `config` describes; `setup`: `prepare(config)`'s result, if already made."""
+def run_train_job(
+    config: TrainJobConfig,
+    setup: TrainSetup | None = None,
+    report: Callable[[TrainJobResult], None] | None = None,
+) -> TrainJobResult:
+    """Train the draft `config` describes; `setup`: `prepare(config)`'s result, if already made.
+
+    `report` is called on rank 0 once training finished, before the online engine and the
+    process group close: what was trained is reported even when closing then fails."""
     import torch
     from torch.utils.data import DataLoader
 
@@ -168,8 +175,11 @@ def run_train_job(config: TrainJobConfig, setup: TrainSetup | None = None) -> Tr
         trainer = Trainer(model, _trainer_config(config, save_path, distributed, local_rank, device_name),
                           train_loader, val_loader)
         state = trainer.run_training()
-        return TrainJobResult(state=state, save_path=save_path, rank=rank,
-                              online=extractor.stats if extractor is not None else None)
+        result = TrainJobResult(state=state, save_path=save_path, rank=rank,
+                                online=extractor.stats if extractor is not None else None)
+        if report is not None and rank == 0:
+            report(result)
+        return result
     except BaseException as error:
         failure = error
         raise

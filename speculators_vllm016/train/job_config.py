@@ -22,6 +22,7 @@ The checks that need more than one field or the disk are `train.setup.prepare`'s
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import typing
 from dataclasses import dataclass, field
@@ -355,7 +356,7 @@ class TrainJobConfig:
 
     def with_flat(self, values: dict[str, Any]) -> TrainJobConfig:
         """A copy with `values` keyed by flag dest (`epochs`, `online`, ...) set in their sections."""
-        config = TrainJobConfig.from_dict(self.to_dict())
+        config = copy.deepcopy(self)
         where = {spec.dest: (section, spec.name) for section, spec in all_fields()}
         for dest, value in values.items():
             section, name = where[dest]
@@ -413,7 +414,8 @@ class FieldSpec:
                     raise TypeError
                 result = str(value)
         except (TypeError, ValueError):
-            kind = {list: "a list of integers"}.get(self.type, f"a {self.type.__name__}")
+            kind = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+                    list: "a list of integers"}[self.type]
             raise JobConfigError(f"{where} must be {kind}, got {value!r}") from None
         if self.choices is not None and result not in self.choices:
             raise JobConfigError(

@@ -52,7 +52,7 @@ def test_yaml_sets_fields_and_flags_override_them(tmp_path):
 @pytest.mark.parametrize(("text", "message"), [
     ("training:\n  epoch: 3\n", "unknown key 'training.epoch'"),
     ("optim:\n  lr: 1.0\n", "unknown key 'optim'"),
-    ("training:\n  epochs: three\n", "'training.epochs' must be a int, got 'three'"),
+    ("training:\n  epochs: three\n", "'training.epochs' must be an integer, got 'three'"),
     ("training:\n  scheduler_type: step\n", "'training.scheduler_type' must be one of linear, cosine, none"),
     ("model: [1, 2]\n", "'model' must be a mapping of its fields"),
     ("model:\n  num_layers: [1\n", "is not valid YAML"),
