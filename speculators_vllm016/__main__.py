@@ -47,7 +47,7 @@ def datagen(ctx: typer.Context) -> None:
 @app.command(context_settings=_PASSTHROUGH, add_help_option=False)
 def demo(ctx: typer.Context) -> None:
     """The whole job on a tiny local model, offline: data, draft, measured acceptance. See `demo --help`."""
-    from speculators_vllm016.cli.demo import main
+    from speculators_vllm016.demo.cli import main
 
     raise typer.Exit(main(ctx.args))
 

@@ -1,61 +1,14 @@
-"""How every command reports a failure it expects: one line on stderr and an exit status.
+"""How every command reports a failure it expects; defined in `utils.command_errors` (the demo,
+above the CLI, reports errors the same way)."""
 
-`--debug` re-raises instead, for the traceback. Imports nothing heavy (no vLLM, no torch).
-"""
-
-from __future__ import annotations
-
-import errno
-import sys
-from collections.abc import Callable
-
-from speculators_vllm016.utils.errors import first_line
-
-__all__ = ["EXPECTED_ERRORS", "describe_error", "report_errors"]
-
-EXPECTED_ERRORS: tuple[type[BaseException], ...] = (
-    ValueError, OSError, NotImplementedError, RuntimeError,
+from speculators_vllm016.utils.command_errors import (
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_STOPPED,
+    EXPECTED_ERRORS,
+    describe_error,
+    report_errors,
 )
-EXIT_ERROR = 2
-EXIT_INTERRUPTED = 130  # Ctrl-C
-EXIT_STOPPED = 143  # stopped by a signal (SIGTERM, a first Ctrl-C) after saving what resumes it
 
-
-def describe_error(error: BaseException) -> str:
-    """One line for an expected failure."""
-    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-        where = f" writing {error.filename}" if error.filename else ""
-        return f"the disk is full{where}; free space or choose another place, then run again"
-    if isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
-        return f"permission denied: {error.filename or error}; choose a writable place"
-    if "Original Traceback" in str(error):
-        # A DataLoader worker's error arrives wrapped with the worker's traceback; the original
-        # message is its last line.
-        return str(error).strip().splitlines()[-1]
-    return first_line(error)
-
-
-def report_errors(
-    run: Callable[[], int],
-    debug: bool,
-    expected: tuple[type[BaseException], ...] = EXPECTED_ERRORS,
-    stopped: tuple[type[BaseException], ...] = (),
-) -> int:
-    """Run; an `expected` failure becomes one line on stderr and exit status 2.
-
-    `stopped` are the exceptions of a run that stopped on request after saving its state
-    ("stopped: why", status 143); Ctrl-C gives 130.
-    """
-    try:
-        return run()
-    except KeyboardInterrupt:
-        print("interrupted; run the same command again to resume", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except stopped as stop:
-        print(f"stopped: {stop}", file=sys.stderr)
-        return EXIT_STOPPED
-    except expected as error:
-        if debug:
-            raise
-        print(f"error: {describe_error(error)} (--debug shows the traceback)", file=sys.stderr)
-        return EXIT_ERROR
+__all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_STOPPED", "EXPECTED_ERRORS", "describe_error",
+           "report_errors"]

@@ -18,6 +18,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from speculators_vllm016.train.job_config import JobConfigError, TrainJobConfig
+from speculators_vllm016.train.vocab_maps import (
+    D2T_FILE,
+    T2D_FILE,
+    target_vocab_size_of,
+    write_vocab_mappings_from_counts,
+)
+from speculators_vllm016.utils.atomic_files import atomic_write_text
+
 __all__ = ["PipelinePlan", "build_parser", "main", "plan_from_argv"]
 
 DATAGEN_DONE = ".datagen_done.json"  # in data/: the datagen flags of the finished run
@@ -50,13 +59,13 @@ def build_parser(prog: str = "speculators gen-and-train") -> argparse.ArgumentPa
 
 @dataclass
 class PipelinePlan:
-    """The three stages' arguments, as their own parsers read them."""
+    """The three stages' settings, as their own command lines read them."""
 
     root: Path
     datagen: argparse.Namespace
     datagen_argv: list[str]
-    train: argparse.Namespace
-    train_argv: list[str]
+    train: TrainJobConfig
+    """The training job (`speculators train`'s flags and `--config` file, the layout set)."""
     draft_vocab_size: int
     target_vocab_size: int | None
     debug: bool
@@ -104,18 +113,19 @@ def plan_from_argv(argv: Sequence[str]) -> PipelinePlan:
         "--d2t-path", str(root / "vocab" / "d2t.npy"), "--t2d-path", str(root / "vocab" / "t2d.npy"),
         "--save-path", str(root / "checkpoints"), *shared,
     ]
-    train_parser = _strict(train_cli.build_parser())
-    _, unknown = train_parser.parse_known_args(train_argv + rest)
+    # --save-path may be given to put checkpoints elsewhere; a later value wins in argparse.
+    try:
+        train_config, unknown = train_cli.config_from_argv(train_argv + rest, allow_unknown=True)
+    except JobConfigError as error:
+        raise SystemExit(f"error: {error}") from None
     if unknown:
         raise SystemExit(
             f"error: unknown flag(s) {' '.join(unknown)}: not a flag of gen-and-train, "
             "datagen or train (see --help)"
         )
-    # --save-path may be given to put checkpoints elsewhere; a later value wins in argparse.
-    train_args = train_parser.parse_args(train_argv + rest)
     return PipelinePlan(
         root=root, datagen=datagen_args, datagen_argv=sorted(datagen_argv + list(rest)),
-        train=train_args, train_argv=train_argv + rest, draft_vocab_size=own.draft_vocab_size,
+        train=train_config, draft_vocab_size=own.draft_vocab_size,
         target_vocab_size=own.target_vocab_size, debug=own.debug,
     )
 
@@ -132,8 +142,6 @@ def check_vocab_sizes(plan: PipelinePlan) -> None:
 
     An unreadable target config is left to datagen, which reports it in its own words.
     """
-    from speculators_vllm016.cli.vocab_mapping import target_vocab_size_of
-
     if plan.target_vocab_size is not None:
         return  # compared with --draft-vocab-size when the flags were read
     try:
@@ -163,17 +171,13 @@ def run_datagen_stage(plan: PipelinePlan) -> bool:
     print(f"[1/3] datagen -> {data}")
     summary = run_datagen(options_from_args(plan.datagen))
     print(f"      {summary.describe()}")
-    temporary = done.with_name(f".{done.name}.tmp")
-    temporary.write_text(json.dumps(record, indent=2) + "\n")
-    temporary.replace(done)
+    atomic_write_text(done, json.dumps(record, indent=2) + "\n")
     return True
 
 
 def _map_sizes(folder: Path) -> tuple[int, int] | None:
     """(draft, target) entries of the maps in `folder`, or None when either is missing or unreadable."""
     import numpy as np
-
-    from speculators_vllm016.cli.vocab_mapping import D2T_FILE, T2D_FILE
 
     try:
         d2t = np.load(folder / D2T_FILE, mmap_mode="r")
@@ -186,10 +190,6 @@ def _map_sizes(folder: Path) -> tuple[int, int] | None:
 def run_vocab_stage(plan: PipelinePlan, data_changed: bool = False) -> None:
     """The maps from datagen's token counts; kept while they have the sizes the flags ask for
     and datagen did not run again (new token counts)."""
-    from speculators_vllm016.cli.vocab_mapping import (
-        target_vocab_size_of,
-        write_vocab_mappings_from_counts,
-    )
     from speculators_vllm016.data_generation.token_counts import load_token_freq
 
     folder = plan.vocab_dir
@@ -241,6 +241,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "speculators gen-and-tra
     rc = report_errors(stages, plan.debug)
     if rc != 0:
         return rc
-    print(f"[3/3] training -> {plan.train.save_path}")
-    return train_cli.main(plan.train_argv)
+    print(f"[3/3] training -> {plan.train.checkpoint.save_path}")
+    return train_cli.run_config(plan.train)
 

@@ -17,7 +17,6 @@ import logging
 import shutil
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch

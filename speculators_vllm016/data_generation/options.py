@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass, fields
+from collections.abc import Mapping
 from typing import Any
 
 from speculators_vllm016.data_generation.sample_io import SAMPLE_PATTERNS
@@ -177,7 +178,12 @@ class DatagenOptions:
         A parser that gives a flag of the same name another meaning (train's `--seed`,
         `--token-freq-path`, `--no-progress`) passes datagen's value as an override.
         """
-        values = vars(args)
+        return cls.from_fields(vars(args), **overrides)
+
+    @classmethod
+    def from_fields(cls, values: Mapping[str, Any], **overrides: Any) -> DatagenOptions:
+        """`from_args` over any mapping of datagen's flag names (e.g. online training's section
+        of the job config); names that are not datagen's are ignored."""
         flags: dict[str, Any] = {}
         for name in _PART_OF:
             if name in overrides:

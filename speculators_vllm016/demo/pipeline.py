@@ -2,9 +2,11 @@
 
 1. target: the tiny Llama trained briefly on the shipped conversations (`demo.target`);
 2. datagen: its hidden states for the conversations (`data_generation.offline.run_datagen`);
-3. vocab: the draft vocabulary maps from datagen's token counts (`cli.vocab_mapping`);
-4. draft: the draft with its initial weights, built by the trainer's own construction;
-5. train: `speculators train` (its CLI `main`, in this process);
+3. vocab: the draft vocabulary maps from datagen's token counts (`train.vocab_maps`);
+4. draft: the draft with its initial weights, built by the trainer's own construction
+   (`train.setup`);
+5. train: the job `speculators train` runs (`train.job.run_train_job`, in this process), from
+   a `TrainJobConfig`;
 6. eval: both drafts with `evaluate.runner.run_evaluation` (hf engine), side by side.
 
 Each stage records in `<output>/demo_state.json` the options it depends on (its own and those of
@@ -23,7 +25,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from speculators_vllm016.utils.atomic_files import atomic_write, atomic_write_text, replace_folder
+
+if TYPE_CHECKING:
+    from speculators_vllm016.train.job_config import TrainJobConfig
 
 __all__ = [
     "DemoOptions", "DemoResult", "StageRecord", "plot_training_curves", "run_demo",
@@ -77,9 +84,7 @@ def _load_state(root: Path) -> dict[str, dict]:
 
 
 def _save_state(root: Path, state: dict[str, dict]) -> None:
-    temporary = root / f".{STATE_FILE}.tmp"
-    temporary.write_text(json.dumps(state, indent=2) + "\n")
-    temporary.replace(root / STATE_FILE)
+    atomic_write_text(root / STATE_FILE, json.dumps(state, indent=2) + "\n")
 
 
 def stage_options(options: DemoOptions) -> dict[str, dict[str, Any]]:
@@ -145,34 +150,46 @@ def _run_stage(
     return record
 
 
-def _train_argv(options: DemoOptions, root: Path, target: Path) -> list[str]:
-    argv = [
-        "--verifier-name-or-path", str(target), "--data-path", str(root / "data"),
-        "--save-path", str(root / "checkpoints"),
-        "--d2t-path", str(root / "vocab" / "d2t.npy"), "--t2d-path", str(root / "vocab" / "t2d.npy"),
-        "--epochs", str(options.epochs), "--lr", str(options.lr),
-        "--total-seq-len", str(options.total_seq_len), "--seed", str(options.seed),
-        "--num-workers", "0", "--device", "cpu", "--log-dir", str(root / "logs"),
-    ]
-    return argv + (["--no-progress"] if not options.show_progress else [])
+def _train_config(options: DemoOptions, root: Path, target: Path) -> TrainJobConfig:
+    """The draft's training job: the demo's folders, its options, the CPU in this process."""
+    from speculators_vllm016.train.job_config import (
+        CheckpointConfig,
+        DataConfig,
+        LoggingConfig,
+        ModelConfig,
+        RuntimeConfig,
+        TrainingConfig,
+        TrainJobConfig,
+        VocabConfig,
+    )
+    from speculators_vllm016.train.vocab_maps import D2T_FILE, T2D_FILE
+
+    return TrainJobConfig(
+        model=ModelConfig(verifier_name_or_path=str(target)),
+        data=DataConfig(data_path=str(root / "data")),
+        vocab=VocabConfig(d2t_path=str(root / "vocab" / D2T_FILE), t2d_path=str(root / "vocab" / T2D_FILE)),
+        checkpoint=CheckpointConfig(save_path=str(root / "checkpoints")),
+        training=TrainingConfig(epochs=options.epochs, lr=options.lr,
+                                total_seq_len=options.total_seq_len, seed=options.seed),
+        runtime=RuntimeConfig(num_workers=0, device="cpu"),
+        logging=LoggingConfig(log_dir=str(root / "logs"), no_progress=not options.show_progress),
+    )
 
 
-def _save_initial_draft(train_argv: list[str], output: Path) -> None:
+def _save_initial_draft(config: TrainJobConfig, output: Path) -> None:
     """The draft exactly as training starts from it (the trainer's construction and seed)."""
     import torch
 
-    from speculators_vllm016.cli.train import build_model, build_parser, prepare
     from speculators_vllm016.train.checkpointer import convert_float_dtype
+    from speculators_vllm016.train.setup import build_model, prepare
 
-    args = build_parser().parse_args(train_argv)
-    model = build_model(args, prepare(args))
+    model = build_model(config, prepare(config))
     temporary = output.with_name(f".{output.name}.partial")
     shutil.rmtree(temporary, ignore_errors=True)
     weights = {k: v.detach() for k, v in model.state_dict().items()}
     model.save_pretrained(temporary, state_dict=convert_float_dtype(weights, torch.bfloat16),
                           safe_serialization=True)
-    shutil.rmtree(output, ignore_errors=True)
-    temporary.rename(output)
+    replace_folder(temporary, output)
 
 
 def read_training_metrics(path: Path) -> list[dict]:
@@ -219,10 +236,8 @@ def plot_training_curves(metrics: list[dict], path: Path) -> None:
         axes.grid(alpha=0.3)
     figure.suptitle("Draft training (speculators demo)")
     figure.tight_layout()
-    temporary = path.with_name(f".{path.name}.tmp")
     try:
-        figure.savefig(temporary, format="png")
-        temporary.replace(path)
+        atomic_write(path, lambda handle: figure.savefig(handle, format="png"))
     finally:
         plt.close(figure)
 
@@ -256,15 +271,25 @@ def run_demo(options: DemoOptions) -> DemoResult:
     stages.append(_run_stage(root, state, "target", target_stage, depends["target"], [target]))
 
     def datagen_stage() -> tuple[dict, dict]:
-        from speculators_vllm016.data_generation.offline import DatagenOptions, run_datagen
+        from speculators_vllm016.data_generation.offline import run_datagen
+        from speculators_vllm016.data_generation.options import (
+            DatagenOptions,
+            EngineOptions,
+            OutputOptions,
+            PreprocessingOptions,
+        )
 
         summary = run_datagen(DatagenOptions(
-            target_model_path=str(target), train_data_path=str(conversations),
-            output_dir=str(root / "data"), seq_length=options.seq_length,
-            max_samples=options.max_samples, hf_cache_dir=str(root / "hf-datasets-cache"),
-            batch_size=options.batch_size, output_format=options.output_format,
-            num_preprocessing_workers=min(2, os.cpu_count() or 1),
-            show_progress=options.show_progress, seed=options.seed,
+            engine=EngineOptions(target_model_path=str(target)),
+            preprocessing=PreprocessingOptions(
+                train_data_path=str(conversations), seq_length=options.seq_length,
+                max_samples=options.max_samples, hf_cache_dir=str(root / "hf-datasets-cache"),
+                seed=options.seed, num_preprocessing_workers=min(2, os.cpu_count() or 1),
+            ),
+            output=OutputOptions(
+                output_dir=str(root / "data"), output_format=options.output_format,
+                batch_size=options.batch_size, show_progress=options.show_progress,
+            ),
         ))
         return {"data": summary.output_dir}, {
             "samples": summary.samples_total, "tokens": summary.tokens_extracted,
@@ -276,8 +301,8 @@ def run_demo(options: DemoOptions) -> DemoResult:
     def vocab_stage() -> tuple[dict, dict]:
         from transformers import AutoConfig
 
-        from speculators_vllm016.cli.vocab_mapping import write_vocab_mappings_from_counts
         from speculators_vllm016.data_generation.token_counts import load_token_freq
+        from speculators_vllm016.train.vocab_maps import write_vocab_mappings_from_counts
 
         target_vocab = int(AutoConfig.from_pretrained(target).vocab_size)
         counts = load_token_freq(root / "data")
@@ -290,11 +315,11 @@ def run_demo(options: DemoOptions) -> DemoResult:
         }
 
     stages.append(_run_stage(root, state, "vocab", vocab_stage, depends["vocab"], [root / "vocab"]))
-    train_argv = _train_argv(options, root, target)
+    train_config = _train_config(options, root, target)
     untrained = root / "draft-untrained"
 
     def draft_stage() -> tuple[dict, dict]:
-        _save_initial_draft(train_argv, untrained)
+        _save_initial_draft(train_config, untrained)
         return {"untrained_draft": str(untrained)}, {}
 
     stages.append(_run_stage(
@@ -304,13 +329,11 @@ def run_demo(options: DemoOptions) -> DemoResult:
     trained = save / str(options.epochs - 1)
 
     def train_stage() -> tuple[dict, dict]:
-        from speculators_vllm016.cli.train import main as train_main
+        from speculators_vllm016.train.job import run_train_job
         from speculators_vllm016.train.logger import METRICS_FILE
 
         started = time.perf_counter()
-        rc = train_main(train_argv)
-        if rc != 0:
-            raise RuntimeError(f"draft training failed (exit status {rc}); see the error above")
+        run_train_job(train_config, report=lambda result: print(result.describe()))
         seconds = time.perf_counter() - started
         metrics = read_training_metrics(save / METRICS_FILE)
         tokens, rate = training_throughput(metrics, seconds)

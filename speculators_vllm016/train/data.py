@@ -39,7 +39,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypedDict, TypeVar
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset

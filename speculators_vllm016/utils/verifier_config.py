@@ -1,8 +1,11 @@
-"""The verifier's config.json as a dict: one reader for the draft model, the converters and the CLI."""
+"""The verifier's config.json as a dict (one reader for the draft model, the converters, the trainer
+and the CLI), and what is read from it without building a config object."""
 
 from __future__ import annotations
 
-__all__ = ["load_verifier_config_dict"]
+from speculators_vllm016.utils.text_config import text_config_of
+
+__all__ = ["find_vocab_size", "load_verifier_config_dict"]
 
 
 def load_verifier_config_dict(base_model: str) -> dict:
@@ -14,3 +17,17 @@ def load_verifier_config_dict(base_model: str) -> dict:
     except Exception as err:
         raise ValueError(f"cannot read the verifier config of {base_model!r}: {err}") from err
     return config_dict
+
+
+def find_vocab_size(config_dict: dict) -> int | None:
+    """`vocab_size` of the text model (`text_config` or the top level), else of any nested dict."""
+    if not isinstance(config_dict, dict):
+        return None
+    text = text_config_of(config_dict)
+    if "vocab_size" in text:
+        return text["vocab_size"]
+    for value in config_dict.values():
+        found = find_vocab_size(value) if isinstance(value, dict) else None
+        if found is not None:
+            return found
+    return None

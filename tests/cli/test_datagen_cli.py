@@ -168,7 +168,7 @@ def test_a_run_that_fails_to_start_records_no_identity(capsys, tiny_llama, chats
 
 
 def test_every_demo_flag_has_help():
-    from speculators_vllm016.cli.demo import build_parser as demo_parser
+    from speculators_vllm016.demo.cli import build_parser as demo_parser
 
     for action in demo_parser()._actions:
         if action.option_strings and action.option_strings != ["-h", "--help"]:

@@ -6,7 +6,6 @@ import json
 import os
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from speculators_vllm016.__main__ import app

@@ -26,11 +26,12 @@ def test_flags_go_to_their_stage_and_the_layout_comes_from_output_dir():
                                   "--max-samples", "5", "--lr", "0.01", "--seed", "7", "--no-progress"])
     assert plan.datagen.layer_ids == [0, 1, 2, 3] and plan.datagen.max_samples == 5
     assert plan.datagen.output_dir == str(Path("out") / "data") and plan.datagen.seed == 7
-    assert plan.train.epochs == 2 and plan.train.lr == 0.01 and plan.train.seed == 7
-    assert plan.train.data_path == str(Path("out") / "data")
-    assert plan.train.d2t_path == str(Path("out") / "vocab" / "d2t.npy")
-    assert plan.train.save_path == str(Path("out") / "checkpoints")
-    assert plan.train.verifier_name_or_path == "model" and plan.train.no_progress
+    train = plan.train.flat()  # the training job's config, by flag name
+    assert train["epochs"] == 2 and train["lr"] == 0.01 and train["seed"] == 7
+    assert train["data_path"] == str(Path("out") / "data")
+    assert train["d2t_path"] == str(Path("out") / "vocab" / "d2t.npy")
+    assert train["save_path"] == str(Path("out") / "checkpoints")
+    assert train["verifier_name_or_path"] == "model" and train["no_progress"]
     assert plan.datagen.no_progress
 
 
@@ -80,7 +81,7 @@ def _vocab_plan(root: Path, draft: int, target: int = 64):
     from speculators_vllm016.cli.gen_and_train import PipelinePlan
 
     datagen = SimpleNamespace(output_dir=str(root / "data"), target_model_path="unused")
-    return PipelinePlan(root=root, datagen=datagen, datagen_argv=[], train=None, train_argv=[],
+    return PipelinePlan(root=root, datagen=datagen, datagen_argv=[], train=None,
                         draft_vocab_size=draft, target_vocab_size=target, debug=False)
 
 

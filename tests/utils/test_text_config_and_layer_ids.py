@@ -33,3 +33,10 @@ def test_default_layer_ids_have_one_definition() -> None:
     assert eagle3_aux_layer_ids(32) == [2, 16, 29]
     assert default_layer_ids(32) == [2, 16, 29, 31]
     assert default_layer_ids(4) == [2, 2, 1, 3]
+
+
+def test_datagen_ids_count_outputs_and_vllm_ids_count_inputs() -> None:
+    from speculators_vllm016.utils.layer_ids import datagen_to_vllm_layer_ids
+
+    assert datagen_to_vllm_layer_ids([2, 16, 29]) == [3, 17, 30]
+    assert datagen_to_vllm_layer_ids([]) == []

@@ -14,8 +14,7 @@ from safetensors import safe_open
 from speculators_vllm016.convert.eagle.validation import loaded_on
 from speculators_vllm016.utils.errors import first_line
 from speculators_vllm016.utils.loading import read_checkpoint_tensors, read_weights_file
-from speculators_vllm016.utils.text_config import text_config_of
-from speculators_vllm016.utils.verifier_config import load_verifier_config_dict
+from speculators_vllm016.utils.verifier_config import find_vocab_size, load_verifier_config_dict
 
 __all__ = [
     "detect_fusion_bias_and_layernorms",
@@ -38,20 +37,6 @@ LAYERNORM_MARKERS = ("embed_layernorm.weight", "post_embedding_layernorm.weight"
 # What a hub download fetches: configs (the shard indexes included) and weights, as in 0.3.0.
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.bin", "*.index.json"]
 SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-
-
-def find_vocab_size(config_dict: dict) -> int | None:
-    """`vocab_size` of the text model (`text_config` or the top level), else of any nested dict."""
-    if not isinstance(config_dict, dict):
-        return None
-    text = text_config_of(config_dict)
-    if "vocab_size" in text:
-        return text["vocab_size"]
-    for value in config_dict.values():
-        found = find_vocab_size(value) if isinstance(value, dict) else None
-        if found is not None:
-            return found
-    return None
 
 
 def download_checkpoint_from_hub(model_id: str, cache_dir: str | None = None) -> Path:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from speculators_vllm016.cli import demo
+from speculators_vllm016.demo import cli as demo
 from speculators_vllm016.data_generation import vllm_hidden_states_generator as generator_module
 from speculators_vllm016.data_generation.sample_io import load_sample
 
@@ -115,7 +115,7 @@ def test_the_demo_works_offline_even_after_the_hub_was_imported(monkeypatch, env
     runs. A user's own HF_HUB_OFFLINE=0 is left alone."""
     import huggingface_hub.constants
 
-    from speculators_vllm016.cli.demo import work_offline
+    from speculators_vllm016.demo.cli import work_offline
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     if environment is None:

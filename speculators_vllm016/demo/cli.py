@@ -1,4 +1,8 @@
-"""`speculators demo`: the main job end to end on a tiny local model, offline, on the CPU."""
+"""`speculators demo`: the main job end to end on a tiny local model, offline, on the CPU.
+
+The demo's own command line (the top of the package: `__main__` dispatches to it); the stages
+are `demo.pipeline`'s.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-__all__ = ["build_parser", "main", "print_summary"]
+from speculators_vllm016.demo.pipeline import DemoOptions, DemoResult
+
+__all__ = ["build_parser", "main", "options_from_args", "print_summary", "work_offline"]
 
 
 def build_parser(prog: str = "speculators demo") -> argparse.ArgumentParser:
@@ -45,7 +51,15 @@ def build_parser(prog: str = "speculators demo") -> argparse.ArgumentParser:
     return parser
 
 
-def print_summary(result) -> None:
+def options_from_args(args: argparse.Namespace) -> DemoOptions:
+    """The demo's options from its parsed command line (`--debug` is the command's own)."""
+    values = vars(args).copy()
+    values.pop("debug", None)
+    values["show_progress"] = not values.pop("no_progress")
+    return DemoOptions(**values)
+
+
+def print_summary(result: DemoResult) -> None:
     """Where everything went, the time of each stage, throughputs, and tau before and after."""
     print("\n== speculators demo: summary ==")
     print(f"output folder: {result.root}")
@@ -84,18 +98,15 @@ def work_offline() -> None:
 
 def main(argv: Sequence[str] | None = None, prog: str = "speculators demo") -> int:
     work_offline()
-    from speculators_vllm016.cli.datagen import report_errors
-    from speculators_vllm016.demo.pipeline import DemoOptions, run_demo
+    from speculators_vllm016.demo.pipeline import run_demo
+    from speculators_vllm016.utils.command_errors import report_errors
 
     args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    values = vars(args).copy()
-    debug = values.pop("debug")
-    values["show_progress"] = not values.pop("no_progress")
-    options = DemoOptions(**values)
+    options = options_from_args(args)
 
     def run() -> int:
         print_summary(run_demo(options))
         return 0
 
-    return report_errors(run, debug)
+    return report_errors(run, args.debug)

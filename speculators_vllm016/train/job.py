@@ -1,0 +1,233 @@
+"""One training job from its config: prepare -> build the draft and the loaders -> train -> close.
+
+The library entry point of `speculators train` (which only parses the command line into a
+`TrainJobConfig`), of `gen-and-train` and of the demo. One process trains on one device; under
+torchrun every process runs this with the same config (data-parallel, FSDP2 or DDP).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from speculators_vllm016.train.job_config import (
+    CHECKPOINT_DTYPES,
+    CONFIG_FILE,
+    TrainJobConfig,
+    TrainSetupError,
+    save_job_config,
+)
+from speculators_vllm016.train.setup import TrainSetup, build_model, noise_transform, prepare
+
+if TYPE_CHECKING:
+    from speculators_vllm016.train.checkpointer import TrainingState
+    from speculators_vllm016.train.online import OnlineStats
+
+__all__ = ["TrainJobResult", "run_train_job"]
+
+logger = logging.getLogger("speculators")
+
+
+@dataclass
+class TrainJobResult:
+    """What a finished job did (every rank returns one; rank 0 reports it)."""
+
+    state: TrainingState
+    save_path: Path
+    rank: int
+    online: OnlineStats | None = None
+    """The online extraction's counts (`--online`), else None."""
+
+    def describe(self) -> str:
+        skipped = f", {self.state.skipped_samples} unusable samples skipped" if self.state.skipped_samples else ""
+        if self.online is not None:
+            stats = self.online
+            skipped += (f"; online: {stats.extracted_samples} samples extracted, "
+                        f"{stats.cached_reads} read from the cache, engine started "
+                        f"{stats.engine_starts} times")
+        return f"Done: {self.state.global_step} steps, checkpoints in {self.save_path}{skipped}"
+
+
+def run_train_job(
+    config: TrainJobConfig,
+    setup: TrainSetup | None = None,
+    report: Callable[[TrainJobResult], None] | None = None,
+) -> TrainJobResult:
+    """Train the draft `config` describes; `setup`: `prepare(config)`'s result, if already made.
+
+    `report` is called on rank 0 once training finished, before the online engine and the
+    process group close: what was trained is reported even when closing then fails."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from speculators_vllm016.train.data import (
+        Eagle3SampleFileDataset,
+        create_collate_fn,
+        split_files,
+        split_items,
+    )
+    from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+    from speculators_vllm016.train.logger import METRICS_FILE, setup_metric_logger, setup_root_logger
+    from speculators_vllm016.train.trainer import Trainer
+    from speculators_vllm016.train.utils import (
+        maybe_destroy_distributed,
+        maybe_setup_distributed,
+        training_device,
+    )
+    from speculators_vllm016.train.vocab_maps import save_vocab_maps
+
+    setup = prepare(config) if setup is None else setup
+    data_path, save_path, vocab = setup.data_path, setup.save_path, setup.vocab
+    standardize, layer_ids, online = setup.standardize, setup.layer_ids, setup.online
+    data, training, runtime, log = config.data, config.training, config.runtime, config.logging
+
+    # -- the run ---------------------------------------------------------------------------------
+    device_name = runtime.device
+    if online is not None and online.devices is not None:
+        device_name = online.devices.for_rank(int(os.environ.get("LOCAL_RANK", "0")))
+    local_rank, world_size, rank, distributed = maybe_setup_distributed(device_name)
+    closers: list[Callable[[], Any]] = []
+    failure: BaseException | None = None
+    try:
+        setup_root_logger("INFO")
+        if layer_ids is None:
+            logger.warning("no data_config.json in %s: eagle_aux_hidden_state_layer_ids not written", data_path)
+        save_path.mkdir(parents=True, exist_ok=True)
+        if rank == 0:
+            save_job_config(config, save_path / CONFIG_FILE)
+        if rank == 0 and vocab.built_from:
+            save_vocab_maps(vocab, save_path)
+            logger.info("vocabulary maps built from %s -> %s/{d2t,t2d}.npy", vocab.built_from, save_path)
+        setup_metric_logger(log.logger, log.run_name, log.log_dir, jsonl_path=save_path / METRICS_FILE)
+        model = build_model(config, setup)
+        hidden_size = int(setup.text_config.hidden_size)
+
+        workers = runtime.num_workers if runtime.num_workers is not None else min(12, os.cpu_count() or 1)
+        device = training_device(local_rank, device_name)
+        bf16 = runtime.precision == "bf16" or (runtime.precision == "auto" and device.type == "cuda")
+        extractor = None
+        if online is not None:
+            from speculators_vllm016.train.online import (
+                CacheFolderError,
+                OnlineExtractor,
+                OnlineLoader,
+                SampleExchange,
+            )
+
+            exchange = SampleExchange() if distributed else None  # rank 0 extracts for all
+            cache_dir = config.online.cache_dir
+            try:
+                extractor = OnlineExtractor(
+                    online.options, online.facts, online.dataset,
+                    Path(cache_dir) if cache_dir else None,
+                    engine_devices=online.devices.engine_visible if online.devices else None,
+                    writes_cache=rank == 0,
+                )
+            except CacheFolderError as error:
+                raise TrainSetupError(str(error)) from None
+            closers.append(extractor.close)
+            train_items, val_items = split_items(extractor.indices, data.train_ratio, data.split_seed)
+            train_files = [extractor.sample_path(index) for index in train_items]
+            val_files = [extractor.sample_path(index) for index in val_items]
+        else:
+            train_files, val_files = split_files(str(data_path), data.train_ratio, data.split_seed)
+
+        def loader(file_list: list[Path], transform: Any) -> Any:
+            if not file_list:
+                return None
+            lengths = None
+            if extractor is not None:  # the sample index is in the (cache) file name
+                items = [int(Path(f).stem.split("_")[-1]) for f in file_list]
+                lengths = extractor.lengths(items)
+            dataset = Eagle3SampleFileDataset(
+                training.total_seq_len, file_list=[str(f) for f in file_list], transform=transform,
+                standardize_fn=standardize, seed=training.seed, strict=data.strict_data,
+                legacy_loss_mask_shift=config.legacy.legacy_loss_mask_shift, lengths=lengths,
+                output_dtype=torch.bfloat16 if bf16 else None,
+                # The verifier's widths are the yardstick: not whichever file comes first.
+                widths=(3 * hidden_size, hidden_size),
+            )
+            sampler = MultipackDistributedBatchSamplerV2(
+                training.total_seq_len, dataset.lengths, world_size, rank, seed=training.seed
+            )
+            if extractor is not None:
+                return OnlineLoader(
+                    extractor, dataset, items, sampler, create_collate_fn(training.total_seq_len),
+                    config.online.online_queue_size, exchange,
+                )
+            return DataLoader(
+                dataset, batch_sampler=sampler, collate_fn=create_collate_fn(training.total_seq_len),
+                num_workers=workers, prefetch_factor=runtime.prefetch_factor if workers else None,
+                pin_memory=device.type == "cuda",
+            )
+
+        train_loader = loader(train_files, noise_transform(config))
+        if train_loader is None or len(train_loader) == 0:
+            raise TrainSetupError(
+                f"{len(train_files)} training samples make no step for {world_size} processes; "
+                "generate more data or use fewer processes"
+            )
+        val_loader = loader(val_files, None)
+        trainer = Trainer(model, _trainer_config(config, save_path, distributed, local_rank, device_name),
+                          train_loader, val_loader)
+        state = trainer.run_training()
+        result = TrainJobResult(state=state, save_path=save_path, rank=rank,
+                                online=extractor.stats if extractor is not None else None)
+        if report is not None and rank == 0:
+            report(result)
+        return result
+    except BaseException as error:
+        failure = error
+        raise
+    finally:
+        _close_all([*closers, maybe_destroy_distributed], failure)
+
+
+def _trainer_config(
+    config: TrainJobConfig, save_path: Path, distributed: bool, local_rank: int, device: str | None
+) -> Any:
+    """The trainer's own config from the job's sections."""
+    import torch
+
+    from speculators_vllm016.train.trainer import TrainerConfig
+
+    training, runtime, checkpoint = config.training, config.runtime, config.checkpoint
+    call = {"ttt_steps": config.model.ttt_steps, "ttt_step_loss_decay": config.model.ttt_step_loss_decay,
+            "use_off_policy_tokens": training.teacher_forcing}
+    return TrainerConfig(
+        lr=training.lr, num_epochs=training.epochs, save_path=str(save_path),
+        resume_from_checkpoint=not checkpoint.no_resume_from_checkpoint,
+        is_distributed=distributed, local_rank=local_rank,
+        train_call_kwargs=call, val_call_kwargs=call,
+        scheduler_type=training.scheduler_type, scheduler_warmup_steps=training.scheduler_warmup_steps,
+        scheduler_total_steps=training.scheduler_total_steps,
+        scheduler_num_cosine_cycles=training.scheduler_num_cosine_cycles,
+        weight_decay=training.weight_decay, max_grad_norm=training.max_grad_norm, seed=training.seed,
+        precision=runtime.precision, parallel=runtime.parallel, device=device,
+        checkpoint_freq=checkpoint.checkpoint_freq, max_steps=training.max_steps,
+        checkpoint_dtype=getattr(torch, CHECKPOINT_DTYPES[checkpoint.checkpoint_dtype]),
+        optimizer_state_dtype=torch.bfloat16 if config.legacy.bf16_optimizer_state else None,
+        keep_mid_epoch_checkpoints=checkpoint.keep_mid_epoch_checkpoints,
+        fsdp_bf16_params=runtime.fsdp_bf16_params, deterministic=runtime.deterministic,
+        show_progress=not config.logging.no_progress,
+    )
+
+
+def _close_all(closers: list[Callable[[], Any]], failure: BaseException | None) -> None:
+    """Call every closer, even after one failed. A closer's error never replaces the error
+    already on its way out (`failure`): it is logged. Without one, the first is raised last."""
+    first: Exception | None = None
+    for close in closers:
+        try:
+            close()
+        except Exception as error:  # noqa: BLE001 - logged or raised below
+            if failure is None and first is None:
+                first = error
+            else:
+                logger.error("while closing: %s: %s", type(error).__name__, error)
+    if first is not None:
+        raise first

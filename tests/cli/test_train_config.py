@@ -1,0 +1,144 @@
+"""`speculators train --config job.yaml`: the job config's fields in a file, flags over them, the
+resolved config beside the checkpoints, and help text from the fields' docstrings."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from speculators_vllm016.cli.train import build_parser, config_from_argv, main
+from speculators_vllm016.train.job_config import (
+    CONFIG_FILE,
+    JobConfigError,
+    TrainJobConfig,
+    TrainingConfig,
+    all_fields,
+    load_job_config,
+    save_job_config,
+)
+from speculators_vllm016.utils.field_docs import field_docs
+from tests.training_fixtures import train_args
+
+JOB = """\
+model:
+  verifier_name_or_path: some/model
+  ttt_steps: 4
+training:
+  epochs: 3
+  lr: 3e-5
+runtime:
+  device: cpu
+online:
+  layer_ids: [0, 1, 2, 3]
+"""
+
+
+def test_yaml_sets_fields_and_flags_override_them(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB)
+    config, _ = config_from_argv(["--config", str(job), "--epochs", "5"])
+    assert config.model.verifier_name_or_path == "some/model" and config.model.ttt_steps == 4
+    assert config.training.epochs == 5  # the flag wins
+    assert config.training.lr == 3e-5  # YAML 1.1 reads 3e-5 as text; the field makes it a float
+    assert config.runtime.device == "cpu" and config.online.layer_ids == [0, 1, 2, 3]
+    assert config.training.total_seq_len == 8192  # neither: the default
+    # The file gives the required --verifier-name-or-path; a flag still replaces it.
+    again, _ = config_from_argv(["--config", str(job), "--verifier-name-or-path", "other"])
+    assert again.model.verifier_name_or_path == "other"
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("training:\n  epoch: 3\n", "unknown key 'training.epoch'"),
+    ("optim:\n  lr: 1.0\n", "unknown key 'optim'"),
+    ("training:\n  epochs: three\n", "'training.epochs' must be an integer, got 'three'"),
+    ("training:\n  scheduler_type: step\n", "'training.scheduler_type' must be one of linear, cosine, none"),
+    ("model: [1, 2]\n", "'model' must be a mapping of its fields"),
+    ("model:\n  num_layers: [1\n", "is not valid YAML"),
+])
+def test_a_bad_job_file_is_a_one_line_error_naming_the_key(tmp_path, capsys, text, message):
+    job = tmp_path / "job.yaml"
+    job.write_text(text)
+    with pytest.raises(JobConfigError, match="job.yaml"):
+        load_job_config(job)
+    assert main(["--config", str(job), "--verifier-name-or-path", "m"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_the_resolved_config_round_trips(tmp_path):
+    config, _ = config_from_argv(["--verifier-name-or-path", "m", "--layer-ids", "1", "2",
+                                  "--no-teacher-forcing", "--online", "--lr", "0.002"])
+    path = save_job_config(config, tmp_path / CONFIG_FILE)
+    assert load_job_config(path) == config
+    assert [p.name for p in tmp_path.iterdir()] == [CONFIG_FILE]  # no temporary left behind
+    from_file, _ = config_from_argv(["--config", str(path)])
+    assert from_file == config
+
+
+def test_training_writes_the_resolved_config_beside_the_checkpoints(tiny_llama, training_data, tmp_path):
+    save = tmp_path / "save"
+    job = tmp_path / "job.yaml"
+    job.write_text("training:\n  max_steps: 1\n  weight_decay: 0.5\n")
+    assert main(["--config", str(job), *train_args(tiny_llama, training_data, save)]) == 0
+    written = load_job_config(save / CONFIG_FILE)
+    assert written.training.max_steps == 1 and written.training.weight_decay == 0.5
+    assert written.model.verifier_name_or_path == str(tiny_llama)
+    assert written.checkpoint.save_path == str(save) and written.training.epochs == 2
+
+
+def test_help_is_the_fields_docstrings(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for section, spec in all_fields():
+        assert spec.doc, f"{section}.{spec.name} has no docstring"
+    assert " ".join(field_docs(TrainingConfig)["teacher_forcing"].split()) in text
+    assert "Passes over the training files (0.3.0's default)." in text
+    assert "--config" in text
+
+
+def test_every_field_is_one_flag_and_one_yaml_key():
+    parser = build_parser()
+    dests = {action.dest for action in parser._actions} - {"help", "config"}
+    assert dests == set(TrainJobConfig().flat())
+    assert len(all_fields()) == len(dests)
+
+
+def test_the_online_flags_are_datagens_flags():
+    """The online section repeats datagen's target-model and preprocessing flags: same names,
+    defaults, types and choices as `speculators datagen` (and 0.3.0's train script)."""
+    from speculators_vllm016.cli.datagen import (
+        add_preprocessing_arguments,
+        add_sample_file_arguments,
+        add_target_model_arguments,
+    )
+
+    datagen = argparse.ArgumentParser()
+    add_target_model_arguments(datagen, required=False)
+    add_preprocessing_arguments(datagen, required=False, seed_flag="--data-seed", token_freq=False)
+    add_sample_file_arguments(datagen)
+    train = {action.dest: action for action in build_parser()._actions}
+
+    def shape(action: argparse.Action) -> tuple:
+        choices = list(action.choices) if action.choices is not None else None
+        return (action.option_strings, action.default, action.type, choices, action.nargs,
+                action.required, type(action).__name__)
+
+    shared = [action for action in datagen._actions if action.dest != "help"]
+    assert len(shared) == 23
+    for action in shared:
+        assert shape(train[action.dest]) == shape(action), action.dest
+
+
+def test_the_cli_and_the_library_build_the_same_config():
+    args = build_parser().parse_args(["--verifier-name-or-path", "m", "--epochs", "2", "--online"])
+    from speculators_vllm016.cli.train import config_from_args
+
+    config = config_from_args(args)
+    assert config.training.epochs == 2 and config.online.enabled
+    assert config == TrainJobConfig.from_dict(
+        {"model": {"verifier_name_or_path": "m"}, "training": {"epochs": 2}, "online": {"enabled": True}}
+    )
+    assert Path(config.checkpoint.save_path) == Path("./checkpoints")
