@@ -206,7 +206,7 @@ def _run_locked(
 
     preprocessed = preprocess_samples(options, facts)
     dataset = preprocessed.dataset
-    identity = run_identity(options, facts, samples_digest(dataset))
+    identity = run_identity(options, facts, samples_digest(dataset), len(dataset))
     must_record = folder.check_identity(identity, output.adopt_existing)
 
     positions = shard_positions(len(dataset), output.num_shards, output.shard_index)

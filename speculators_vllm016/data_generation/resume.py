@@ -58,8 +58,14 @@ class RunIdentity:
         return {"version": IDENTITY_VERSION, **self.compared, "details": self.informational}
 
 
-def run_identity(options: DatagenOptions, facts: ModelFacts, digest: str) -> RunIdentity:
-    """The identity of a run with these options over samples whose `samples_digest` is `digest`."""
+def run_identity(
+    options: DatagenOptions, facts: ModelFacts, digest: str, num_samples: int | None = None
+) -> RunIdentity:
+    """The identity of a run with these options over samples whose `samples_digest` is `digest`.
+
+    `num_samples` (every shard's samples together) is recorded, not compared (the digest covers
+    it): the trainer reads it to refuse a folder that lacks some (`completeness`).
+    """
     data_path = options.preprocessing.train_data_path
     data = Path(data_path)
     return RunIdentity(
@@ -79,6 +85,7 @@ def run_identity(options: DatagenOptions, facts: ModelFacts, digest: str) -> Run
             "max_samples": options.preprocessing.max_samples,
             "assistant_pattern": options.preprocessing.assistant_pattern,
             "turn_dropout": options.preprocessing.turn_dropout,
+            "num_samples": num_samples,
         },
     )
 

@@ -310,7 +310,7 @@ class _Cache:
                 ) from None
             try:
                 self._folder.open_slot()
-                self.identity = run_identity(options, facts, samples_digest(dataset))
+                self.identity = run_identity(options, facts, samples_digest(dataset), len(dataset))
                 try:
                     self._must_record = self._folder.check_identity(self.identity)
                 except ValueError as error:
