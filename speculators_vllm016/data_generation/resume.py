@@ -6,6 +6,12 @@ sample's token ids and loss mask. Flags that only lead to those (sequence length
 assistant pattern, the data file's path) are recorded for the error message but not compared on
 their own: the hash already tells whether they changed what goes into a sample.
 
+The flags do not settle every byte: `--dtype auto` takes the model config's dtype as the
+device allows, so the same command can make other tensors (and adopted files can be anything).
+Once the engine runs, its dtype and width are compared with the kept files' (`refuse_other_tensors`)
+before anything is written. Nothing new is asked of the record, so folders of earlier versions
+resume with the same command as before.
+
 A folder with sample files but no identity (0.3.0 output, a deleted state file) is refused unless
 the caller adopts it. Present files are trusted when the manifest lists them with their current
 size; any other file is opened and its token ids compared with the sample it should hold. What
@@ -36,7 +42,9 @@ __all__ = [
     "RunIdentity",
     "check_identity",
     "record_identity",
+    "refuse_other_tensors",
     "run_identity",
+    "sample_signature",
     "samples_digest",
     "verify_present",
 ]
@@ -203,22 +211,74 @@ def has_sample_files(output_dir: Path) -> bool:
     return output_dir.is_dir() and any(SAMPLE_FILE.match(name) for name in os.listdir(output_dir))
 
 
-def _sample_matches(path: Path, expected_ids: torch.Tensor, num_layers: int) -> bool:
-    """Open the file (memory-mapped) and compare what is cheap to compare."""
+# What the tensors of a sample are made of: (dtype, width) of its hidden states.
+Signature = tuple[str, int]
+
+
+def _signature(sample: dict) -> Signature:
+    first = sample["hidden_states"][0]
+    return str(first.dtype), int(first.shape[-1])
+
+
+def _sample_matches(
+    path: Path, expected_ids: torch.Tensor, num_layers: int
+) -> Signature | None:
+    """Open the file (memory-mapped) and compare what is cheap to compare; the file's
+    `Signature` when it holds the expected sample, else None."""
     from speculators_vllm016.data_generation.sample_io import load_sample
 
     try:
         sample = load_sample(path)
         ids = torch.as_tensor(sample["input_ids"])
         states = sample["hidden_states"]
-        return (
+        matches = (
             torch.equal(ids.to(torch.long), expected_ids)
             and len(sample["loss_mask"]) == len(expected_ids)
             and len(states) == num_layers
             and all(layer.shape[0] == len(expected_ids) for layer in states)
         )
+        return _signature(sample) if matches else None
     except Exception:  # noqa: BLE001 - any unreadable file is simply recomputed
-        return False
+        return None
+
+
+def sample_signature(path: Path) -> Signature | None:
+    """(dtype, width) of one sample file's hidden states; None when it cannot be read."""
+    from speculators_vllm016.data_generation.sample_io import load_sample
+
+    try:
+        return _signature(load_sample(path))
+    except Exception:  # noqa: BLE001 - an unreadable file is recomputed, not compared
+        return None
+
+
+def refuse_other_tensors(
+    output_dir: Path,
+    signatures: dict[Signature, str],
+    dtype: torch.dtype | None,
+    hidden_size: int,
+    *,
+    flag: str = "--output-dir",
+) -> None:
+    """Refuse to add samples to files whose hidden states differ from the engine's.
+
+    The identity compares the flags, but some changes reach the tensors without changing a flag
+    or a token id: `--dtype auto` resolved otherwise (the model's config edited, another device),
+    files adopted from another run. The engine's dtype and the model's width are compared with
+    those of the kept files (`signatures`: signature -> one file holding it), before any write.
+    A `dtype` of None (a stand-in generator that states none) compares nothing.
+    """
+    if dtype is None:
+        return
+    wanted = (str(dtype), int(hidden_size))
+    for (found_dtype, width), name in sorted(signatures.items()):
+        if (found_dtype, width) != wanted:
+            raise ValueError(
+                f"{flag} {output_dir} holds samples of a different run ({name} holds "
+                f"{found_dtype} hidden states {width} wide; this run's engine makes {wanted[0]}, "
+                f"{wanted[1]} wide: another --dtype, model or device); use another {flag} or "
+                "remove it"
+            )
 
 
 def verify_present(
@@ -227,15 +287,19 @@ def verify_present(
     records: dict[str, SampleRecord],
     num_layers: int,
     manifest: ManifestWriter | None,
+    signatures: dict[Signature, str] | None = None,
 ) -> set[int]:
     """Indices whose files can be kept; `candidates` are (index, file name, expected ids).
 
     A file listed in the manifest with its size and token count is kept unopened; others are
     opened and checked, and those that pass get a record (without hash) so the next resume and
     the trainer find them. Failing files are left to be replaced by the recomputed ones.
+    `signatures`, when given, collects what the kept files' hidden states are (one file for
+    each): every opened file's, and the first unopened one's (`refuse_other_tensors`).
     """
     good: set[int] = set()
     bad: list[str] = []
+    trusted_seen = False
     for index, name, expected in candidates:
         path = output_dir / name
         try:
@@ -245,9 +309,17 @@ def verify_present(
         record = records.get(name)
         if record is not None and record.bytes == size and record.length == len(expected):
             good.add(index)
+            if signatures is not None and not trusted_seen:
+                found = sample_signature(path)
+                trusted_seen = found is not None
+                if found is not None:
+                    signatures.setdefault(found, name)
             continue
-        if _sample_matches(path, expected, num_layers):
+        found = _sample_matches(path, expected, num_layers)
+        if found is not None:
             good.add(index)
+            if signatures is not None:
+                signatures.setdefault(found, name)
             if manifest is not None:
                 manifest.append(SampleRecord(name, index, len(expected), size, None))
         else:

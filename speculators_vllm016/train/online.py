@@ -35,6 +35,7 @@ from speculators_vllm016.train.data import (
     DataSourceError,
     Eagle3SampleFileDataset,
     PackedBatch,
+    SampleFileError,
 )
 from speculators_vllm016.utils.errors import first_line, type_and_first_line
 
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from speculators_vllm016.data_generation.preflight import ModelFacts
 
 __all__ = [
-    "CacheFolderError", "CacheWriteFailed", "ExtractionFailed", "OnlineExtractor", "OnlineLoader", "OnlineStats",
+    "CacheFolderError", "CacheOfOtherTensors", "CacheWriteFailed", "ExtractionFailed", "OnlineExtractor", "OnlineLoader", "OnlineStats",
     "SampleExchange",
 ]
 
@@ -58,6 +59,10 @@ class ExtractionFailed(DataSourceError):
 
 class CacheFolderError(ValueError):
     """The --cache-dir folder cannot be used (another run's, in use, not creatable)."""
+
+
+class CacheOfOtherTensors(SampleFileError):
+    """The --cache-dir folder holds hidden states unlike the started engine's (another dtype)."""
 
 
 class CacheWriteFailed(DataSourceError):
@@ -293,6 +298,7 @@ class _Cache:
         from speculators_vllm016.data_generation.token_counts import count_trained_tokens
 
         self.options, self.folder = options, folder
+        self.hidden_size = facts.hidden_size
         # Train has no --adopt-existing: a folder it cannot trust is refused outright.
         self._folder = DatagenFolder(folder, fsync=options.output.fsync, flag="--cache-dir", adopt_flag=None)
         try:
@@ -332,7 +338,14 @@ class _Cache:
         self._num_samples = len(dataset)
 
     def started(self, generator: Any) -> None:
-        """The engine runs: record the run and write `data_config.json` (as datagen does)."""
+        """The engine runs: check that it makes tensors like the cached ones (as datagen does),
+        record the run and write `data_config.json`."""
+        try:
+            self._folder.refuse_other_tensors(
+                self._folder.listed_signatures(), getattr(generator, "dtype", None), self.hidden_size
+            )
+        except ValueError as error:
+            raise CacheOfOtherTensors(first_line(error)) from None
         try:
             if self._must_record:
                 self._folder.record_identity(self.identity)

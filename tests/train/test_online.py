@@ -644,3 +644,28 @@ def test_online_rows_of_several_samples_of_different_lengths_equal_offline_rows(
             assert torch.equal(row_online[key], row_offline[key]), key
     packed = [row["lengths"].tolist() for row in online]
     assert all(len(lengths) >= 3 and len(set(lengths)) >= 2 for lengths in packed), packed
+
+
+def test_a_cache_of_other_tensors_is_refused_when_the_engine_starts(tmp_path, monkeypatch):
+    """#29 item 15 for the --cache-dir: an engine that makes other hidden states (here bf16)
+    than the cached files (fp32) must not add to them."""
+    from speculators_vllm016.data_generation import offline
+    from speculators_vllm016.train.online import CacheOfOtherTensors
+
+    first, _ = _loader_over(tmp_path, monkeypatch, 6)
+    list(first)
+    first.extractor.close()
+    (tmp_path / "cache" / "data_2.pt").unlink()
+    loader, _ = _loader_over(tmp_path, monkeypatch, 6)
+
+    class Bfloat16(_WidthEight):
+        dtype = torch.bfloat16
+
+    monkeypatch.setattr(offline, "start_generator", lambda options, facts: Bfloat16())
+    with pytest.raises(CacheOfOtherTensors, match=(
+        rf"^--cache-dir {tmp_path / 'cache'} holds samples of a different run \(data_0.pt holds "
+        r"torch.float32 hidden states 8 wide; this run's engine makes torch.bfloat16, 8 wide"
+    )):
+        list(loader)
+    loader.extractor.close()
+    assert not (tmp_path / "cache" / "data_2.pt").exists()
