@@ -185,7 +185,11 @@ class DatagenFolder:
         )
 
     def record_identity(self, identity: RunIdentity) -> None:
-        record_identity(self.path, identity)
+        """Record the run unless another process recorded one meanwhile, which must be the
+        same run (shards started together); a different one is refused."""
+        record_identity(
+            self.path, identity, exclusive=True, flag=self.flag, adopt_flag=self.adopt_flag
+        )
 
     def listed_signatures(self) -> dict[Signature, str]:
         """What the first whole file the manifests list holds (`resume.Signature`); {} if none."""

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from speculators_vllm016.data_generation.manifest import ManifestWriter, SampleRecord
-from speculators_vllm016.utils.atomic_files import atomic_write_json
+from speculators_vllm016.utils.atomic_files import atomic_write_json, temporary_path
 
 if TYPE_CHECKING:
     from speculators_vllm016.data_generation.options import DatagenOptions
@@ -201,8 +201,35 @@ def check_identity(
     )
 
 
-def record_identity(output_dir: Path, identity: RunIdentity) -> None:
-    atomic_write_json(output_dir / STATE_FILE, identity.to_json(), indent=2, sort_keys=True)
+def record_identity(
+    output_dir: Path,
+    identity: RunIdentity,
+    *,
+    exclusive: bool = False,
+    flag: str = "--output-dir",
+    adopt_flag: str | None = "--adopt-existing",
+) -> None:
+    """Write the run's record. `exclusive`: only where none is yet; a record another process
+    wrote since `check_identity` (shards of one folder start together) must be this run's.
+
+    Without it two shards started at once with, say, another --dtype each found no record, both
+    recorded theirs, and both wrote into one folder.
+    """
+    state = output_dir / STATE_FILE
+    if not exclusive:
+        atomic_write_json(state, identity.to_json(), indent=2, sort_keys=True)
+        return
+    temp = atomic_write_json(
+        temporary_path(state), identity.to_json(), indent=2, sort_keys=True
+    )
+    try:
+        os.link(temp, state)  # fails when a record is there: never replaces another's
+    except FileExistsError:
+        check_identity(output_dir, identity, True, flag=flag, adopt_flag=adopt_flag)
+    except OSError:  # a filesystem without hard links: as before
+        os.replace(temp, state)
+    finally:
+        temp.unlink(missing_ok=True)
 
 
 def has_sample_files(output_dir: Path) -> bool:
