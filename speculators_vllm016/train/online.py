@@ -539,14 +539,21 @@ class OnlineLoader:
             yield from self._from_cache(steps)
             return
         producer = None
+        failed: _Failure | None = None
         if exchange.rank == 0:
-            self.extractor.ensure_engine()
-            producer = self.extractor.start_producer(union, self.indices, need, self.queue_size)
+            try:
+                self.extractor.ensure_engine()
+            except (DataSourceError, SampleFileError) as error:  # every rank stops, not only rank 0
+                failed = _Failure(error)
+            else:
+                producer = self.extractor.start_producer(union, self.indices, need, self.queue_size)
         stats = self.extractor.stats
         try:
             for s, step in enumerate(steps):
                 parts = None
-                if producer is not None:
+                if failed is not None:
+                    parts = [failed] * exchange.world_size
+                elif producer is not None:
                     started = time.perf_counter()
                     got = producer.rows.get()
                     stats.trainer_wait += time.perf_counter() - started

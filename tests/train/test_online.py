@@ -646,9 +646,10 @@ def test_online_rows_of_several_samples_of_different_lengths_equal_offline_rows(
     assert all(len(lengths) >= 3 and len(set(lengths)) >= 2 for lengths in packed), packed
 
 
-def test_a_cache_of_other_tensors_is_refused_when_the_engine_starts(tmp_path, monkeypatch):
+@pytest.mark.parametrize("ranks", [False, True])
+def test_a_cache_of_other_tensors_is_refused_when_the_engine_starts(tmp_path, monkeypatch, ranks):
     """#29 item 15 for the --cache-dir: an engine that makes other hidden states (here bf16)
-    than the cached files (fp32) must not add to them."""
+    than the cached files (fp32) must not add to them. Under torchrun every rank is told."""
     from speculators_vllm016.data_generation import offline
     from speculators_vllm016.train.online import CacheOfOtherTensors
 
@@ -657,6 +658,7 @@ def test_a_cache_of_other_tensors_is_refused_when_the_engine_starts(tmp_path, mo
     first.extractor.close()
     (tmp_path / "cache" / "data_2.pt").unlink()
     loader, _ = _loader_over(tmp_path, monkeypatch, 6)
+    loader.exchange = _OneRank() if ranks else None
 
     class Bfloat16(_WidthEight):
         dtype = torch.bfloat16
