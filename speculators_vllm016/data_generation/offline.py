@@ -16,7 +16,7 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -205,7 +205,7 @@ def _run_locked(
 
     preprocessed = preprocess_samples(options, facts)
     dataset = preprocessed.dataset
-    identity = run_identity(options, facts, samples_digest(dataset))
+    identity = run_identity(options, facts, samples_digest(dataset), len(dataset))
     must_record = folder.check_identity(identity, output.adopt_existing)
 
     positions = shard_positions(len(dataset), output.num_shards, output.shard_index)
@@ -230,7 +230,8 @@ def _run_locked(
 class ShardExtraction:
     """What is left of one shard's extraction in a held folder, and running it.
 
-    Present files that check out are kept; batches missing any file run whole. The run is
+    Present files that check out are kept; batches missing any file run whole, once the started
+    engine is known to make tensors like the kept files' (its dtype and width). The run is
     recorded in the folder once the engine started (a typo never locks the folder), and
     `data_config.json` is written when an engine ran.
     """
@@ -245,6 +246,8 @@ class ShardExtraction:
     started: float  # perf_counter() at the run's start, for the summary
     skipped_rows: int = 0  # chat rows preprocessing dropped
     generator_class: Any = None  # None: VllmHiddenStatesGenerator
+    # (dtype, width) of the kept files' hidden states -> one file of each (`present` fills it)
+    kept_signatures: dict = field(default_factory=dict)
 
     def present(self) -> set[int]:
         """Indices of this shard whose files are on disk and hold the expected sample."""
@@ -261,7 +264,7 @@ class ShardExtraction:
         )
         return verify_present(
             self.folder.path, candidates, read_manifest(self.folder.path),
-            len(self.facts.layer_ids), self.folder.manifest,
+            len(self.facts.layer_ids), self.folder.manifest, self.kept_signatures,
         )
 
     def run(self) -> DatagenSummary:
@@ -285,6 +288,10 @@ class ShardExtraction:
         try:
             if todo:
                 generator = start_generator(options, self.facts, self.generator_class)
+                # Kept files made otherwise (another dtype) would leave the folder mixed.
+                folder.refuse_other_tensors(
+                    self.kept_signatures, getattr(generator, "dtype", None), self.facts.hidden_size
+                )
             if self.must_record:  # the run is known to start: a typo never locks the folder
                 folder.record_identity(self.identity)
             if generator is not None:

@@ -22,7 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 from speculators_vllm016.data_generation.config_generator import CONFIG_FILE, DataGenerationConfig
 from speculators_vllm016.data_generation.manifest import ManifestWriter, manifest_path
-from speculators_vllm016.data_generation.resume import RunIdentity, check_identity, record_identity
+from speculators_vllm016.data_generation.resume import (
+    RunIdentity,
+    Signature,
+    check_identity,
+    record_identity,
+    refuse_other_tensors,
+    sample_signature,
+)
 from speculators_vllm016.data_generation.resume import refuse_unrecorded as _refuse_unrecorded
 from speculators_vllm016.data_generation.sample_io import WriterSlot, _try_lock, remove_partial_files
 from speculators_vllm016.data_generation.token_counts import save_token_counts, shard_token_freq_path
@@ -178,7 +185,29 @@ class DatagenFolder:
         )
 
     def record_identity(self, identity: RunIdentity) -> None:
-        record_identity(self.path, identity)
+        """Record the run unless another process recorded one meanwhile, which must be the
+        same run (shards started together); a different one is refused."""
+        record_identity(
+            self.path, identity, exclusive=True, flag=self.flag, adopt_flag=self.adopt_flag
+        )
+
+    def listed_signatures(self) -> dict[Signature, str]:
+        """What the first whole file the manifests list holds (`resume.Signature`); {} if none."""
+        from speculators_vllm016.data_generation.manifest import read_manifest
+
+        for name, record in sorted(read_manifest(self.path).items(), key=lambda kv: kv[1].index):
+            path = self.path / name
+            if path.is_file() and path.stat().st_size == record.bytes:
+                found = sample_signature(path)
+                if found is not None:
+                    return {found: name}
+        return {}
+
+    def refuse_other_tensors(
+        self, signatures: dict[Signature, str], dtype: Any, hidden_size: int
+    ) -> None:
+        """Refuse an engine whose hidden states (dtype, width) differ from the kept files'."""
+        refuse_other_tensors(self.path, signatures, dtype, hidden_size, flag=self.flag)
 
     def write_token_counts(self, counts: dict[int, int], also_to: str | None = None) -> None:
         """This shard's counts beside the data, and at `also_to` (0.3.0's `--token-freq-path`;

@@ -6,6 +6,12 @@ sample's token ids and loss mask. Flags that only lead to those (sequence length
 assistant pattern, the data file's path) are recorded for the error message but not compared on
 their own: the hash already tells whether they changed what goes into a sample.
 
+The flags do not settle every byte: `--dtype auto` takes the model config's dtype as the
+device allows, so the same command can make other tensors (and adopted files can be anything).
+Once the engine runs, its dtype and width are compared with the kept files' (`refuse_other_tensors`)
+before anything is written. Nothing new is asked of the record, so folders of earlier versions
+resume with the same command as before.
+
 A folder with sample files but no identity (0.3.0 output, a deleted state file) is refused unless
 the caller adopts it. Present files are trusted when the manifest lists them with their current
 size; any other file is opened and its token ids compared with the sample it should hold. What
@@ -26,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from speculators_vllm016.data_generation.manifest import ManifestWriter, SampleRecord
-from speculators_vllm016.utils.atomic_files import atomic_write_json
+from speculators_vllm016.utils.atomic_files import atomic_write_json, temporary_path
 
 if TYPE_CHECKING:
     from speculators_vllm016.data_generation.options import DatagenOptions
@@ -36,7 +42,9 @@ __all__ = [
     "RunIdentity",
     "check_identity",
     "record_identity",
+    "refuse_other_tensors",
     "run_identity",
+    "sample_signature",
     "samples_digest",
     "verify_present",
 ]
@@ -58,8 +66,14 @@ class RunIdentity:
         return {"version": IDENTITY_VERSION, **self.compared, "details": self.informational}
 
 
-def run_identity(options: DatagenOptions, facts: ModelFacts, digest: str) -> RunIdentity:
-    """The identity of a run with these options over samples whose `samples_digest` is `digest`."""
+def run_identity(
+    options: DatagenOptions, facts: ModelFacts, digest: str, num_samples: int | None = None
+) -> RunIdentity:
+    """The identity of a run with these options over samples whose `samples_digest` is `digest`.
+
+    `num_samples` (every shard's samples together) is recorded, not compared (the digest covers
+    it): the trainer reads it to refuse a folder that lacks some (`completeness`).
+    """
     data_path = options.preprocessing.train_data_path
     data = Path(data_path)
     return RunIdentity(
@@ -79,6 +93,7 @@ def run_identity(options: DatagenOptions, facts: ModelFacts, digest: str) -> Run
             "max_samples": options.preprocessing.max_samples,
             "assistant_pattern": options.preprocessing.assistant_pattern,
             "turn_dropout": options.preprocessing.turn_dropout,
+            "num_samples": num_samples,
         },
     )
 
@@ -186,8 +201,35 @@ def check_identity(
     )
 
 
-def record_identity(output_dir: Path, identity: RunIdentity) -> None:
-    atomic_write_json(output_dir / STATE_FILE, identity.to_json(), indent=2, sort_keys=True)
+def record_identity(
+    output_dir: Path,
+    identity: RunIdentity,
+    *,
+    exclusive: bool = False,
+    flag: str = "--output-dir",
+    adopt_flag: str | None = "--adopt-existing",
+) -> None:
+    """Write the run's record. `exclusive`: only where none is yet; a record another process
+    wrote since `check_identity` (shards of one folder start together) must be this run's.
+
+    Without it two shards started at once with, say, another --dtype each found no record, both
+    recorded theirs, and both wrote into one folder.
+    """
+    state = output_dir / STATE_FILE
+    if not exclusive:
+        atomic_write_json(state, identity.to_json(), indent=2, sort_keys=True)
+        return
+    temp = atomic_write_json(
+        temporary_path(state), identity.to_json(), indent=2, sort_keys=True
+    )
+    try:
+        os.link(temp, state)  # fails when a record is there: never replaces another's
+    except FileExistsError:
+        check_identity(output_dir, identity, True, flag=flag, adopt_flag=adopt_flag)
+    except OSError:  # a filesystem without hard links: as before
+        os.replace(temp, state)
+    finally:
+        temp.unlink(missing_ok=True)
 
 
 def has_sample_files(output_dir: Path) -> bool:
@@ -196,22 +238,74 @@ def has_sample_files(output_dir: Path) -> bool:
     return output_dir.is_dir() and any(SAMPLE_FILE.match(name) for name in os.listdir(output_dir))
 
 
-def _sample_matches(path: Path, expected_ids: torch.Tensor, num_layers: int) -> bool:
-    """Open the file (memory-mapped) and compare what is cheap to compare."""
+# What the tensors of a sample are made of: (dtype, width) of its hidden states.
+Signature = tuple[str, int]
+
+
+def _signature(sample: dict) -> Signature:
+    first = sample["hidden_states"][0]
+    return str(first.dtype), int(first.shape[-1])
+
+
+def _sample_matches(
+    path: Path, expected_ids: torch.Tensor, num_layers: int
+) -> Signature | None:
+    """Open the file (memory-mapped) and compare what is cheap to compare; the file's
+    `Signature` when it holds the expected sample, else None."""
     from speculators_vllm016.data_generation.sample_io import load_sample
 
     try:
         sample = load_sample(path)
         ids = torch.as_tensor(sample["input_ids"])
         states = sample["hidden_states"]
-        return (
+        matches = (
             torch.equal(ids.to(torch.long), expected_ids)
             and len(sample["loss_mask"]) == len(expected_ids)
             and len(states) == num_layers
             and all(layer.shape[0] == len(expected_ids) for layer in states)
         )
+        return _signature(sample) if matches else None
     except Exception:  # noqa: BLE001 - any unreadable file is simply recomputed
-        return False
+        return None
+
+
+def sample_signature(path: Path) -> Signature | None:
+    """(dtype, width) of one sample file's hidden states; None when it cannot be read."""
+    from speculators_vllm016.data_generation.sample_io import load_sample
+
+    try:
+        return _signature(load_sample(path))
+    except Exception:  # noqa: BLE001 - an unreadable file is recomputed, not compared
+        return None
+
+
+def refuse_other_tensors(
+    output_dir: Path,
+    signatures: dict[Signature, str],
+    dtype: torch.dtype | None,
+    hidden_size: int,
+    *,
+    flag: str = "--output-dir",
+) -> None:
+    """Refuse to add samples to files whose hidden states differ from the engine's.
+
+    The identity compares the flags, but some changes reach the tensors without changing a flag
+    or a token id: `--dtype auto` resolved otherwise (the model's config edited, another device),
+    files adopted from another run. The engine's dtype and the model's width are compared with
+    those of the kept files (`signatures`: signature -> one file holding it), before any write.
+    A `dtype` of None (a stand-in generator that states none) compares nothing.
+    """
+    if dtype is None:
+        return
+    wanted = (str(dtype), int(hidden_size))
+    for (found_dtype, width), name in sorted(signatures.items()):
+        if (found_dtype, width) != wanted:
+            raise ValueError(
+                f"{flag} {output_dir} holds samples of a different run ({name} holds "
+                f"{found_dtype} hidden states {width} wide; this run's engine makes {wanted[0]}, "
+                f"{wanted[1]} wide: another --dtype, model or device); use another {flag} or "
+                "remove it"
+            )
 
 
 def verify_present(
@@ -220,15 +314,19 @@ def verify_present(
     records: dict[str, SampleRecord],
     num_layers: int,
     manifest: ManifestWriter | None,
+    signatures: dict[Signature, str] | None = None,
 ) -> set[int]:
     """Indices whose files can be kept; `candidates` are (index, file name, expected ids).
 
     A file listed in the manifest with its size and token count is kept unopened; others are
     opened and checked, and those that pass get a record (without hash) so the next resume and
     the trainer find them. Failing files are left to be replaced by the recomputed ones.
+    `signatures`, when given, collects what the kept files' hidden states are (one file for
+    each): every opened file's, and the first unopened one's (`refuse_other_tensors`).
     """
     good: set[int] = set()
     bad: list[str] = []
+    trusted_seen = False
     for index, name, expected in candidates:
         path = output_dir / name
         try:
@@ -238,9 +336,17 @@ def verify_present(
         record = records.get(name)
         if record is not None and record.bytes == size and record.length == len(expected):
             good.add(index)
+            if signatures is not None and not trusted_seen:
+                found = sample_signature(path)
+                trusted_seen = found is not None
+                if found is not None:
+                    signatures.setdefault(found, name)
             continue
-        if _sample_matches(path, expected, num_layers):
+        found = _sample_matches(path, expected, num_layers)
+        if found is not None:
             good.add(index)
+            if signatures is not None:
+                signatures.setdefault(found, name)
             if manifest is not None:
                 manifest.append(SampleRecord(name, index, len(expected), size, None))
         else:

@@ -51,6 +51,7 @@ __all__ = [
     "BatchType",
     "DataSourceError",
     "Eagle3SampleFileDataset",
+    "IncompleteDataError",
     "PackedBatch",
     "SampleFileError",
     "check_sample_shapes",
@@ -99,19 +100,34 @@ class SampleFileError(ValueError):
     """A sample file that cannot be used: unreadable, of the wrong layout, or not finite."""
 
 
+class IncompleteDataError(SampleFileError):
+    """A datagen folder lacks sample files its run lists (a run stopped half-way, a lost copy)."""
+
+
 class DataSourceError(RuntimeError):
     """The source of rows failed (e.g. online extraction's engine died); the trainer checkpoints."""
 
 
-def list_files(path: str | os.PathLike) -> list[Path]:
-    """Every sample file under `path` (recursively), in a stable order: folder, then index."""
+def list_files(path: str | os.PathLike, check_complete: bool = True) -> list[Path]:
+    """Every sample file under `path` (recursively), in a stable order: folder, then index.
+
+    A datagen folder that lacks sample files its run record or manifest lists is refused
+    (`IncompleteDataError`) unless `check_complete` is off: training on part of a run would look
+    like success. Folders without either (0.3.0's layout) are taken as they are.
+    """
+    from speculators_vllm016.data_generation.completeness import missing_samples
+
     found: list[tuple[str, int, str, Path]] = []
     for root, directories, files in os.walk(path):
         directories[:] = [name for name in directories if not name.startswith(".")]
-        for name in files:
+        names = [name for name in files if SAMPLE_FILE.match(name)]
+        if check_complete:
+            missing = missing_samples(root, names)
+            if missing is not None:
+                raise IncompleteDataError(missing.message())
+        for name in names:
             match = SAMPLE_FILE.match(name)
-            if match:
-                found.append((root, int(match.group(1)), match.group(2), Path(root) / name))
+            found.append((root, int(match.group(1)), match.group(2), Path(root) / name))
     found.sort(key=lambda entry: entry[:3])
     return [entry[3] for entry in found]
 

@@ -35,6 +35,7 @@ from speculators_vllm016.train.data import (
     DataSourceError,
     Eagle3SampleFileDataset,
     PackedBatch,
+    SampleFileError,
 )
 from speculators_vllm016.utils.errors import first_line, type_and_first_line
 
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from speculators_vllm016.data_generation.preflight import ModelFacts
 
 __all__ = [
-    "CacheFolderError", "CacheWriteFailed", "ExtractionFailed", "OnlineExtractor", "OnlineLoader", "OnlineStats",
+    "CacheFolderError", "CacheOfOtherTensors", "CacheWriteFailed", "ExtractionFailed", "OnlineExtractor", "OnlineLoader", "OnlineStats",
     "SampleExchange",
 ]
 
@@ -58,6 +59,10 @@ class ExtractionFailed(DataSourceError):
 
 class CacheFolderError(ValueError):
     """The --cache-dir folder cannot be used (another run's, in use, not creatable)."""
+
+
+class CacheOfOtherTensors(SampleFileError):
+    """The --cache-dir folder holds hidden states unlike the started engine's (another dtype)."""
 
 
 class CacheWriteFailed(DataSourceError):
@@ -293,6 +298,7 @@ class _Cache:
         from speculators_vllm016.data_generation.token_counts import count_trained_tokens
 
         self.options, self.folder = options, folder
+        self.hidden_size = facts.hidden_size
         # Train has no --adopt-existing: a folder it cannot trust is refused outright.
         self._folder = DatagenFolder(folder, fsync=options.output.fsync, flag="--cache-dir", adopt_flag=None)
         try:
@@ -310,7 +316,7 @@ class _Cache:
                 ) from None
             try:
                 self._folder.open_slot()
-                self.identity = run_identity(options, facts, samples_digest(dataset))
+                self.identity = run_identity(options, facts, samples_digest(dataset), len(dataset))
                 try:
                     self._must_record = self._folder.check_identity(self.identity)
                 except ValueError as error:
@@ -332,7 +338,14 @@ class _Cache:
         self._num_samples = len(dataset)
 
     def started(self, generator: Any) -> None:
-        """The engine runs: record the run and write `data_config.json` (as datagen does)."""
+        """The engine runs: check that it makes tensors like the cached ones (as datagen does),
+        record the run and write `data_config.json`."""
+        try:
+            self._folder.refuse_other_tensors(
+                self._folder.listed_signatures(), getattr(generator, "dtype", None), self.hidden_size
+            )
+        except ValueError as error:
+            raise CacheOfOtherTensors(first_line(error)) from None
         try:
             if self._must_record:
                 self._folder.record_identity(self.identity)
@@ -526,14 +539,21 @@ class OnlineLoader:
             yield from self._from_cache(steps)
             return
         producer = None
+        failed: _Failure | None = None
         if exchange.rank == 0:
-            self.extractor.ensure_engine()
-            producer = self.extractor.start_producer(union, self.indices, need, self.queue_size)
+            try:
+                self.extractor.ensure_engine()
+            except (DataSourceError, SampleFileError) as error:  # every rank stops, not only rank 0
+                failed = _Failure(error)
+            else:
+                producer = self.extractor.start_producer(union, self.indices, need, self.queue_size)
         stats = self.extractor.stats
         try:
             for s, step in enumerate(steps):
                 parts = None
-                if producer is not None:
+                if failed is not None:
+                    parts = [failed] * exchange.world_size
+                elif producer is not None:
                     started = time.perf_counter()
                     got = producer.rows.get()
                     stats.trainer_wait += time.perf_counter() - started

@@ -257,3 +257,21 @@ def test_identity_compares_what_goes_into_the_samples(reference, tiny_llama, cha
         options_for(f"./{Path(tiny_llama).name}", chats, reference, layer_ids=spelled)
     )
     assert summary.samples_written == 0 and summary.samples_already_present == NUM_ROWS
+
+
+# -- #29 item 6: training refuses a folder its datagen run has not finished ---------------------
+
+
+def test_a_folder_missing_samples_is_refused_by_training_until_datagen_finishes_it(
+    reference, tiny_llama, chats, tmp_path
+):
+    from speculators_vllm016.train.data import IncompleteDataError, list_files
+
+    folder = copy_run(reference, tmp_path / "unfinished")
+    (folder / "data_7.pt").unlink()
+    (folder / "data_12.pt").unlink()
+    with pytest.raises(IncompleteDataError, match=r"lacks 2 of the 16 .*\(data_7.pt, data_12.pt\)"):
+        list_files(folder)
+    summary = run_datagen(options_for(tiny_llama, chats, folder))  # the same command again
+    assert summary.samples_written == 2
+    assert len(list_files(folder)) == NUM_ROWS

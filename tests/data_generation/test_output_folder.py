@@ -74,3 +74,18 @@ def test_older_and_partial_data_configs_stay_readable(tmp_path):
     assert config.model is None and config.data is None
     (tmp_path / "data_config.json").write_text("[1]")
     assert read_data_config(tmp_path) is None
+
+
+def test_shards_started_together_cannot_record_two_different_runs(tmp_path):
+    """#29 item 15: both shards find no record; the second to record must match the first."""
+    a = RunIdentity(compared={"dtype": "float32", "samples_sha256": "s"}, informational={})
+    b = RunIdentity(compared={"dtype": "bfloat16", "samples_sha256": "s"}, informational={})
+    zero = DatagenFolder(tmp_path, shard_index=0, num_shards=2)
+    one = DatagenFolder(tmp_path, shard_index=1, num_shards=2)
+    assert zero.check_identity(a) is True and one.check_identity(b) is True
+    zero.record_identity(a)
+    with pytest.raises(ValueError, match=r"different run \(dtype: was 'float32', now 'bfloat16'\)"):
+        one.record_identity(b)
+    one.record_identity(a)  # the same run: fine
+    assert json.loads((tmp_path / ".datagen_state.json").read_text())["dtype"] == "float32"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".datagen_state.json"]

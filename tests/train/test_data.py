@@ -404,3 +404,87 @@ def test_train_measures_widths_against_the_verifier_not_the_first_file_of_a_spli
     skipped = [line for line in capsys.readouterr().err.splitlines() if "skipping sample" in line]
     assert len(skipped) == 1 and odd.name in skipped[0], skipped
     assert json.loads((save / "0" / "training_state.json").read_text())["skipped_samples"] == 0
+
+
+# -- #29 item 6: a datagen folder that lacks samples its run lists is refused -------------------
+
+
+def datagen_folder(folder: Path, count: int, record_count: bool = True, start: int = 3) -> Path:
+    """A folder as datagen leaves it: samples, their manifest lines and the run record."""
+    from speculators_vllm016.data_generation.manifest import ManifestWriter, SampleRecord, manifest_path
+    from speculators_vllm016.data_generation.resume import RunIdentity, record_identity
+
+    folder.mkdir()
+    with ManifestWriter(manifest_path(folder, 0, 1)) as manifest:
+        for index in range(start, start + count):
+            size = write_sample(folder / f"data_{index}.pt", sample(4 + index, seed=index))
+            manifest.append(SampleRecord(f"data_{index}.pt", index, 4 + index, size, None))
+    details = {"num_samples": count} if record_count else {}
+    record_identity(folder, RunIdentity({"start_idx": start, "output_format": "pt"}, details))
+    return folder
+
+
+def test_a_datagen_folder_missing_samples_its_run_lists_is_refused_in_one_line(tmp_path, capsys):
+    from speculators_vllm016.cli.train import main
+    from speculators_vllm016.train.data import IncompleteDataError
+
+    whole = datagen_folder(tmp_path / "whole", 8)
+    assert len(list_files(whole)) == 8 and len(Eagle3SampleFileDataset(64, datapath=str(whole))) == 8
+
+    # Never written (a run stopped half-way): only the run record knows them.
+    stopped = datagen_folder(tmp_path / "stopped", 8)
+    for index in (5, 9, 10):
+        (stopped / f"data_{index}.pt").unlink()
+    lines = (stopped / "manifest" / "shard-0-of-1.jsonl").read_text().splitlines()
+    (stopped / "manifest" / "shard-0-of-1.jsonl").write_text(
+        "".join(line + "\n" for line in lines if '"index":5,' not in line)
+    )
+    expected = (
+        rf"^{stopped} lacks 3 of the 8 sample files its datagen run lists \(data_5.pt, data_9.pt, "
+        r"data_10.pt\); finish them by running the same `speculators datagen` command again"
+    )
+    for read in (
+        lambda: list_files(stopped),
+        lambda: split_files(str(stopped)),
+        lambda: Eagle3SampleFileDataset(64, datapath=str(stopped)),
+        lambda: list_files(tmp_path),  # a folder of datagen folders
+    ):
+        with pytest.raises(IncompleteDataError, match=expected):
+            read()
+
+    # Listed in the manifest only (a record of before the count, no data_config.json); many.
+    lost = datagen_folder(tmp_path / "lost", 12, record_count=False)
+    for index in range(4, 12):
+        (lost / f"data_{index}.pt").unlink()
+    with pytest.raises(IncompleteDataError, match=r"lacks 8 of the 12 .*\(data_4.pt, data_5.pt, "
+                       r"data_6.pt, data_7.pt, data_8.pt and 3 more\)"):
+        list_files(lost)
+
+    # The train command says it in one line, before anything is written.
+    save = tmp_path / "save"
+    code = main(["--verifier-name-or-path", str(tmp_path / "none"), "--data-path", str(stopped),
+                 "--save-path", str(save)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1 and "lacks 3 of the 8 sample files" in err[0], err
+    assert not save.exists()
+
+
+def test_folders_without_a_run_list_are_taken_as_they_are(tmp_path):
+    """0.3.0's layout (no record, no manifest) and a complete older record (count from
+    data_config.json) train as before."""
+    import json
+
+    old = tmp_path / "old"
+    old.mkdir()
+    for index in (0, 1, 5):
+        write_sample(old / f"data_{index}.pt", sample(6, seed=index))
+    (old / "data_config.json").write_text(json.dumps({"data": {"num_samples": 10}}))
+    assert len(list_files(old)) == 3
+
+    older = datagen_folder(tmp_path / "older", 4, record_count=False, start=0)
+    (older / "data_config.json").write_text(json.dumps({"data": {"num_samples": 4}}))
+    assert len(list_files(older)) == 4
+    (older / "data_config.json").write_text(json.dumps({"data": {"num_samples": 6}}))
+    with pytest.raises(SampleFileError, match=r"lacks 2 of the 6 .*\(data_4.pt, data_5.pt\)"):
+        list_files(older)
+    assert len(list_files(older, check_complete=False)) == 4

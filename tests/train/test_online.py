@@ -619,3 +619,55 @@ def test_an_empty_epoch_plan_leaves_the_running_engine_alone(tmp_path, monkeypat
     assert "in the cache" not in caplog.text
     loader.extractor.close()
     assert engines[0].closed == 1
+
+
+def test_online_rows_of_several_samples_of_different_lengths_equal_offline_rows(tmp_path, monkeypatch):
+    """#29 item 14: each row packs several samples of different lengths, so a length that online
+    bookkeeping gets wrong by one token changes the packing plan and the rows (a one-sample row
+    would hide it). Offline reads the samples from the very folder online training wrote."""
+    from speculators_vllm016.train.data import Eagle3SampleFileDataset, create_collate_fn
+    from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+
+    loader, _ = _loader_over(tmp_path, monkeypatch, 40)
+    online = list(loader)
+    loader.extractor.close()  # every cache write finished
+    offline_data = Eagle3SampleFileDataset(64, datapath=str(tmp_path / "cache"))
+    assert loader.dataset.lengths == offline_data.lengths
+    sampler = MultipackDistributedBatchSamplerV2(64, offline_data.lengths, 1, 0)
+    assert [list(step) for step in loader.batch_sampler] == [list(step) for step in sampler]
+    collate = create_collate_fn(64)
+    offline = [collate([offline_data[item] for item in step]) for step in sampler]
+    assert len(online) == len(offline) > 1
+    for row_online, row_offline in zip(online, offline, strict=True):
+        assert row_online.keys() == row_offline.keys()
+        for key in row_online:
+            assert torch.equal(row_online[key], row_offline[key]), key
+    packed = [row["lengths"].tolist() for row in online]
+    assert all(len(lengths) >= 3 and len(set(lengths)) >= 2 for lengths in packed), packed
+
+
+@pytest.mark.parametrize("ranks", [False, True])
+def test_a_cache_of_other_tensors_is_refused_when_the_engine_starts(tmp_path, monkeypatch, ranks):
+    """#29 item 15 for the --cache-dir: an engine that makes other hidden states (here bf16)
+    than the cached files (fp32) must not add to them. Under torchrun every rank is told."""
+    from speculators_vllm016.data_generation import offline
+    from speculators_vllm016.train.online import CacheOfOtherTensors
+
+    first, _ = _loader_over(tmp_path, monkeypatch, 6)
+    list(first)
+    first.extractor.close()
+    (tmp_path / "cache" / "data_2.pt").unlink()
+    loader, _ = _loader_over(tmp_path, monkeypatch, 6)
+    loader.exchange = _OneRank() if ranks else None
+
+    class Bfloat16(_WidthEight):
+        dtype = torch.bfloat16
+
+    monkeypatch.setattr(offline, "start_generator", lambda options, facts: Bfloat16())
+    with pytest.raises(CacheOfOtherTensors, match=(
+        rf"^--cache-dir {tmp_path / 'cache'} holds samples of a different run \(data_0.pt holds "
+        r"torch.float32 hidden states 8 wide; this run's engine makes torch.bfloat16, 8 wide"
+    )):
+        list(loader)
+    loader.extractor.close()
+    assert not (tmp_path / "cache" / "data_2.pt").exists()
