@@ -12,6 +12,9 @@ The contract (what every training step receives, per rank):
         "skipped_samples":             LongTensor  []              samples of this row dropped as unusable
     }
 
+`skipped_samples` is there only when a sample of the row was dropped (0.3.0's rows have no such
+key, and code written for them compares the keys): a row without it skipped nothing.
+
 A row whose samples were all unusable is `{"skipped_samples": n}` alone: the trainer then runs
 its one-token empty row, so the step (and on several ranks, every collective) still happens and
 the plan stays the same on every rank and on resume.
@@ -42,6 +45,7 @@ from typing import Any, TypedDict, TypeVar
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
+from typing_extensions import NotRequired
 
 from speculators_vllm016.data_generation.sample_io import SAMPLE_FILE  # the one home of the name
 from speculators_vllm016.train.noise_transforms import TransformTensors
@@ -93,7 +97,7 @@ class PackedBatch(TypedDict):
     loss_mask: torch.Tensor
     position_ids: torch.Tensor
     lengths: torch.Tensor
-    skipped_samples: torch.Tensor
+    skipped_samples: NotRequired[torch.Tensor]
 
 
 class SampleFileError(ValueError):
@@ -525,7 +529,8 @@ def create_collate_fn(max_len: int) -> Callable[[list[BatchType | None]], Packed
             kept.append(length)
             used += length
         row["lengths"] = torch.tensor(kept, dtype=torch.long)
-        row["skipped_samples"] = skipped
+        if skipped:
+            row["skipped_samples"] = skipped
         return row  # type: ignore[return-value]
 
     return collate
