@@ -18,7 +18,8 @@ of 0.3.0's layout (no training_state.json) counts as the end of its epoch.
 
 Retention belongs here too: `apply_retention` keeps the newest `keep_mid_epoch` mid-epoch
 checkpoints (epoch folders stay), and a run from scratch over an earlier run's checkpoints
-(`replace_earlier_run`) deletes them right before its own first save.
+(`replace_earlier_run`) deletes them right before its own first save (which the trainer makes
+only at the end of that run's first epoch, or at its last step if sooner).
 """
 
 from __future__ import annotations

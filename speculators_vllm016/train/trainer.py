@@ -127,8 +127,10 @@ class Trainer:
             self.checkpointer.replace_earlier_run()
             root_logger.warning(
                 "resume is off: training from scratch; the %d checkpoints of the earlier run in %s "
-                "are deleted when this run writes its first checkpoint (%s moves to %s.prev "
-                "when training starts)", len(self.checkpointer.earlier_run), self.config.save_path,
+                "are deleted when this run finishes its first epoch (or its last step, if sooner); "
+                "until then it writes no checkpoint, and stopped before that it leaves the earlier "
+                "run as it was (%s moves to %s.prev when training starts)",
+                len(self.checkpointer.earlier_run), self.config.save_path,
                 self.metrics_log.path.name, self.metrics_log.path.name,
             )
             return
@@ -233,8 +235,22 @@ class Trainer:
             loader.dataset.set_epoch(epoch)
         return iter(loader)
 
-    def _data_source_failed(self, error: DataSourceError) -> TrainingInterrupted:
+    @property
+    def replaces_earlier_run(self) -> bool:
+        """A run from scratch over an earlier run's checkpoints that has not yet finished its
+        first epoch (or its last step): it writes no checkpoint, so that stopping it (Ctrl-C,
+        SIGTERM, an error) leaves the earlier run as it was; only its end-of-epoch or final
+        checkpoint replaces the earlier run."""
+        return bool(self.checkpointer.earlier_run)
+
+    def _kept_earlier_run(self) -> str:
+        return (f"this run had not finished its first epoch: nothing of it was saved, and the "
+                f"earlier run in {self.config.save_path} is left as it was")
+
+    def _data_source_failed(self, error: DataSourceError) -> RuntimeError:
         """Checkpoint where the run stands; the error that tells the user to rerun."""
+        if self.replaces_earlier_run:
+            return DataSourceError(f"{error}; {self._kept_earlier_run()}")
         path = self._save_mid_epoch()
         return TrainingInterrupted(
             f"{error}; checkpoint {path} at step {self.state.global_step}; "
@@ -295,6 +311,11 @@ class Trainer:
                 if self.shutdown.requested_on_any_rank(
                     self.is_distributed, collective_device(self.device)
                 ):
+                    if self.replaces_earlier_run:
+                        raise TrainingInterrupted(
+                            f"stopped by {self.shutdown.reason} at step {self.state.global_step}; "
+                            f"{self._kept_earlier_run()}"
+                        )
                     path = self._save_mid_epoch()
                     raise TrainingInterrupted(
                         f"stopped by {self.shutdown.reason} at step {self.state.global_step}; "
@@ -304,7 +325,7 @@ class Trainer:
                     if not last:
                         self._save_mid_epoch()
                         return False
-                if every and not last and (step + 1) % every == 0:
+                if every and not last and (step + 1) % every == 0 and not self.replaces_earlier_run:
                     self._save_mid_epoch()
         finally:
             progress.close()
