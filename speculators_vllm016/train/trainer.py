@@ -45,6 +45,7 @@ from speculators_vllm016.train.checkpointer import (
 from speculators_vllm016.train.data import DataSourceError, PackedBatch
 from speculators_vllm016.train.device_rows import StepRow, prefetch_to_device, to_step_row
 from speculators_vllm016.train.draft_contract import StoresFrozenWeights, loss_and_metrics
+from speculators_vllm016.train.errors import NothingTrained
 from speculators_vllm016.train.graceful_shutdown import GracefulShutdown
 from speculators_vllm016.train.lr_schedule import build_lr_scheduler, default_warmup_steps
 from speculators_vllm016.train.metrics_log import MetricsLog, log_train_step, log_validation, tau_sim
@@ -274,7 +275,7 @@ class Trainer:
             total=steps, initial=start_step, desc=f"epoch {epoch + 1}/{self.config.num_epochs}",
             disable=not self.config.show_progress or self.rank != 0, dynamic_ncols=True,
         )
-        started, tokens = time.perf_counter(), 0.0
+        started, tokens, trained = time.perf_counter(), 0.0, 0.0
         last_end = started
         self.state.epoch, self.state.epoch_complete = epoch, False
         self.state.step_in_epoch = start_step
@@ -287,6 +288,7 @@ class Trainer:
                 metrics = self.train_step(row)
                 # A float averaged over ranks and multiplied back: 5 on 3 ranks is 4.9999998.
                 self.state.skipped_samples += round(metrics.pop("skipped_samples"))
+                trained += metrics.pop("trained_tokens", metrics["tokens"])
                 tokens += metrics["tokens"]
                 # Wall-clock seconds since the previous step ended, waiting for data included
                 # (train_step returns after its metrics reached the host: the step is done).
@@ -323,13 +325,27 @@ class Trainer:
                     )
                 if self.config.max_steps is not None and self.state.global_step >= self.config.max_steps:
                     if not last:
+                        self._check_trained(epoch, start_step, step + 1, trained)
                         self._save_mid_epoch()
                         return False
                 if every and not last and (step + 1) % every == 0 and not self.replaces_earlier_run:
                     self._save_mid_epoch()
         finally:
             progress.close()
+        self._check_trained(epoch, start_step, steps, trained)
         return True
+
+    def _check_trained(self, epoch: int, first: int, end: int, trained: float) -> None:
+        """Refuse to go on (and to save) after steps `first`..`end` of `epoch` trained no token:
+        every row was empty (all its samples unusable) or had no token with a loss."""
+        if end <= first or trained > 0:
+            return
+        where = f"epoch {epoch + 1}" if first == 0 else f"steps {first + 1}-{end} of epoch {epoch + 1}"
+        raise NothingTrained(
+            f"{where} trained no token: none of its {end - first} rows held a token to learn from "
+            "(every sample unusable: see the warnings above, or --total-seq-len too short for "
+            "them); stopped without saving"
+        )
 
     @torch.no_grad()
     def val_epoch(self, epoch: int) -> dict[str, float] | None:

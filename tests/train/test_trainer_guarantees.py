@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.scripted_draft import ScriptedDraft, packed_row, scripted_trainer
+from tests.train.scripted_draft import (
+    ScriptedDraft,
+    empty_row,
+    packed_row,
+    rows_loader,
+    scripted_trainer,
+)
 
 
 def test_best_names_the_epoch_with_the_highest_validation_tau_sim_not_the_newest(tmp_path):
@@ -86,3 +92,38 @@ def test_metrics_of_several_ranks_are_logged_as_means_and_tokens_as_a_sum(tmp_pa
     assert abs(step["loss"] - (term + 1.5)) < 1e-5, "loss is the mean over ranks, not the sum"
     gradient_norm = float((2e-3 * weight).norm())
     assert abs(step["grad_norm"] - gradient_norm) < 1e-6, "grad_norm is the mean, not the sum"
+
+
+@pytest.mark.parametrize("rows", ["unusable samples", "no token with a loss"])
+def test_an_epoch_that_trains_no_token_fails_in_one_line_and_saves_nothing(tmp_path, rows):
+    from speculators_vllm016.train.errors import NothingTrained, TrainingError
+
+    batches = [empty_row(), empty_row(2)] if rows == "unusable samples" else [
+        packed_row(1, loss_tokens=0), packed_row(1, loss_tokens=0)]
+    save = tmp_path / "ckpt"
+    trainer = scripted_trainer(save, batches, [packed_row()])
+    with pytest.raises(NothingTrained, match="epoch 1 trained no token") as raised:
+        trainer.run_training()
+    assert isinstance(raised.value, TrainingError) and "\n" not in str(raised.value)
+    assert not list(save.glob("[0-9]*")), "an untrained checkpoint was saved"
+
+
+def test_a_later_epoch_that_trains_no_token_fails_too(tmp_path):
+    from speculators_vllm016.train.errors import NothingTrained
+
+    class Rows(list):
+        """Epoch 0's rows hold tokens, epoch 1's none (the dataset learns its epoch)."""
+
+        epoch = 0
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+        def __getitem__(self, index):
+            return packed_row() if self.epoch == 0 else empty_row()
+
+    trainer = scripted_trainer(tmp_path / "ckpt", [], None, num_epochs=2)
+    trainer.train_loader = rows_loader(Rows([None, None]))
+    with pytest.raises(NothingTrained, match="epoch 2 trained no token"):
+        trainer.run_training()
+    assert (tmp_path / "ckpt" / "0").is_dir() and not (tmp_path / "ckpt" / "1").exists()
