@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import math
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,11 +46,12 @@ from speculators_vllm016.train.checkpointer import (
 from speculators_vllm016.train.data import DataSourceError, PackedBatch
 from speculators_vllm016.train.device_rows import StepRow, prefetch_to_device, to_step_row
 from speculators_vllm016.train.draft_contract import StoresFrozenWeights, loss_and_metrics
-from speculators_vllm016.train.errors import NothingTrained
+from speculators_vllm016.train.errors import NothingTrained, SavePathInUse
 from speculators_vllm016.train.graceful_shutdown import GracefulShutdown
 from speculators_vllm016.train.lr_schedule import build_lr_scheduler, default_warmup_steps
 from speculators_vllm016.train.metrics_log import MetricsLog, log_train_step, log_validation, tau_sim
 from speculators_vllm016.train.resume import reconcile_resumed_state, training_data_digest
+from speculators_vllm016.train.save_lock import SavePathLock
 from speculators_vllm016.train.trainer_config import TrainerConfig
 from speculators_vllm016.train.train_step import (
     TrainStep,
@@ -110,9 +112,36 @@ class Trainer:
         self.resume_ref: CheckpointRef | None = None
         self._pending_rng: dict[str, Any] | None = None
         self._wrote_checkpoint = False
-        self.setup_trainer()
-        self.setup_model()
-        self.setup_optimizer()
+        self.save_lock = SavePathLock(config.save_path)
+        weakref.finalize(self, self.save_lock.release)  # a trainer dropped without running
+        self.lock_save_path()
+        try:
+            self.setup_trainer()
+            self.setup_model()
+            self.setup_optimizer()
+        except BaseException:
+            self.save_lock.release()
+            raise
+
+    def lock_save_path(self) -> None:
+        """Hold the save path for this run (rank 0, for all ranks): a second process training
+        into it is refused with its holder's pid (`save_lock`). Every rank learns the answer."""
+        refused: SavePathInUse | None = None
+        if self.rank == 0:
+            try:
+                self.save_lock.acquire()
+            except SavePathInUse as error:
+                refused = error
+        if self.is_distributed:
+            flag = torch.tensor([0.0 if refused is None else 1.0],
+                                device=collective_device(self.device))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if refused is None and flag.item() > 0:
+                refused = SavePathInUse(
+                    f"rank 0 found another training process training into {self.config.save_path}"
+                )
+        if refused is not None:
+            raise refused
 
     # -- set-up --------------------------------------------------------------------------------
     def setup_trainer(self) -> None:
@@ -404,6 +433,13 @@ class Trainer:
     # -- the run -------------------------------------------------------------------------------
     def run_training(self) -> TrainingState:
         """Train to the end (or `max_steps`); returns the final progress."""
+        self.lock_save_path()  # held since construction, unless an earlier run_training ended
+        try:
+            return self._run()
+        finally:
+            self.save_lock.release()  # the run is over: another may use the save path
+
+    def _run(self) -> TrainingState:
         self._pending_rng = None
         moved_metrics = False
         if self.resume_ref is None:
