@@ -13,7 +13,9 @@ exactly the batches, noise and optimizer state of an uninterrupted one.
 This module is the loop; its parts live beside it: one step (`train_step.TrainStep`), rows to
 the device (`device_rows`), checkpoints and their retention (`checkpointer`), what a resumed run
 continues from (`resume`), the metrics log and its life across runs (`metrics_log`), stopping on
-SIGTERM or Ctrl-C (`graceful_shutdown`).
+SIGTERM or Ctrl-C (`graceful_shutdown`), one process per save path (`save_lock`), RNG states
+that load without running code (`rng_state`), checkpoint files whose failures say what happened
+(`checkpoint_files`), and the one-line failures a run reports (`errors`).
 """
 
 from __future__ import annotations
