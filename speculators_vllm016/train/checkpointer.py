@@ -62,6 +62,7 @@ from speculators_vllm016.utils.atomic_files import (
     fsync_folder,
     replace_folder,
 )
+from speculators_vllm016.utils.errors import type_and_first_line
 
 __all__ = [
     "BaseCheckpointer",
@@ -165,7 +166,14 @@ def find_checkpoints(save_path: str | os.PathLike) -> list[CheckpointRef]:
             continue
         state_file = folder / STATE_FILE
         if state_file.is_file():
-            state = TrainingState.from_json(state_file.read_text())
+            try:
+                state = TrainingState.from_json(state_file.read_text())
+            except (ValueError, TypeError, UnicodeDecodeError) as error:
+                logger.warning(
+                    "%s of checkpoint %s cannot be read (%s): that checkpoint is left out "
+                    "(resume takes the one before it)", STATE_FILE, folder, type_and_first_line(error),
+                )
+                continue
             found.append(CheckpointRef(folder, state, legacy=False))
         elif folder.name.isdigit():
             epoch = int(folder.name)

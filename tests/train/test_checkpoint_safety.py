@@ -113,3 +113,16 @@ def test_safetensors_words_for_a_full_disk_count_as_one():
     assert is_disk_full(RuntimeError("Error while serializing: IoError(Os { code: 28, kind: "
                                      "StorageFull, message: \"No space left on device\" })"))
     assert not is_disk_full(RuntimeError("unexpected pos 64 vs 0"))
+
+
+def test_a_cut_training_state_leaves_its_checkpoint_out_and_resume_takes_the_one_before(
+    tmp_path, caplog
+):
+    save = tmp_path / "ckpt"
+    _two_epochs(save)
+    state = save / "1" / "training_state.json"
+    state.write_text(state.read_text()[:20])
+    trainer = scripted_trainer(save, [packed_row(), packed_row()], num_epochs=3)
+    assert trainer.resume_ref is not None and trainer.resume_ref.path == save / "0"
+    assert "training_state.json of checkpoint" in caplog.text and "left out" in caplog.text
+    trainer.save_lock.release()
