@@ -72,15 +72,20 @@ def test_a_planted_pickle_in_an_rng_state_is_refused_and_never_runs(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["rng_state_rank0.pt", "master_weights.safetensors",
-                                  "optimizer_state_dict.pt", "scheduler_state_dict.pt"])
+                                  "model.safetensors", "optimizer_state_dict.pt",
+                                  "scheduler_state_dict.pt"])
 def test_a_cut_checkpoint_file_is_named_with_the_checkpoint_to_resume_from(tmp_path, name):
+    # Weights saved in fp32 have no master copy: resuming reads model.safetensors then.
+    config = {"scheduler_type": "linear"}
+    if name == "model.safetensors":
+        config["checkpoint_dtype"] = torch.float32
     save = tmp_path / "ckpt"
-    _two_epochs(save, scheduler_type="linear")
+    _two_epochs(save, **config)
+    assert (save / "1" / "master_weights.safetensors").exists() == (name != "model.safetensors")
     path = save / "1" / name
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(CheckpointReadError) as raised:
-        scripted_trainer(save, [packed_row(), packed_row()], num_epochs=3,
-                         scheduler_type="linear").run_training()
+        scripted_trainer(save, [packed_row(), packed_row()], num_epochs=3, **config).run_training()
     message = str(raised.value)
     assert "\n" not in message
     assert f"{name} of checkpoint {save / '1'} cannot be read" in message
