@@ -10,6 +10,11 @@ from pathlib import Path
 from speculators_vllm016.evaluate.generation import GenerationResult
 from speculators_vllm016.evaluate.report import DraftEvaluation, EvaluationReport
 from speculators_vllm016.evaluate.training_metrics import find_training_estimate
+from speculators_vllm016.evaluate.verifier_match import (
+    VerifierShape,
+    check_verifier_matches,
+    expected_verifier,
+)
 
 __all__ = ["ENGINES", "EvalOptions", "draft_settings", "resolve_engine", "run_evaluation"]
 
@@ -43,6 +48,8 @@ class DraftSettings:
 
     verifier: str | None
     speculative_tokens: int
+    expects: VerifierShape = field(default_factory=VerifierShape)
+    """What the draft needs of its verifier (checked before any model loads)."""
 
 
 def draft_settings(draft: str) -> DraftSettings:
@@ -57,7 +64,8 @@ def draft_settings(draft: str) -> DraftSettings:
         raise ValueError(f"cannot read the draft config of {draft}: {error}") from error
     speculators = getattr(config, "speculators_config", None)
     verifier = speculators.verifier.name_or_path if speculators and speculators.verifier else None
-    return DraftSettings(verifier=verifier, speculative_tokens=default_speculative_tokens(config))
+    return DraftSettings(verifier=verifier, speculative_tokens=default_speculative_tokens(config),
+                         expects=expected_verifier(config))
 
 
 def resolve_engine(engine: str) -> str:
@@ -120,6 +128,11 @@ def run_evaluation(options: EvalOptions) -> EvaluationReport:
             )
         verifier_path = named.pop()
     assert verifier_path is not None
+    from speculators_vllm016.utils.verifier_config import load_verifier_config_dict
+
+    verifier_config = load_verifier_config_dict(verifier_path)
+    for draft, setting in zip(options.drafts, settings, strict=True):
+        check_verifier_matches(draft, setting.expects, verifier_path, verifier_config)
     engine = resolve_engine(options.engine)
     labels = options.labels or _labels(options.drafts)
 

@@ -18,7 +18,8 @@ of 0.3.0's layout (no training_state.json) counts as the end of its epoch.
 
 Retention belongs here too: `apply_retention` keeps the newest `keep_mid_epoch` mid-epoch
 checkpoints (epoch folders stay), and a run from scratch over an earlier run's checkpoints
-(`replace_earlier_run`) deletes them right before its own first save.
+(`replace_earlier_run`) deletes them right before its own first save (which the trainer makes
+only at the end of that run's first epoch, or at its last step if sooner).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import re
 import shutil
 from abc import abstractmethod
@@ -34,7 +34,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
@@ -49,12 +48,21 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers.modeling_utils import PreTrainedModel
 
+from speculators_vllm016.train.checkpoint_files import is_disk_full, reading, torch_save
+from speculators_vllm016.train.errors import CheckpointReadError, CheckpointWriteError
+from speculators_vllm016.train.rng_state import (
+    RngStateUnsafe,
+    capture_rng_state,
+    restore_rng_state,
+)
+from speculators_vllm016.train.rng_state import load_rng_state as read_rng_state
 from speculators_vllm016.utils.atomic_files import (
     TEMP_SUFFIX,
     atomic_torch_save,
     fsync_folder,
     replace_folder,
 )
+from speculators_vllm016.utils.errors import type_and_first_line
 
 __all__ = [
     "BaseCheckpointer",
@@ -64,7 +72,9 @@ __all__ = [
     "TrainingState",
     "convert_float_dtype",
     "find_checkpoints",
+    "capture_rng_state",
     "load_safetensors_state_dict",
+    "restore_rng_state",
 ]
 
 logger = logging.getLogger(__name__)
@@ -156,7 +166,14 @@ def find_checkpoints(save_path: str | os.PathLike) -> list[CheckpointRef]:
             continue
         state_file = folder / STATE_FILE
         if state_file.is_file():
-            state = TrainingState.from_json(state_file.read_text())
+            try:
+                state = TrainingState.from_json(state_file.read_text())
+            except (ValueError, TypeError, UnicodeDecodeError) as error:
+                logger.warning(
+                    "%s of checkpoint %s cannot be read (%s): that checkpoint is left out "
+                    "(resume takes the one before it)", STATE_FILE, folder, type_and_first_line(error),
+                )
+                continue
             found.append(CheckpointRef(folder, state, legacy=False))
         elif folder.name.isdigit():
             epoch = int(folder.name)
@@ -192,25 +209,6 @@ def load_safetensors_state_dict(path: Path, device: str) -> dict[str, torch.Tens
     """Every tensor of a safetensors file, on `device`."""
     with safe_open(str(path), framework="pt", device=str(device)) as handle:
         return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
-
-
-def capture_rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _to_cpu(tree: pytree.PyTree) -> pytree.PyTree:
@@ -314,6 +312,18 @@ class BaseCheckpointer:
             raise FileNotFoundError(f"no checkpoint under {self.path}")
         return Path(source)
 
+    def _previous(self, checkpoint: Path) -> Path | None:
+        """The complete checkpoint before `checkpoint` (what to resume from if it is damaged)."""
+        paths = [ref.path for ref in self.checkpoints]
+        if checkpoint not in paths:
+            return paths[-1] if paths else None
+        index = paths.index(checkpoint)
+        return paths[index - 1] if index > 0 else None
+
+    def _reading(self, path: Path) -> Any:
+        """`checkpoint_files.reading` for a file of the checkpoint folder `path.parent`."""
+        return reading(path, path.parent, self._previous(path.parent))
+
     # -- state gathering (collective where sharded) ------------------------------------------
     def _model_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu() for k, v in _unwrap(model).state_dict().items()}
@@ -351,10 +361,11 @@ class BaseCheckpointer:
         """
         source = self._source(checkpoint)
         dtype = float_dtype or next(_unwrap(model).parameters()).dtype
-        if (source / MASTER_WEIGHTS).is_file():
-            state = load_safetensors_state_dict(source / MASTER_WEIGHTS, "cpu")
-        else:
-            state = load_safetensors_state_dict(source / "model.safetensors", "cpu")
+        path = source / MASTER_WEIGHTS
+        if not path.is_file():
+            path = source / "model.safetensors"
+        with self._reading(path):
+            state = load_safetensors_state_dict(path, "cpu")
         self._set_model_state(model, convert_float_dtype(state, dtype))
 
     def load_optimizer_state_dict(
@@ -367,7 +378,9 @@ class BaseCheckpointer:
     ) -> None:
         source = self._source(checkpoint)
         dtype = float_dtype or next(_unwrap(model).parameters()).dtype
-        state = torch.load(source / "optimizer_state_dict.pt", map_location="cpu", weights_only=True)
+        path = source / "optimizer_state_dict.pt"
+        with self._reading(path):
+            state = torch.load(path, map_location="cpu", weights_only=True)
         state = convert_float_dtype(state, dtype)
         self._set_optimizer_state(model, optimizer, state)
 
@@ -376,7 +389,9 @@ class BaseCheckpointer:
     ) -> None:
         path = self._source(checkpoint) / "scheduler_state_dict.pt"
         if path.is_file():
-            scheduler.load_state_dict(torch.load(path, weights_only=True))
+            with self._reading(path):
+                state = torch.load(path, weights_only=True)
+            scheduler.load_state_dict(state)
 
     def save_scheduler_state_dict(
         self, scheduler: torch.optim.lr_scheduler.LRScheduler, epoch: int
@@ -429,7 +444,41 @@ class BaseCheckpointer:
             temporary.mkdir(parents=True)
         if distributed:
             dist.barrier()
-        atomic_torch_save(rng_state or capture_rng_state(), temporary / f"rng_state_rank{rank}.pt")
+        try:
+            self._write_files(temporary, rank, model, weights, optimizer_state, scheduler, state,
+                              float_dtype, optimizer_dtype, rng_state)
+        except Exception as error:
+            if not is_disk_full(error):
+                raise
+            shutil.rmtree(temporary, ignore_errors=True)  # gives back the space it took
+            resume = f"resume from {self.latest.path}" if self.latest else "start again"
+            raise CheckpointWriteError(
+                f"the disk is full writing checkpoint {name} in {self.path}; free space, then run "
+                f"the same command again to {resume}"
+            ) from error
+        if rank == 0:
+            replace_folder(temporary, final, aside=self.path / f"{_TEMP_PREFIX}old-{name}")
+        if distributed:
+            dist.barrier()
+        self.refresh()
+        return final
+
+    def _write_files(
+        self,
+        temporary: Path,
+        rank: int,
+        model: torch.nn.Module,
+        weights: dict[str, torch.Tensor],
+        optimizer_state: dict,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+        state: TrainingState,
+        float_dtype: torch.dtype,
+        optimizer_dtype: torch.dtype | None,
+        rng_state: dict[str, Any] | None,
+    ) -> None:
+        """Every file of the checkpoint into `temporary` (this rank's share), flushed to disk."""
+        distributed = dist.is_available() and dist.is_initialized()
+        torch_save(rng_state or capture_rng_state(), temporary / f"rng_state_rank{rank}.pt")
         if rank == 0:
             inner = _unwrap(model)
             served = convert_float_dtype(weights, float_dtype)
@@ -443,25 +492,32 @@ class BaseCheckpointer:
                 save_file(trainable, str(temporary / MASTER_WEIGHTS))
             if optimizer_dtype is not None:
                 optimizer_state = convert_float_dtype(optimizer_state, optimizer_dtype)
-            torch.save(optimizer_state, temporary / "optimizer_state_dict.pt")
+            torch_save(optimizer_state, temporary / "optimizer_state_dict.pt")
             if scheduler is not None:
-                torch.save(scheduler.state_dict(), temporary / "scheduler_state_dict.pt")
+                torch_save(scheduler.state_dict(), temporary / "scheduler_state_dict.pt")
         if distributed:
             dist.barrier()
         if rank == 0:
             (temporary / STATE_FILE).write_text(state.to_json())
             _fsync_files(temporary)
-            replace_folder(temporary, final, aside=self.path / f"{_TEMP_PREFIX}old-{name}")
-        if distributed:
-            dist.barrier()
-        self.refresh()
-        return final
 
     def load_rng_state(self, checkpoint: Path) -> dict[str, Any] | None:
+        """This rank's RNG states in `checkpoint` (None without the file), read without running
+        code from it (`rng_state`)."""
         path = checkpoint / f"rng_state_rank{self._rank()}.pt"
         if not path.is_file():
             return None
-        return torch.load(path, weights_only=False)
+        try:
+            with self._reading(path):
+                return read_rng_state(path)
+        except CheckpointReadError as error:
+            if not isinstance(error.__cause__, RngStateUnsafe):
+                raise
+            raise CheckpointReadError(
+                f"{path.name} of checkpoint {checkpoint} is not an RNG state this trainer writes: "
+                f"loading it would run code from the file ({error.__cause__}), so it is refused; "
+                f"delete that file to resume without the same random streams"
+            ) from None
 
     def point_best(self, name: str) -> None:
         """Make `<path>/best` point at checkpoint `name` (rank 0; atomic)."""

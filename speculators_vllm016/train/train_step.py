@@ -62,8 +62,9 @@ def reduce_metrics(
 class TrainStep:
     """The parts one step uses; calling it on a `StepRow` runs the step.
 
-    Returns the model's metrics averaged over ranks, `grad_norm`, `tokens` and `skipped_samples`
-    summed over ranks, and `lr`, the learning rate the step used.
+    Returns the model's metrics averaged over ranks, `grad_norm`, `tokens`, `trained_tokens`
+    (tokens with a loss: 0 for a row without samples) and `skipped_samples` summed over ranks,
+    and `lr`, the learning rate the step used.
     """
 
     model: torch.nn.Module
@@ -91,13 +92,16 @@ class TrainStep:
         if self.scheduler is not None:
             self.scheduler.step()
         tokens = row.inputs["lengths"].sum().to(torch.float32) * row.has_samples  # 0: empty row
+        mask = row.inputs.get("loss_mask")
+        trained = tokens if mask is None else mask.sum().to(torch.float32) * row.has_samples
         skipped = row.skipped_samples.to(self.device, torch.float32)
         reduced = reduce_metrics(
             {**metrics, "grad_norm": grad_norm.to(self.device).float(), "tokens": tokens,
-             "skipped_samples": skipped},
+             "trained_tokens": trained, "skipped_samples": skipped},
             self.distributed, self.world_size,
         )
         reduced["tokens"] *= self.world_size
+        reduced["trained_tokens"] *= self.world_size
         reduced["skipped_samples"] *= self.world_size
         reduced["lr"] = lr
         return reduced

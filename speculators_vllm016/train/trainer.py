@@ -13,7 +13,9 @@ exactly the batches, noise and optimizer state of an uninterrupted one.
 This module is the loop; its parts live beside it: one step (`train_step.TrainStep`), rows to
 the device (`device_rows`), checkpoints and their retention (`checkpointer`), what a resumed run
 continues from (`resume`), the metrics log and its life across runs (`metrics_log`), stopping on
-SIGTERM or Ctrl-C (`graceful_shutdown`).
+SIGTERM or Ctrl-C (`graceful_shutdown`), one process per save path (`save_lock`), RNG states
+that load without running code (`rng_state`), checkpoint files whose failures say what happened
+(`checkpoint_files`), and the one-line failures a run reports (`errors`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import dataclasses
 import logging
 import math
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,10 +48,12 @@ from speculators_vllm016.train.checkpointer import (
 from speculators_vllm016.train.data import DataSourceError, PackedBatch
 from speculators_vllm016.train.device_rows import StepRow, prefetch_to_device, to_step_row
 from speculators_vllm016.train.draft_contract import StoresFrozenWeights, loss_and_metrics
+from speculators_vllm016.train.errors import NothingTrained, SavePathInUse
 from speculators_vllm016.train.graceful_shutdown import GracefulShutdown
 from speculators_vllm016.train.lr_schedule import build_lr_scheduler, default_warmup_steps
 from speculators_vllm016.train.metrics_log import MetricsLog, log_train_step, log_validation, tau_sim
 from speculators_vllm016.train.resume import reconcile_resumed_state, training_data_digest
+from speculators_vllm016.train.save_lock import SavePathLock
 from speculators_vllm016.train.trainer_config import TrainerConfig
 from speculators_vllm016.train.train_step import (
     TrainStep,
@@ -109,9 +114,36 @@ class Trainer:
         self.resume_ref: CheckpointRef | None = None
         self._pending_rng: dict[str, Any] | None = None
         self._wrote_checkpoint = False
-        self.setup_trainer()
-        self.setup_model()
-        self.setup_optimizer()
+        self.save_lock = SavePathLock(config.save_path)
+        weakref.finalize(self, self.save_lock.release)  # a trainer dropped without running
+        self.lock_save_path()
+        try:
+            self.setup_trainer()
+            self.setup_model()
+            self.setup_optimizer()
+        except BaseException:
+            self.save_lock.release()
+            raise
+
+    def lock_save_path(self) -> None:
+        """Hold the save path for this run (rank 0, for all ranks): a second process training
+        into it is refused with its holder's pid (`save_lock`). Every rank learns the answer."""
+        refused: SavePathInUse | None = None
+        if self.rank == 0:
+            try:
+                self.save_lock.acquire()
+            except SavePathInUse as error:
+                refused = error
+        if self.is_distributed:
+            flag = torch.tensor([0.0 if refused is None else 1.0],
+                                device=collective_device(self.device))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if refused is None and flag.item() > 0:
+                refused = SavePathInUse(
+                    f"rank 0 found another training process training into {self.config.save_path}"
+                )
+        if refused is not None:
+            raise refused
 
     # -- set-up --------------------------------------------------------------------------------
     def setup_trainer(self) -> None:
@@ -127,8 +159,10 @@ class Trainer:
             self.checkpointer.replace_earlier_run()
             root_logger.warning(
                 "resume is off: training from scratch; the %d checkpoints of the earlier run in %s "
-                "are deleted when this run writes its first checkpoint (%s moves to %s.prev "
-                "when training starts)", len(self.checkpointer.earlier_run), self.config.save_path,
+                "are deleted when this run finishes its first epoch (or its last step, if sooner); "
+                "until then it writes no checkpoint, and stopped before that it leaves the earlier "
+                "run as it was (%s moves to %s.prev when training starts)",
+                len(self.checkpointer.earlier_run), self.config.save_path,
                 self.metrics_log.path.name, self.metrics_log.path.name,
             )
             return
@@ -233,8 +267,22 @@ class Trainer:
             loader.dataset.set_epoch(epoch)
         return iter(loader)
 
-    def _data_source_failed(self, error: DataSourceError) -> TrainingInterrupted:
+    @property
+    def replaces_earlier_run(self) -> bool:
+        """A run from scratch over an earlier run's checkpoints that has not yet finished its
+        first epoch (or its last step): it writes no checkpoint, so that stopping it (Ctrl-C,
+        SIGTERM, an error) leaves the earlier run as it was; only its end-of-epoch or final
+        checkpoint replaces the earlier run."""
+        return bool(self.checkpointer.earlier_run)
+
+    def _kept_earlier_run(self) -> str:
+        return (f"this run had not finished its first epoch: nothing of it was saved, and the "
+                f"earlier run in {self.config.save_path} is left as it was")
+
+    def _data_source_failed(self, error: DataSourceError) -> RuntimeError:
         """Checkpoint where the run stands; the error that tells the user to rerun."""
+        if self.replaces_earlier_run:
+            return DataSourceError(f"{error}; {self._kept_earlier_run()}")
         path = self._save_mid_epoch()
         return TrainingInterrupted(
             f"{error}; checkpoint {path} at step {self.state.global_step}; "
@@ -258,7 +306,7 @@ class Trainer:
             total=steps, initial=start_step, desc=f"epoch {epoch + 1}/{self.config.num_epochs}",
             disable=not self.config.show_progress or self.rank != 0, dynamic_ncols=True,
         )
-        started, tokens = time.perf_counter(), 0.0
+        started, tokens, trained = time.perf_counter(), 0.0, 0.0
         last_end = started
         self.state.epoch, self.state.epoch_complete = epoch, False
         self.state.step_in_epoch = start_step
@@ -271,6 +319,7 @@ class Trainer:
                 metrics = self.train_step(row)
                 # A float averaged over ranks and multiplied back: 5 on 3 ranks is 4.9999998.
                 self.state.skipped_samples += round(metrics.pop("skipped_samples"))
+                trained += metrics.pop("trained_tokens", metrics["tokens"])
                 tokens += metrics["tokens"]
                 # Wall-clock seconds since the previous step ended, waiting for data included
                 # (train_step returns after its metrics reached the host: the step is done).
@@ -295,6 +344,11 @@ class Trainer:
                 if self.shutdown.requested_on_any_rank(
                     self.is_distributed, collective_device(self.device)
                 ):
+                    if self.replaces_earlier_run:
+                        raise TrainingInterrupted(
+                            f"stopped by {self.shutdown.reason} at step {self.state.global_step}; "
+                            f"{self._kept_earlier_run()}"
+                        )
                     path = self._save_mid_epoch()
                     raise TrainingInterrupted(
                         f"stopped by {self.shutdown.reason} at step {self.state.global_step}; "
@@ -302,13 +356,27 @@ class Trainer:
                     )
                 if self.config.max_steps is not None and self.state.global_step >= self.config.max_steps:
                     if not last:
+                        self._check_trained(epoch, start_step, step + 1, trained)
                         self._save_mid_epoch()
                         return False
-                if every and not last and (step + 1) % every == 0:
+                if every and not last and (step + 1) % every == 0 and not self.replaces_earlier_run:
                     self._save_mid_epoch()
         finally:
             progress.close()
+        self._check_trained(epoch, start_step, steps, trained)
         return True
+
+    def _check_trained(self, epoch: int, first: int, end: int, trained: float) -> None:
+        """Refuse to go on (and to save) after steps `first`..`end` of `epoch` trained no token:
+        every row was empty (all its samples unusable) or had no token with a loss."""
+        if end <= first or trained > 0:
+            return
+        where = f"epoch {epoch + 1}" if first == 0 else f"steps {first + 1}-{end} of epoch {epoch + 1}"
+        raise NothingTrained(
+            f"{where} trained no token: none of its {end - first} rows held a token to learn from "
+            "(every sample unusable: see the warnings above, or --total-seq-len too short for "
+            "them); stopped without saving"
+        )
 
     @torch.no_grad()
     def val_epoch(self, epoch: int) -> dict[str, float] | None:
@@ -367,6 +435,13 @@ class Trainer:
     # -- the run -------------------------------------------------------------------------------
     def run_training(self) -> TrainingState:
         """Train to the end (or `max_steps`); returns the final progress."""
+        self.lock_save_path()  # held since construction, unless an earlier run_training ended
+        try:
+            return self._run()
+        finally:
+            self.save_lock.release()  # the run is over: another may use the save path
+
+    def _run(self) -> TrainingState:
         self._pending_rng = None
         moved_metrics = False
         if self.resume_ref is None:

@@ -30,7 +30,8 @@ class TrainerConfig:
     """The checkpoint folder: `<epoch>/`, `<epoch>-step<global>/`, `best`, `metrics.jsonl`."""
     resume_from_checkpoint: bool = False
     """Continue from the newest complete checkpoint in `save_path`. Off, a run from scratch
-    replaces the checkpoints there at its first save."""
+    replaces the checkpoints there when it finishes its first epoch (or its last step, if
+    sooner), and writes no checkpoint before that: stopped earlier, it leaves them as they were."""
     is_distributed: bool = False
     """Set by `maybe_setup_distributed()` under torchrun."""
     local_rank: int = 0

@@ -76,7 +76,7 @@ def test_no_resume_replaces_the_earlier_run_at_its_first_checkpoint(
     earlier_metrics = (save / "metrics.jsonl").read_text()
     assert main(train_args(tiny_llama, training_data, save, "--no-resume-from-checkpoint",
                            "--max-steps", "3")) == 0
-    assert "deleted when this run writes its first checkpoint" in capsys.readouterr().err
+    assert "deleted when this run finishes its first epoch" in capsys.readouterr().err
     assert checkpoint_names(save) == {"0-step3"}, "the earlier run's checkpoints survived or pruned ours"
     assert not (save / "best").is_symlink(), "best still names the earlier run's checkpoint"
     assert train_steps(save / "metrics.jsonl") == [0, 1, 2]
@@ -114,6 +114,59 @@ def test_no_resume_stopped_before_its_first_checkpoint_leaves_the_earlier_run(
     else:
         assert train_steps(save / "metrics.jsonl.prev") == [0], "the stopped run's line is lost"
     assert not (save / ".run-without-checkpoint").exists()
+
+
+def request_stop_in_step(patcher: pytest.MonkeyPatch, number: int, reason: str) -> None:
+    """Make the trainer receive a stop request (SIGTERM, a first Ctrl-C) during its
+    `number`-th step: it finishes the step, then stops as it does on the signal."""
+    step = Trainer.train_step
+    calls = []
+
+    def step_then_signal(self, batch):
+        calls.append(1)
+        metrics = step(self, batch)
+        if len(calls) == number:
+            self.shutdown.requested, self.shutdown.reason = True, reason
+        return metrics
+
+    patcher.setattr(Trainer, "train_step", step_then_signal)
+
+
+@pytest.mark.parametrize("reason", ["SIGTERM", "Ctrl-C"])
+def test_a_stop_request_in_the_first_epoch_of_a_no_resume_run_leaves_the_earlier_run(
+    tiny_llama, training_data, tmp_path, earlier_run, monkeypatch, capsys, reason
+):
+    """Issue #29 item 1: the checkpoint a stop request writes must not be what deletes the
+    earlier run, nor may the --checkpoint-freq ones of the new run's first epoch."""
+    save = tmp_path / "ckpt"
+    shutil.copytree(earlier_run, save, symlinks=True)
+    request_stop_in_step(monkeypatch, 3, reason)  # after the 0.25-epoch checkpoints' steps
+    capsys.readouterr()
+    code = main(train_args(tiny_llama, training_data, save, "--no-resume-from-checkpoint",
+                           "--checkpoint-freq", "0.25"))
+    assert code == 143
+    assert checkpoint_names(save) == {"0", "1"}, "the earlier run's checkpoints were touched"
+    error = capsys.readouterr().err
+    assert f"stopped by {reason} at step 3" in error and "left as it was" in error
+    assert os.readlink(save / "best") == os.readlink(earlier_run / "best")
+    assert (save / "metrics.jsonl").read_text() == (earlier_run / "metrics.jsonl").read_text()
+    assert train_steps(save / "metrics.jsonl.prev") == [0, 1, 2]
+    assert not (save / ".run-without-checkpoint").exists()
+    # Resuming continues the earlier run, which is whole.
+    assert main(train_args(tiny_llama, training_data, save, "--epochs", "3")) == 0
+    assert f"resuming from {save / '1'}" in capsys.readouterr().err
+
+
+def test_a_no_resume_run_replaces_the_earlier_run_at_the_end_of_its_first_epoch(
+    tiny_llama, training_data, tmp_path, earlier_run
+):
+    save = tmp_path / "ckpt"
+    shutil.copytree(earlier_run, save, symlinks=True)
+    assert main(train_args(tiny_llama, training_data, save, "--no-resume-from-checkpoint",
+                           "--checkpoint-freq", "0.25", "--epochs", "1")) == 0
+    names = checkpoint_names(save)
+    assert "0" in names and "1" not in names, names
+    assert os.readlink(save / "best") == "0"
 
 
 def test_a_killed_no_resume_run_leaves_the_earlier_run_whole_at_the_next_start(

@@ -1,0 +1,89 @@
+"""Writing and reading a checkpoint's files so that their failures say what happened.
+
+torch's zip writer swallows the `OSError` of a full disk and fails with "unexpected pos" instead;
+`torch_save` keeps the real error, and `is_disk_full` recognises it (or safetensors' message of
+it). `reading` turns the zip, header or pickle error of a damaged file into one line that names
+the file and its checkpoint and says how to go on from the checkpoint before it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from speculators_vllm016.train.errors import CheckpointReadError
+from speculators_vllm016.utils.errors import type_and_first_line
+
+__all__ = ["is_disk_full", "reading", "torch_save"]
+
+_NO_SPACE = os.strerror(errno.ENOSPC)  # "No space left on device": what Rust's errors quote
+
+
+class _KeepsWriteError:
+    """A file handle that remembers the `OSError` a write raised (see the module docstring)."""
+
+    def __init__(self, handle: IO[bytes]) -> None:
+        self._handle = handle
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._handle.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+
+def torch_save(obj: Any, path: Path) -> None:
+    """`torch.save(obj, path)`, raising the write's own `OSError` when one made it fail."""
+    with open(path, "wb") as handle:
+        keeper = _KeepsWriteError(handle)
+        try:
+            torch.save(obj, keeper)
+        except Exception as error:
+            if keeper.error is not None and keeper.error is not error:
+                raise keeper.error from error
+            raise
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether `error`, or an error it came from, is a full disk (or quota)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if _NO_SPACE in str(current):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+@contextlib.contextmanager
+def reading(path: Path, checkpoint: Path, previous: Path | None) -> Iterator[None]:
+    """Report a failure to read `path` of `checkpoint` as a damaged file, with the way on."""
+    try:
+        yield
+    except CheckpointReadError:
+        raise
+    except Exception as error:  # noqa: BLE001 - zip, header, pickle: the file is damaged
+        if previous is not None:
+            how = (f"move {checkpoint} out of the save folder and run the same command again to "
+                   f"resume from {previous.name}")
+        else:
+            how = (f"it is the only checkpoint: move {checkpoint} away (or use "
+                   "--no-resume-from-checkpoint) to start from scratch")
+        raise CheckpointReadError(
+            f"{path.name} of checkpoint {checkpoint} cannot be read ({type_and_first_line(error)}): "
+            f"the file is damaged (cut short by a full disk or a copy?); {how}"
+        ) from error
