@@ -153,6 +153,7 @@ def run_config(config: TrainJobConfig) -> int:
     """Run the job; an expected failure is one line on stderr and exit status 2."""
     from speculators_vllm016.cli.errors import report_errors
     from speculators_vllm016.train.data import DataSourceError, SampleFileError
+    from speculators_vllm016.train.errors import TrainingError
     from speculators_vllm016.train.job import run_train_job
     from speculators_vllm016.train.trainer import TrainingInterrupted
 
@@ -160,5 +161,8 @@ def run_config(config: TrainJobConfig) -> int:
         run_train_job(config, report=lambda result: print(result.describe()))
         return 0
 
-    expected = (TrainSetupError, SampleFileError, DataSourceError, FileNotFoundError, ImportError)
+    expected = (
+        TrainSetupError, SampleFileError, DataSourceError, TrainingError, FileNotFoundError,
+        ImportError,
+    )
     return report_errors(run, config.logging.debug, expected, stopped=(TrainingInterrupted,))

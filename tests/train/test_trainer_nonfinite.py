@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from speculators_vllm016.cli.train import main
-from speculators_vllm016.train.errors import TrainingError
 from tests.training_fixtures import load_checkpoint_tensors, train_args
 
 
@@ -26,9 +25,6 @@ def test_a_diverging_run_skips_non_finite_updates_instead_of_saving_nan_weights(
     assert all(torch.isfinite(tensor.float()).all() for tensor in tensors.values())
 
 
-@pytest.mark.xfail(raises=TrainingError, strict=False,
-                   reason="until `speculators train` lists train.errors.TrainingError among the "
-                          "errors it reports in one line (cli/train.py, issue #29)")
 @pytest.mark.parametrize("case", ["every sample non-finite", "--total-seq-len 1 on chat samples"])
 def test_a_run_that_trains_no_token_exits_non_zero_with_one_line(
     tiny_llama, training_data, tmp_path, capsys, case
