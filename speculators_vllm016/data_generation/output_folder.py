@@ -20,7 +20,10 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from speculators_vllm016.data_generation.config_generator import CONFIG_FILE, DataGenerationConfig
+from speculators_vllm016.data_generation.config_generator import (
+    CONFIG_FILE,
+    DataGenerationConfig,
+)
 from speculators_vllm016.data_generation.manifest import ManifestWriter, manifest_path
 from speculators_vllm016.data_generation.resume import (
     RunIdentity,
@@ -30,10 +33,19 @@ from speculators_vllm016.data_generation.resume import (
     refuse_other_tensors,
     sample_signature,
 )
-from speculators_vllm016.data_generation.resume import refuse_unrecorded as _refuse_unrecorded
-from speculators_vllm016.data_generation.sample_io import WriterSlot, _try_lock, remove_partial_files
-from speculators_vllm016.data_generation.token_counts import save_token_counts, shard_token_freq_path
+from speculators_vllm016.data_generation.resume import (
+    refuse_unrecorded as _refuse_unrecorded,
+)
+from speculators_vllm016.data_generation.sample_io import (
+    WriterSlot,
+    remove_partial_files,
+)
+from speculators_vllm016.data_generation.token_counts import (
+    save_token_counts,
+    shard_token_freq_path,
+)
 from speculators_vllm016.utils.atomic_files import atomic_write_json
+from speculators_vllm016.utils.file_lock import try_lock_file
 
 if TYPE_CHECKING:
     from speculators_vllm016.data_generation.options import DatagenOptions
@@ -70,7 +82,7 @@ class ShardLock:
         self._fd: int | None = None
 
     def __enter__(self) -> ShardLock:
-        self._fd = _try_lock(self.path)
+        self._fd = try_lock_file(self.path)
         if self._fd is None:
             sharded = self.num_shards > 1
             which = f" for shard {self.shard_index} of {self.num_shards}" if sharded else ""

@@ -19,7 +19,6 @@ it to make its targets (`Eagle3DraftModel.target_logits`).
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import re
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 
 from speculators_vllm016.utils.atomic_files import TEMP_SUFFIX, atomic_write
+from speculators_vllm016.utils.file_lock import try_lock_file
 
 __all__ = [
     "SAMPLE_FILE",
@@ -57,17 +57,6 @@ _LOCK_NAME = ".lock"
 _PART_SUFFIX = ".part"  # never ends in "pt": 0.3.0's trainer reads every file ending in "pt"
 
 
-def _try_lock(path: Path) -> int | None:
-    """An fd holding an exclusive lock on `path` (created if missing), or None if it is held."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
-
-
 class WriterSlot:
     """This process's folder for temporary sample files, locked for as long as it lives.
 
@@ -81,7 +70,7 @@ class WriterSlot:
         root.mkdir(parents=True, exist_ok=True)
         self.path = root / f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.path.mkdir()
-        fd = _try_lock(self.path / _LOCK_NAME)
+        fd = try_lock_file(self.path / _LOCK_NAME)
         assert fd is not None, "a fresh writer folder cannot be locked already"
         self._fd: int | None = fd
 
@@ -263,7 +252,7 @@ def remove_partial_files(output_dir: Path) -> int:
         lock = slot / _LOCK_NAME
         if not slot.is_dir() or not lock.exists():
             continue  # being created right now, or not ours
-        fd = _try_lock(lock)
+        fd = try_lock_file(lock)
         if fd is None:
             continue  # its writer is alive
         try:

@@ -14,8 +14,8 @@ import os
 import socket
 from pathlib import Path
 
-from speculators_vllm016.data_generation.sample_io import _try_lock
 from speculators_vllm016.train.errors import SavePathInUse
+from speculators_vllm016.utils.file_lock import try_lock_file
 
 __all__ = ["LOCK_FILE", "SavePathLock"]
 
@@ -39,7 +39,7 @@ class SavePathLock:
         if self._fd is not None:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
-        fd = _try_lock(self.path)
+        fd = try_lock_file(self.path)
         if fd is None:
             raise SavePathInUse(
                 f"another training process ({self.holder()}) is training into {self.folder}; "
