@@ -30,7 +30,12 @@ from typing import Any
 
 import torch
 
-from speculators_vllm016.utils.atomic_files import TEMP_SUFFIX, atomic_write
+from speculators_vllm016.utils.atomic_files import (
+    TEMP_SUFFIX,
+    WriteErrorKeeper,
+    atomic_write,
+    real_write_errors,
+)
 from speculators_vllm016.utils.file_lock import try_lock_file
 
 __all__ = [
@@ -99,26 +104,16 @@ class WrittenFile:
     sha256: str
 
 
-class _HashingWriter:
+class _HashingWriter(WriteErrorKeeper):
     """A file handle that hashes what passes through it (the file is not read back)."""
 
     def __init__(self, handle) -> None:
-        self._handle = handle
+        super().__init__(handle)
         self.digest = hashlib.sha256()
-        self.error: OSError | None = None
 
     def write(self, data) -> int:
         self.digest.update(data)
-        try:
-            return self._handle.write(data)
-        except OSError as error:
-            # torch.save's zip writer swallows this and fails with a position mismatch instead;
-            # keep it so the caller can report the real cause (e.g. a full disk).
-            self.error = error
-            raise
-
-    def flush(self) -> None:
-        self._handle.flush()
+        return super().write(data)
 
 
 def sample_path(output_dir: Path, index: int, output_format: str) -> Path:
@@ -141,17 +136,11 @@ def _write_hashed(path: Path, write, fsync: bool, slot: WriterSlot | None = None
 
     try:
         atomic_write(path, through_hash, fsync=fsync, temp=None if slot is None else slot.temp_for(path))
-    except BaseException as failure:
-        if hashing is not None and hashing.error is not None and hashing.error is not failure:
-            raise hashing.error from failure
-        raise
+    except BaseException:
+        with real_write_errors(hashing):
+            raise
     assert hashing is not None
     return hashing.digest.hexdigest()
-
-
-def _atomic_write(path: Path, write, fsync: bool, slot: WriterSlot | None = None) -> str:
-    """Kept for the modules that still import it privately; new code uses `utils.atomic_files`."""
-    return _write_hashed(path, write, fsync, slot)
 
 
 def _independent_layers(layers: list[torch.Tensor]) -> list[torch.Tensor]:

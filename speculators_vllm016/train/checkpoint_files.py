@@ -1,8 +1,8 @@
 """Writing and reading a checkpoint's files so that their failures say what happened.
 
 torch's zip writer swallows the `OSError` of a full disk and fails with "unexpected pos" instead;
-`torch_save` keeps the real error, and `is_disk_full` recognises it (or safetensors' message of
-it). `reading` turns the zip, header or pickle error of a damaged file into one line that names
+`utils.atomic_files.torch_save` (re-exported here) keeps the real error, and `is_disk_full`
+recognises it (or safetensors' message of it). `reading` turns the zip, header or pickle error of a damaged file into one line that names
 the file and its checkpoint and says how to go on from the checkpoint before it.
 """
 
@@ -13,46 +13,15 @@ import errno
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
 
-import torch
 
 from speculators_vllm016.train.errors import CheckpointReadError
+from speculators_vllm016.utils.atomic_files import torch_save
 from speculators_vllm016.utils.errors import type_and_first_line
 
 __all__ = ["is_disk_full", "reading", "torch_save"]
 
 _NO_SPACE = os.strerror(errno.ENOSPC)  # "No space left on device": what Rust's errors quote
-
-
-class _KeepsWriteError:
-    """A file handle that remembers the `OSError` a write raised (see the module docstring)."""
-
-    def __init__(self, handle: IO[bytes]) -> None:
-        self._handle = handle
-        self.error: OSError | None = None
-
-    def write(self, data: Any) -> int:
-        try:
-            return self._handle.write(data)
-        except OSError as error:
-            self.error = error
-            raise
-
-    def flush(self) -> None:
-        self._handle.flush()
-
-
-def torch_save(obj: Any, path: Path) -> None:
-    """`torch.save(obj, path)`, raising the write's own `OSError` when one made it fail."""
-    with open(path, "wb") as handle:
-        keeper = _KeepsWriteError(handle)
-        try:
-            torch.save(obj, keeper)
-        except Exception as error:
-            if keeper.error is not None and keeper.error is not error:
-                raise keeper.error from error
-            raise
 
 
 def is_disk_full(error: BaseException) -> bool:

@@ -8,16 +8,19 @@ A reader never sees a partial file, and a crash leaves at most a hidden temporar
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
 __all__ = [
     "TEMP_SUFFIX",
+    "WriteErrorKeeper",
+    "real_write_errors",
     "atomic_torch_save",
     "atomic_write",
     "atomic_write_json",
@@ -25,6 +28,7 @@ __all__ = [
     "fsync_folder",
     "replace_folder",
     "temporary_path",
+    "torch_save",
 ]
 
 TEMP_SUFFIX = ".tmp"
@@ -85,10 +89,55 @@ def atomic_write_json(
     return atomic_write_text(path, json.dumps(payload, indent=indent, sort_keys=sort_keys))
 
 
-def atomic_torch_save(obj: Any, path: str | os.PathLike, *, fsync: bool = False) -> Path:
+class WriteErrorKeeper:
+    """A binary handle that remembers the `OSError` a write raised.
+
+    torch.save's zip writer swallows the error of a failed write (a full disk) and fails with a
+    position mismatch instead; `real_write_errors` raises the kept error, so the user is told
+    that the disk is full.
+    """
+
+    def __init__(self, handle: IO[bytes]) -> None:
+        self._handle = handle
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._handle.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+
+@contextlib.contextmanager
+def real_write_errors(keeper: WriteErrorKeeper | None) -> Iterator[None]:
+    """Raise the write error `keeper` kept in place of the one a serializer made of it."""
+    try:
+        yield
+    except BaseException as failure:
+        if keeper is not None and keeper.error is not None and keeper.error is not failure:
+            raise keeper.error from failure
+        raise
+
+
+def torch_save(obj: Any, target: str | os.PathLike | IO[bytes]) -> None:
+    """`torch.save` to a path or an open handle, raising a failed write's own `OSError`."""
     import torch
 
-    return atomic_write(path, lambda handle: torch.save(obj, handle), fsync=fsync)
+    if isinstance(target, (str, os.PathLike)):
+        with open(target, "wb") as handle:
+            torch_save(obj, handle)
+        return
+    keeper = WriteErrorKeeper(target)
+    with real_write_errors(keeper):
+        torch.save(obj, keeper)
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike, *, fsync: bool = False) -> Path:
+    return atomic_write(path, lambda handle: torch_save(obj, handle), fsync=fsync)
 
 
 def replace_folder(

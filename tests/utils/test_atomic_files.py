@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 
 import pytest
@@ -14,6 +15,7 @@ from speculators_vllm016.utils.atomic_files import (
     atomic_write_json,
     atomic_write_text,
     replace_folder,
+    torch_save,
 )
 
 
@@ -57,3 +59,10 @@ def test_replace_folder_swaps_an_existing_folder(tmp_path):
     replace_folder(new, old)
     assert (old / "f").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_torch_save_reports_a_full_disk_as_itself():
+    # torch's zip writer turns the failed write into "unexpected pos"; the kept error comes back.
+    with pytest.raises(OSError) as caught:
+        torch_save({"t": torch.zeros(1 << 16)}, "/dev/full")
+    assert caught.value.errno == errno.ENOSPC
