@@ -532,6 +532,33 @@ class Eagle3SampleFileDataset(Dataset):
             return None
 
 
+def _row_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized tensor for a packed row; in a loader worker, in shared memory already, so
+    the hand-off to the main process sends a handle instead of copying the row once more."""
+    if torch.utils.data.get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype)
+    numel = 1
+    for size in shape:
+        numel *= size
+    storage = torch.empty(0, dtype=dtype)._typed_storage()._new_shared(numel)
+    return torch.empty(0, dtype=dtype).set_(storage).view(shape)
+
+
+def _pack(parts: list[torch.Tensor], max_len: int) -> torch.Tensor:
+    """`parts` laid end to end, cut or zero-padded to `max_len` rows, in one copy; [1, max_len, ...]."""
+    row = _row_buffer((max_len, *parts[0].shape[1:]), parts[0].dtype)
+    used = 0
+    for part in parts:
+        take = min(int(part.shape[0]), max_len - used)
+        if take <= 0:
+            break
+        row[used:used + take].copy_(part[:take])
+        used += take
+    if used < max_len:
+        row[used:].zero_()
+    return row[None]
+
+
 def create_collate_fn(max_len: int) -> Callable[[list[BatchType | None]], PackedBatch]:
     """Pack a list of shifted samples into one row of `max_len` tokens (see `PackedBatch`).
 
@@ -552,8 +579,8 @@ def create_collate_fn(max_len: int) -> Callable[[list[BatchType | None]], Packed
         for key in usable[0]:
             if key == "sample_index":
                 continue
-            joined = torch.cat([sample[key] for sample in usable], dim=0)
-            row[key] = joined if key == "lengths" else slice_and_pad_to_length(joined, max_len)[None]
+            parts = [sample[key] for sample in usable]
+            row[key] = torch.cat(parts) if key == "lengths" else _pack(parts, max_len)
         kept: list[int] = []
         used = 0
         for length in row["lengths"].tolist():
