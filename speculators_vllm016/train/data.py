@@ -61,6 +61,7 @@ __all__ = [
     "SampleFileLoader",
     "check_sample_shapes",
     "create_collate_fn",
+    "main_process_noise",
     "list_files",
     "sample_lengths",
     "shift_batch",
@@ -623,3 +624,19 @@ def _with_noise(rows: Any, noise: RowNoise) -> Any:
         if "sample_indices" in row:
             row["row_noise"] = noise
         yield row
+
+
+def main_process_noise(
+    collate: Callable[[list[BatchType | None]], PackedBatch], dataset: Eagle3SampleFileDataset
+) -> Callable[[list[BatchType | None]], PackedBatch]:
+    """`collate` whose rows carry `dataset`'s `RowNoise` as of each call: for a loader that
+    collates in the main process (online extraction), where the dataset's epoch is current."""
+
+    def run(samples: list[BatchType | None]) -> PackedBatch:
+        row = collate(samples)
+        noise = dataset.row_noise()
+        if noise is not None and "sample_indices" in row:
+            row["row_noise"] = noise  # type: ignore[typeddict-unknown-key]
+        return row
+
+    return run

@@ -67,6 +67,7 @@ def run_train_job(
         Eagle3SampleFileDataset,
         SampleFileLoader,
         create_collate_fn,
+        main_process_noise,
         split_files,
         split_items,
     )
@@ -150,15 +151,16 @@ def run_train_job(
                 output_dtype=torch.bfloat16 if bf16 else None,
                 # The verifier's widths are the yardstick: not whichever file comes first.
                 widths=(3 * hidden_size, hidden_size),
-                # Offline rows are noised on the training device (the workers only read and pack).
-                device_noise=extractor is None,
+                # Rows are noised on the training device (the workers only read and pack).
+                device_noise=True,
             )
             sampler = MultipackDistributedBatchSamplerV2(
                 training.total_seq_len, dataset.lengths, world_size, rank, seed=training.seed
             )
             if extractor is not None:
                 return OnlineLoader(
-                    extractor, dataset, items, sampler, create_collate_fn(training.total_seq_len),
+                    extractor, dataset, items, sampler,
+                    main_process_noise(create_collate_fn(training.total_seq_len), dataset),
                     config.online.online_queue_size, exchange,
                 )
             return SampleFileLoader(

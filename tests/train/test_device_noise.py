@@ -135,3 +135,16 @@ def test_the_finiteness_check_in_bf16_refuses_nan_and_inf_but_not_large_values()
         values = large.clone()
         values[5, 3] = bad
         assert not _all_finite(values)
+
+
+def test_a_main_process_loader_noises_like_the_worker_loader(tmp_path):
+    # Online extraction collates in the main process: its rows get the same noise as offline's.
+    from speculators_vllm016.train.data import main_process_noise
+
+    write_files(tmp_path, [9, 13])
+    data = dataset(tmp_path, 40)
+    data.set_epoch(2)
+    row = main_process_noise(create_collate_fn(40), data)([data[0], data[1]])
+    assert row["row_noise"] == RowNoise(data.transform, 7, 2)
+    offline = on_device(create_collate_fn(40)([data[0], data[1]]), data)["hidden_states"]
+    assert torch.equal(to_step_row(row, CPU, None).inputs["hidden_states"], offline)
