@@ -402,10 +402,11 @@ class Eagle3SampleFileDataset(Dataset):
     (unreadable, or hidden states that are not finite) and `strict` is off: the collate function
     drops it and counts it. The transform (noise) is seeded per `(seed, epoch, index)`, so a sample
     gets the same noise whatever worker reads it and whenever: resumed runs see the same data.
-    `lengths` are the shifted token counts that packing uses. Hidden states are read as
-    `hidden_states_dtype` (fp32, as 0.3.0) for the checks and the noise; `output_dtype` (bf16 for
-    bf16 training) then stores the finished rows smaller, halving the bytes pinned and copied to
-    the GPU at no loss: autocast rounds the fused states to bf16 before the first layer anyway.
+    `lengths` are the shifted token counts that packing uses. Hidden states are checked in the
+    file's dtype; a noise drawn here is added in `hidden_states_dtype` (fp32, as 0.3.0);
+    `output_dtype` (bf16 for bf16 training) is what rows store: bf16 files then stay bf16 without
+    a copy, halving the bytes pinned and copied to the GPU at no loss (autocast rounds the fused
+    states to bf16 before the first layer anyway).
     `widths` (fused, teacher) is what every sample must have (the model's); by default, when the
     files are scanned (`lengths` not given), the widths of the lowest-index readable file.
 
