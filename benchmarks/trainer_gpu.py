@@ -15,6 +15,14 @@ Each run's last checkpoint write is timed (the trainer's log). `--resume-check` 
 twice more: half the steps, then the same command resumed to the end; it reports the checkpoint
 load time and whether the resumed run's final weights equal the uninterrupted run's, bit for bit.
 JSON and markdown go to --output-dir. NCCL's NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
+
+`--sustained` runs whole epochs instead (`--epochs`, default 3, of `--steps-per-epoch` rows, 40 by
+default: sample files far beyond the loader's prefetch window) and reports per epoch the tokens/s
+(the trainer's tokens over the sum of its step times; the run's first step, compilation, left
+out), the slowest wait for data (`data_wait_seconds`, the trainer's own) and the epoch's first
+step time; to `trainer-sustained-<preset>.json`:
+
+    python benchmarks/trainer_gpu.py --preset llama-3.1-8b-draft --runs single --sustained
 """
 
 from __future__ import annotations
@@ -74,6 +82,8 @@ class RunResult:
     resumed_max_abs_diff: float | None = None
     repeat_equal: bool | None = None
     repeat_max_abs_diff: float | None = None
+    median_step_tokens_per_second: float | None = None
+    epochs: list[dict[str, Any]] | None = None
     error: str | None = None
 
 
@@ -191,7 +201,7 @@ def train_command(name: str, processes: int, paths: dict[str, Path], save: Path,
         "train", "--verifier-name-or-path", str(paths["verifier"]), "--data-path", str(paths["data"]),
         "--save-path", str(save), "--d2t-path", str(paths["d2t"]), "--t2d-path", str(paths["t2d"]),
         "--total-seq-len", str(args.total_seq_len), "--max-steps", str(max_steps or args.max_steps),
-        "--epochs", "1", "--train-ratio", "1.0", "--no-progress", "--log-dir", str(save.parent / "logs"),
+        "--epochs", str(getattr(args, "epochs", None) or 1), "--train-ratio", "1.0", "--no-progress", "--log-dir", str(save.parent / "logs"),
     ]
     if not resume:  # resuming is the trainer's default
         train.append("--no-resume-from-checkpoint")
@@ -242,6 +252,34 @@ def summarize_metrics(path: Path, warmup_steps: int) -> dict[str, Any]:
         final_loss=timed[-1].get("loss"),
     )
     return summary
+
+
+def summarize_epochs(path: Path) -> dict[str, Any]:
+    """Per epoch of a trainer's metrics.jsonl: tokens/s over the sum of its step times, the
+    slowest wait for data and the first step's time. The run's first step (compilation) is left
+    out of the rates and waits, and reported as the first epoch's `first_step_seconds`."""
+    from speculators_vllm016.train.metrics_log import read_metrics
+
+    records = sorted((r for r in read_metrics(path) if r.train is not None), key=lambda r: r.step)
+    if not records:
+        return {"median_step_tokens_per_second": None, "epochs": []}
+    first_step = records[0].step
+    epochs = []
+    for epoch in sorted({r.epoch for r in records if r.epoch is not None}):
+        steps = [r for r in records if r.epoch == epoch]
+        timed = [r for r in steps if r.step != first_step]
+        tokens = sum(r.train["tokens"] for r in timed)
+        seconds = sum(r.train["step_seconds"] for r in timed)
+        waits = [r.train["data_wait_seconds"] for r in timed if "data_wait_seconds" in r.train]
+        epochs.append({
+            "epoch": epoch, "steps": len(steps),
+            "tokens_per_second": round(tokens / seconds, 1) if seconds else None,
+            "max_data_wait_seconds": round(max(waits), 4) if waits else None,
+            "first_step_seconds": round(steps[0].train["step_seconds"], 4),
+        })
+    rates = [r.train["tokens"] / r.train["step_seconds"] for r in records[1:] if r.train["step_seconds"]]
+    return {"median_step_tokens_per_second": round(statistics.median(rates), 1) if rates else None,
+            "epochs": epochs}
 
 
 def run_process_group(command: list[str], env: dict[str, str], log: Path,
@@ -319,6 +357,8 @@ def run_trainer(name: str, processes: int, paths: dict[str, Path], work: Path,
     summary = summarize_metrics(metrics, args.warmup_steps) if metrics.is_file() else {
         "steps_logged": 0, "timed_steps": 0}
     written, _ = checkpoint_seconds(log.read_text(errors="replace")) if log.is_file() else (None, None)
+    if args.sustained and metrics.is_file():
+        summary.update(summarize_epochs(metrics))
     result = RunResult(name=name, processes=processes, command=shlex.join(command),
                        returncode=returncode, seconds=round(seconds, 1), error=error,
                        checkpoint_save_seconds=written, **summary)
@@ -485,6 +525,11 @@ def make_parser() -> argparse.ArgumentParser:
                         "whole run; compare their final weights with the run's")
     parser.add_argument("--train-args", nargs=argparse.REMAINDER, default=[],
                         help="further `speculators train` flags (last on the line)")
+    parser.add_argument("--sustained", action="store_true",
+                        help="whole epochs on files beyond the prefetch window; per-epoch figures")
+    parser.add_argument("--epochs", type=int, default=None, help="with --sustained (default 3)")
+    parser.add_argument("--steps-per-epoch", type=int, default=40,
+                        help="with --sustained: rows per epoch per rank (sets the sample count)")
     parser.add_argument("--output-dir", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--tag", default="")
     return parser
@@ -500,17 +545,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     gpus = args.gpus or max(torch.cuda.device_count(), 1)
     tokens = args.sample_tokens or preset.sample_tokens
     per_row = max(1, args.total_seq_len // (tokens - 1))
-    samples = args.samples or (args.max_steps + 2) * per_row * (gpus if set(args.runs) - {"single"} else 1)
+    ranks = gpus if set(args.runs) - {"single"} else 1
+    if args.sustained:
+        args.epochs = args.epochs or 3
+        samples = args.samples or args.steps_per_epoch * per_row * ranks
+        args.max_steps = args.epochs * samples  # never the limit: whole epochs run
+        args.warmup_steps = 1
+        args.run_timeout = max(args.run_timeout, 420)
+    else:
+        samples = args.samples or (args.max_steps + 2) * per_row * ranks
     work = Path(args.work_dir)
     paths = write_synthetic_inputs(preset, work, samples, tokens, args.loss_mask)
     command = "python benchmarks/trainer_gpu.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"trainer-{preset.name}" + (f"-{args.tag}" if args.tag else "")
+    stem = f"trainer{'-sustained' if args.sustained else ''}-{preset.name}" + (
+        f"-{args.tag}" if args.tag else "")
     result: dict[str, Any] = {
         "preset": preset.name, "command": command, "samples": samples, "sample_tokens": tokens,
         "total_seq_len": args.total_seq_len, "max_steps": args.max_steps,
         "warmup_steps": args.warmup_steps, "loss_mask": args.loss_mask, "runs": [], "step_benchmark": None,
+        "epochs": args.epochs,
     }
 
     def save() -> None:  # after every run: a run killed later loses nothing measured before

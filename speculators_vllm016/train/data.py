@@ -44,11 +44,11 @@ from typing import Any, TypedDict, TypeVar
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 from typing_extensions import NotRequired
 
 from speculators_vllm016.data_generation.sample_io import SAMPLE_FILE  # the one home of the name
-from speculators_vllm016.train.noise_transforms import TransformTensors
+from speculators_vllm016.train.noise_transforms import RowNoise, TransformTensors, noise_seed
 from speculators_vllm016.utils.errors import type_and_first_line
 
 __all__ = [
@@ -58,8 +58,10 @@ __all__ = [
     "IncompleteDataError",
     "PackedBatch",
     "SampleFileError",
+    "SampleFileLoader",
     "check_sample_shapes",
     "create_collate_fn",
+    "main_process_noise",
     "list_files",
     "sample_lengths",
     "shift_batch",
@@ -325,10 +327,18 @@ def _file_index(path: Path) -> int:
     return int(match.group(1)) if match else -1
 
 
-def _noise_seed(seed: int, epoch: int, index: int) -> int:
-    """A distinct, stable seed per (run seed, epoch, sample) so noise never depends on workers."""
-    mixed = (seed * 1_000_003 + epoch) * 1_000_033 + index
-    return mixed % (2**63 - 1)
+_noise_seed = noise_seed  # the old private name
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every value is finite, in the tensor's own dtype (no fp32 copy).
+
+    The sum is one fast pass and is finite when every value is; only a non-finite sum (a NaN or
+    inf, or an overflow of large finite values) pays for the exact check.
+    """
+    if bool(torch.isfinite(tensor.sum())):
+        return True
+    return bool(torch.isfinite(tensor).all())
 
 
 def prepare_sample(
@@ -348,9 +358,11 @@ def prepare_sample(
     """One raw sample (a file's dict, or the generator's result) -> the shifted training sample.
 
     The one place a sample is prepared, for files and for online extraction alike: standardize,
-    check the shapes (`check_sample_shapes`, against `widths` when given), cast the states,
-    refuse non-finite states (`SampleFileError`), add the noise seeded by `(seed, epoch, index)`,
-    shift. `name` says which sample in error messages.
+    check the shapes (`check_sample_shapes`, against `widths` when given), refuse non-finite
+    states (`SampleFileError`), add the noise seeded by `(seed, epoch, index)` in
+    `hidden_states_dtype`, store the states as `output_dtype`, shift. Without a transform the
+    states go straight to `output_dtype` (or `hidden_states_dtype`): no copy when the file already
+    has it. `name` says which sample in error messages.
     """
     try:
         data = standardize_fn(raw)
@@ -359,21 +371,22 @@ def prepare_sample(
         raise SampleFileError(f"{name}: {error}") from None
     except Exception as error:  # noqa: BLE001 - a malformed sample surfaces here, in a worker
         raise SampleFileError(f"{name}: unreadable ({type(error).__name__}: {error})") from None
+    for key in ("hidden_states", "verifier_last_hidden_states"):
+        if not _all_finite(data[key]):
+            raise SampleFileError(f"{name}: {key} holds NaN or inf values")
+    working = hidden_states_dtype if transform is not None else (output_dtype or hidden_states_dtype)
     data = {
-        key: value.to(hidden_states_dtype) if "hidden_states" in key else value
+        key: value.to(working) if "hidden_states" in key else value
         for key, value in data.items()
     }
-    for key in ("hidden_states", "verifier_last_hidden_states"):
-        if not bool(torch.isfinite(data[key]).all()):
-            raise SampleFileError(f"{name}: {key} holds NaN or inf values")
     length = int(data["input_ids"].shape[0])
     data["lengths"] = torch.tensor([length], dtype=torch.long)
     data["position_ids"] = torch.arange(length, dtype=torch.long)
     if transform is not None:
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_noise_seed(seed, epoch, index))
+            torch.manual_seed(noise_seed(seed, epoch, index))
             data = transform(data)
-    if output_dtype is not None:
+    if output_dtype is not None and transform is not None:
         # After the noise, so only the finished values are rounded (what autocast would do).
         data = {
             key: value.to(output_dtype) if "hidden_states" in key else value
@@ -389,12 +402,18 @@ class Eagle3SampleFileDataset(Dataset):
     (unreadable, or hidden states that are not finite) and `strict` is off: the collate function
     drops it and counts it. The transform (noise) is seeded per `(seed, epoch, index)`, so a sample
     gets the same noise whatever worker reads it and whenever: resumed runs see the same data.
-    `lengths` are the shifted token counts that packing uses. Hidden states are read as
-    `hidden_states_dtype` (fp32, as 0.3.0) for the checks and the noise; `output_dtype` (bf16 for
-    bf16 training) then stores the finished rows smaller, halving the bytes pinned and copied to
-    the GPU at no loss: autocast rounds the fused states to bf16 before the first layer anyway.
+    `lengths` are the shifted token counts that packing uses. Hidden states are checked in the
+    file's dtype; a noise drawn here is added in `hidden_states_dtype` (fp32, as 0.3.0);
+    `output_dtype` (bf16 for bf16 training) is what rows store: bf16 files then stay bf16 without
+    a copy, halving the bytes pinned and copied to the GPU at no loss (autocast rounds the fused
+    states to bf16 before the first layer anyway).
     `widths` (fused, teacher) is what every sample must have (the model's); by default, when the
     files are scanned (`lengths` not given), the widths of the lowest-index readable file.
+
+    With `device_noise=True` (the trainer's offline loader) items are not noised here: each carries
+    its `sample_index`, the packed row its `sample_indices`, and `SampleFileLoader` attaches the
+    `RowNoise` that the trainer applies on the training device. Nothing an item holds then depends
+    on the epoch, so persistent workers (which never see `set_epoch`) read the same items.
     """
 
     def __init__(
@@ -412,6 +431,7 @@ class Eagle3SampleFileDataset(Dataset):
         legacy_loss_mask_shift: bool = False,
         output_dtype: torch.dtype | None = None,
         widths: tuple[int, int] | None = None,
+        device_noise: bool = False,
     ) -> None:
         if (datapath is None) == (file_list is None):
             raise ValueError("give exactly one of `datapath` (a folder to scan) or `file_list`")
@@ -425,6 +445,7 @@ class Eagle3SampleFileDataset(Dataset):
         self.strict = strict
         self.legacy_loss_mask_shift = legacy_loss_mask_shift
         self.output_dtype = output_dtype
+        self.device_noise = device_noise
         self.unreadable: list[tuple[Path, str]] = []
         if lengths is None:
             raw, self.unreadable = sample_lengths(files)
@@ -464,6 +485,12 @@ class Eagle3SampleFileDataset(Dataset):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
+    def row_noise(self) -> RowNoise | None:
+        """The noise of this epoch's rows when it is drawn on the device; None otherwise."""
+        if not self.device_noise or self.transform is None:
+            return None
+        return RowNoise(self.transform, self.seed, self.epoch)
+
     def __len__(self) -> int:
         return len(self.data)
 
@@ -480,12 +507,17 @@ class Eagle3SampleFileDataset(Dataset):
 
     def prepare(self, raw: dict[str, Any], index: int, name: str) -> BatchType:
         """`prepare_sample` with this dataset's settings (epoch, seed, transform, dtype)."""
-        return prepare_sample(
+        deferred = self.device_noise and self.transform is not None
+        sample = prepare_sample(
             raw, index, name=name, standardize_fn=self.standardize_fn,
-            hidden_states_dtype=self.hidden_states_dtype, transform=self.transform, seed=self.seed,
+            hidden_states_dtype=self.hidden_states_dtype,
+            transform=None if deferred else self.transform, seed=self.seed,
             epoch=self.epoch, legacy_loss_mask_shift=self.legacy_loss_mask_shift,
             output_dtype=self.output_dtype, widths=self.widths,
         )
+        if deferred:
+            sample["sample_index"] = int(index)
+        return sample
 
     def __getitem__(self, index: int) -> BatchType | None:
         return self.item(index)
@@ -502,13 +534,42 @@ class Eagle3SampleFileDataset(Dataset):
             return None
 
 
+def _row_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized tensor for a packed row; in a loader worker, in shared memory already, so
+    the hand-off to the main process sends a handle instead of copying the row once more."""
+    if torch.utils.data.get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype)
+    numel = 1
+    for size in shape:
+        numel *= size
+    storage = torch.empty(0, dtype=dtype)._typed_storage()._new_shared(numel)
+    return torch.empty(0, dtype=dtype).set_(storage).view(shape)
+
+
+def _pack(parts: list[torch.Tensor], max_len: int) -> torch.Tensor:
+    """`parts` laid end to end, cut or zero-padded to `max_len` rows, in one copy; [1, max_len, ...]."""
+    row = _row_buffer((max_len, *parts[0].shape[1:]), parts[0].dtype)
+    used = 0
+    for part in parts:
+        take = min(int(part.shape[0]), max_len - used)
+        if take <= 0:
+            break
+        row[used:used + take].copy_(part[:take])
+        used += take
+    if used < max_len:
+        row[used:].zero_()
+    return row[None]
+
+
 def create_collate_fn(max_len: int) -> Callable[[list[BatchType | None]], PackedBatch]:
     """Pack a list of shifted samples into one row of `max_len` tokens (see `PackedBatch`).
 
     Samples are laid end to end; the row is cut or zero-padded to `max_len`, and `lengths` lists
     the samples that fit, the last one cut to what is left. None entries (unusable samples) are
     dropped and counted in `skipped_samples`; when all are, the row is that count alone (the
-    trainer steps on its empty row: see the module docstring).
+    trainer steps on its empty row: see the module docstring). Samples that carry their
+    `sample_index` (noise drawn on the device) give the row `sample_indices`, one per entry of
+    `lengths`.
     """
 
     def collate(samples: list[BatchType | None]) -> PackedBatch:
@@ -518,8 +579,10 @@ def create_collate_fn(max_len: int) -> Callable[[list[BatchType | None]], Packed
             return {"skipped_samples": skipped}  # type: ignore[typeddict-item]
         row: dict[str, Any] = {}
         for key in usable[0]:
-            joined = torch.cat([sample[key] for sample in usable], dim=0)
-            row[key] = joined if key == "lengths" else slice_and_pad_to_length(joined, max_len)[None]
+            if key == "sample_index":
+                continue
+            parts = [sample[key] for sample in usable]
+            row[key] = torch.cat(parts) if key == "lengths" else _pack(parts, max_len)
         kept: list[int] = []
         used = 0
         for length in row["lengths"].tolist():
@@ -529,9 +592,52 @@ def create_collate_fn(max_len: int) -> Callable[[list[BatchType | None]], Packed
             kept.append(length)
             used += length
         row["lengths"] = torch.tensor(kept, dtype=torch.long)
+        if "sample_index" in usable[0]:
+            row["sample_indices"] = torch.tensor(
+                [sample["sample_index"] for sample in usable[: len(kept)]], dtype=torch.long
+            )
         if skipped:
             row["skipped_samples"] = skipped
         return row  # type: ignore[return-value]
 
     return collate
 
+
+
+class SampleFileLoader(DataLoader):
+    """The trainer's offline loader: a `DataLoader` whose rows carry their `RowNoise`.
+
+    The noise needs the epoch, which the main process knows (`set_epoch` reaches the dataset
+    here, not a persistent worker's copy): each row gets the `RowNoise` of the epoch its
+    iteration started in, under the key `row_noise`, when the dataset defers its noise.
+    """
+
+    def __iter__(self) -> Any:
+        rows = super().__iter__()  # now: the worker seeds are drawn where the trainer expects
+        noise = self.dataset.row_noise() if hasattr(self.dataset, "row_noise") else None
+        if noise is None:
+            return rows
+        return _with_noise(rows, noise)
+
+
+def _with_noise(rows: Any, noise: RowNoise) -> Any:
+    for row in rows:
+        if "sample_indices" in row:
+            row["row_noise"] = noise
+        yield row
+
+
+def main_process_noise(
+    collate: Callable[[list[BatchType | None]], PackedBatch], dataset: Eagle3SampleFileDataset
+) -> Callable[[list[BatchType | None]], PackedBatch]:
+    """`collate` whose rows carry `dataset`'s `RowNoise` as of each call: for a loader that
+    collates in the main process (online extraction), where the dataset's epoch is current."""
+
+    def run(samples: list[BatchType | None]) -> PackedBatch:
+        row = collate(samples)
+        noise = dataset.row_noise()
+        if noise is not None and "sample_indices" in row:
+            row["row_noise"] = noise  # type: ignore[typeddict-unknown-key]
+        return row
+
+    return run

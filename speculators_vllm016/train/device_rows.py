@@ -7,7 +7,9 @@ draft's one-token empty row, so the step (and on several ranks every collective)
 and the plan stays the same on every rank and on resume; it trains nothing and weighs 0.
 
 On CUDA `prefetch_to_device` copies row n + 1 on a side stream while row n trains (the loader
-pins its rows, so the copy is asynchronous).
+pins its rows, so the copy is asynchronous). A row that carries its `row_noise` (the offline
+loader's) is noised there, on the device, once copied: per sample, seeded by
+`(seed, epoch, sample index)` (`noise_transforms.RowNoise`); on the CPU it is noised on the CPU.
 """
 
 from __future__ import annotations
@@ -53,6 +55,18 @@ def _skipped(batch: Mapping[str, Any]) -> torch.Tensor:
     return batch.get("skipped_samples", torch.zeros(()))
 
 
+def _device_inputs(batch: Mapping[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
+    """The row's model inputs on `device`, noised there when the row carries its `row_noise`."""
+    inputs = {key: batch[key].to(device, non_blocking=True) for key in MODEL_INPUTS if key in batch}
+    noise = batch.get("row_noise")
+    if noise is not None:
+        if inputs["hidden_states"] is batch["hidden_states"]:  # already there: keep the row as read
+            inputs = {key: value.clone() if "hidden_states" in key else value
+                      for key, value in inputs.items()}
+        noise.apply(inputs, batch["lengths"].tolist(), batch["sample_indices"].tolist())
+    return inputs
+
+
 def to_step_row(
     batch: Mapping[str, Any] | StepRow, device: torch.device, model: torch.nn.Module
 ) -> StepRow:
@@ -61,8 +75,7 @@ def to_step_row(
         return batch
     if "input_ids" not in batch:
         return StepRow(empty_row(model, device), False, _skipped(batch))
-    inputs = {key: batch[key].to(device, non_blocking=True) for key in MODEL_INPUTS if key in batch}
-    return StepRow(inputs, True, _skipped(batch))
+    return StepRow(_device_inputs(batch, device), True, _skipped(batch))
 
 
 def prefetch_to_device(
@@ -81,8 +94,7 @@ def prefetch_to_device(
             return batch, None
         stream.wait_stream(main)  # the row's memory may be reused from freed earlier rows
         with torch.cuda.stream(stream):
-            inputs = {key: batch[key].to(device, non_blocking=True)
-                      for key in MODEL_INPUTS if key in batch}
+            inputs = _device_inputs(batch, device)
             ready = torch.cuda.Event()
             ready.record(stream)
         return StepRow(inputs, True, _skipped(batch)), ready

@@ -62,11 +62,12 @@ def run_train_job(
     `report` is called on rank 0 once training finished, before the online engine and the
     process group close: what was trained is reported even when closing then fails."""
     import torch
-    from torch.utils.data import DataLoader
 
     from speculators_vllm016.train.data import (
         Eagle3SampleFileDataset,
+        SampleFileLoader,
         create_collate_fn,
+        main_process_noise,
         split_files,
         split_items,
     )
@@ -150,19 +151,24 @@ def run_train_job(
                 output_dtype=torch.bfloat16 if bf16 else None,
                 # The verifier's widths are the yardstick: not whichever file comes first.
                 widths=(3 * hidden_size, hidden_size),
+                # Rows are noised on the training device (the workers only read and pack).
+                device_noise=True,
             )
             sampler = MultipackDistributedBatchSamplerV2(
                 training.total_seq_len, dataset.lengths, world_size, rank, seed=training.seed
             )
             if extractor is not None:
                 return OnlineLoader(
-                    extractor, dataset, items, sampler, create_collate_fn(training.total_seq_len),
+                    extractor, dataset, items, sampler,
+                    main_process_noise(create_collate_fn(training.total_seq_len), dataset),
                     config.online.online_queue_size, exchange,
                 )
-            return DataLoader(
+            return SampleFileLoader(
                 dataset, batch_sampler=sampler, collate_fn=create_collate_fn(training.total_seq_len),
                 num_workers=workers, prefetch_factor=runtime.prefetch_factor if workers else None,
                 pin_memory=device.type == "cuda",
+                # Started once: no worker start-up (and empty prefetch window) at every epoch.
+                persistent_workers=workers > 0,
             )
 
         train_loader = loader(train_files, noise_transform(config))

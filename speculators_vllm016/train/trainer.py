@@ -312,11 +312,14 @@ class Trainer:
         self.state.step_in_epoch = start_step
         try:
             for step in range(start_step, steps):
+                waiting = time.perf_counter()
                 try:
                     row = next(rows)
                 except DataSourceError as error:
                     raise self._data_source_failed(error) from error
+                data_wait = time.perf_counter() - waiting  # the loader's share of step_seconds
                 metrics = self.train_step(row)
+                metrics["data_wait_seconds"] = data_wait
                 # A float averaged over ranks and multiplied back: 5 on 3 ranks is 4.9999998.
                 self.state.skipped_samples += round(metrics.pop("skipped_samples"))
                 trained += metrics.pop("trained_tokens", metrics["tokens"])
