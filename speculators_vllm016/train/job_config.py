@@ -298,8 +298,10 @@ class OnlineConfig:
     start_idx: int = 0
     """Index of the first sample file."""
     layer_ids: list[int] | None = None
-    """Decoder layers to capture (datagen's numbering: output of layer i); None: [2, N/2, N-3,
-    N-1] of N layers."""
+    """Decoder layers captured (datagen's numbering: output of layer i). --online: the layers to
+    capture; None: [2, N/2, N-3, N-1] of N layers. Offline: the layers --data-path holds, needed
+    only for a folder without datagen's data_config.json (0.3.0's layout from elsewhere), whose
+    layers the draft's config must name for vLLM; with data_config.json they must agree."""
     num_writer_threads: int = 4
     """Threads writing --cache-dir sample files."""
     fsync: bool = False

@@ -201,3 +201,32 @@ def test_maps_of_two_builds_are_refused_even_when_their_sizes_agree(
     message = run_error(argv, capsys)
     assert "different maps" in message and "t2d marks" in message
     assert not save.exists()
+
+
+def test_data_without_data_config_needs_layer_ids_and_then_serves_those_layers(
+    tiny_llama, training_data, tmp_path, capsys
+):
+    """0.3.0's layout from elsewhere (no data_config.json): refused in one line, unless --layer-ids
+    names the layers; the draft's config then names them for vLLM (its numbering) (#29 item 7)."""
+    import json
+    import shutil
+
+    bare = tmp_path / "data"
+    shutil.copytree(training_data, bare)
+    (bare / "data_config.json").unlink()
+    save = tmp_path / "save"
+    maps = ["--d2t-path", str(training_data.parent / "d2t.npy"), "--t2d-path", str(training_data.parent / "t2d.npy")]
+    message = run_error(train_args(tiny_llama, bare, save, *maps), capsys)
+    assert "data_config.json" in message and "--layer-ids" in message, message
+    assert not save.exists()
+    # With data_config.json, --layer-ids must agree with it.
+    message = run_error(train_args(tiny_llama, training_data, save, "--layer-ids", "0", "1", "2", "2"), capsys)
+    assert "--layer-ids 0 1 2 2 differ" in message
+    assert not save.exists()
+
+    assert main(train_args(tiny_llama, bare, save, *maps, "--layer-ids", "0", "1", "2", "3",
+                           "--max-steps", "1")) == 0
+    configs = list(save.glob("*/config.json"))
+    assert configs
+    for path in configs:
+        assert json.loads(path.read_text())["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
