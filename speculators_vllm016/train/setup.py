@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from speculators_vllm016.train.job_config import TrainJobConfig, TrainSetupError
-from speculators_vllm016.train.vocab_maps import VocabMaps, load_vocab_maps
+from speculators_vllm016.train.vocab_maps import VocabMaps, load_vocab_maps, resolve_vocab_paths
 from speculators_vllm016.utils.errors import first_line
 from speculators_vllm016.utils.layer_ids import datagen_to_vllm_layer_ids
 
@@ -314,8 +314,11 @@ def prepare(config: TrainJobConfig) -> TrainSetup:
         from speculators_vllm016.train.vocab_mapping import count_trained_tokens
 
         counts = {int(k): int(v) for k, v in dict(count_trained_tokens(online.dataset)).items()}
+    d2t_path, t2d_path = resolve_vocab_paths(
+        vocab_config.d2t_path, vocab_config.t2d_path, save_path, vocab_config.draft_vocab_size
+    )
     vocab = load_vocab_maps(
-        vocab_config.d2t_path, vocab_config.t2d_path, target_vocab,
+        d2t_path, t2d_path, target_vocab,
         draft_vocab_size=vocab_config.draft_vocab_size, token_freq_path=vocab_config.token_freq_path,
         data_path=data_path, counts=counts,
     )
