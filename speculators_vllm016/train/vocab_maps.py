@@ -28,6 +28,7 @@ __all__ = [
     "T2D_FILE",
     "VocabMaps",
     "load_vocab_maps",
+    "read_folder_token_counts",
     "resolve_vocab_paths",
     "save_vocab_maps",
     "target_vocab_size_of",
@@ -65,16 +66,41 @@ def target_vocab_size_of(target_model_path: str) -> int:
 def write_vocab_mappings(
     token_freq_path: str | Path, draft_vocab_size: int, target_vocab_size: int, output_path: str | Path
 ) -> tuple[Path, Path]:
-    """Build the maps from a `token_freq.pt` and write `d2t.npy`, `t2d.npy` (each whole or not at all)."""
+    """Build the maps from a `token_freq.pt`, or from a datagen folder (its `token_freq/` shards,
+    summed), and write `d2t.npy`, `t2d.npy` (each whole or not at all)."""
     from speculators_vllm016.data_generation.token_counts import read_token_counts
 
     token_freq_path = Path(token_freq_path)
-    if not token_freq_path.is_file():
+    if token_freq_path.is_dir():
+        counts = read_folder_token_counts(token_freq_path)
+    elif token_freq_path.is_file():
+        counts = read_token_counts(token_freq_path)
+    else:
         raise FileNotFoundError(
-            f"no token frequency file at {token_freq_path}; datagen writes it (--token-freq-path)"
+            f"no token frequency file at {token_freq_path}; give datagen's --output-dir (it counts "
+            "tokens in token_freq/) or the token_freq.pt of datagen's --token-freq-path"
         )
-    counts = read_token_counts(token_freq_path)
     return write_vocab_mappings_from_counts(counts, draft_vocab_size, target_vocab_size, output_path)
+
+
+def read_folder_token_counts(folder: Path) -> dict[int, int]:
+    """The counts of a datagen folder (its `token_freq/` shards summed; that folder itself is
+    accepted too), else of a `token_freq.pt` inside it."""
+    from speculators_vllm016.data_generation.token_counts import (
+        TOKEN_FREQ_DIR,
+        load_token_freq,
+        read_token_counts,
+    )
+
+    if (folder / TOKEN_FREQ_DIR).is_dir():
+        return load_token_freq(folder)
+    if folder.name == TOKEN_FREQ_DIR and any(folder.glob("shard-*-of-*.pth")):
+        return load_token_freq(folder.parent)
+    if (folder / "token_freq.pt").is_file():
+        return read_token_counts(folder / "token_freq.pt")
+    raise FileNotFoundError(
+        f"no token counts in {folder}: neither datagen's {TOKEN_FREQ_DIR}/ shards nor a token_freq.pt"
+    )
 
 
 def write_vocab_mappings_from_counts(
