@@ -1,6 +1,6 @@
 """`speculators vocab-mapping`: the draft vocabulary (d2t.npy, t2d.npy) from datagen's token counts.
 
-The flags of 0.3.0's scripts/build_vocab_mapping.py: the target vocabulary size is given directly
+The flags of 0.3.0's scripts/build_vocab_mapping.py (--token-freq-path also takes a datagen folder): the target vocabulary size is given directly
 or read from the target model's config, and both maps are written into the --output-path folder
 (by `train.vocab_maps`, which the demo and gen-and-train call too).
 """
@@ -26,7 +26,9 @@ __all__ = ["D2T_FILE", "T2D_FILE", "target_vocab_size_of", "vocab_mapping", "wri
 
 def vocab_mapping(
     token_freq_path: str = typer.Option(
-        ..., "--token-freq-path", help="token_freq.pt written by datagen ({token_id: count})."
+        ..., "--token-freq-path",
+        help="Datagen's --output-dir (its token_freq/ shard counts are summed) or a token_freq.pt "
+        "({token_id: count}, datagen's --token-freq-path).",
     ),
     draft_vocab_size: int = typer.Option(
         ..., "--draft-vocab-size", min=1, help="Tokens the draft predicts (e.g. 32000)."

@@ -83,7 +83,7 @@ def run_train_job(
 
     setup = prepare(config) if setup is None else setup
     data_path, save_path, vocab = setup.data_path, setup.save_path, setup.vocab
-    standardize, layer_ids, online = setup.standardize, setup.layer_ids, setup.online
+    standardize, online = setup.standardize, setup.online
     data, training, runtime, log = config.data, config.training, config.runtime, config.logging
 
     # -- the run ---------------------------------------------------------------------------------
@@ -95,8 +95,6 @@ def run_train_job(
     failure: BaseException | None = None
     try:
         setup_root_logger("INFO")
-        if layer_ids is None:
-            logger.warning("no data_config.json in %s: eagle_aux_hidden_state_layer_ids not written", data_path)
         save_path.mkdir(parents=True, exist_ok=True)
         if rank == 0:
             save_job_config(config, save_path / CONFIG_FILE)

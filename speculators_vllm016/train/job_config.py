@@ -111,13 +111,16 @@ class DataConfig:
 class VocabConfig:
     """the draft vocabulary maps d2t/t2d, read or built (0.3.0)"""
 
-    d2t_path: str = "d2t.npy"
-    """Draft->target offsets (.npy), as `speculators vocab-mapping` writes them."""
-    t2d_path: str = "t2d.npy"
-    """Target->draft mask (.npy), the pair of --d2t-path."""
+    d2t_path: str | None = None
+    """Draft->target offsets (.npy), as `speculators vocab-mapping` writes them. None: the run's
+    own <save-path>/d2t.npy (built there by --draft-vocab-size); without --draft-vocab-size,
+    ./d2t.npy (0.3.0's default) when the run has none."""
+    t2d_path: str | None = None
+    """Target->draft mask (.npy), the pair of --d2t-path (None: beside it, as --d2t-path)."""
     draft_vocab_size: int | None = None
-    """Tokens the draft predicts: build d2t/t2d from token counts when the .npy files do not
-    exist (None: the files must exist)."""
+    """Tokens the draft predicts: build d2t/t2d from token counts (saved beside the
+    checkpoints) when the .npy files do not exist; maps of another size stop the run. None: the
+    files must exist."""
     token_freq_path: str | None = None
     """Token counts for --draft-vocab-size (None: datagen's token_freq/ or token_freq*.pt in
     --data-path)."""
@@ -298,8 +301,10 @@ class OnlineConfig:
     start_idx: int = 0
     """Index of the first sample file."""
     layer_ids: list[int] | None = None
-    """Decoder layers to capture (datagen's numbering: output of layer i); None: [2, N/2, N-3,
-    N-1] of N layers."""
+    """Decoder layers captured (datagen's numbering: output of layer i). --online: the layers to
+    capture; None: [2, N/2, N-3, N-1] of N layers. Offline: the layers --data-path holds, needed
+    only for a folder without datagen's data_config.json (0.3.0's layout from elsewhere), whose
+    layers the draft's config must name for vLLM; with data_config.json they must agree."""
     num_writer_threads: int = 4
     """Threads writing --cache-dir sample files."""
     fsync: bool = False

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from speculators_vllm016.train.job_config import TrainJobConfig, TrainSetupError
-from speculators_vllm016.train.vocab_maps import VocabMaps, load_vocab_maps
+from speculators_vllm016.train.vocab_maps import VocabMaps, load_vocab_maps, resolve_vocab_paths
 from speculators_vllm016.utils.errors import first_line
 from speculators_vllm016.utils.layer_ids import datagen_to_vllm_layer_ids
 
@@ -67,9 +67,9 @@ class TrainSetup:
     standardize: Callable[[dict], dict]
     """Reads a sample file's dict in --data-format-version's layout."""
     layer_ids: list[int] | None
-    """The captured layers (datagen's numbering); None: the data does not say."""
+    """The captured layers (datagen's numbering): data_config.json's or --layer-ids."""
     aux_ids: list[int] | None
-    """The fused layers in vLLM's numbering, for the draft's config; None as `layer_ids`."""
+    """The fused layers in vLLM's numbering, for the draft's config."""
     vocab: VocabMaps
     online: OnlineSetup | None = None
     """The online extraction set-up (`--online`), else None."""
@@ -181,6 +181,28 @@ def _data_layer_ids(data_path: Path) -> list[int] | None:
     return list(recorded.hidden_states.layer_ids)
 
 
+def _offline_layer_ids(data_path: Path, flag: list[int] | None) -> list[int]:
+    """The captured layers of --data-path: data_config.json's, else --layer-ids. Never unknown:
+    a draft whose config names no layers is fed other layers by vLLM than it was trained on."""
+    recorded = _data_layer_ids(data_path)
+    if recorded is None and flag is None:
+        raise TrainSetupError(
+            f"{data_path} has no data_config.json naming the layers its hidden states come from; "
+            "give them with --layer-ids (datagen's numbering, 4 ids: 3 fused + the last)"
+        )
+    if recorded is not None and flag is not None and list(flag) != recorded:
+        raise TrainSetupError(
+            f"--layer-ids {' '.join(map(str, flag))} differ from the layers {recorded} that "
+            f"{data_path}/data_config.json records; leave --layer-ids out for this data"
+        )
+    layer_ids = recorded if recorded is not None else list(flag)  # type: ignore[arg-type]
+    if len(layer_ids) != 4 or min(layer_ids) < 0:
+        raise TrainSetupError(
+            f"--layer-ids {layer_ids}: an EAGLE-3 draft needs 4 layer ids of 0 or more (3 fused + the last)"
+        )
+    return layer_ids
+
+
 def _check_sample(path: Path, standardize: Callable[[dict], dict], hidden_size: int) -> None:
     """The first sample's shapes against the verifier: fused width 3*H and teacher width H."""
     from speculators_vllm016.data_generation.sample_io import load_sample
@@ -273,7 +295,7 @@ def prepare(config: TrainJobConfig) -> TrainSetup:
     standardize = standardize_data_v1 if config.data.data_format_version == 1 else standardize_data_v0
     if online is None:
         _check_sample(files[0], standardize, hidden_size)
-        layer_ids = _data_layer_ids(data_path)
+        layer_ids = _offline_layer_ids(data_path, config.online.layer_ids)
     else:
         layer_ids = _check_online_model(online, hidden_size)
     aux_ids = None
@@ -281,7 +303,7 @@ def prepare(config: TrainJobConfig) -> TrainSetup:
         num_target_layers = int(text_config.num_hidden_layers)
         if max(layer_ids) >= num_target_layers:
             raise TrainSetupError(
-                f"data_config.json lists layer ids {layer_ids}, but the verifier has "
+                f"the data's layer ids are {layer_ids}, but the verifier has "
                 f"{num_target_layers} layers: --verifier-name-or-path must be the model of the data"
             )
         # The last captured layer is the teacher's; the others are fused (D8: vLLM's numbering).
@@ -292,8 +314,11 @@ def prepare(config: TrainJobConfig) -> TrainSetup:
         from speculators_vllm016.train.vocab_mapping import count_trained_tokens
 
         counts = {int(k): int(v) for k, v in dict(count_trained_tokens(online.dataset)).items()}
+    d2t_path, t2d_path = resolve_vocab_paths(
+        vocab_config.d2t_path, vocab_config.t2d_path, save_path, vocab_config.draft_vocab_size
+    )
     vocab = load_vocab_maps(
-        vocab_config.d2t_path, vocab_config.t2d_path, target_vocab,
+        d2t_path, t2d_path, target_vocab,
         draft_vocab_size=vocab_config.draft_vocab_size, token_freq_path=vocab_config.token_freq_path,
         data_path=data_path, counts=counts,
     )

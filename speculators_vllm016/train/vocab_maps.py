@@ -8,6 +8,7 @@ files of different builds. Building the maps from counts is `train.vocab_mapping
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,11 +21,15 @@ from speculators_vllm016.utils.errors import first_line, type_and_first_line
 if TYPE_CHECKING:
     import torch
 
+logger = logging.getLogger("speculators")
+
 __all__ = [
     "D2T_FILE",
     "T2D_FILE",
     "VocabMaps",
     "load_vocab_maps",
+    "read_folder_token_counts",
+    "resolve_vocab_paths",
     "save_vocab_maps",
     "target_vocab_size_of",
     "token_counts_for_training",
@@ -61,16 +66,41 @@ def target_vocab_size_of(target_model_path: str) -> int:
 def write_vocab_mappings(
     token_freq_path: str | Path, draft_vocab_size: int, target_vocab_size: int, output_path: str | Path
 ) -> tuple[Path, Path]:
-    """Build the maps from a `token_freq.pt` and write `d2t.npy`, `t2d.npy` (each whole or not at all)."""
+    """Build the maps from a `token_freq.pt`, or from a datagen folder (its `token_freq/` shards,
+    summed), and write `d2t.npy`, `t2d.npy` (each whole or not at all)."""
     from speculators_vllm016.data_generation.token_counts import read_token_counts
 
     token_freq_path = Path(token_freq_path)
-    if not token_freq_path.is_file():
+    if token_freq_path.is_dir():
+        counts = read_folder_token_counts(token_freq_path)
+    elif token_freq_path.is_file():
+        counts = read_token_counts(token_freq_path)
+    else:
         raise FileNotFoundError(
-            f"no token frequency file at {token_freq_path}; datagen writes it (--token-freq-path)"
+            f"no token frequency file at {token_freq_path}; give datagen's --output-dir (it counts "
+            "tokens in token_freq/) or the token_freq.pt of datagen's --token-freq-path"
         )
-    counts = read_token_counts(token_freq_path)
     return write_vocab_mappings_from_counts(counts, draft_vocab_size, target_vocab_size, output_path)
+
+
+def read_folder_token_counts(folder: Path) -> dict[int, int]:
+    """The counts of a datagen folder (its `token_freq/` shards summed; that folder itself is
+    accepted too), else of a `token_freq.pt` inside it."""
+    from speculators_vllm016.data_generation.token_counts import (
+        TOKEN_FREQ_DIR,
+        load_token_freq,
+        read_token_counts,
+    )
+
+    if (folder / TOKEN_FREQ_DIR).is_dir():
+        return load_token_freq(folder)
+    if folder.name == TOKEN_FREQ_DIR and any(folder.glob("shard-*-of-*.pth")):
+        return load_token_freq(folder.parent)
+    if (folder / "token_freq.pt").is_file():
+        return read_token_counts(folder / "token_freq.pt")
+    raise FileNotFoundError(
+        f"no token counts in {folder}: neither datagen's {TOKEN_FREQ_DIR}/ shards nor a token_freq.pt"
+    )
 
 
 def write_vocab_mappings_from_counts(
@@ -134,6 +164,30 @@ def token_counts_for_training(token_freq_path: str | None, data_path: Path) -> t
     )
 
 
+def resolve_vocab_paths(
+    d2t_path: str | None, t2d_path: str | None, save_path: Path, draft_vocab_size: int | None
+) -> tuple[Path, Path]:
+    """Where a run reads its maps. Given paths win (one alone: its pair beside it, by name).
+    Else the run's own pair beside its checkpoints (what an earlier start of it built), which
+    is also where `--draft-vocab-size` builds them. Only without `--draft-vocab-size` is 0.3.0's
+    default place, the working directory, still read, and said so."""
+    if d2t_path is not None or t2d_path is not None:
+        d2t = Path(d2t_path) if d2t_path is not None else Path(t2d_path).parent / D2T_FILE  # type: ignore[arg-type]
+        t2d = Path(t2d_path) if t2d_path is not None else d2t.parent / T2D_FILE
+        return d2t, t2d
+    beside = save_path / D2T_FILE, save_path / T2D_FILE
+    if draft_vocab_size or any(path.is_file() for path in beside):
+        return beside
+    here = Path(D2T_FILE), Path(T2D_FILE)
+    if all(path.is_file() for path in here):
+        logger.warning(
+            "reading %s and %s from the working directory (0.3.0's default place); name them "
+            "with --d2t-path/--t2d-path", *here,
+        )
+        return here
+    return beside
+
+
 def load_vocab_maps(
     d2t_path: str | Path,
     t2d_path: str | Path,
@@ -158,6 +212,12 @@ def load_vocab_maps(
         except Exception as error:  # noqa: BLE001
             raise TrainSetupError(f"cannot read {d2t_path} / {t2d_path}: {error}") from None
         built_from = None
+        if draft_vocab_size and d2t.ndim == 1 and d2t.shape[0] != draft_vocab_size:
+            raise TrainSetupError(
+                f"{d2t_path} maps {d2t.shape[0]} draft tokens but --draft-vocab-size is "
+                f"{draft_vocab_size}: leave the flag out to train with these maps, or remove them "
+                "(or give other --d2t-path/--t2d-path) to build new ones"
+            )
     elif draft_vocab_size:
         from speculators_vllm016.train.vocab_mapping import build_vocab_mappings_from_distribution
 

@@ -20,7 +20,10 @@ def test_030_flags_parse_with_030_defaults():
         "verifier_name_or_path": "m", "data_path": "./data", "save_path": "./checkpoints",
         "epochs": 20, "lr": 1e-4, "no_resume_from_checkpoint": False, "logger": "",
         "total_seq_len": 8192, "data_format_version": 1, "log_dir": "./logs", "run_name": None,
-        "num_layers": 1, "d2t_path": "d2t.npy", "t2d_path": "t2d.npy", "ttt_steps": 3,
+        "num_layers": 1, "ttt_steps": 3,
+        # 0.3.0's d2t.npy/t2d.npy in the working directory silently beat --draft-vocab-size
+        # (#29): by default a run's maps are its own, beside its checkpoints.
+        "d2t_path": None, "t2d_path": None,
         "ttt_step_loss_decay": 1.0,
         # hard-coded in 0.3.0's script, flags here with the same values
         "norm_before_residual": True, "prefetch_factor": 4, "noise_type": "uniform",
@@ -201,3 +204,63 @@ def test_maps_of_two_builds_are_refused_even_when_their_sizes_agree(
     message = run_error(argv, capsys)
     assert "different maps" in message and "t2d marks" in message
     assert not save.exists()
+
+
+def test_data_without_data_config_needs_layer_ids_and_then_serves_those_layers(
+    tiny_llama, training_data, tmp_path, capsys
+):
+    """0.3.0's layout from elsewhere (no data_config.json): refused in one line, unless --layer-ids
+    names the layers; the draft's config then names them for vLLM (its numbering) (#29 item 7)."""
+    import json
+    import shutil
+
+    bare = tmp_path / "data"
+    shutil.copytree(training_data, bare)
+    (bare / "data_config.json").unlink()
+    save = tmp_path / "save"
+    maps = ["--d2t-path", str(training_data.parent / "d2t.npy"), "--t2d-path", str(training_data.parent / "t2d.npy")]
+    message = run_error(train_args(tiny_llama, bare, save, *maps), capsys)
+    assert "data_config.json" in message and "--layer-ids" in message, message
+    assert not save.exists()
+    # With data_config.json, --layer-ids must agree with it.
+    message = run_error(train_args(tiny_llama, training_data, save, "--layer-ids", "0", "1", "2", "2"), capsys)
+    assert "--layer-ids 0 1 2 2 differ" in message
+    assert not save.exists()
+
+    assert main(train_args(tiny_llama, bare, save, *maps, "--layer-ids", "0", "1", "2", "3",
+                           "--max-steps", "1")) == 0
+    configs = list(save.glob("*/config.json"))
+    assert configs
+    for path in configs:
+        assert json.loads(path.read_text())["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+
+
+def test_stray_maps_never_beat_the_draft_vocab_size(tiny_llama, training_data, tmp_path, capsys, monkeypatch):
+    """Maps that disagree with --draft-vocab-size stop the run in one line, and maps left in the
+    working directory are not read when --draft-vocab-size asks for a vocabulary: it is built
+    beside the checkpoints, where a second start of the run finds it (#29 item 4)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    np.save(work / "t2d.npy", np.arange(512) < 100)
+    np.save(work / "d2t.npy", np.zeros(100, dtype=np.int64))
+    save = tmp_path / "save"
+    argv = train_args(tiny_llama, training_data, save, "--draft-vocab-size", "200", "--max-steps", "1")
+    for flag in ("--d2t-path", "--t2d-path"):  # the flags left out: the default places
+        at = argv.index(flag)
+        del argv[at:at + 2]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert np.load(save / "d2t.npy").shape == (200,) and np.load(save / "t2d.npy").sum() == 200
+    assert np.load(work / "d2t.npy").shape == (100,)
+
+    # Named maps of another size: one line, nothing written.
+    other = tmp_path / "other"
+    maps = ["--d2t-path", str(work / "d2t.npy"), "--t2d-path", str(work / "t2d.npy")]
+    message = run_error(train_args(tiny_llama, training_data, other, "--draft-vocab-size", "200", *maps), capsys)
+    assert "maps 100 draft tokens but --draft-vocab-size is 200" in message, message
+    assert not other.exists()
+    # The run's own maps (beside its checkpoints) of another size: the same.
+    message = run_error([*argv[:argv.index("--draft-vocab-size") + 1], "300",
+                         *argv[argv.index("--draft-vocab-size") + 2:]], capsys)
+    assert "maps 200 draft tokens but --draft-vocab-size is 300" in message, message

@@ -82,3 +82,33 @@ def test_a_rebuild_replaces_the_pair_and_leaves_no_staged_files(tmp_path, token_
     d2t, t2d = build_vocab_mappings_from_distribution(COUNTS, 32, 512)
     assert np.array_equal(np.load(out / "d2t.npy"), d2t.numpy())
     assert np.array_equal(np.load(out / "t2d.npy"), t2d.numpy())
+
+
+def test_a_datagen_folder_is_read_as_its_summed_shards(tmp_path):
+    """`--token-freq-path` takes datagen's --output-dir, as `load_token_freq` reads it (#29 item 11)."""
+    data = tmp_path / "data"
+    (data / "token_freq").mkdir(parents=True)
+    tokens = sorted(COUNTS)
+    halves = [{t: COUNTS[t] for t in tokens[:100]}, {t: COUNTS[t] for t in tokens[100:]}]
+    halves[1][tokens[0]] = 5  # a token counted by both shards: the counts add up
+    for i, half in enumerate(halves):
+        torch.save(half, data / "token_freq" / f"shard-{i}-of-2.pth")
+    summed = {**COUNTS, tokens[0]: COUNTS[tokens[0]] + 5}
+    d2t, t2d = build_vocab_mappings_from_distribution(summed, 64, 512)
+    for given in (data, data / "token_freq"):
+        out = tmp_path / f"vocab_{given.name}"
+        result = invoke("--token-freq-path", given, "--draft-vocab-size", 64, "--target-vocab-size", 512,
+                        "--output-path", out)
+        assert result.exit_code == 0, result.output
+        assert np.array_equal(np.load(out / "d2t.npy"), d2t.numpy())
+        assert np.array_equal(np.load(out / "t2d.npy"), t2d.numpy())
+    (data / "token_freq" / "shard-1-of-2.pth").unlink()
+    result = invoke("--token-freq-path", data, "--draft-vocab-size", 64, "--target-vocab-size", 512,
+                    "--output-path", tmp_path / "o")
+    assert result.exit_code == 2 and "incomplete or mixed set of shards" in result.output
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = invoke("--token-freq-path", empty, "--draft-vocab-size", 64, "--target-vocab-size", 512,
+                    "--output-path", tmp_path / "o")
+    assert result.exit_code == 2 and "no token counts in" in result.output
+    assert not (tmp_path / "o").exists()

@@ -112,3 +112,27 @@ def test_cli_errors_are_one_line_with_exit_2(tmp_path, verifier):
          "--output-path", str(verifier)],
     )
     assert result.exit_code == 2 and "would overwrite" in result.output
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "eagle"])
+def test_a_folder_already_converted_is_named_as_such_in_one_line(tmp_path, verifier, algorithm):
+    """Converting convert's own output again: one line saying it is already converted (#29)."""
+    import typer
+    from typer.testing import CliRunner
+
+    from speculators_vllm016.cli.convert import convert
+
+    source, _ = eagle3_checkpoint(tmp_path / "research")
+    done = tmp_path / "done"
+    convert_model(str(source), str(verifier), "eagle3", output_path=str(done))
+    app = typer.Typer()
+    app.command()(convert)
+    app.command("noop")(lambda: None)
+    result = CliRunner().invoke(
+        app, ["convert", str(done), "--verifier", str(verifier), "--algorithm", algorithm,
+              "--output-path", str(tmp_path / "again")],
+    )
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert "already in the speculators format" in lines[0] and "hidden_size" not in lines[0]
+    assert not (tmp_path / "again").exists()

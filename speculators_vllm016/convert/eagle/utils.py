@@ -137,6 +137,12 @@ def read_research_checkpoint(
 ) -> ResearchCheckpoint:
     """The config and weights of a local folder or hub id (downloaded into `cache_dir`)."""
     local = ensure_checkpoint_is_local(input_path, cache_dir)
-    return ResearchCheckpoint(
-        config=load_checkpoint_config(local), weights=load_checkpoint_weights(local)
-    )
+    config = load_checkpoint_config(local)
+    # A speculators folder (what convert and train write) has no research layout to read: say so
+    # rather than fail on the first research key it lacks.
+    if "speculators_config" in config or "speculators_model_type" in config:
+        raise ValueError(
+            f"{input_path} is already in the speculators format (its config.json has "
+            "speculators_config): nothing to convert; serve it with vLLM or evaluate it as it is"
+        )
+    return ResearchCheckpoint(config=config, weights=load_checkpoint_weights(local))

@@ -1,0 +1,167 @@
+"""README.md's section "From a chat dataset to a draft served by vLLM" runs as written, in order.
+
+The commands are read from README.md itself: every ```bash block of the section, backslash
+continuations joined and comments dropped (`shlex`). They run in a temporary folder (so the
+README's relative paths, `llama8b/...`, land there) after two kinds of substitution, and no other
+change:
+
+- PLACEHOLDERS: what the README names but a test cannot fetch (offline): the Llama model becomes a
+  tiny Llama built here, the chat data (`sharegpt`, `heldout.jsonl`) the shipped demo
+  conversations;
+- SCALED_DOWN: the sizes of an 8B model on a GPU, per (flag, README value), made tiny so the
+  commands run on a CPU in minutes (a 64-token draft vocabulary of the tiny 512-token target).
+
+`speculators` is run as `python -m speculators_vllm016`. Commands that cannot run here are skipped
+only by the rules in SKIPPED (each says why and what is still checked), never silently: a command
+matched by no rule runs and must exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.training_fixtures import cli_env
+
+REPO = Path(__file__).resolve().parents[1]
+
+SECTION = "## From a chat dataset to a draft served by vLLM"
+LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
+CHAT_DATA = ("sharegpt", "heldout.jsonl")
+SCALED_DOWN = {
+    ("--max-samples", "50000"): "24",
+    ("--seq-length", "2048"): "128",
+    ("--draft-vocab-size", "32000"): "64",
+    ("--epochs", "10"): "2",
+    ("--max-prompts", "200"): "3",
+}
+# (rule, why): a command skipped by a rule is listed in the test's output.
+SKIPPED = {
+    "vllm serve": "serving a speculative draft needs vLLM's GPU build (the CPU build refuses "
+                  "speculative decoding) and runs until stopped; the draft folder it names is "
+                  "checked to exist",
+    "Kimi-K2.5": "the block needs 8 GPUs (--tensor-parallel-size 8, torchrun --nproc-per-node 8); "
+                 "its speculators commands are parsed by their own command lines, not run",
+}
+
+
+def section_commands(readme: str) -> list[list[list[str]]]:
+    """The argv of each command, block by block, as the README writes them."""
+    start = readme.index(SECTION)
+    end = readme.find("\n## ", start + len(SECTION))
+    text = readme[start:end if end != -1 else None]
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    assert blocks, f"no bash block under {SECTION!r}"
+    commands = []
+    for block in blocks:
+        joined = re.sub(r"\\\n", " ", block)
+        commands.append([argv for line in joined.splitlines() if (argv := shlex.split(line, comments=True))])
+    return commands
+
+
+def substituted(argv: list[str], target: Path, chats: Path) -> list[str]:
+    out = []
+    for i, token in enumerate(argv):
+        flag = argv[i - 1] if i else ""
+        if token == LLAMA:
+            token = str(target)
+        elif token in CHAT_DATA:
+            token = str(chats)
+        elif (flag, token) in SCALED_DOWN:
+            token = SCALED_DOWN[(flag, token)]
+        out.append(token)
+    if out[0] == "speculators":
+        return [sys.executable, "-m", "speculators_vllm016", *out[1:]]
+    return out
+
+
+def skip_rule(block: list[list[str]], argv: list[str]) -> str | None:
+    text = " ".join(" ".join(a) for a in block)
+    if "Kimi-K2.5" in text:
+        return "Kimi-K2.5"
+    if argv[:2] == ["vllm", "serve"]:
+        return "vllm serve"
+    return None
+
+
+def test_the_section_parses_into_the_expected_commands():
+    """Fast guard for the extraction itself: the README's steps are found, in order."""
+    blocks = section_commands((REPO / "README.md").read_text(encoding="utf-8"))
+    llama = [argv[:2] for argv in blocks[0]]
+    assert llama == [["speculators", "datagen"], ["speculators", "vocab-mapping"], ["speculators", "train"],
+                     ["speculators", "eval"], ["vllm", "serve"]]
+    assert skip_rule(blocks[1], blocks[1][0]) == "Kimi-K2.5"
+    for argv in blocks[1]:
+        _parse_only(argv)
+
+
+def _parse_only(argv: list[str]) -> None:
+    """A skipped speculators command's flags, read by that command's own parser."""
+    if argv[0] == "torchrun":
+        argv = argv[argv.index("-m") + 1:]
+        argv = ["speculators", *argv[1:]]
+    if argv[0] != "speculators":
+        return
+    name, args = argv[1], argv[2:]
+    if name == "datagen":
+        from speculators_vllm016.cli.datagen import build_parser
+
+        build_parser().parse_args(args)
+    elif name == "train":
+        from speculators_vllm016.cli.train import config_from_argv
+
+        config_from_argv(args)
+    else:  # a typer command: its click command parses without running
+        import typer
+
+        from speculators_vllm016.__main__ import app
+
+        command = typer.main.get_command(app).commands[name]  # type: ignore[attr-defined]
+        command.make_context(name, list(args))
+
+
+@pytest.fixture(scope="module")
+def readme_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with 8 layers: datagen's default layer ids [2, 4, 5, 7] are distinct (the
+    shared 4-layer one needs --layer-ids, which the README does not give)."""
+    from speculators_vllm016.tiny_models import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("readme") / "llama8", num_hidden_layers=8)
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_the_readme_pipeline_runs_as_written(readme_target, tmp_path):
+    from speculators_vllm016.demo import demo_conversations_path
+
+    blocks = section_commands((REPO / "README.md").read_text(encoding="utf-8"))
+    ran, skipped = [], []
+    for block in blocks:
+        for argv in block:
+            rule = skip_rule(block, argv)
+            if rule is not None:
+                skipped.append((rule, " ".join(argv[:3])))
+                if rule == "vllm serve":
+                    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+                    assert (tmp_path / spec["model"] / "config.json").is_file(), spec
+                else:
+                    _parse_only(argv)
+                continue
+            command = substituted(argv, readme_target, demo_conversations_path())
+            env = cli_env()
+            env["PYTHONPATH"] = str(REPO) + os.pathsep + env["PYTHONPATH"]  # this checkout's package
+            done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+            assert done.returncode == 0, (
+                f"README command failed: {' '.join(argv)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+            )
+            ran.append(" ".join(argv[:2]))
+    print("ran:", ran, "\nskipped by rule:", skipped)
+    assert ran == ["speculators datagen", "speculators vocab-mapping", "speculators train", "speculators eval"]
+    assert {rule for rule, _ in skipped} == set(SKIPPED)
