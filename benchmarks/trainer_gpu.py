@@ -23,21 +23,28 @@ out), the slowest wait for data (`data_wait_seconds`, the trainer's own) and the
 step time; to `trainer-sustained-<preset>.json`:
 
     python benchmarks/trainer_gpu.py --preset llama-3.1-8b-draft --runs single --sustained
+
+For long runs on a small disk, `--unique-samples N` writes N files and hard-links the rest to them,
+and `--keep-checkpoints K` deletes all but the newest K checkpoints while the run goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -78,6 +85,7 @@ class RunResult:
     final_loss: float | None = None
     checkpoint_save_seconds: float | None = None
     checkpoint_load_seconds: float | None = None
+    checkpoint_save_seconds_each: list[float] | None = None
     resumed_equal: bool | None = None
     resumed_max_abs_diff: float | None = None
     repeat_equal: bool | None = None
@@ -143,7 +151,7 @@ def write_vocab_maps(preset: TrainingPreset, folder: Path, seed: int = 0) -> tup
 
 def write_samples(
     preset: TrainingPreset, folder: Path, count: int, tokens: int, seed: int = 0,
-    distinct: int = 4, threads: int = 8, loss_mask: str = "answer",
+    distinct: int = 4, threads: int = 8, loss_mask: str = "answer", unique: int | None = None,
 ) -> Path:
     """`count` sample files of `tokens` tokens; hidden states come from `distinct` random draws
     (their values do not change the cost), token ids and masks differ per file. `loss_mask`:
@@ -167,6 +175,9 @@ def write_samples(
         path = folder / f"data_{index}.pt"
         if path.is_file():
             return
+        if unique and index >= unique:  # a hard link: same bytes, other name, no disk
+            os.link(folder / f"data_{index % unique}.pt", path)
+            return
         local = torch.Generator().manual_seed(seed * 1_000_003 + index)
         ids = torch.randint(0, preset.target_vocab_size, (tokens,), generator=local)
         if loss_mask == "answer":
@@ -177,19 +188,23 @@ def write_samples(
         write_sample(path, {"input_ids": ids, "hidden_states": pool[index % distinct],
                             "loss_mask": mask})
 
+    first = range(min(count, unique) if unique else count)
     with ThreadPoolExecutor(max_workers=threads) as pool_executor:
-        list(tqdm(pool_executor.map(write, range(count)), total=count, desc="sample files"))
+        list(tqdm(pool_executor.map(write, first), total=len(first), desc="sample files"))
+    for index in range(len(first), count):
+        write(index)
     return folder
 
 
 def write_synthetic_inputs(
-    preset: TrainingPreset, work: Path, samples: int, tokens: int, loss_mask: str = "answer"
+    preset: TrainingPreset, work: Path, samples: int, tokens: int, loss_mask: str = "answer",
+    unique: int | None = None,
 ) -> dict[str, Path]:
     started = time.perf_counter()
     verifier = write_verifier(preset, work / "verifier")
     d2t, t2d = write_vocab_maps(preset, work)
     folder = work / ("data" if loss_mask == "answer" else f"data-{loss_mask}")
-    data = write_samples(preset, folder, samples, tokens, loss_mask=loss_mask)
+    data = write_samples(preset, folder, samples, tokens, loss_mask=loss_mask, unique=unique)
     print(f"inputs ready in {time.perf_counter() - started:.1f} s", flush=True)
     return {"verifier": verifier, "data": data, "d2t": d2t, "t2d": t2d}
 
@@ -275,7 +290,14 @@ def summarize_epochs(path: Path) -> dict[str, Any]:
             "epoch": epoch, "steps": len(steps),
             "tokens_per_second": round(tokens / seconds, 1) if seconds else None,
             "max_data_wait_seconds": round(max(waits), 4) if waits else None,
+            "steps_waiting_over_0.2_s": sum(wait > 0.2 for wait in waits),
+            "total_data_wait_seconds": round(sum(waits), 3),
             "first_step_seconds": round(steps[0].train["step_seconds"], 4),
+            "slowest_steps": [
+                {"step": r.step, "seconds": round(r.train["step_seconds"], 4),
+                 "data_wait_seconds": round(r.train.get("data_wait_seconds", 0.0), 4)}
+                for r in sorted(timed, key=lambda r: -r.train["step_seconds"])[:5]
+            ],
         })
     rates = [r.train["tokens"] / r.train["step_seconds"] for r in records[1:] if r.train["step_seconds"]]
     return {"median_step_tokens_per_second": round(statistics.median(rates), 1) if rates else None,
@@ -304,6 +326,32 @@ def checkpoint_seconds(log: str) -> tuple[float | None, float | None]:
     loaded = re.findall(r"(?:weights|optimizer state) of \S+ loaded in ([0-9.]+) s", log)
     return (float(written[-1]) if written else None,
             round(sum(map(float, loaded)), 3) if len(loaded) == 2 else None)
+
+
+@contextlib.contextmanager
+def checkpoint_pruning(save: Path, keep: int | None) -> Iterator[None]:
+    """While the block runs, delete all but the newest `keep` finished checkpoints in `save` (a
+    Kimi-sized draft's checkpoint is ~20 GB: three epochs' would not fit the GPU machine's disk).
+    A checkpoint folder appears whole (written aside, then renamed), so a listed one is done."""
+    if not keep:
+        yield
+        return
+    stop = threading.Event()
+
+    def prune() -> None:
+        while not stop.wait(1.0):
+            done = [f for f in save.glob("*") if f.is_dir() and not f.is_symlink()
+                    and (f / "model.safetensors").is_file()]
+            for folder in sorted(done, key=lambda f: f.stat().st_mtime)[:-keep]:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    thread = threading.Thread(target=prune, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def last_checkpoint(save: Path) -> Path | None:
@@ -352,16 +400,20 @@ def run_trainer(name: str, processes: int, paths: dict[str, Path], work: Path,
     save = work / f"run-{name}" / "checkpoints"
     command = train_command(name, processes, paths, save, args)
     log = work / f"run-{name}.log"
-    returncode, error, seconds = _launch(command, name, log, args.run_timeout)
+    with checkpoint_pruning(save, args.keep_checkpoints):
+        returncode, error, seconds = _launch(command, name, log, args.run_timeout)
     metrics = save / "metrics.jsonl"
     summary = summarize_metrics(metrics, args.warmup_steps) if metrics.is_file() else {
         "steps_logged": 0, "timed_steps": 0}
-    written, _ = checkpoint_seconds(log.read_text(errors="replace")) if log.is_file() else (None, None)
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    written, _ = checkpoint_seconds(text)
+    each = [float(value) for value in re.findall(r"checkpoint \S+ written in ([0-9.]+) s", text)]
     if args.sustained and metrics.is_file():
         summary.update(summarize_epochs(metrics))
     result = RunResult(name=name, processes=processes, command=shlex.join(command),
                        returncode=returncode, seconds=round(seconds, 1), error=error,
-                       checkpoint_save_seconds=written, **summary)
+                       checkpoint_save_seconds=written, checkpoint_save_seconds_each=each or None,
+                       **summary)
     if args.resume_check and returncode == 0:
         check_resume(result, paths, work, args, last_checkpoint(save))
     print(json.dumps(asdict(result)), flush=True)
@@ -439,9 +491,11 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         f"torch {env.get('torch')}, transformers {env.get('transformers')}",
         f"- {result['samples']} sample files of {result['sample_tokens']} tokens (bf16, "
         f"{NUM_CAPTURED_LAYERS} layers), rows of {result['total_seq_len']} tokens, "
-        f"{result['max_steps']} steps per run, the first {result['warmup_steps']} not timed; "
+        f"at most {result['max_steps']} steps per run, the first {result['warmup_steps']} not timed; "
         f"loss masks: {result.get('loss_mask', 'answer')}; files written just before (page cache warm)",
         "- tokens/s: train/tokens (all ranks) over the wall clock between step ends",
+        *([f"- {result['unique_samples']} distinct files; the others are hard links to them (disk)"]
+          if result.get("unique_samples") else []),
         "",
         "| run | GPUs | median tokens/s | min | max | spread % | total tokens / total s | "
         "vs 1 GPU | vs step benchmark | peak GiB | note |",
@@ -488,6 +542,24 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
                 f"| {run['name']} | {run['processes']} | {run['checkpoint_save_seconds']:.2f} | "
                 f"{'' if load is None else f'{load:.2f}'} | {same(run, 'resumed')} | {same(run, 'repeat')} |"
             )
+    for run in runs:
+        if not run.get("epochs"):
+            continue
+        median = run.get("median_step_tokens_per_second") or 0
+        lines += ["", f"Per epoch, `{run['name']}` (median step {median:,.0f} tokens/s; the run's first "
+                  "step, compilation, is not in the rates):", "",
+                  "| epoch | steps | tokens/s | vs median step | slowest data wait s | steps waiting > 0.2 s "
+                  "| first step s |", "|---:|---:|---:|---:|---:|---:|---:|"]
+        for epoch in run["epochs"]:
+            rate = epoch.get("tokens_per_second") or 0
+            ratio = f"{rate / median:.2f}x" if median else ""
+            lines.append(
+                f"| {epoch['epoch']} | {epoch['steps']} | {rate:,.0f} | {ratio} | "
+                f"{epoch.get('max_data_wait_seconds')} | {epoch.get('steps_waiting_over_0.2_s', '')} | "
+                f"{epoch['first_step_seconds']} |"
+            )
+        if run.get("checkpoint_save_seconds_each"):
+            lines += ["", f"Checkpoint writes, s: {', '.join(map(str, run['checkpoint_save_seconds_each']))}"]
     lines += ["", "Commands:", ""]
     lines += [f"- `{run['command']}`" for run in runs]
     if step.get("command"):
@@ -530,6 +602,10 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--epochs", type=int, default=None, help="with --sustained (default 3)")
     parser.add_argument("--steps-per-epoch", type=int, default=40,
                         help="with --sustained: rows per epoch per rank (sets the sample count)")
+    parser.add_argument("--unique-samples", type=int, default=None,
+                        help="write this many sample files and hard-link the rest to them (disk)")
+    parser.add_argument("--keep-checkpoints", type=int, default=None,
+                        help="delete all but the newest N checkpoints while a run goes (disk)")
     parser.add_argument("--output-dir", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--tag", default="")
     return parser
@@ -555,7 +631,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         samples = args.samples or (args.max_steps + 2) * per_row * ranks
     work = Path(args.work_dir)
-    paths = write_synthetic_inputs(preset, work, samples, tokens, args.loss_mask)
+    paths = write_synthetic_inputs(preset, work, samples, tokens, args.loss_mask, args.unique_samples)
     command = "python benchmarks/trainer_gpu.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -565,7 +641,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "preset": preset.name, "command": command, "samples": samples, "sample_tokens": tokens,
         "total_seq_len": args.total_seq_len, "max_steps": args.max_steps,
         "warmup_steps": args.warmup_steps, "loss_mask": args.loss_mask, "runs": [], "step_benchmark": None,
-        "epochs": args.epochs,
+        "epochs": args.epochs, "unique_samples": args.unique_samples,
     }
 
     def save() -> None:  # after every run: a run killed later loses nothing measured before

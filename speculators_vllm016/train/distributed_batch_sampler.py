@@ -116,7 +116,9 @@ class MultipackDistributedBatchSamplerV2(Sampler):
                     "%d of %d samples are longer than the packed length %d: %s",
                     count, len(self.lengths), self.batch_max_length, action,
                 )
-        self._plan: tuple[int, list[list[int]]] | None = None
+        # The last two epochs' plans: the loader reads one epoch ahead while the trainer asks
+        # for the current one's length.
+        self._plans: dict[int, list[list[int]]] = {}
 
     def set_epoch(self, epoch: int, position: int = 0) -> None:
         """Select the epoch (its shuffle) and the step to start from."""
@@ -126,12 +128,14 @@ class MultipackDistributedBatchSamplerV2(Sampler):
     def batches(self, epoch: int | None = None) -> list[list[int]]:
         """This rank's sample indices for every step of `epoch` (default: the current one)."""
         epoch = self.epoch if epoch is None else int(epoch)
-        if self._plan is None or self._plan[0] != epoch:
+        if epoch not in self._plans:
             order = np.random.default_rng(self.seed + epoch).permutation(self.valid_indices)
             steps = _plan_epoch(self.lengths[order], self.batch_max_length, self.num_replicas)
             mine = [[int(order[position]) for position in step[self.rank]] for step in steps]
-            self._plan = (epoch, mine)
-        return self._plan[1]
+            while len(self._plans) >= 2:
+                del self._plans[next(iter(self._plans))]
+            self._plans[epoch] = mine
+        return self._plans[epoch]
 
     def __iter__(self) -> Iterator[list[int]]:
         return iter(self.batches()[self.position :])

@@ -427,7 +427,7 @@ def _rank_plans(batch_sampler: Any, world_size: int) -> list[list[list[int]]]:
     plans = []
     for rank in range(world_size):
         other = copy.copy(batch_sampler)
-        other.rank, other._plan = rank, None
+        other.rank, other._plans = rank, {}
         plans.append([list(step) for step in other])
     return plans
 

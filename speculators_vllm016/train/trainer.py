@@ -255,6 +255,8 @@ class Trainer:
 
     # -- epochs --------------------------------------------------------------------------------
     def _epoch_batches(self, loader: DataLoader, epoch: int, start_step: int) -> Iterator[Any]:
+        if callable(getattr(loader, "epoch_rows", None)):  # reads ahead across epoch boundaries
+            return loader.epoch_rows(epoch, start_step, last_epoch=self.config.num_epochs - 1)
         sampler = loader.batch_sampler
         if hasattr(sampler, "set_epoch"):
             try:
