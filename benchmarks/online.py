@@ -1,6 +1,7 @@
 """Online vs offline training, side by side: wall time to the same checkpoint, bytes on disk.
 
     python benchmarks/online.py --preset cpu-small [--repeats 3] [--epochs 2] [--rows 48]
+    python benchmarks/online.py --preset cpu-small --split 1:2 2:2   # extraction ranks apart
 
 offline = `speculators datagen` (hidden states to files) + `speculators train --data-path` on them;
 online  = `speculators train --online` (hidden states extracted live, nothing but checkpoints on
@@ -11,6 +12,13 @@ are times to the same result. Each command runs in a fresh interpreter and is ti
 offline's data folder and checkpoints, online's checkpoints. The preset's model (cpu-small: a
 56M-parameter Llama) is built locally with a chat tokenizer. JSON and markdown go to
 --output-dir.
+
+`--split K:T` runs the split layout instead (`torchrun` with K + T processes, `train --online
+--extraction-ranks K`) beside offline training with T ranks on datagen's files of the same rows,
+and reports per layout: wall time, extraction tokens/s (each extraction rank's extracted tokens
+over its seconds inside the engine, summed), training tokens/s (the trainer's tokens over its step
+times), hidden-state bytes moved and their rate, and who waited (the training ranks for rows, the
+extraction ranks for room in their queue and for requests). Written to `online-split-<preset>.*`.
 """
 
 from __future__ import annotations
@@ -91,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="runs of each way (median, spread)")
     parser.add_argument("--output-dir", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("--work-dir", default=None, help="default: a temporary folder, removed")
+    parser.add_argument("--split", nargs="+", default=None, metavar="K:T",
+                        help="extraction ranks : training ranks layouts to run under torchrun")
     args = parser.parse_args(argv)
 
     from benchmarks.presets import PRESETS
@@ -108,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     speculators = [sys.executable, "-m", "speculators_vllm016"]
     shared = ["--seq-length", str(args.seq_length), "--dtype", preset.dtype,
               "--hf-cache-dir", str(work / "hf"), "--num-preprocessing-workers", "1"]
+    if args.split:
+        return run_split_layouts(args, preset, work, model, chats, speculators, shared, env)
     runs: list[Run] = []
     same: list[bool] = []
     for repeat in range(args.repeats):
@@ -171,6 +183,100 @@ def main(argv: list[str] | None = None) -> int:
     if args.work_dir is None:
         shutil.rmtree(work, ignore_errors=True)
     return 0 if result["same_final_checkpoint"] else 1
+
+
+def _torchrun(processes: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+            "-m", "speculators_vllm016"]
+
+
+def _split_figures(log: str, metrics: Path) -> dict:
+    """Extraction ranks' summary lines and the training ranks' metrics log, as figures."""
+    from speculators_vllm016.train.extraction_rank import SUMMARY_PREFIX
+    from speculators_vllm016.train.metrics_log import read_metrics
+
+    ranks = [json.loads(line.split(SUMMARY_PREFIX, 1)[1]) for line in log.splitlines() if SUMMARY_PREFIX in line]
+    steps = [r.train for r in read_metrics(metrics) if r.train is not None]
+    timed = steps[1:] or steps  # the first step compiles nothing on the CPU, but warms caches
+    tokens, seconds = sum(s["tokens"] for s in timed), sum(s["step_seconds"] for s in timed)
+    sent = sum(rank["bytes_sent"] for rank in ranks)
+    wall = max((rank["seconds"] for rank in ranks), default=0.0)
+    return {
+        "extraction_tokens_per_second": sum(
+            rank["extracted_tokens"] / rank["extraction_seconds"] for rank in ranks if rank["extraction_seconds"]
+        ),
+        "training_tokens_per_second": tokens / seconds if seconds else None,
+        "bytes_moved": sent,
+        "bytes_per_second": sent / wall if wall else None,
+        "training_ranks_waited_seconds": sum(s.get("data_wait_seconds", 0.0) for s in steps),
+        "extraction_ranks_waited_for_room_seconds": sum(r["waited_for_room_seconds"] for r in ranks),
+        "extraction_ranks_waited_for_requests_seconds": sum(r["waited_for_requests_seconds"] for r in ranks),
+        "extraction_ranks": ranks,
+    }
+
+
+def run_split_layouts(args: argparse.Namespace, preset: object, work: Path, model: Path, chats: Path,
+                      speculators: list[str], shared: list[str], env: dict[str, str]) -> int:
+    """`--split K:T ...`: each layout beside offline training with T ranks (same final weights)."""
+    data = work / "data"
+    datagen_s = timed([*speculators, "datagen", "--target-model-path", str(model), "--train-data-path",
+                       str(chats), "--output-dir", str(data), "--no-progress", *shared], env)
+    train = ["--verifier-name-or-path", str(model), "--draft-vocab-size", "1024",
+             "--total-seq-len", str(args.total_seq_len), "--epochs", str(args.epochs),
+             "--num-workers", "0", "--no-progress", "--precision", "fp32", "--device", "cpu",
+             "--parallel", "ddp", "--log-dir", str(work / "logs"),
+             "--token-freq-path", str(data / "token_freq" / "shard-0-of-1.pth")]
+    layouts, offline = [], {}
+    for layout in args.split:
+        k, t = (int(part) for part in layout.split(":"))
+        if t not in offline:
+            save = work / f"offline-{t}"
+            offline[t] = (save, timed([*_torchrun(t), "train", *train, "--data-path", str(data),
+                                       "--save-path", str(save)], env))
+        save = work / f"split-{k}-{t}"
+        command = [*_torchrun(k + t), "train", *train, "--online", "--extraction-ranks", str(k),
+                   "--train-data-path", str(chats), "--save-path", str(save), *shared]
+        started = time.perf_counter()
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        seconds = time.perf_counter() - started
+        if done.returncode != 0:
+            raise SystemExit(f"failed ({done.returncode}): {' '.join(command)}\n{done.stderr[-3000:]}")
+        last = str(args.epochs - 1)
+        layouts.append({
+            "layout": layout, "extraction_ranks": k, "training_ranks": t, "wall_seconds": seconds,
+            "offline_train_seconds": offline[t][1], "offline_datagen_seconds": datagen_s,
+            "same_final_checkpoint_as_offline": final_weights_equal(offline[t][0] / last, save / last),
+            **_split_figures(done.stdout + done.stderr, save / "metrics.jsonl"),
+        })
+    result = {"preset": args.preset, "rows": args.rows, "seq_length": args.seq_length, "epochs": args.epochs,
+              "cpus": os.cpu_count(), "layouts": layouts}
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"online-split-{args.preset}.json").write_text(json.dumps(result, indent=2))
+    lines = [
+        f"# online training, extraction ranks apart from training ranks, {args.preset}", "",
+        f"{args.rows} chat rows, seq-length {args.seq_length}, {args.epochs} epochs, {os.cpu_count()} CPUs "
+        "shared by every rank (extraction and training compete for them here: figures for the "
+        "mechanism, not for a GPU node)", "",
+        "| K:T | wall s | offline: datagen + train s | extraction tok/s | training tok/s | MB moved | MB/s "
+        "| trainers waited s | extractors waited for room / requests s | same weights as offline |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for row in layouts:
+        training = row["training_tokens_per_second"] or 0.0
+        rate = row["bytes_per_second"] or 0.0
+        lines.append(
+            f"| {row['layout']} | {row['wall_seconds']:.1f} | {row['offline_datagen_seconds']:.1f} + "
+            f"{row['offline_train_seconds']:.1f} | {row['extraction_tokens_per_second']:,.0f} | {training:,.0f} | "
+            f"{row['bytes_moved'] / 1e6:,.1f} | {rate / 1e6:,.2f} | {row['training_ranks_waited_seconds']:.1f} | "
+            f"{row['extraction_ranks_waited_for_room_seconds']:.1f} / "
+            f"{row['extraction_ranks_waited_for_requests_seconds']:.1f} | {row['same_final_checkpoint_as_offline']} |"
+        )
+    (out / f"online-split-{args.preset}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    if args.work_dir is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if all(row["same_final_checkpoint_as_offline"] for row in layouts) else 1
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ class TrainJobResult:
     rank: int
     online: OnlineStats | None = None
     """The online extraction's counts (`--online`), else None."""
+    received_bytes: int | None = None
+    """With --extraction-ranks: the hidden states this training rank received, in bytes."""
 
     def describe(self) -> str:
         skipped = f", {self.state.skipped_samples} unusable samples skipped" if self.state.skipped_samples else ""
@@ -49,6 +51,8 @@ class TrainJobResult:
             skipped += (f"; online: {stats.extracted_samples} samples extracted, "
                         f"{stats.cached_reads} read from the cache, engine started "
                         f"{stats.engine_starts} times")
+        if self.received_bytes is not None:
+            skipped += f"; online: {self.received_bytes / 1e6:,.1f} MB of samples received from the extraction ranks"
         return f"Done: {self.state.global_step} steps, checkpoints in {self.save_path}{skipped}"
 
 
@@ -56,11 +60,12 @@ def run_train_job(
     config: TrainJobConfig,
     setup: TrainSetup | None = None,
     report: Callable[[TrainJobResult], None] | None = None,
-) -> TrainJobResult:
+) -> TrainJobResult | None:
     """Train the draft `config` describes; `setup`: `prepare(config)`'s result, if already made.
 
     `report` is called on rank 0 once training finished, before the online engine and the
-    process group close: what was trained is reported even when closing then fails."""
+    process group close: what was trained is reported even when closing then fails. An
+    extraction rank of `--extraction-ranks` trains nothing and returns None."""
     import torch
 
     from speculators_vllm016.train.data import (
@@ -74,11 +79,19 @@ def run_train_job(
     from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
     from speculators_vllm016.train.logger import METRICS_FILE, setup_metric_logger, setup_root_logger
     from speculators_vllm016.train.trainer import Trainer
+    from speculators_vllm016.train.train_step import collective_device
     from speculators_vllm016.train.utils import (
         maybe_destroy_distributed,
         maybe_setup_distributed,
         training_device,
     )
+    from speculators_vllm016.train.remote_loader import (
+        TRAIN_ITERATION,
+        VALIDATION_ITERATION,
+        RemoteSampleLoader,
+        finish_extraction,
+    )
+    from speculators_vllm016.train.split_online import run_extraction_rank, split_layout
     from speculators_vllm016.train.vocab_maps import save_vocab_maps
 
     setup = prepare(config) if setup is None else setup
@@ -90,8 +103,24 @@ def run_train_job(
     device_name = runtime.device
     if online is not None and online.devices is not None:
         device_name = online.devices.for_rank(int(os.environ.get("LOCAL_RANK", "0")))
-    local_rank, world_size, rank, distributed = maybe_setup_distributed(device_name)
     closers: list[Callable[[], Any]] = []
+    layout = split_layout(config)  # --extraction-ranks: this rank extracts or trains, not both
+    if layout is not None:
+        from speculators_vllm016.train.sample_transport import Transport
+        from speculators_vllm016.train.split_groups import join_split_groups
+
+        groups = join_split_groups(layout)
+        if layout.extracts:
+            setup_root_logger("INFO")
+            run_extraction_rank(config, setup, layout, groups)
+            return None
+        transport = Transport(groups.exchange)
+        closers.append(lambda: finish_extraction(layout, transport))
+        device_name = layout.training_device
+        local_rank, world_size = int(os.environ.get("LOCAL_RANK", "0")), layout.training_world_size
+        rank, distributed = layout.training_rank, True
+    else:
+        local_rank, world_size, rank, distributed = maybe_setup_distributed(device_name)
     failure: BaseException | None = None
     try:
         setup_root_logger("INFO")
@@ -117,14 +146,15 @@ def run_train_job(
                 SampleExchange,
             )
 
-            exchange = SampleExchange() if distributed else None  # rank 0 extracts for all
+            # Rank 0 extracts for all (without --extraction-ranks; with it, extraction ranks do).
+            exchange = SampleExchange() if distributed and layout is None else None
             cache_dir = config.online.cache_dir
             try:
                 extractor = OnlineExtractor(
                     online.options, online.facts, online.dataset,
                     Path(cache_dir) if cache_dir else None,
                     engine_devices=online.devices.engine_visible if online.devices else None,
-                    writes_cache=rank == 0,
+                    writes_cache=rank == 0 and layout is None,
                 )
             except CacheFolderError as error:
                 raise TrainSetupError(str(error)) from None
@@ -135,7 +165,7 @@ def run_train_job(
         else:
             train_files, val_files = split_files(str(data_path), data.train_ratio, data.split_seed)
 
-        def loader(file_list: list[Path], transform: Any) -> Any:
+        def loader(file_list: list[Path], transform: Any, iteration: int) -> Any:
             if not file_list:
                 return None
             lengths = None
@@ -155,6 +185,12 @@ def run_train_job(
             sampler = MultipackDistributedBatchSamplerV2(
                 training.total_seq_len, dataset.lengths, world_size, rank, seed=training.seed
             )
+            if extractor is not None and layout is not None:
+                return RemoteSampleLoader(
+                    layout, transport, dataset, sampler,
+                    main_process_noise(create_collate_fn(training.total_seq_len), dataset), iteration,
+                    config.online.online_queue_size, collective_device(device),
+                )
             if extractor is not None:
                 return OnlineLoader(
                     extractor, dataset, items, sampler,
@@ -169,26 +205,48 @@ def run_train_job(
                 persistent_workers=workers > 0,
             )
 
-        train_loader = loader(train_files, noise_transform(config))
+        train_loader = loader(train_files, noise_transform(config), TRAIN_ITERATION)
         if train_loader is None or len(train_loader) == 0:
             raise TrainSetupError(
                 f"{len(train_files)} training samples make no step for {world_size} processes; "
                 "generate more data or use fewer processes"
             )
-        val_loader = loader(val_files, None)
+        val_loader = loader(val_files, None, VALIDATION_ITERATION)
         trainer = Trainer(model, _trainer_config(config, save_path, distributed, local_rank, device_name),
                           train_loader, val_loader)
         state = trainer.run_training()
-        result = TrainJobResult(state=state, save_path=save_path, rank=rank,
-                                online=extractor.stats if extractor is not None else None)
+        result = TrainJobResult(
+            state=state, save_path=save_path, rank=rank,
+            online=extractor.stats if extractor is not None and layout is None else None,
+            received_bytes=transport.bytes_moved if layout is not None else None,
+        )
         if report is not None and rank == 0:
             report(result)
         return result
     except BaseException as error:
         failure = error
+        if layout is not None and type(error).__name__ == "TrainingInterrupted":
+            _exit_143_on_sigterm(error)
         raise
     finally:
         _close_all([*closers, maybe_destroy_distributed], failure)
+
+
+def _exit_143_on_sigterm(error: BaseException) -> None:
+    """A split run's training rank that stopped with its checkpoint saved: torchrun stops the
+    other ranks as soon as one exits, so a SIGTERM from here on ends this rank with the status
+    and message it was about to exit with anyway."""
+    import signal
+    import sys
+
+    from speculators_vllm016.utils.command_errors import EXIT_STOPPED
+
+    def stop(*_: Any) -> None:
+        sys.stderr.write(f"stopped: {error}\n")
+        sys.stderr.flush()
+        os._exit(EXIT_STOPPED)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def _trainer_config(

@@ -253,6 +253,11 @@ class OnlineConfig:
     later runs) read it and start no engine."""
     online_queue_size: int = 4
     """Packed rows extracted ahead of the trainer (bounds memory)."""
+    extraction_ranks: int = 0
+    """Under torchrun: the first K ranks only extract (each runs one engine replica on its own
+    devices: TP x PP GPUs of its node, or the CPU) and send each training rank its samples; the
+    other ranks only train, among themselves. For a target that fills its machine: extract on one
+    node, train on another. 0: rank 0 both extracts and trains."""
     train_devices: str | None = None
     """Where the draft trains: cuda:N (one per training process, e.g. cuda:6,cuda:7 under
     torchrun --nproc-per-node 2) or cpu; the target model's engine gets every other visible GPU

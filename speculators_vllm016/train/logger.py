@@ -53,15 +53,15 @@ def flatten(values: Mapping[str, Any], prefix: str = "", sep: str = "/") -> dict
 
 
 def _rank(local: bool) -> int:
-    variable = "LOCAL_RANK" if local else "RANK"
-    if variable in os.environ:
-        return int(os.environ[variable])
+    """The rank in the training process group when there is one (with --extraction-ranks it is
+    not torchrun's RANK: the training ranks are a world of their own), else torchrun's."""
     if not local:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             return dist.get_rank()
-    return 0
+    variable = "LOCAL_RANK" if local else "RANK"
+    return int(os.environ.get(variable, "0"))
 
 
 def _run_name(run_name: str | None) -> str:

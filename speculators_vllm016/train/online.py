@@ -44,13 +44,14 @@ if TYPE_CHECKING:
     from speculators_vllm016.data_generation.preflight import ModelFacts
 
 __all__ = [
-    "CacheFolderError", "CacheOfOtherTensors", "CacheWriteFailed", "ExtractionFailed", "OnlineExtractor", "OnlineLoader", "OnlineStats",
-    "SampleExchange",
+    "PRODUCER_END", "CacheFolderError", "CacheOfOtherTensors", "CacheWriteFailed", "ExtractionFailed",
+    "OnlineExtractor", "OnlineLoader", "OnlineStats", "ProducerFailure", "SampleExchange",
+    "as_source_error",
 ]
 
 logger = logging.getLogger(__name__)
 
-_END = object()
+PRODUCER_END = object()  # the producer's last item: every step was put
 
 
 class ExtractionFailed(DataSourceError):
@@ -77,7 +78,9 @@ class CacheWriteFailed(DataSourceError):
 
 
 @dataclass
-class _Failure:
+class ProducerFailure:
+    """What the producer thread puts in its queue when extraction failed (then it stops)."""
+
     error: BaseException
 
 
@@ -115,7 +118,7 @@ class OnlineExtractor:
 
     def __init__(
         self, options: DatagenOptions, facts: ModelFacts, dataset: Any, cache_dir: Path | None,
-        engine_devices: str | None = None, writes_cache: bool = True,
+        engine_devices: str | None = None, writes_cache: bool = True, cache_shard: tuple[int, int] = (0, 1),
     ) -> None:
         self.options = options
         self.engine_devices = engine_devices  # CUDA_VISIBLE_DEVICES of the engine (--train-devices)
@@ -127,7 +130,7 @@ class OnlineExtractor:
         self._producer: _Producer | None = None
         # Under torchrun only rank 0 (the one running the engine) writes the cache folder.
         self._cache: _Cache | None = (
-            _Cache(options, facts, dataset, cache_dir) if cache_dir and writes_cache else None
+            _Cache(options, facts, dataset, cache_dir, cache_shard) if cache_dir and writes_cache else None
         )
 
     # -- samples -------------------------------------------------------------------------------
@@ -275,9 +278,9 @@ class OnlineExtractor:
                 if not emit_ready():
                     return
                 start = end
-            self._put(producer, _END)
+            self._put(producer, PRODUCER_END)
         except BaseException as error:  # noqa: BLE001 - handed to the trainer's thread
-            self._put(producer, _Failure(error))
+            self._put(producer, ProducerFailure(error))
 
     def close(self) -> None:
         try:
@@ -291,7 +294,10 @@ class OnlineExtractor:
 class _Cache:
     """Hybrid mode's cache: a datagen folder (`DatagenFolder`, one shard of one) named --cache-dir."""
 
-    def __init__(self, options: DatagenOptions, facts: ModelFacts, dataset: Any, folder: Path) -> None:
+    def __init__(
+        self, options: DatagenOptions, facts: ModelFacts, dataset: Any, folder: Path,
+        shard: tuple[int, int] = (0, 1),
+    ) -> None:
         from speculators_vllm016.data_generation.output_folder import DatagenFolder, FolderInUse
         from speculators_vllm016.data_generation.resume import run_identity, samples_digest
         from speculators_vllm016.data_generation.sample_writers import SampleWriterPool
@@ -300,7 +306,9 @@ class _Cache:
         self.options, self.folder = options, folder
         self.hidden_size = facts.hidden_size
         # Train has no --adopt-existing: a folder it cannot trust is refused outright.
-        self._folder = DatagenFolder(folder, fsync=options.output.fsync, flag="--cache-dir", adopt_flag=None)
+        # Split online runs: extraction rank e of K writes shard e of K (and reads every shard).
+        self._folder = DatagenFolder(folder, fsync=options.output.fsync, flag="--cache-dir", adopt_flag=None,
+                                     shard_index=shard[0], num_shards=shard[1])
         try:
             self._folder.prepare()
         except ValueError as error:
@@ -321,7 +329,8 @@ class _Cache:
                     self._must_record = self._folder.check_identity(self.identity)
                 except ValueError as error:
                     raise CacheFolderError(first_line(error)) from None
-                self._folder.write_token_counts(dict(count_trained_tokens(dataset)))
+                # The counts are of the whole dataset: one shard holds them, or they would add up K times.
+                self._folder.write_token_counts(dict(count_trained_tokens(dataset)) if shard[0] == 0 else {})
                 manifest = self._folder.open_manifest()
             except OSError as error:
                 raise CacheFolderError(
@@ -432,7 +441,7 @@ def _rank_plans(batch_sampler: Any, world_size: int) -> list[list[list[int]]]:
     return plans
 
 
-def _as_source_error(error: BaseException, extractor: OnlineExtractor) -> DataSourceError:
+def as_source_error(error: BaseException, extractor: OnlineExtractor) -> DataSourceError:
     """The producer's failure as the trainer reports it: a cache write failure says so."""
     if isinstance(error, DataSourceError):
         return error
@@ -497,9 +506,9 @@ class OnlineLoader:
                 started = time.perf_counter()
                 got = producer.rows.get()
                 stats.trainer_wait += time.perf_counter() - started
-                if isinstance(got, _Failure):
-                    raise _as_source_error(got.error, self.extractor) from got.error
-                if got is _END:
+                if isinstance(got, ProducerFailure):
+                    raise as_source_error(got.error, self.extractor) from got.error
+                if got is PRODUCER_END:
                     raise ExtractionFailed("the extraction ended before the epoch's last step")
                 samples = [self.dataset.item(item, got.get(item)) for item in step]
                 yield self.collate_fn(samples)
@@ -526,9 +535,9 @@ class OnlineLoader:
             try:
                 cached = self.extractor.cached()
             except DataSourceError as error:  # every rank stops, not only rank 0
-                cached = _Failure(error)
+                cached = ProducerFailure(error)
         cached = exchange.broadcast(cached)
-        if isinstance(cached, _Failure):
+        if isinstance(cached, ProducerFailure):
             raise type(cached.error)(str(cached.error))
         union = [
             list(dict.fromkeys(item for plan in plans for item in plan[s]))
@@ -539,12 +548,12 @@ class OnlineLoader:
             yield from self._from_cache(steps)
             return
         producer = None
-        failed: _Failure | None = None
+        failed: ProducerFailure | None = None
         if exchange.rank == 0:
             try:
                 self.extractor.ensure_engine()
             except (DataSourceError, SampleFileError) as error:  # every rank stops, not only rank 0
-                failed = _Failure(error)
+                failed = ProducerFailure(error)
             else:
                 producer = self.extractor.start_producer(union, self.indices, need, self.queue_size)
         stats = self.extractor.stats
@@ -557,19 +566,19 @@ class OnlineLoader:
                     started = time.perf_counter()
                     got = producer.rows.get()
                     stats.trainer_wait += time.perf_counter() - started
-                    if isinstance(got, _Failure) or got is _END:
+                    if isinstance(got, ProducerFailure) or got is PRODUCER_END:
                         error = (
-                            _as_source_error(got.error, self.extractor)
-                            if isinstance(got, _Failure)
+                            as_source_error(got.error, self.extractor)
+                            if isinstance(got, ProducerFailure)
                             else ExtractionFailed("the extraction ended before the epoch's last step")
                         )
-                        parts = [_Failure(error)] * exchange.world_size
+                        parts = [ProducerFailure(error)] * exchange.world_size
                     else:
                         parts = [
                             {item: got[item] for item in plan[s] if item in got} for plan in plans
                         ]
                 mine = exchange.scatter(parts)
-                if isinstance(mine, _Failure):
+                if isinstance(mine, ProducerFailure):
                     raise type(mine.error)(str(mine.error))
                 yield self.collate_fn([self.dataset.item(item, mine.get(item)) for item in step])
         finally:

@@ -94,6 +94,28 @@ def _check_train_devices(config: TrainJobConfig) -> TrainDevices | None:
         raise TrainSetupError(str(error)) from None
 
 
+def _check_extraction_ranks(config: TrainJobConfig) -> None:
+    """`--extraction-ranks` needs --online and torchrun; the layout itself is checked where the
+    ranks are known (`rank_layout.plan_rank_layout`)."""
+    online = config.online
+    if online.extraction_ranks == 0:
+        return
+    if online.extraction_ranks < 0:
+        raise TrainSetupError(f"--extraction-ranks must be at least 1, got {online.extraction_ranks}")
+    if not online.enabled:
+        raise TrainSetupError("--extraction-ranks splits the ranks of --online; add --online")
+    if online.train_devices is not None:
+        raise TrainSetupError(
+            "give --extraction-ranks or --train-devices, not both (--train-devices places one node's "
+            "trainer beside its engine; --extraction-ranks gives the engines ranks of their own)"
+        )
+    if "LOCAL_RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise TrainSetupError(
+            "--extraction-ranks needs torchrun (extraction and training ranks are its processes), e.g. "
+            "torchrun --nproc-per-node 3 -m speculators_vllm016 train --online --extraction-ranks 1 ..."
+        )
+
+
 def _check_online(config: TrainJobConfig) -> OnlineSetup:
     """Datagen's checks on the online flags, then datagen's preprocessing (nothing is written)."""
     from speculators_vllm016.data_generation.offline import DatagenOptions, preprocess_samples
@@ -279,6 +301,7 @@ def prepare(config: TrainJobConfig) -> TrainSetup:
     data_path, save_path = Path(config.data.data_path), Path(config.checkpoint.save_path)
     if config.online.train_devices is not None and not config.online.enabled:
         raise TrainSetupError("--train-devices places the trainer beside the engine of --online; use --device")
+    _check_extraction_ranks(config)
     online = _check_online(config) if config.online.enabled else None
     if online is None:
         if not data_path.is_dir():

@@ -322,6 +322,9 @@ class Trainer:
                 data_wait = time.perf_counter() - waiting  # the loader's share of step_seconds
                 metrics = self.train_step(row)
                 metrics["data_wait_seconds"] = data_wait
+                from_loader = getattr(self.train_loader, "step_metrics", None)  # split online: bytes moved
+                if callable(from_loader):
+                    metrics.update(from_loader())
                 # A float averaged over ranks and multiplied back: 5 on 3 ranks is 4.9999998.
                 self.state.skipped_samples += round(metrics.pop("skipped_samples"))
                 trained += metrics.pop("trained_tokens", metrics["tokens"])

@@ -34,8 +34,11 @@ SEQ_LENGTH = 96
 
 @pytest.fixture(scope="module")
 def setup(tiny_llama, tmp_path_factory):
+    return make_setup(tiny_llama, tmp_path_factory.mktemp("online"))
+
+
+def make_setup(tiny_llama: Path, root: Path) -> tuple[Path, Path, Path]:
     """Chat data, datagen's folder of it, and vocabulary maps from its token counts."""
-    root = tmp_path_factory.mktemp("online")
     chats = root / "chats.jsonl"
     chats.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:ROWS]) + "\n")
     datagen = root / "datagen"
