@@ -106,15 +106,14 @@ def run_train_job(
     closers: list[Callable[[], Any]] = []
     layout = split_layout(config)  # --extraction-ranks: this rank extracts or trains, not both
     if layout is not None:
-        from speculators_vllm016.train.sample_transport import Transport
         from speculators_vllm016.train.split_groups import join_split_groups
 
         groups = join_split_groups(layout)
         if layout.extracts:
-            setup_root_logger("INFO")
+            setup_root_logger("INFO", ranks="every")
             run_extraction_rank(config, setup, layout, groups)
             return None
-        transport = Transport(groups.exchange)
+        transport = groups.transport()
         closers.append(lambda: finish_extraction(layout, transport))
         device_name = layout.training_device
         local_rank, world_size = int(os.environ.get("LOCAL_RANK", "0")), layout.training_world_size
@@ -123,7 +122,7 @@ def run_train_job(
         local_rank, world_size, rank, distributed = maybe_setup_distributed(device_name)
     failure: BaseException | None = None
     try:
-        setup_root_logger("INFO")
+        setup_root_logger("INFO", ranks="local-0" if layout is None else "rank-0")
         save_path.mkdir(parents=True, exist_ok=True)
         if rank == 0:
             save_job_config(config, save_path / CONFIG_FILE)

@@ -225,10 +225,16 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
-def setup_root_logger(level: str | int = "INFO") -> None:
-    """Console logging for rank 0, with metric mappings rendered readably."""
+def setup_root_logger(level: str | int = "INFO", *, ranks: str = "local-0") -> None:
+    """Console logging, with metric mappings rendered readably. `ranks`: which processes log:
+    `local-0` (each node's first process, the default), `rank-0` (rank 0 of the training process
+    group: with --extraction-ranks it is not a node's first process) or `every` (an extraction
+    rank: each has its own engine and figures)."""
+    if ranks not in ("local-0", "rank-0", "every"):
+        raise ValueError(f"ranks must be local-0, rank-0 or every, got {ranks!r}")
     handler = _StderrHandler()
-    handler.addFilter(IsRank0Filter(local_rank=True))
+    if ranks != "every":
+        handler.addFilter(IsRank0Filter(local_rank=ranks == "local-0"))
     handler.addFilter(FormatDictFilter())
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler], force=True)

@@ -49,8 +49,8 @@ class RemoteSampleLoader:
         self.iteration, self.queue_size = iteration, max(1, queue_size)
         self.collective_device = collective_device
         self.wait_seconds = 0.0  # this rank waited for rows
-        self._clock = time.perf_counter()
-        self._bytes_at_clock = 0
+        self._clock = self._iteration_clock = time.perf_counter()
+        self._bytes_at_clock = self._iteration_bytes = 0
 
     def __len__(self) -> int:
         return len(self.batch_sampler)
@@ -65,7 +65,10 @@ class RemoteSampleLoader:
         return rate
 
     def progress_fields(self) -> dict[str, str]:
-        return {"recv_MB": f"{self.transport.bytes_moved / 1e6:,.0f}", "wait_s": f"{self.wait_seconds:.1f}"}
+        """Megabytes received per second over this iteration, and this rank's total wait."""
+        seconds = max(time.perf_counter() - self._iteration_clock, 1e-9)
+        rate = (self.transport.bytes_moved - self._iteration_bytes) / seconds / 1e6
+        return {"recv_MB_s": f"{rate:,.1f}", "wait_s": f"{self.wait_seconds:.1f}"}
 
     def step_metrics(self) -> dict[str, float]:
         return {"online_bytes_per_second": self._rate(), "online_bytes": float(self.transport.bytes_moved),
@@ -74,6 +77,7 @@ class RemoteSampleLoader:
     # -- rows ----------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[PackedBatch]:
         epoch, first = int(self.batch_sampler.epoch), int(self.batch_sampler.position)
+        self._iteration_clock, self._iteration_bytes = time.perf_counter(), self.transport.bytes_moved
         steps = [list(step) for step in self.batch_sampler]
         answers: queue.Queue = queue.Queue(maxsize=self.queue_size)
         stop = threading.Event()

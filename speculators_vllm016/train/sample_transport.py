@@ -11,6 +11,11 @@ A training rank asks the extraction rank of a step for its own samples of that s
 
 Each request gets exactly one answer, in order; a failure answer carries the extraction side's
 message. Every byte is counted on both sides (`bytes_moved`).
+
+Requests, headers, ids and masks go over the control group (gloo). The hidden states, nearly all
+the bytes, go over the payload group: the same gloo group on CPUs, or an NCCL group where every rank
+has a GPU (`payload_device`: the states are staged there on the extraction side, arrive there on
+the training side, and are handed to the CPU-side packing from there).
 """
 
 from __future__ import annotations
@@ -63,8 +68,10 @@ class StepSamples:
 class Transport:
     """Point-to-point traffic over the exchange group (`split_groups`), with byte counts."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, payload_group: Any = None, payload_device: torch.device | None = None) -> None:
         self.group = group
+        self.payload_group = payload_group if payload_group is not None else group
+        self.payload_device = payload_device or torch.device("cpu")
         self.bytes_moved = 0
 
     # -- training side -------------------------------------------------------------------------
@@ -83,7 +90,10 @@ class Transport:
         total = int(meta[:, 1].sum())
         ids = self._recv(torch.empty(total, dtype=torch.long), extraction_rank)
         masks = self._recv(torch.empty(total, dtype=torch.long), extraction_rank)
-        states = self._recv(torch.empty(total * layers * hidden, dtype=_DTYPES[dtype_code]), extraction_rank)
+        states = self._recv(
+            torch.empty(total * layers * hidden, dtype=_DTYPES[dtype_code], device=self.payload_device),
+            extraction_rank, self.payload_group,
+        ).cpu()  # packing runs on the host (a no-op on the CPU)
         samples, token, value = {}, 0, 0
         for index, tokens in meta.tolist():
             size = layers * tokens * hidden
@@ -131,16 +141,21 @@ class Transport:
                    training_rank)
         self._send(torch.cat([torch.as_tensor(s["loss_mask"], dtype=torch.long).flatten() for _, s in items]),
                    training_rank)
-        self._send(torch.cat([torch.stack([layer.to(dtype) for layer in s["hidden_states"]]).flatten()
-                              for _, s in items]), training_rank)
+        states = torch.cat([torch.stack([layer.to(dtype) for layer in s["hidden_states"]]).flatten()
+                            for _, s in items])
+        self._send(states.to(self.payload_device), training_rank, self.payload_group)
 
     # -- both ----------------------------------------------------------------------------------
-    def _send(self, tensor: torch.Tensor, rank: int) -> None:
+    def _send(self, tensor: torch.Tensor, rank: int, group: Any = None) -> None:
         tensor = tensor.contiguous()
-        self.group.send([tensor], rank, _ANSWER_TAG).wait()
+        (group or self.group).send([tensor], rank, _ANSWER_TAG).wait()
+        if tensor.is_cuda:  # NCCL's wait orders the stream; the bytes must have left before reuse
+            torch.cuda.current_stream(tensor.device).synchronize()
         self.bytes_moved += tensor.numel() * tensor.element_size()
 
-    def _recv(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
-        self.group.recv([tensor], rank, _ANSWER_TAG).wait()
+    def _recv(self, tensor: torch.Tensor, rank: int, group: Any = None) -> torch.Tensor:
+        (group or self.group).recv([tensor], rank, _ANSWER_TAG).wait()
+        if tensor.is_cuda:
+            torch.cuda.current_stream(tensor.device).synchronize()
         self.bytes_moved += tensor.numel() * tensor.element_size()
         return tensor

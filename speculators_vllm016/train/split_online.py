@@ -85,7 +85,6 @@ def run_extraction_rank(
     from speculators_vllm016.train.extraction_rank import ExtractionServer, PlanSource
     from speculators_vllm016.train.online import CacheFolderError, OnlineExtractor
     from speculators_vllm016.train.remote_loader import TRAIN_ITERATION, VALIDATION_ITERATION
-    from speculators_vllm016.train.sample_transport import Transport
 
     online = setup.online
     assert online is not None
@@ -94,6 +93,9 @@ def run_extraction_rank(
         binding = cpu_share(layout, sorted(os.sched_getaffinity(0)), workers)
         if binding is not None:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
+            # The whole rank too: its engine's processes start on these cores (they inherit the
+            # affinity), never on a core where another rank's idle engine polls.
+            os.sched_setaffinity(0, {int(cpu) for group in binding.split("|") for cpu in group.split(",")})
     cache_dir = config.online.cache_dir
     try:
         extractor = OnlineExtractor(
@@ -114,9 +116,7 @@ def run_extraction_rank(
                 seed=config.training.seed,
             )
             sources[iteration] = PlanSource(sampler=sampler, indices=items)
-        server = ExtractionServer(
-            layout, Transport(groups.exchange), extractor, sources, config.online.online_queue_size
-        )
+        server = ExtractionServer(layout, groups.transport(), extractor, sources, config.online.online_queue_size)
         logger.info("%s: serving %d training ranks", layout.describe(), layout.training_world_size)
         server.serve()
     finally:

@@ -91,3 +91,30 @@ def test_an_empty_step_is_an_empty_answer():
     answer = training.receive_answer(0)
     server.join()
     assert answer.samples == {} and answer.failure is None
+
+
+def _nccl_round_trip(rank: int, store_path: str, sent: dict, result_path: str) -> None:
+    store = dist.FileStore(store_path, 2)
+    torch.cuda.set_device(rank)
+    control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, 2, datetime.timedelta(seconds=120))
+    payload = dist.ProcessGroupNCCL(dist.PrefixStore("payload", store), rank, 2, dist.ProcessGroupNCCL.Options())
+    transport = Transport(control, payload, torch.device("cuda", rank))
+    if rank == 0:
+        request = transport.next_request()
+        transport.answer(request.source, StepSamples(samples=sent))
+    else:
+        transport.request(0, SampleRequest(REQUEST, step=1))
+        torch.save(transport.receive_answer(0).samples, result_path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_hidden_states_travel_over_nccl_between_two_gpus_bit_for_bit(tmp_path):
+    import torch.multiprocessing as mp
+
+    sent = {3: sample(7, torch.bfloat16, 5)}
+    result = tmp_path / "received.pt"
+    mp.spawn(_nccl_round_trip, args=(str(tmp_path / "store"), sent, str(result)), nprocs=2)
+    received = torch.load(result, weights_only=False)
+    assert sorted(received) == [3]
+    for a, b in zip(received[3]["hidden_states"], sent[3]["hidden_states"], strict=True):
+        assert a.device.type == "cpu" and torch.equal(a, b)
