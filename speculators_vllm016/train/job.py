@@ -115,6 +115,7 @@ def run_train_job(
             return None
         transport = groups.transport()
         closers.append(lambda: finish_extraction(layout, transport))
+        stopped_exit = _StoppedExit.install()
         device_name = layout.training_device
         local_rank, world_size = int(os.environ.get("LOCAL_RANK", "0")), layout.training_world_size
         rank, distributed = layout.training_rank, True
@@ -225,27 +226,45 @@ def run_train_job(
     except BaseException as error:
         failure = error
         if layout is not None and type(error).__name__ == "TrainingInterrupted":
-            _exit_143_on_sigterm(error)
+            stopped_exit.reason, stopped_exit.stopping = str(error), True
         raise
     finally:
         _close_all([*closers, maybe_destroy_distributed], failure)
+        if layout is not None and not layout.extracts and stopped_exit.stopping:
+            # Every training rank stops at the same step; end this process now, before the
+            # interpreter's slow shutdown, where torchrun's SIGTERM (sent as soon as the first
+            # rank exits) would kill it with -15 instead of 143.
+            stopped_exit()
 
 
-def _exit_143_on_sigterm(error: BaseException) -> None:
-    """A split run's training rank that stopped with its checkpoint saved: torchrun stops the
-    other ranks as soon as one exits, so a SIGTERM from here on ends this rank with the status
-    and message it was about to exit with anyway."""
-    import signal
-    import sys
+class _StoppedExit:
+    """A split run's training rank: SIGTERM ends it with status 143 and a `stopped:` line.
 
-    from speculators_vllm016.utils.command_errors import EXIT_STOPPED
+    torchrun stops every other rank as soon as one exits. When an extraction rank fails, all
+    training ranks checkpoint and exit 143 at about the same time; one that is still closing when
+    torchrun's SIGTERM comes must end the same way, not be killed by the signal. The trainer
+    installs its own handler while it trains and puts this one back after."""
 
-    def stop(*_: Any) -> None:
-        sys.stderr.write(f"stopped: {error}\n")
+    def __init__(self) -> None:
+        self.reason = "SIGTERM"
+        self.stopping = False  # the trainer stopped with a checkpoint: the job ends with 143
+
+    @classmethod
+    def install(cls) -> _StoppedExit:
+        import signal
+
+        handler = cls()
+        signal.signal(signal.SIGTERM, handler)
+        return handler
+
+    def __call__(self, *_: Any) -> None:
+        import sys
+
+        from speculators_vllm016.utils.command_errors import EXIT_STOPPED
+
+        sys.stderr.write(f"stopped: {self.reason}\n")
         sys.stderr.flush()
         os._exit(EXIT_STOPPED)
-
-    signal.signal(signal.SIGTERM, stop)
 
 
 def _trainer_config(
