@@ -63,7 +63,11 @@ def build_loader(args: argparse.Namespace, variant: str) -> tuple[Any, Any, Any]
     from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
     from speculators_vllm016.train.noise_transforms import AddGaussianNoise
 
-    new = hasattr(data_module, "SampleFileLoader")
+    try:  # its home since the split of train/data.py; before, train/data.py; before #28, none
+        from speculators_vllm016.train.sample_loader import SampleFileLoader
+    except ImportError:
+        SampleFileLoader = getattr(data_module, "SampleFileLoader", None)  # noqa: N806
+    new = SampleFileLoader is not None
     if new != (variant != "old"):
         raise SystemExit(f"variant {variant} imported the {'new' if new else 'old'} package")
     files = data_module.list_files(args.data)
@@ -73,7 +77,7 @@ def build_loader(args: argparse.Namespace, variant: str) -> tuple[Any, Any, Any]
         seed=0, output_dtype=torch.bfloat16, widths=(3 * args.hidden, args.hidden), **options,
     )
     sampler = MultipackDistributedBatchSamplerV2(args.total_seq_len, dataset.lengths, 1, 0, seed=0)
-    loader_class = data_module.SampleFileLoader if new else torch.utils.data.DataLoader
+    loader_class = SampleFileLoader if new else torch.utils.data.DataLoader
     workers = args.num_workers
     extra = {"persistent_workers": workers > 0} if new else {}
     loader = loader_class(

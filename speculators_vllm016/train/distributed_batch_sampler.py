@@ -11,6 +11,7 @@ give every rank one are dropped (as in 0.3.0).
 
 from __future__ import annotations
 
+import copy
 import heapq
 import logging
 from collections.abc import Iterator
@@ -136,6 +137,12 @@ class MultipackDistributedBatchSamplerV2(Sampler):
                 del self._plans[next(iter(self._plans))]
             self._plans[epoch] = mine
         return self._plans[epoch]
+
+    def for_rank(self, rank: int) -> MultipackDistributedBatchSamplerV2:
+        """A copy that plans rank `rank`'s batches (any rank's plan can be computed anywhere)."""
+        other = copy.copy(self)
+        other.rank, other._plans = int(rank), {}
+        return other
 
     def __iter__(self) -> Iterator[list[int]]:
         return iter(self.batches()[self.position :])

@@ -17,7 +17,6 @@ stop at the same step and checkpoint; the rank returns once every training rank 
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import time
@@ -70,9 +69,7 @@ class IterationPlan:
     def of(cls, source: PlanSource, epoch: int, training_ranks: int) -> IterationPlan:
         plans = []
         for rank in range(training_ranks):
-            sampler = copy.copy(source.sampler)
-            sampler.rank, sampler._plans = rank, {}
-            plans.append([list(step) for step in sampler.batches(epoch)])
+            plans.append([list(step) for step in source.sampler.for_rank(rank).batches(epoch)])
         return cls(plans)
 
 

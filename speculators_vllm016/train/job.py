@@ -70,9 +70,7 @@ def run_train_job(
 
     from speculators_vllm016.train.data import (
         Eagle3SampleFileDataset,
-        SampleFileLoader,
         create_collate_fn,
-        main_process_noise,
         split_files,
         split_items,
     )
@@ -85,6 +83,7 @@ def run_train_job(
         maybe_setup_distributed,
         training_device,
     )
+    from speculators_vllm016.train.sample_loader import SampleFileLoader, main_process_noise
     from speculators_vllm016.train.remote_loader import (
         TRAIN_ITERATION,
         VALIDATION_ITERATION,

@@ -19,7 +19,6 @@ vLLM is imported only when an engine starts; this module imports none of it.
 
 from __future__ import annotations
 
-import copy
 import logging
 import queue
 import threading
@@ -435,9 +434,7 @@ def _rank_plans(batch_sampler: Any, world_size: int) -> list[list[list[int]]]:
     """Every rank's remaining steps of this epoch, from copies of this rank's sampler."""
     plans = []
     for rank in range(world_size):
-        other = copy.copy(batch_sampler)
-        other.rank, other._plans = rank, {}
-        plans.append([list(step) for step in other])
+        plans.append([list(step) for step in batch_sampler.for_rank(rank)])
     return plans
 
 

@@ -177,6 +177,28 @@ def engine_workers(pid: int) -> list:
     return found
 
 
+def kill_engine_workers_after_first_step(process: subprocess.Popen, save: Path) -> str:
+    """Once the first training step is logged, SIGKILL the vLLM worker processes under `process`
+    (the engine runs and the producer is at most a step ahead); its output once it ends."""
+    try:
+        deadline = time.monotonic() + 600
+        metrics = save / "metrics.jsonl"
+        while not (metrics.is_file() and '"train"' in metrics.read_text()):
+            assert process.poll() is None, process.stderr.read()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        killed = engine_workers(process.pid)
+        assert killed, "no VLLM::Worker process under the run"
+        for worker in killed:
+            worker.kill()
+        _, err = process.communicate(timeout=600)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    return err
+
+
 @pytest.mark.engine
 def test_a_real_engine_worker_killed_mid_run_leaves_a_checkpoint_then_the_same_command_resumes(
     setup, tiny_llama, offline_run
@@ -190,26 +212,9 @@ def test_a_real_engine_worker_killed_mid_run_leaves_a_checkpoint_then_the_same_c
     save = root / "worker-killed"
     argv = [*common(tiny_llama, root, save), *online_flags(chats, root), "--online-queue-size", "1"]
     command = [sys.executable, "-m", "speculators_vllm016", "train", *argv]
-    process = subprocess.Popen(command, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    killed = []
-    try:
-        deadline = time.monotonic() + 600
-        metrics = save / "metrics.jsonl"
-        # The first logged step: the engine runs and the producer is at most a step ahead.
-        while not (metrics.is_file() and '"train"' in metrics.read_text()):
-            assert process.poll() is None, process.stderr.read().decode()[-3000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        killed = engine_workers(process.pid)
-        assert killed, "no VLLM::Worker process under the trainer"
-        for worker in killed:
-            worker.kill()
-        _, err = process.communicate(timeout=600)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    err = err.decode()
+    process = subprocess.Popen(command, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True)
+    err = kill_engine_workers_after_first_step(process, save)
     assert process.returncode == 143, err[-3000:]
     assert "stopped: the target model's engine failed: a worker process died (" in err, err[-3000:]
     assert "run the same command again to resume" in err

@@ -8,13 +8,18 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from speculators_vllm016.cli.train import main as train_main
-from tests.train.test_online import assert_same_weights, common, engine_workers, make_setup, online_flags
+from tests.train.test_online import (
+    assert_same_weights,
+    common,
+    kill_engine_workers_after_first_step,
+    make_setup,
+    online_flags,
+)
 from tests.training_fixtures import cli_env, train_command
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -76,24 +81,10 @@ def test_an_extraction_ranks_engine_worker_killed_stops_every_training_rank_with
     root, chats, _ = setup
     save = root / "split-killed"
     argv = split_argv(tiny_llama, root, chats, save, 1, "--online-queue-size", "1")
-    process = subprocess.Popen(train_command(argv, processes=3), env=cli_env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 600
-        metrics = save / "metrics.jsonl"
-        while not (metrics.is_file() and '"train"' in metrics.read_text()):
-            assert process.poll() is None, process.stdout.read()[-3000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        workers = engine_workers(process.pid)
-        assert workers, "no VLLM::Worker process under torchrun"
-        for worker in workers:
-            worker.kill()
-        output, _ = process.communicate(timeout=600)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    # stderr carries both the ranks' messages and torchrun's failure summary
+    process = subprocess.Popen(train_command(argv, processes=3), env=cli_env(), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    output = kill_engine_workers_after_first_step(process, save)
     assert process.returncode != 0, output[-3000:]
     stopped = re.findall(r"^stopped: extraction rank 0: the target model's engine failed: a worker process died",
                          output, flags=re.MULTILINE)
