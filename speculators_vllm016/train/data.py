@@ -61,11 +61,14 @@ __all__ = [
     "check_sample_shapes",
     "create_collate_fn",
     "list_files",
+    "new_row_buffer",
+    "pack_samples",
     "sample_lengths",
     "shift_batch",
     "slice_and_pad_to_length",
     "prepare_sample",
     "sample_widths",
+    "shared_empty",
     "split_files",
     "split_items",
     "standardize_data_v0",
@@ -532,11 +535,13 @@ class Eagle3SampleFileDataset(Dataset):
             return None
 
 
-def _row_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized tensor for a packed row; in a loader worker, in shared memory already, so
-    the hand-off to the main process sends a handle instead of copying the row once more."""
-    if torch.utils.data.get_worker_info() is None:
-        return torch.empty(shape, dtype=dtype)
+RowBuffer = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
+"""Where a packed row's tensor is written: `(key, shape, dtype)` -> an uninitialized tensor."""
+
+
+def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized tensor in shared memory (a loader worker's rows reach the main process
+    as a handle to it, not as a copy)."""
     numel = 1
     for size in shape:
         numel *= size
@@ -544,9 +549,17 @@ def _row_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(0, dtype=dtype).set_(storage).view(shape)
 
 
-def _pack(parts: list[torch.Tensor], max_len: int) -> torch.Tensor:
+def new_row_buffer(key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized tensor for a packed row; in a loader worker, in shared memory already, so
+    the hand-off to the main process sends a handle instead of copying the row once more."""
+    if torch.utils.data.get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype)
+    return shared_empty(shape, dtype)
+
+
+def _pack(key: str, parts: list[torch.Tensor], max_len: int, buffer: RowBuffer) -> torch.Tensor:
     """`parts` laid end to end, cut or zero-padded to `max_len` rows, in one copy; [1, max_len, ...]."""
-    row = _row_buffer((max_len, *parts[0].shape[1:]), parts[0].dtype)
+    row = buffer(key, (max_len, *parts[0].shape[1:]), parts[0].dtype)
     used = 0
     for part in parts:
         take = min(int(part.shape[0]), max_len - used)
@@ -557,6 +570,40 @@ def _pack(parts: list[torch.Tensor], max_len: int) -> torch.Tensor:
     if used < max_len:
         row[used:].zero_()
     return row[None]
+
+
+def pack_samples(
+    samples: list[BatchType | None], max_len: int, buffer: RowBuffer = new_row_buffer
+) -> PackedBatch:
+    """Pack shifted samples into one row of `max_len` tokens (see `create_collate_fn`), each
+    tensor written where `buffer` says (a fresh tensor by default; a reused host slot for
+    `row_slots`)."""
+    usable = [sample for sample in samples if sample is not None]
+    skipped = torch.tensor(len(samples) - len(usable), dtype=torch.long)
+    if not usable:
+        return {"skipped_samples": skipped}  # type: ignore[typeddict-item]
+    row: dict[str, Any] = {}
+    for key in usable[0]:
+        if key == "sample_index":
+            continue
+        parts = [sample[key] for sample in usable]
+        row[key] = torch.cat(parts) if key == "lengths" else _pack(key, parts, max_len, buffer)
+    kept: list[int] = []
+    used = 0
+    for length in row["lengths"].tolist():
+        if used + length >= max_len:
+            kept.append(max_len - used)
+            break
+        kept.append(length)
+        used += length
+    row["lengths"] = torch.tensor(kept, dtype=torch.long)
+    if "sample_index" in usable[0]:
+        row["sample_indices"] = torch.tensor(
+            [sample["sample_index"] for sample in usable[: len(kept)]], dtype=torch.long
+        )
+    if skipped:
+        row["skipped_samples"] = skipped
+    return row  # type: ignore[return-value]
 
 
 def create_collate_fn(max_len: int) -> Callable[[list[BatchType | None]], PackedBatch]:
@@ -571,31 +618,6 @@ def create_collate_fn(max_len: int) -> Callable[[list[BatchType | None]], Packed
     """
 
     def collate(samples: list[BatchType | None]) -> PackedBatch:
-        usable = [sample for sample in samples if sample is not None]
-        skipped = torch.tensor(len(samples) - len(usable), dtype=torch.long)
-        if not usable:
-            return {"skipped_samples": skipped}  # type: ignore[typeddict-item]
-        row: dict[str, Any] = {}
-        for key in usable[0]:
-            if key == "sample_index":
-                continue
-            parts = [sample[key] for sample in usable]
-            row[key] = torch.cat(parts) if key == "lengths" else _pack(parts, max_len)
-        kept: list[int] = []
-        used = 0
-        for length in row["lengths"].tolist():
-            if used + length >= max_len:
-                kept.append(max_len - used)
-                break
-            kept.append(length)
-            used += length
-        row["lengths"] = torch.tensor(kept, dtype=torch.long)
-        if "sample_index" in usable[0]:
-            row["sample_indices"] = torch.tensor(
-                [sample["sample_index"] for sample in usable[: len(kept)]], dtype=torch.long
-            )
-        if skipped:
-            row["skipped_samples"] = skipped
-        return row  # type: ignore[return-value]
+        return pack_samples(samples, max_len)
 
     return collate

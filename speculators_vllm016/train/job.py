@@ -83,6 +83,7 @@ def run_train_job(
         maybe_setup_distributed,
         training_device,
     )
+    from speculators_vllm016.train.row_slots import HostRowSlots
     from speculators_vllm016.train.sample_loader import SampleFileLoader, main_process_noise
     from speculators_vllm016.train.remote_loader import (
         TRAIN_ITERATION,
@@ -196,10 +197,16 @@ def run_train_job(
                     main_process_noise(create_collate_fn(training.total_seq_len), dataset),
                     config.online.online_queue_size, exchange,
                 )
+            # On a GPU the workers pack rows into reused host slots pinned for the copy (#28).
+            slots = None
+            if device.type == "cuda" and workers > 0:
+                slots = HostRowSlots.for_dataset(
+                    dataset, training.total_seq_len, workers * runtime.prefetch_factor
+                )
             return SampleFileLoader(
                 dataset, batch_sampler=sampler, collate_fn=create_collate_fn(training.total_seq_len),
                 num_workers=workers, prefetch_factor=runtime.prefetch_factor if workers else None,
-                pin_memory=device.type == "cuda",
+                pin_memory=device.type == "cuda", row_slots=slots,
                 # Started once: no worker start-up (and empty prefetch window) at every epoch.
                 persistent_workers=workers > 0,
             )

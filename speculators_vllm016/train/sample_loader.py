@@ -1,17 +1,20 @@
 """The trainer's offline loader: a `DataLoader` over `Eagle3SampleFileDataset` whose rows carry
-their noise (`RowNoise`) and whose one iteration can run across epoch boundaries (#28), plus the
-same noise for rows collated in the main process (online extraction). The rows themselves are
-`train.data`'s contract."""
+their noise (`RowNoise`), whose one iteration can run across epoch boundaries, and whose workers
+can pack rows into reused, pinned host slots (`row_slots`) (#28); plus the same noise for rows
+collated in the main process (online extraction). The rows themselves are `train.data`'s
+contract."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 
 from speculators_vllm016.train.data import BatchType, Eagle3SampleFileDataset, PackedBatch
 from speculators_vllm016.train.noise_transforms import RowNoise
+from speculators_vllm016.train.row_slots import HostRowSlots, SlotPackingDataset, packed_row_collate
 
 __all__ = ["RunThroughBatchSampler", "SampleFileLoader", "main_process_noise"]
 
@@ -27,12 +30,13 @@ class RunThroughBatchSampler:
     exactly as the wrapped sampler does.
     """
 
-    def __init__(self, batch_sampler: Any) -> None:
+    def __init__(self, batch_sampler: Any, slots: HostRowSlots | None = None) -> None:
         self.batch_sampler = batch_sampler
         self.run: tuple[int, int, int] | None = None
+        self.slots = slots  # when set, each batch is numbered for its row's slot
 
     def __getattr__(self, name: str) -> Any:
-        if name == "batch_sampler":  # not set yet (unpickling): no recursion
+        if name in ("batch_sampler", "slots"):  # not set yet (unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.batch_sampler, name)
 
@@ -45,9 +49,10 @@ class RunThroughBatchSampler:
         return len(self.batch_sampler)
 
     def __iter__(self) -> Iterator[list[int]]:
-        if self.run is None:
-            return iter(self.batch_sampler)
-        return self._run_batches(*self.run)
+        batches = iter(self.batch_sampler) if self.run is None else self._run_batches(*self.run)
+        if self.slots is None:
+            return batches
+        return map(self.slots.issue, batches)
 
     def _run_batches(self, epoch: int, step: int, last_epoch: int) -> Iterator[list[int]]:
         for current in range(epoch, last_epoch + 1):
@@ -64,18 +69,48 @@ class SampleFileLoader(DataLoader):
     `epoch_rows` is how the trainer reads it: one iteration of the underlying `DataLoader` runs
     through the remaining epochs (`RunThroughBatchSampler`), and each call hands out one epoch's
     share of it. Iterating the loader (`iter`) still gives the current epoch alone.
+
+    With `row_slots` (and workers) the workers pack each row into a reused host slot that the main
+    process pins for the GPU (`row_slots`); the loader's own `pin_memory` is then off (nothing
+    left for it to do). Rows read from a slot carry their `HostSlot` under `HOST_SLOT_KEY`.
     """
 
-    def __init__(self, dataset: Any, *args: Any, batch_sampler: Any = None, **kwargs: Any) -> None:
+    def __init__(self, dataset: Any, *args: Any, batch_sampler: Any = None,
+                 row_slots: HostRowSlots | None = None, **kwargs: Any) -> None:
+        if row_slots is not None and not (kwargs.get("num_workers") and kwargs.get("persistent_workers")):
+            row_slots = None  # slots need workers that outlive an iteration (see `_start`)
         if batch_sampler is not None and not isinstance(batch_sampler, RunThroughBatchSampler):
             batch_sampler = RunThroughBatchSampler(batch_sampler)
+        self.row_slots = row_slots
+        self._pin_slots = False
+        if row_slots is not None:
+            if batch_sampler is None:
+                raise ValueError("row slots need a batch sampler (rows are numbered per batch)")
+            batch_sampler.slots = row_slots
+            dataset = SlotPackingDataset(dataset, row_slots)
+            kwargs["collate_fn"] = packed_row_collate(kwargs.get("collate_fn") or default_collate)
+            self._pin_slots = bool(kwargs.pop("pin_memory", False))
         super().__init__(dataset, *args, batch_sampler=batch_sampler, **kwargs)
         self._stream: Iterator[Any] | None = None
         self._stream_next: tuple[int, int, int] | None = None  # (epoch, step, last epoch)
 
+    def __del__(self) -> None:
+        if getattr(self, "row_slots", None) is not None:
+            self.row_slots.close()  # before the workers are joined: none may wait for a slot
+        parent = getattr(super(), "__del__", None)
+        if parent is not None:
+            parent()
+
+    def _start(self) -> Iterator[Any]:
+        """A new iteration of the underlying `DataLoader` (the slots of the last one freed first)."""
+        if self.row_slots is None:
+            return super().__iter__()
+        self.row_slots.reset()
+        return map(partial(self.row_slots.take, pin=self._pin_slots), super().__iter__())
+
     def __iter__(self) -> Any:
         self._stream, self._stream_next = None, None  # a fresh iteration ends a running one
-        rows = super().__iter__()  # now: the worker seeds are drawn where the trainer expects
+        rows = self._start()  # now: the worker seeds are drawn where the trainer expects
         noise = self.dataset.row_noise() if hasattr(self.dataset, "row_noise") else None
         if noise is None:
             return rows
@@ -104,7 +139,7 @@ class SampleFileLoader(DataLoader):
         if self._stream is None or self._stream_next != (epoch, start_step, last):
             sampler.run = (epoch, start_step, last)
             try:
-                stream = super().__iter__()
+                stream = self._start()
             finally:
                 sampler.run = None
             self._stream = stream
