@@ -555,11 +555,15 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
             ratio = f"{rate / median:.2f}x" if median else ""
             lines.append(
                 f"| {epoch['epoch']} | {epoch['steps']} | {rate:,.0f} | {ratio} | "
-                f"{epoch.get('max_data_wait_seconds')} | {epoch.get('steps_waiting_over_0.2_s', '')} | "
+                f"{'' if epoch.get('max_data_wait_seconds') is None else epoch['max_data_wait_seconds']} | "
+                f"{epoch.get('steps_waiting_over_0.2_s', '')} | "
                 f"{epoch['first_step_seconds']} |"
             )
         if run.get("checkpoint_save_seconds_each"):
             lines += ["", f"Checkpoint writes, s: {', '.join(map(str, run['checkpoint_save_seconds_each']))}"]
+    from benchmarks.trainer_030 import markdown_lines as lines_030
+
+    lines += lines_030(runs)
     lines += ["", "Commands:", ""]
     lines += [f"- `{run['command']}`" for run in runs]
     if step.get("command"):
@@ -606,6 +610,11 @@ def make_parser() -> argparse.ArgumentParser:
                         help="write this many sample files and hard-link the rest to them (disk)")
     parser.add_argument("--keep-checkpoints", type=int, default=None,
                         help="delete all but the newest N checkpoints while a run goes (disk)")
+    parser.add_argument("--with-030", default=None, metavar="PATH",
+                        help="with --sustained: then run speculators 0.3.0's scripts/train.py (PATH: "
+                        "it, or the folder holding it as speculators030_train.py) on the same files")
+    parser.add_argument("--with-030-timeout", type=int, default=None,
+                        help="seconds for the 0.3.0 run (default: --run-timeout)")
     parser.add_argument("--output-dir", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--tag", default="")
     return parser
@@ -656,6 +665,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         save()
     for name in args.runs:
         result["runs"].append(asdict(run_trainer(name, 1 if name == "single" else gpus, paths, work, args)))
+        save()
+    if args.with_030 and args.sustained:  # 0.3.0's own trainer on the same files (issue #28)
+        from benchmarks.trainer_030 import run_030
+
+        result["runs"].append(run_030(
+            args.with_030, paths, work, total_seq_len=args.total_seq_len, epochs=args.epochs,
+            sample_tokens=tokens, samples=samples, timeout=args.with_030_timeout or args.run_timeout,
+            keep_checkpoints=args.keep_checkpoints))
         save()
     print((out / f"{stem}.md").read_text(), flush=True)
     return result
