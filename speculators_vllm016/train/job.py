@@ -83,7 +83,7 @@ def run_train_job(
         maybe_setup_distributed,
         training_device,
     )
-    from speculators_vllm016.train.row_slots import HostRowSlots
+    from speculators_vllm016.train.row_slots import VALIDATION_ROW_SLOTS, HostRowSlots
     from speculators_vllm016.train.sample_loader import SampleFileLoader, main_process_noise
     from speculators_vllm016.train.remote_loader import (
         TRAIN_ITERATION,
@@ -199,9 +199,10 @@ def run_train_job(
                 )
             # On a GPU the workers pack rows into reused host slots pinned for the copy (#28).
             slots = None
-            if device.type == "cuda" and workers > 0:
+            if device.type == "cuda" and workers > 0 and runtime.row_slots:
                 slots = HostRowSlots.for_dataset(
-                    dataset, training.total_seq_len, workers * runtime.prefetch_factor
+                    dataset, training.total_seq_len, workers * runtime.prefetch_factor,
+                    count=VALIDATION_ROW_SLOTS if iteration == VALIDATION_ITERATION else None,
                 )
             return SampleFileLoader(
                 dataset, batch_sampler=sampler, collate_fn=create_collate_fn(training.total_seq_len),

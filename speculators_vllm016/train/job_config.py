@@ -204,6 +204,10 @@ class RuntimeConfig:
     """Loader processes; None: min(12, CPUs) (0.3.0 used 12)."""
     prefetch_factor: int = 4
     """Packed rows each loader process prepares ahead (0.3.0's value)."""
+    row_slots: bool = field(default=True, metadata={"negatable": True})
+    """On a GPU the loader processes pack rows into a ring of host buffers pinned once (the rows in
+    flight + 2, at most 8 GiB unless 8 rows need more; 4 rows for validation), in shared memory;
+    --no-row-slots: a fresh shared-memory row each time, copied again into pinned memory."""
 
 
 @dataclass

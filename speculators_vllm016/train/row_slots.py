@@ -48,6 +48,7 @@ __all__ = [
     "SlotIndices",
     "SlotPackingDataset",
     "SlotRow",
+    "VALIDATION_ROW_SLOTS",
     "slot_count",
 ]
 
@@ -58,6 +59,7 @@ HOST_SLOT_KEY = "host_slot"
 
 DEFAULT_BUDGET_BYTES = 8 * 2**30
 MIN_SLOTS = 3
+VALIDATION_ROW_SLOTS = 4  # validation runs a few rows once an epoch: no reason to hold more
 _INLINE_NUMEL = 1 << 16
 _NEVER_WAIT = 1 << 62  # small tensors travel inside the pickled `SlotRow`, not as shared memory
 
