@@ -95,6 +95,10 @@ class RunResult:
     error: str | None = None
 
 
+SINGLE_NO_ROW_SLOTS = "single-no-row-slots"
+ONE_PROCESS_RUNS = ("single", SINGLE_NO_ROW_SLOTS)
+
+
 # -- inputs --------------------------------------------------------------------------------------
 def write_verifier(preset: TrainingPreset, folder: Path, seed: int = 0) -> Path:
     """A Llama-shaped verifier folder holding only embeddings, final norm and LM head (bf16)."""
@@ -232,8 +236,10 @@ def train_command(name: str, processes: int, paths: dict[str, Path], save: Path,
         train += ["--device", args.device]
     if args.num_workers is not None:
         train += ["--num-workers", str(args.num_workers)]
+    if name == SINGLE_NO_ROW_SLOTS:  # the A/B of the loader's row slots, in the same script
+        train.append("--no-row-slots")
     train += list(args.train_args)
-    if name == "single":
+    if name in ONE_PROCESS_RUNS:
         return [sys.executable, "-m", "speculators_vllm016", *train]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={processes}", "-m", "speculators_vllm016", *train,
@@ -380,7 +386,7 @@ def compare_weights(first: Path, second: Path) -> tuple[bool, float]:
 def _launch(command: list[str], name: str, log: Path, timeout: float) -> tuple[int | None, str | None, float]:
     env = {**os.environ, **SAFE_ENV, "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    if name == "single" and "CUDA_VISIBLE_DEVICES" not in os.environ:
+    if name in ONE_PROCESS_RUNS and "CUDA_VISIBLE_DEVICES" not in os.environ:
         env["CUDA_VISIBLE_DEVICES"] = "0"
     print(f"$ {shlex.join(command)}", flush=True)
     started = time.perf_counter()
@@ -577,8 +583,10 @@ def make_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--preset", default="llama-3.1-8b-draft", choices=sorted(PRESETS))
-    parser.add_argument("--runs", nargs="+", choices=("single", "ddp", "fsdp"),
-                        default=["single", "ddp", "fsdp"])
+    parser.add_argument("--runs", nargs="+", choices=(*ONE_PROCESS_RUNS, "ddp", "fsdp"),
+                        default=["single", "ddp", "fsdp"],
+                        help=f"{SINGLE_NO_ROW_SLOTS}: one GPU with --no-row-slots (the loader's hand-off "
+                        "before the row slots), for an A/B beside `single`")
     parser.add_argument("--gpus", type=int, default=None, help="processes of ddp/fsdp (default: all GPUs)")
     parser.add_argument("--work-dir", default="/tmp/trainer-gpu", help="inputs and checkpoints")
     parser.add_argument("--sample-tokens", type=int, default=None, help="default: the preset's")
@@ -630,7 +638,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     gpus = args.gpus or max(torch.cuda.device_count(), 1)
     tokens = args.sample_tokens or preset.sample_tokens
     per_row = max(1, args.total_seq_len // (tokens - 1))
-    ranks = gpus if set(args.runs) - {"single"} else 1
+    ranks = gpus if set(args.runs) - set(ONE_PROCESS_RUNS) else 1
     if args.sustained:
         args.epochs = args.epochs or 3
         samples = args.samples or args.steps_per_epoch * per_row * ranks
@@ -664,7 +672,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["step_benchmark"] = run_step_benchmark(preset, work, args)
         save()
     for name in args.runs:
-        result["runs"].append(asdict(run_trainer(name, 1 if name == "single" else gpus, paths, work, args)))
+        result["runs"].append(asdict(run_trainer(name, 1 if name in ONE_PROCESS_RUNS else gpus, paths, work, args)))
         save()
     if args.with_030 and args.sustained:  # 0.3.0's own trainer on the same files (issue #28)
         from benchmarks.trainer_030 import run_030

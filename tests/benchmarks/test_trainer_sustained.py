@@ -64,3 +64,15 @@ def test_pruning_keeps_the_newest_finished_checkpoints(tmp_path) -> None:
         while (tmp_path / "0").exists() and time.time() < deadline:
             time.sleep(0.1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["2", "best"]
+
+
+def test_the_row_slot_ab_run_is_one_process_without_row_slots(tmp_path) -> None:
+    from benchmarks.trainer_gpu import SINGLE_NO_ROW_SLOTS, train_command
+
+    args = make_parser().parse_args(["--runs", "single", SINGLE_NO_ROW_SLOTS, "--sustained"])
+    args.epochs = 3
+    paths = {name: tmp_path / name for name in ("verifier", "data", "d2t", "t2d")}
+    plain = train_command("single", 1, paths, tmp_path / "a", args)
+    ab = train_command(SINGLE_NO_ROW_SLOTS, 1, paths, tmp_path / "b", args)
+    assert "--no-row-slots" in ab and "--no-row-slots" not in plain
+    assert ab[1:3] == plain[1:3] == ["-m", "speculators_vllm016"]  # no torchrun
