@@ -141,6 +141,7 @@ class HostRowSlots:
         self._issued = 0
         self._handed: deque[HostSlot] = deque()
         self._pinned = False
+        self._pin_failed = False
         self._main_pid = os.getpid()
 
     @classmethod
@@ -182,14 +183,15 @@ class HostRowSlots:
     def pin(self) -> bool:
         """Page-lock the buffers for asynchronous copies to the GPU (once, after the workers
         started: the driver keeps registered memory out of forked children). False when no GPU."""
-        if self._pinned:
-            return True
+        if self._pinned or self._pin_failed:
+            return self._pinned
         if not torch.cuda.is_available():
             return False
         cudart = torch.cuda.cudart()
         for buffer in self.buffers.values():
             code = cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)
             if int(code) != 0:
+                self._pin_failed = True  # tried once: no retry (and no warning) per row
                 logger.warning("could not pin the loader's row buffers (CUDA error %s); "
                                "copies to the GPU will not overlap the steps", int(code))
                 return False
