@@ -81,6 +81,13 @@ def build_model(preset_name: str, where: Path) -> Path:
     )
 
 
+def write_report(folder: Path, stem: str, result: dict, lines: list[str]) -> None:
+    """`<stem>.json` (the figures) and `<stem>.md` (the table) in `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    (folder / f"{stem}.md").write_text("\n".join(lines) + "\n")
+
+
 def final_weights_equal(a: Path, b: Path) -> bool:
     import torch
     from safetensors.torch import load_file
@@ -162,9 +169,6 @@ def main(argv: list[str] | None = None) -> int:
     result["online_over_offline_time"] = (
         result["online"]["median_seconds"] / result["offline"]["median_seconds"]
     )
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"online-{args.preset}.json").write_text(json.dumps(result, indent=2))
     lines = [
         f"# online vs offline training, {args.preset}", "",
         f"{args.rows} chat rows, seq-length {args.seq_length}, {args.epochs} epochs, "
@@ -178,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{row['spread_seconds'][1]:.1f} | {row['data_bytes']:,} | {row['checkpoint_bytes']:,} |")
     lines.append("")
     lines.append(f"online / offline wall time: {result['online_over_offline_time']:.2f}")
-    (out / f"online-{args.preset}.md").write_text("\n".join(lines) + "\n")
+    write_report(Path(args.output_dir), f"online-{args.preset}", result, lines)
     print("\n".join(lines))
     if args.work_dir is None:
         shutil.rmtree(work, ignore_errors=True)
@@ -250,9 +254,6 @@ def run_split_layouts(args: argparse.Namespace, preset: object, work: Path, mode
         })
     result = {"preset": args.preset, "rows": args.rows, "seq_length": args.seq_length, "epochs": args.epochs,
               "cpus": os.cpu_count(), "layouts": layouts}
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"online-split-{args.preset}.json").write_text(json.dumps(result, indent=2))
     lines = [
         f"# online training, extraction ranks apart from training ranks, {args.preset}", "",
         f"{args.rows} chat rows, seq-length {args.seq_length}, {args.epochs} epochs, {os.cpu_count()} CPUs "
@@ -272,7 +273,7 @@ def run_split_layouts(args: argparse.Namespace, preset: object, work: Path, mode
             f"{row['extraction_ranks_waited_for_room_seconds']:.1f} / "
             f"{row['extraction_ranks_waited_for_requests_seconds']:.1f} | {row['same_final_checkpoint_as_offline']} |"
         )
-    (out / f"online-split-{args.preset}.md").write_text("\n".join(lines) + "\n")
+    write_report(Path(args.output_dir), f"online-split-{args.preset}", result, lines)
     print("\n".join(lines))
     if args.work_dir is None:
         shutil.rmtree(work, ignore_errors=True)

@@ -161,17 +161,10 @@ class HostRowSlots:
             "loss_mask": ((), torch.long),
             "position_ids": ((), torch.long),
         }
-        per_token = sum(
-            max(1, int(np.prod(width))) * torch.empty((), dtype=dtype).element_size()
-            for width, dtype in layout.values()
-        )
+        per_token = sum((width[0] if width else 1) * dtype.itemsize for width, dtype in layout.values())
         if count is None:
             count = slot_count(per_token * max_len, rows_in_flight, budget_bytes)
         return cls(count, max_len, layout)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(buffer.numel() * buffer.element_size() for buffer in self.buffers.values())
 
     # -- main process ----------------------------------------------------------------------------
     def issue(self, indices: Sequence[int]) -> SlotIndices:

@@ -97,9 +97,6 @@ class SampleFileLoader(DataLoader):
     def __del__(self) -> None:
         if getattr(self, "row_slots", None) is not None:
             self.row_slots.close()  # before the workers are joined: none may wait for a slot
-        parent = getattr(super(), "__del__", None)
-        if parent is not None:
-            parent()
 
     def _start(self) -> Iterator[Any]:
         """A new iteration of the underlying `DataLoader` (the slots of the last one freed first)."""
