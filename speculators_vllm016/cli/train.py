@@ -131,8 +131,9 @@ def _as_config(args: argparse.Namespace | TrainJobConfig) -> TrainJobConfig:
 
 
 def prepare(args: argparse.Namespace | TrainJobConfig) -> TrainSetup:
-    """`train.setup.prepare` for a parsed command line (or a config)."""
-    return _prepare(_as_config(args))
+    """`train.setup.prepare` for a parsed command line (or a config), converting a research
+    `--from-pretrained` draft as the command does."""
+    return _prepare(_as_config(args), research_reader=_research_draft)
 
 
 def build_model(args: argparse.Namespace | TrainJobConfig, setup: TrainSetup) -> Eagle3DraftModel:

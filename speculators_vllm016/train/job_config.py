@@ -90,8 +90,8 @@ class ModelConfig:
     """Fine-tune an existing EAGLE-3 draft (a folder or hub id): this package's, speculators
     0.3.0's, or a research/SpecForge checkpoint (converted as `speculators convert` does; it does
     not record --norm-before-residual, so give the value it was trained with). It seeds a fresh
-    run only: its weights bit for bit, a fresh optimizer and schedule; a --save-path that already
-    has checkpoints resumes them instead and does not read it. Its verifier, hidden size,
+    run only: its served weights (model.safetensors) bit for bit, a fresh optimizer and schedule;
+    a --save-path that already has checkpoints resumes them instead and does not read it. Its verifier, hidden size,
     vocabularies, fused layers and layer count must match this run (each mismatch is named, and
     nothing is written); without --d2t-path/--draft-vocab-size it trains with the draft's own
     maps. None: a new draft."""
