@@ -153,10 +153,16 @@ def main(argv: Sequence[str] | None = None, prog: str = "speculators train") -> 
 
 def _research_draft(folder: Path, verifier: str, norm_before_residual: bool) -> tuple[Any, dict]:
     """A research-format `--from-pretrained` draft as `speculators convert` turns it into ours
-    (in memory; the training layer cannot import the converter)."""
+    (in memory; the training layer cannot import the converter). The fused layers a research
+    config.json names at its top level (where vLLM reads them) are kept, so they are checked."""
     from speculators_vllm016.convert.eagle import Eagle3Converter
+    from speculators_vllm016.convert.eagle.utils import load_checkpoint_config
 
-    return Eagle3Converter().build(folder, verifier, norm_before_residual=norm_before_residual)
+    recorded = load_checkpoint_config(folder).get("eagle_aux_hidden_state_layer_ids")
+    return Eagle3Converter().build(
+        folder, verifier, norm_before_residual=norm_before_residual,
+        eagle_aux_hidden_state_layer_ids=recorded,
+    )
 
 
 def run_config(config: TrainJobConfig) -> int:

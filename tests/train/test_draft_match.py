@@ -4,6 +4,7 @@ maps, the fused layers, the layer count, the norm placement), all of them listed
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from speculators_vllm016.cli.train import main
-from tests.train.pretrained_drafts import draft_variant, train_ours
+from tests.train.pretrained_drafts import draft_variant, train_ours, write_research_draft
 from tests.training_fixtures import train_args
 
 
@@ -78,8 +79,9 @@ KINDS = {
 def _refused(argv: list[str], capsys) -> list[str]:
     assert main(argv) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines[0].startswith("error: --from-pretrained ") and "nothing was written" in lines[0], lines
-    return [line.strip() for line in lines[1:]]
+    start = next(i for i, line in enumerate(lines) if line.startswith("error: "))  # after log lines
+    assert lines[start].startswith("error: --from-pretrained ") and "nothing was written" in lines[start], lines
+    return [line.strip() for line in lines[start + 1:]]
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -114,4 +116,15 @@ def test_a_draft_whose_weights_do_not_fit_its_config_is_one_line(ours, tiny_llam
     assert main(train_args(tiny_llama, training_data, save, "--from-pretrained", str(draft))) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "fc.weight" in err[0] and "missing" in err[0], err
+    assert not save.exists()
+
+
+def test_the_fused_layers_a_research_config_records_are_checked(ours, tiny_llama, training_data, tmp_path, capsys):
+    research = write_research_draft(ours, tmp_path / "research")
+    config = json.loads((research / "config.json").read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [0, 2, 3]  # where vLLM reads them
+    (research / "config.json").write_text(json.dumps(config))
+    save = tmp_path / "save"
+    lines = _refused(train_args(tiny_llama, training_data, save, "--from-pretrained", str(research)), capsys)
+    assert len(lines) == 1 and lines[0].startswith(KINDS["fused layers"][3]), lines
     assert not save.exists()
