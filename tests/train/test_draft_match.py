@@ -13,7 +13,7 @@ import torch
 
 from speculators_vllm016.cli.train import main
 from tests.train.pretrained_drafts import draft_variant, train_ours, write_research_draft
-from tests.training_fixtures import train_args
+from tests.training_fixtures import train_args, write_dataset, write_vocab_maps
 
 
 @pytest.fixture(scope="module")
@@ -127,4 +127,17 @@ def test_the_fused_layers_a_research_config_records_are_checked(ours, tiny_llama
     save = tmp_path / "save"
     lines = _refused(train_args(tiny_llama, training_data, save, "--from-pretrained", str(research)), capsys)
     assert len(lines) == 1 and lines[0].startswith(KINDS["fused layers"][3]), lines
+    assert not save.exists()
+
+
+def test_a_llama_draft_is_refused_for_a_deepseek_v3_run(ours, tiny_deepseek_v3, tmp_path, capsys):
+    """Same widths and vocabulary size, another target: the architecture, the embeddings, the
+    maps (of the other data's tokens) and the fused layers say so."""
+    data = write_dataset(tiny_deepseek_v3, tmp_path / "data", [24, 40, 56, 72], layer_ids=[0, 1, 1, 2])
+    write_vocab_maps(data, 512, tmp_path)
+    save = tmp_path / "save"
+    lines = _refused(train_args(tiny_deepseek_v3, data, save, "--from-pretrained", str(ours)), capsys)
+    assert [line.split(":")[0] for line in lines] == [
+        "verifier", "verifier identity", "vocabulary maps", "fused layers"], lines
+    assert "LlamaForCausalLM" in lines[0] and "DeepseekV3ForCausalLM" in lines[0]
     assert not save.exists()

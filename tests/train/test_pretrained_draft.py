@@ -19,7 +19,7 @@ from speculators_vllm016.train.job_config import TrainJobConfig, TrainSetupError
 from speculators_vllm016.train.pretrained_draft import VERIFIER_COPIES, locate_draft
 from speculators_vllm016.train.train_step import TrainStep
 from tests.train.pretrained_drafts import train_ours, write_030_draft, write_research_draft
-from tests.training_fixtures import finished_checkpoints, train_args
+from tests.training_fixtures import finished_checkpoints, train_args, write_dataset, write_vocab_maps
 
 FINE_TUNE = ("--max-steps", "1", "--epochs", "1")
 
@@ -108,6 +108,24 @@ def test_a_research_draft_goes_through_the_converter(ours, tiny_llama, training_
     convert_model(str(research), str(tiny_llama), "eagle3", str(converted), norm_before_residual=True)
     _assert_started_from(first_step, _served(converted))
     assert first_step["loss"] == _evaluate_draft(converted, tiny_llama, first_step["row"], first_step["options"])
+
+
+def test_a_deepseek_v3_draft_fine_tunes_exactly(tiny_deepseek_v3, tmp_path, first_step):
+    """Kimi-K2's architecture: the draft's own layer config (not the verifier's MLA shape) is
+    what the fine-tune builds, from the draft's weights exactly."""
+    root = tmp_path / "deepseek"
+    # 3 layers: fused 0, 1, 1 (datagen's numbering) and the last as the teacher.
+    data = write_dataset(tiny_deepseek_v3, root / "data", [24 + 9 * i for i in range(8)], layer_ids=[0, 1, 1, 2])
+    write_vocab_maps(data, 512, root)
+    draft = train_ours(tiny_deepseek_v3, data, root / "base")
+    first_step.clear()  # the base run's step is not the fine-tune's
+    save = root / "save"
+    assert main(train_args(tiny_deepseek_v3, data, save, *FINE_TUNE, "--from-pretrained", str(draft))) == 0
+    _assert_started_from(first_step, _served(draft))
+    assert first_step["loss"] == _evaluate_draft(draft, tiny_deepseek_v3, first_step["row"], first_step["options"])
+    written = json.loads((save / finished_checkpoints(save)[-1] / "config.json").read_text())
+    assert written["eagle_aux_hidden_state_layer_ids"] == [1, 2, 2]
+    assert written["speculators_config"]["verifier"]["architectures"] == ["DeepseekV3ForCausalLM"]
 
 
 def test_without_maps_of_its_own_the_run_keeps_the_drafts_and_saves_them(
