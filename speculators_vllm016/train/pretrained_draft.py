@@ -18,7 +18,6 @@ layers and the proposal length (`fine_tune_config`). Whether the draft fits the 
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,8 +42,6 @@ __all__ = [
     "locate_draft",
     "read_pretrained_draft",
 ]
-
-logger = logging.getLogger("speculators")
 
 # What a hub download fetches: the configs and the weights, nothing else of the repo.
 DRAFT_DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.bin"]

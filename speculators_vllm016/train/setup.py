@@ -23,7 +23,13 @@ from speculators_vllm016.train.pretrained_draft import (
     load_draft_weights,
     read_pretrained_draft,
 )
-from speculators_vllm016.train.vocab_maps import VocabMaps, load_vocab_maps, resolve_vocab_paths
+from speculators_vllm016.train.vocab_maps import (
+    D2T_FILE,
+    T2D_FILE,
+    VocabMaps,
+    load_vocab_maps,
+    resolve_vocab_paths,
+)
 from speculators_vllm016.utils.errors import first_line
 from speculators_vllm016.utils.layer_ids import datagen_to_vllm_layer_ids
 
@@ -331,7 +337,7 @@ def _names_no_maps(config: TrainJobConfig, save_path: Path) -> bool:
     then keeps the draft's own."""
     vocab = config.vocab
     named = vocab.d2t_path or vocab.t2d_path or vocab.draft_vocab_size
-    return not named and not any((save_path / name).is_file() for name in ("d2t.npy", "t2d.npy"))
+    return not named and not any((save_path / name).is_file() for name in (D2T_FILE, T2D_FILE))
 
 
 def _run_vocab(
