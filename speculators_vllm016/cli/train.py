@@ -15,7 +15,8 @@ import argparse
 import dataclasses
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from speculators_vllm016.train.job_config import (
     CHECKPOINT_DTYPES,
@@ -130,8 +131,9 @@ def _as_config(args: argparse.Namespace | TrainJobConfig) -> TrainJobConfig:
 
 
 def prepare(args: argparse.Namespace | TrainJobConfig) -> TrainSetup:
-    """`train.setup.prepare` for a parsed command line (or a config)."""
-    return _prepare(_as_config(args))
+    """`train.setup.prepare` for a parsed command line (or a config), converting a research
+    `--from-pretrained` draft as the command does."""
+    return _prepare(_as_config(args), research_reader=_research_draft)
 
 
 def build_model(args: argparse.Namespace | TrainJobConfig, setup: TrainSetup) -> Eagle3DraftModel:
@@ -149,6 +151,20 @@ def main(argv: Sequence[str] | None = None, prog: str = "speculators train") -> 
     return run_config(config)
 
 
+def _research_draft(folder: Path, verifier: str, norm_before_residual: bool) -> tuple[Any, dict]:
+    """A research-format `--from-pretrained` draft as `speculators convert` turns it into ours
+    (in memory; the training layer cannot import the converter). The fused layers a research
+    config.json names at its top level (where vLLM reads them) are kept, so they are checked."""
+    from speculators_vllm016.convert.eagle import Eagle3Converter
+    from speculators_vllm016.convert.eagle.utils import load_checkpoint_config
+
+    recorded = load_checkpoint_config(folder).get("eagle_aux_hidden_state_layer_ids")
+    return Eagle3Converter().build(
+        folder, verifier, norm_before_residual=norm_before_residual,
+        eagle_aux_hidden_state_layer_ids=recorded,
+    )
+
+
 def run_config(config: TrainJobConfig) -> int:
     """Run the job; an expected failure is one line on stderr and exit status 2."""
     from speculators_vllm016.cli.errors import report_errors
@@ -158,7 +174,8 @@ def run_config(config: TrainJobConfig) -> int:
     from speculators_vllm016.train.trainer import TrainingInterrupted
 
     def run() -> int:
-        run_train_job(config, report=lambda result: print(result.describe()))
+        setup = _prepare(config, research_reader=_research_draft)
+        run_train_job(config, setup, report=lambda result: print(result.describe()))
         return 0
 
     expected = (

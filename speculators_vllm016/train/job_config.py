@@ -86,6 +86,15 @@ class ModelConfig:
     """The loss of TTT step k is weighted decay**k; 1.0 (0.3.0) weighs every step alike."""
     norm_before_residual: bool = field(default=True, metadata={"negatable": True})
     """Normalize the fused hidden state before the residual add (0.3.0's hard-coded choice)."""
+    from_pretrained: str | None = None
+    """Fine-tune an existing EAGLE-3 draft (a folder or hub id): this package's, speculators
+    0.3.0's, or a research/SpecForge checkpoint (converted as `speculators convert` does; it does
+    not record --norm-before-residual, so give the value it was trained with). It seeds a fresh
+    run only: its served weights (model.safetensors) bit for bit, a fresh optimizer and schedule;
+    a --save-path that already has checkpoints resumes them instead and does not read it. Its verifier, hidden size,
+    vocabularies, fused layers and layer count must match this run (each mismatch is named, and
+    nothing is written); without --d2t-path/--draft-vocab-size it trains with the draft's own
+    maps. None: a new draft."""
 
 
 @dataclass

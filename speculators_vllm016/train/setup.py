@@ -14,8 +14,22 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from speculators_vllm016.train.draft_match import RunFacts, check_draft_fits, verifier_embeddings
 from speculators_vllm016.train.job_config import TrainJobConfig, TrainSetupError
-from speculators_vllm016.train.vocab_maps import VocabMaps, load_vocab_maps, resolve_vocab_paths
+from speculators_vllm016.train.pretrained_draft import (
+    check_draft_weights,
+    draft_vocab_maps,
+    fine_tune_config,
+    load_draft_weights,
+    read_pretrained_draft,
+)
+from speculators_vllm016.train.vocab_maps import (
+    D2T_FILE,
+    T2D_FILE,
+    VocabMaps,
+    load_vocab_maps,
+    resolve_vocab_paths,
+)
 from speculators_vllm016.utils.errors import first_line
 from speculators_vllm016.utils.layer_ids import datagen_to_vllm_layer_ids
 
@@ -28,6 +42,7 @@ if TYPE_CHECKING:
     from speculators_vllm016.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators_vllm016.train.devices import TrainDevices
     from speculators_vllm016.train.noise_transforms import TransformTensors
+    from speculators_vllm016.train.pretrained_draft import PretrainedDraft, ResearchReader
 
 __all__ = [
     "OnlineSetup",
@@ -73,6 +88,8 @@ class TrainSetup:
     vocab: VocabMaps
     online: OnlineSetup | None = None
     """The online extraction set-up (`--online`), else None."""
+    pretrained: PretrainedDraft | None = None
+    """The draft a fresh run fine-tunes (`--from-pretrained`, checked against the run), else None."""
 
 
 def _check_train_devices(config: TrainJobConfig) -> TrainDevices | None:
@@ -291,8 +308,68 @@ def _check_numbers(config: TrainJobConfig) -> None:
         raise TrainSetupError("--checkpoint-freq is a fraction of an epoch in (0, 1]")
 
 
-def prepare(config: TrainJobConfig) -> TrainSetup:
-    """Every check that can be made before anything is written; errors are `TrainSetupError`s."""
+def _pretrained_draft(
+    config: TrainJobConfig, save_path: Path, research_reader: ResearchReader | None
+) -> PretrainedDraft | None:
+    """The `--from-pretrained` draft, read whole; None without one, and when the run resumes
+    the checkpoints already in --save-path (the draft only seeds a fresh run)."""
+    import logging
+
+    from speculators_vllm016.train.checkpointer import find_checkpoints
+
+    name = config.model.from_pretrained
+    if not name:
+        return None
+    if not config.checkpoint.no_resume_from_checkpoint and find_checkpoints(save_path):
+        logging.getLogger("speculators").info(
+            "--save-path %s has checkpoints: resuming them; --from-pretrained %s only seeds a "
+            "fresh run and is not read", save_path, name,
+        )
+        return None
+    return read_pretrained_draft(
+        name, config.model.verifier_name_or_path,
+        norm_before_residual=config.model.norm_before_residual, research_reader=research_reader,
+    )
+
+
+def _names_no_maps(config: TrainJobConfig, save_path: Path) -> bool:
+    """Neither the flags nor an earlier start of this run name vocabulary maps: a fine-tune
+    then keeps the draft's own."""
+    vocab = config.vocab
+    named = vocab.d2t_path or vocab.t2d_path or vocab.draft_vocab_size
+    return not named and not any((save_path / name).is_file() for name in (D2T_FILE, T2D_FILE))
+
+
+def _run_vocab(
+    config: TrainJobConfig, online: OnlineSetup | None, data_path: Path, save_path: Path,
+    target_vocab: int, pretrained: PretrainedDraft | None,
+) -> tuple[VocabMaps, str]:
+    """The maps the run trains with, and where they come from (for messages): the flags', the
+    run's own beside its checkpoints, built from counts, or a fine-tuned draft's own."""
+    if pretrained is not None and _names_no_maps(config, save_path):
+        return draft_vocab_maps(pretrained), "the draft's own"
+    vocab_config = config.vocab
+    counts = None
+    if online is not None and vocab_config.draft_vocab_size and not vocab_config.token_freq_path:
+        from speculators_vllm016.train.vocab_mapping import count_trained_tokens
+
+        counts = {int(k): int(v) for k, v in dict(count_trained_tokens(online.dataset)).items()}
+    d2t_path, t2d_path = resolve_vocab_paths(
+        vocab_config.d2t_path, vocab_config.t2d_path, save_path, vocab_config.draft_vocab_size
+    )
+    vocab = load_vocab_maps(
+        d2t_path, t2d_path, target_vocab,
+        draft_vocab_size=vocab_config.draft_vocab_size, token_freq_path=vocab_config.token_freq_path,
+        data_path=data_path, counts=counts,
+    )
+    return vocab, vocab.built_from or str(d2t_path)
+
+
+def prepare(config: TrainJobConfig, research_reader: ResearchReader | None = None) -> TrainSetup:
+    """Every check that can be made before anything is written; errors are `TrainSetupError`s.
+
+    `research_reader`: how a research-format `--from-pretrained` draft is converted (the
+    converter lives above this layer; `speculators train` passes it)."""
     from speculators_vllm016.train.data import list_files, standardize_data_v0, standardize_data_v1
 
     if not config.model.verifier_name_or_path:
@@ -331,24 +408,22 @@ def prepare(config: TrainJobConfig) -> TrainSetup:
             )
         # The last captured layer is the teacher's; the others are fused (D8: vLLM's numbering).
         aux_ids = datagen_to_vllm_layer_ids(layer_ids[:-1])
-    vocab_config = config.vocab
-    counts = None
-    if online is not None and vocab_config.draft_vocab_size and not vocab_config.token_freq_path:
-        from speculators_vllm016.train.vocab_mapping import count_trained_tokens
-
-        counts = {int(k): int(v) for k, v in dict(count_trained_tokens(online.dataset)).items()}
-    d2t_path, t2d_path = resolve_vocab_paths(
-        vocab_config.d2t_path, vocab_config.t2d_path, save_path, vocab_config.draft_vocab_size
-    )
-    vocab = load_vocab_maps(
-        d2t_path, t2d_path, target_vocab,
-        draft_vocab_size=vocab_config.draft_vocab_size, token_freq_path=vocab_config.token_freq_path,
-        data_path=data_path, counts=counts,
-    )
+    pretrained = _pretrained_draft(config, save_path, research_reader)
+    vocab, vocab_source = _run_vocab(config, online, data_path, save_path, target_vocab, pretrained)
+    if pretrained is not None:
+        check_draft_weights(pretrained)
+        check_draft_fits(pretrained, RunFacts(
+            verifier=config.model.verifier_name_or_path,
+            architectures=list(getattr(verifier_config, "architectures", None) or []),
+            hidden_size=hidden_size, vocab_size=target_vocab, vocab=vocab, vocab_source=vocab_source,
+            layer_ids=layer_ids, aux_ids=aux_ids, num_layers=config.model.num_layers,
+            norm_before_residual=config.model.norm_before_residual,
+            embeddings=verifier_embeddings(config.model.verifier_name_or_path),
+        ))
     return TrainSetup(
         data_path=data_path, save_path=save_path, verifier_config=verifier_config,
         text_config=text_config, standardize=standardize, layer_ids=layer_ids, aux_ids=aux_ids,
-        vocab=vocab, online=online,
+        vocab=vocab, online=online, pretrained=pretrained,
     )
 
 
@@ -359,9 +434,7 @@ def build_draft_config(
     """The EAGLE-3 draft's config: a Llama decoder layer shaped like the verifier."""
     from transformers import LlamaConfig
 
-    from speculators_vllm016.config import SpeculatorsConfig, VerifierConfig
     from speculators_vllm016.models.eagle3 import Eagle3SpeculatorConfig
-    from speculators_vllm016.proposals import GreedyTokenProposalConfig
 
     get = lambda name, default=None: getattr(text_config, name, default)  # noqa: E731
     heads = get("num_attention_heads")
@@ -383,7 +456,22 @@ def build_draft_config(
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
     )
-    speculators_config = SpeculatorsConfig(
+    return Eagle3SpeculatorConfig(
+        transformer_layer_config=layer,
+        draft_vocab_size=draft_vocab,
+        norm_before_residual=norm_before_residual,
+        target_hidden_size=hidden,
+        eagle_aux_hidden_state_layer_ids=aux_layer_ids,
+        speculators_config=_speculators_config(verifier_path, verifier_config, ttt_steps),
+    )
+
+
+def _speculators_config(verifier_path: str, verifier_config: Any, ttt_steps: int) -> Any:
+    """The draft's `speculators_config`: greedy proposals of `ttt_steps` tokens, for this verifier."""
+    from speculators_vllm016.config import SpeculatorsConfig, VerifierConfig
+    from speculators_vllm016.proposals import GreedyTokenProposalConfig
+
+    return SpeculatorsConfig(
         algorithm="eagle3",
         proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=ttt_steps)],
         default_proposal_method="greedy",
@@ -392,34 +480,38 @@ def build_draft_config(
             architectures=list(getattr(verifier_config, "architectures", None) or []),
         ),
     )
-    return Eagle3SpeculatorConfig(
-        transformer_layer_config=layer,
-        draft_vocab_size=draft_vocab,
-        norm_before_residual=norm_before_residual,
-        target_hidden_size=hidden,
-        eagle_aux_hidden_state_layer_ids=aux_layer_ids,
-        speculators_config=speculators_config,
-    )
 
 
 def build_model(config: TrainJobConfig, setup: TrainSetup) -> Eagle3DraftModel:
-    """The draft with its initial weights (seeded by --seed): what training starts from."""
+    """The draft with its initial weights: seeded by --seed, or the `--from-pretrained` draft's
+    exactly (the verifier's final norm and LM head rows, which drafts do not hold, are read
+    from the verifier either way). What training starts from."""
     import torch
 
     from speculators_vllm016.models.eagle3 import Eagle3DraftModel
 
     model_config = config.model
     torch.manual_seed(config.training.seed)
-    draft_config = build_draft_config(
-        model_config.verifier_name_or_path, setup.verifier_config, setup.text_config,
-        draft_vocab=int(setup.vocab.d2t.shape[0]), num_layers=model_config.num_layers,
-        norm_before_residual=model_config.norm_before_residual, ttt_steps=model_config.ttt_steps,
-        aux_layer_ids=setup.aux_ids,
-    )
+    if setup.pretrained is not None:
+        draft_config = fine_tune_config(
+            setup.pretrained,
+            _speculators_config(model_config.verifier_name_or_path, setup.verifier_config,
+                                model_config.ttt_steps),
+            setup.aux_ids,
+        )
+    else:
+        draft_config = build_draft_config(
+            model_config.verifier_name_or_path, setup.verifier_config, setup.text_config,
+            draft_vocab=int(setup.vocab.d2t.shape[0]), num_layers=model_config.num_layers,
+            norm_before_residual=model_config.norm_before_residual, ttt_steps=model_config.ttt_steps,
+            aux_layer_ids=setup.aux_ids,
+        )
     model_kwargs = {}
     if config.legacy.no_verifier_norm:
         model_kwargs["use_verifier_norm"] = False
     model = Eagle3DraftModel(draft_config, t2d=setup.vocab.t2d, d2t=setup.vocab.d2t, **model_kwargs)
+    if setup.pretrained is not None:
+        load_draft_weights(model, setup.pretrained)
     # Training reads only the loss: on CUDA each TTT step's layer skips the positions
     # whose output no loss term or metric reads (the draft tokens there are not needed).
     model.skip_unused_positions = None

@@ -59,4 +59,7 @@ def report_errors(
         if debug:
             raise
         print(f"error: {describe_error(error)} (--debug shows the traceback)", file=sys.stderr)
+        # An error that lists several findings (each a line of `details`) prints them all.
+        for line in getattr(error, "details", None) or ():
+            print(f"  {line}", file=sys.stderr)
         return EXIT_ERROR

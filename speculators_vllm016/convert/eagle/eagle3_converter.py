@@ -65,6 +65,26 @@ class Eagle3Converter:
         cache_dir: str | Path | None = None,
         validate_device: str = "cpu",
     ) -> None:
+        config, renamed = self.build(
+            input_path, base_model, norm_before_residual=norm_before_residual,
+            eagle_aux_hidden_state_layer_ids=eagle_aux_hidden_state_layer_ids, cache_dir=cache_dir,
+        )
+        saved = self.save(config, renamed, output_path)
+        logger.info("saved EAGLE-3 speculator to %s", saved)
+        if validate:
+            self.validate(saved, renamed, device=validate_device)
+
+    def build(
+        self,
+        input_path: str | Path,
+        base_model: str,
+        *,
+        norm_before_residual: bool = False,
+        eagle_aux_hidden_state_layer_ids: list[int] | None = None,
+        cache_dir: str | Path | None = None,
+    ):
+        """The converted config and weights in memory (what `convert` saves; fine-tuning a
+        research checkpoint, `speculators train --from-pretrained`, trains from them)."""
         checkpoint = read_research_checkpoint(input_path, cache_dir)
         research_config, weights = checkpoint.config, checkpoint.weights
         verifier_dict = load_verifier_config_dict(base_model)
@@ -98,10 +118,7 @@ class Eagle3Converter:
             eagle_aux_hidden_state_layer_ids=eagle_aux_hidden_state_layer_ids,
         )
         self.check_shapes(config, renamed)
-        saved = self.save(config, renamed, output_path)
-        logger.info("saved EAGLE-3 speculator to %s", saved)
-        if validate:
-            self.validate(saved, renamed, device=validate_device)
+        return config, renamed
 
     @staticmethod
     def rename_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
