@@ -24,6 +24,7 @@ from speculators_vllm016.evaluate.generation import GenerationResult
 
 __all__ = [
     "VllmGeneration",
+    "counts_difference",
     "counts_from_metrics",
     "evaluate_with_vllm",
     "speculative_decoding_unavailable",
@@ -68,7 +69,8 @@ def counts_from_metrics(metrics: Sequence[object], num_speculative_tokens: int) 
     return counts
 
 
-def _difference(after: AcceptanceCounts, before: AcceptanceCounts) -> AcceptanceCounts:
+def counts_difference(after: AcceptanceCounts, before: AcceptanceCounts) -> AcceptanceCounts:
+    """What happened between two readings of vLLM's (cumulative) counters."""
     return AcceptanceCounts(
         num_speculative_tokens=after.num_speculative_tokens,
         num_drafts=after.num_drafts - before.num_drafts,
@@ -129,4 +131,4 @@ def evaluate_with_vllm(
     finally:
         del llm
         gc.collect()
-    return GenerationResult(outputs=outputs, counts=_difference(after, before), seconds=seconds)
+    return GenerationResult(outputs=outputs, counts=counts_difference(after, before), seconds=seconds)
