@@ -61,10 +61,13 @@ def test_switching_back_restores_inductors_setting() -> None:
     assert inductor_config.deterministic == before and not model_definitions._REPRODUCIBLE
 
 
-def test_a_shorter_row_after_a_longer_one_compiles_nothing(tiny_llama) -> None:
+@pytest.mark.parametrize("scored", ["random", "all"])
+def test_a_shorter_row_after_a_longer_one_compiles_nothing(tiny_llama, scored) -> None:
     """The trainer pads every flex row to its --total-seq-len (`flex_row_length`), so the blocks
     compiled in the first step serve the epoch's shorter last row as they are: no recompile
-    (counted by dynamo), where unpadded rows of a new length compiled again."""
+    (counted by dynamo), where unpadded rows of a new length compiled again. `all`: with every
+    position scored the full row runs its layers over all positions; its padding must not send
+    the shorter row down the other path (over a subset of them), which compiled anew."""
     from torch._dynamo.utils import counters
 
     from speculators_vllm016.models.eagle3 import Eagle3DraftModel
@@ -85,6 +88,8 @@ def test_a_shorter_row_after_a_longer_one_compiles_nothing(tiny_llama) -> None:
     def compiled_graphs(length: int, lengths: list[int], seed: int) -> int:
         before = counters["stats"]["unique_graphs"]
         data = {**batch(length, seed=seed), "lengths": torch.tensor(lengths)}
+        if scored == "all":
+            data["loss_mask"] = torch.ones_like(data["loss_mask"])
         draft(**data, ttt_steps=3).loss.backward()
         return counters["stats"]["unique_graphs"] - before
 

@@ -144,8 +144,9 @@ class Eagle3DraftModel(SpeculatorModel):
     `skip_unused_positions` (False; None: on CUDA only; the trainer's choice is None) runs each
     TTT step's layer only over the positions whose output a loss term or metric reads
     (`used_positions`: the last step's scored ones, the earlier steps' scored or loss-masked
-    ones) where that leaves out at least a tenth of them (`MAX_USED_FRACTION_TO_SKIP`), for
-    single-layer drafts scored without `output_logits`; the loss's row skip comes with it.
+    ones) where that leaves out at least a tenth of the real positions (padding aside;
+    `MAX_USED_FRACTION_TO_SKIP`), for single-layer drafts scored without `output_logits`; the
+    loss's row skip comes with it.
     Loss, metrics and gradients are unchanged, but the draft tokens of the other positions are
     not computed (-1), which 0.3.0 never returned: hence off by default.
     `flex_row_length` (None) pads every flex row to at least that many positions (the trainer
