@@ -22,6 +22,7 @@ handed out or issued before it (`reset`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -181,15 +182,37 @@ class HostRowSlots:
         if not torch.cuda.is_available():
             return False
         cudart = torch.cuda.cudart()
+        registered: list[torch.Tensor] = []
         for buffer in self.buffers.values():
-            code = cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)
-            if int(code) != 0:
+            code = int(cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0))
+            if code != 0:
+                for done in registered:  # all or nothing: no buffer is left pinned
+                    cudart.cudaHostUnregister(done.data_ptr())
+                _clear_cuda_error()
                 self._pin_failed = True  # tried once: no retry (and no warning) per row
                 logger.warning("could not pin the loader's row buffers (CUDA error %s); "
-                               "copies to the GPU will not overlap the steps", int(code))
+                               "copies to the GPU will not overlap the steps", code)
                 return False
+            registered.append(buffer)
         self._pinned = True
         return True
+
+    def unpin(self) -> None:
+        """Unregister the pinned buffers, once the copies from them have run. The driver keeps a
+        registration past the memory's unmapping: memory mapped later at the same addresses (the
+        next loader's slots in a long-lived process) could not be pinned again."""
+        if not self._pinned or os.getpid() != self._main_pid:
+            return
+        while self._handed:
+            self._handed.popleft().wait_copied()
+        cudart = torch.cuda.cudart()
+        for buffer in self.buffers.values():
+            cudart.cudaHostUnregister(buffer.data_ptr())
+        self._pinned = False
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone already
+            self.unpin()
 
     def take(self, sent: SlotRow | Any, pin: bool) -> Any:
         """The row a worker sent, as the trainer reads it (a `PackedBatch` whose large tensors
@@ -269,6 +292,19 @@ class HostRowSlots:
                 raise RuntimeError("the training process is gone; this loader worker stops")
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
+
+
+def _clear_cuda_error() -> None:
+    """Take a failed runtime call's error off this thread's CUDA "last error".
+
+    The runtime keeps it until someone reads it, and torch reads it after its next kernel launch,
+    which would then fail with the pinning's error as its own. A one-element fill is such a
+    launch: its check reads (and so clears) the error; nothing else fails there.
+    """
+    try:
+        torch.ones(1, device="cuda")
+    except RuntimeError:
+        pass
 
 
 class SlotPackingDataset(torch.utils.data.Dataset):

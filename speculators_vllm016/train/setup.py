@@ -515,6 +515,8 @@ def build_model(config: TrainJobConfig, setup: TrainSetup) -> Eagle3DraftModel:
     # Training reads only the loss: on CUDA each TTT step's layer skips the positions
     # whose output no loss term or metric reads (the draft tokens there are not needed).
     model.skip_unused_positions = None
+    # Every row padded to --total-seq-len (flex only): one compiled shape for the whole run.
+    model.flex_row_length = config.training.total_seq_len
     return model
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.nn.attention.flex_attention import BlockMask
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from speculators_vllm016.models.eagle3 import Eagle3DraftModel
 from speculators_vllm016.models.eagle3.attention import (
@@ -12,6 +12,7 @@ from speculators_vllm016.models.eagle3.attention import (
     block_mask_to_dense_attention_mask,
     build_step_zero_mask,
     create_combined_mask_mod,
+    document_block_mask,
     document_ids,
     extend_mask_for_draft_tokens,
     flex_attention_forward,
@@ -67,6 +68,45 @@ def test_block_mask_matches_the_written_out_mask_at_every_step():
     dense = build_step_zero_mask(LENGTHS, 256, flex=False)
     dense = extend_mask_for_draft_tokens(extend_mask_for_draft_tokens(dense))
     assert torch.equal(dense[0, 0], reference_mask(LENGTHS.tolist(), 256, 3))
+
+
+BLOCK_MASK_PARTS = (
+    ("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
+    ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices"),
+)
+
+
+@pytest.mark.parametrize(
+    "lengths, total",
+    [
+        ([100, 60, 50], 256),  # padding inside the last block
+        ([128, 128, 256], 512),  # samples on block boundaries: full blocks
+        ([300, 5, 0, 200], 640),  # a sample of no tokens, samples over several blocks
+        ([640], 640),  # one sample, no padding
+        ([1, 1, 126, 130], 512),  # a block of padding alone
+        ([], 256),  # no samples
+    ],
+)
+def test_block_mask_read_off_the_sample_ids_lists_the_blocks_flex_finds(lengths, total):
+    """`create_block_mask` evaluates the mask at every position (compiled on a GPU: minutes of
+    kernel builds at 16k tokens); ours never evaluates it and must list the same blocks."""
+    lengths = torch.tensor(lengths, dtype=torch.long)
+    documents = document_ids(lengths, total)
+    expected = create_block_mask(
+        create_combined_mask_mod(lengths, total, documents), None, None, total, total,
+        device="cpu", BLOCK_SIZE=128,
+    )
+
+    def never(*_):
+        raise AssertionError("the mask was evaluated position by position")
+
+    mine = document_block_mask(documents, never)
+    assert mine.seq_lengths == (total, total)
+    for counts, indices in BLOCK_MASK_PARTS:
+        assert torch.equal(getattr(mine, counts), getattr(expected, counts)), counts
+        for row, count in enumerate(getattr(expected, counts)[0, 0].tolist()):
+            listed = getattr(mine, indices)[0, 0, row, :count]
+            assert listed.tolist() == getattr(expected, indices)[0, 0, row, :count].tolist(), indices
 
 
 def test_extended_block_mask_has_the_new_blocks_where_flex_reads_them():
@@ -167,6 +207,33 @@ def test_every_packed_sample_equals_its_run_alone(draft, backend):
         combined = sum(float(s.metrics[f"loss_{step}"]) * c for s, c in zip(alone, counts, strict=True))
         expected = combined / sum(counts)
         assert float(together.metrics[f"loss_{step}"]) == pytest.approx(expected, rel=1e-4), step
+
+
+def test_a_row_padded_to_the_run_length_trains_as_the_row_itself(draft):
+    """`flex_row_length` (the trainer's --total-seq-len) pads a short row: same loss, gradients
+    and draft tokens as the row unpadded (the padding sees only itself, nothing scores it)."""
+    data = {**batch(200, seed=4), "lengths": torch.tensor([120, 80])}
+    draft.attention_backend = "flex"
+    results = {}
+    try:
+        for pad_to in (None, 384):
+            draft.flex_row_length = pad_to
+            draft.zero_grad(set_to_none=True)
+            out = draft(**data, ttt_steps=3)
+            out.loss.backward()
+            grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+            results[pad_to] = (out, grads)
+    finally:
+        draft.attention_backend, draft.flex_row_length = "auto", None
+        draft.zero_grad(set_to_none=True)
+    (plain, plain_grads), (padded, padded_grads) = results[None], results[384]
+    torch.testing.assert_close(padded.loss, plain.loss, rtol=1e-5, atol=1e-6)
+    assert padded_grads.keys() == plain_grads.keys() and plain_grads
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(padded_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    for step in range(3):
+        assert padded.draft_tokens[step].shape == (1, 200)
+        assert torch.equal(padded.draft_tokens[step], plain.draft_tokens[step])
 
 
 def test_flex_and_sdpa_paths_agree(draft):

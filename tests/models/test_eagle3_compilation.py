@@ -59,3 +59,43 @@ def test_switching_back_restores_inductors_setting() -> None:
     assert inductor_config.deterministic is True and model_definitions._REPRODUCIBLE
     use_reproducible_compilation(False)
     assert inductor_config.deterministic == before and not model_definitions._REPRODUCIBLE
+
+
+@pytest.mark.parametrize("scored", ["random", "all"])
+def test_a_shorter_row_after_a_longer_one_compiles_nothing(tiny_llama, scored) -> None:
+    """The trainer pads every flex row to its --total-seq-len (`flex_row_length`), so the blocks
+    compiled in the first step serve the epoch's shorter last row as they are: no recompile
+    (counted by dynamo), where unpadded rows of a new length compiled again. `all`: with every
+    position scored the full row runs its layers over all positions; its padding must not send
+    the shorter row down the other path (over a subset of them), which compiled anew."""
+    from torch._dynamo.utils import counters
+
+    from speculators_vllm016.models.eagle3 import Eagle3DraftModel
+    from speculators_vllm016.train.vocab_mapping import build_vocab_mappings_from_distribution
+    from tests.models.test_eagle3 import DRAFT_VOCAB, batch, eagle3_config
+
+    torch._dynamo.reset()
+    model_definitions._COMPILED.clear()
+    torch.manual_seed(0)
+    d2t, t2d = build_vocab_mappings_from_distribution(
+        {token: 1000 - token for token in range(0, 512, 3)}, DRAFT_VOCAB, 512
+    )
+    draft = Eagle3DraftModel(eagle3_config(str(tiny_llama)), t2d=t2d, d2t=d2t)
+    draft.attention_backend, draft.compile_blocks = "flex", True
+    draft.skip_unscored_rows = draft.skip_unused_positions = True  # as on a GPU
+    draft.flex_row_length = 256
+
+    def compiled_graphs(length: int, lengths: list[int], seed: int) -> int:
+        before = counters["stats"]["unique_graphs"]
+        data = {**batch(length, seed=seed), "lengths": torch.tensor(lengths)}
+        if scored == "all":
+            data["loss_mask"] = torch.ones_like(data["loss_mask"])
+        draft(**data, ttt_steps=3).loss.backward()
+        return counters["stats"]["unique_graphs"] - before
+
+    try:
+        assert compiled_graphs(250, [130, 120], seed=1) > 0  # the first row compiles the blocks
+        assert compiled_graphs(90, [50, 40], seed=2) == 0  # the shorter last row: nothing
+    finally:
+        torch._dynamo.reset()
+        model_definitions._COMPILED.clear()

@@ -488,3 +488,13 @@ def test_folders_without_a_run_list_are_taken_as_they_are(tmp_path):
     with pytest.raises(SampleFileError, match=r"lacks 2 of the 6 .*\(data_4.pt, data_5.pt\)"):
         list_files(older)
     assert len(list_files(older, check_complete=False)) == 4
+
+
+def test_the_trainers_draft_pads_flex_rows_to_the_row_length(tiny_llama, training_data, tmp_path):
+    """Every flex row of a run has --total-seq-len positions: one compiled shape for all its rows
+    (a shorter row, the last of an epoch, recompiled the blocks before)."""
+    from speculators_vllm016.cli.train import build_model, build_parser, prepare
+    from tests.training_fixtures import train_args
+
+    args = build_parser().parse_args(train_args(tiny_llama, training_data, tmp_path / "run"))
+    assert build_model(args, prepare(args)).flex_row_length == 256

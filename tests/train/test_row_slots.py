@@ -1,5 +1,6 @@
 """Rows packed by the loader's workers into reused host slots (#28): the same rows as the plain
-loader's, a held row never overwritten, no wait that never ends when an iteration is abandoned."""
+loader's, a held row never overwritten, no wait that never ends when an iteration is abandoned.
+The CUDA-only paths (pinning, its fallback, the copy recording): `test_row_slots_cuda.py`."""
 
 from __future__ import annotations
 
@@ -182,24 +183,6 @@ def test_slot_count(row_bytes, in_flight, expected):
 def test_fewer_than_three_slots_are_refused():
     with pytest.raises(ValueError, match="at least 3"):
         HostRowSlots(2, MAX_LEN, {"input_ids": ((), torch.long)})
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_slots_are_pinned_and_the_copy_is_recorded(tmp_path):
-    from speculators_vllm016.train.device_rows import prefetch_to_device
-
-    write_distinct_files(tmp_path, LENGTHS)
-    plain, slotted = make_loader(tmp_path, None), make_loader(tmp_path, slots=3)
-    slotted._pin_slots = True
-    expected = [snapshot(row) for row in plain.epoch_rows(0)]
-    device = torch.device("cuda")
-    with deadline(120):
-        got = [{key: value.cpu() for key, value in row.inputs.items()}
-               for row in prefetch_to_device(slotted.epoch_rows(0), device, None)]
-    assert slotted.row_slots._pinned
-    assert all(buffer.is_pinned() for buffer in slotted.row_slots.buffers.values())
-    for a, b in zip(got, expected, strict=True):
-        assert all(torch.equal(a[key], b[key]) for key in a)
 
 
 def test_closing_the_slots_frees_a_waiting_worker(tmp_path):

@@ -6,8 +6,9 @@ block of `total_seq_len` draft keys; a position then also sees its own draft key
 steps (the diagonal of each appended block), and nothing of other positions' drafts. Padding
 positions (past `sum(lengths)`) see only themselves.
 
-Two forms of the same mask: a flex-attention `BlockMask` (built once per batch, extended by one
-block column per step without evaluating the mask again), or a dense boolean tensor for SDPA.
+Two forms of the same mask: a flex-attention `BlockMask` (read off the sample ids block by
+block, extended by one block column per step without evaluating the mask again), or a dense
+boolean tensor for SDPA.
 `flex_attention_forward` is a transformers attention-interface function that takes either.
 """
 
@@ -18,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from speculators_vllm016.models.eagle3.model_definitions import maybe_compiled
 
@@ -27,6 +28,7 @@ __all__ = [
     "block_mask_to_dense_attention_mask",
     "build_step_zero_mask",
     "create_combined_mask_mod",
+    "document_block_mask",
     "document_ids",
     "extend_mask_for_draft_tokens",
     "flex_attention_forward",
@@ -96,22 +98,16 @@ def build_step_zero_mask(
     """Step 0's mask: a `BlockMask` (`flex=True`; `total_seq_len` must be a multiple of 128) or a
     dense boolean `[1, 1, T, T]` tensor. `documents` as in `create_combined_mask_mod`."""
     device = device or lengths.device
-    if documents is not None:
-        documents = documents.to(device)
-    mask_mod = create_combined_mask_mod(lengths.to(device), total_seq_len, documents)
-    if flex:
-        if total_seq_len % FLEX_BLOCK_SIZE:
-            raise ValueError(
-                f"flex masks need a row length that is a multiple of {FLEX_BLOCK_SIZE}, got "
-                f"{total_seq_len}; pad the row"
-            )
-        # Compiled on accelerators: the dense [T, T] mask is then never materialised. One graph
-        # serves every batch of the same row length (the sample lengths are tensor data).
-        build = _block_mask_builder(torch.device(device))
-        return build(
-            mask_mod, B=None, H=None, Q_LEN=total_seq_len, KV_LEN=total_seq_len, device=device,
-            BLOCK_SIZE=FLEX_BLOCK_SIZE,
+    if flex and total_seq_len % FLEX_BLOCK_SIZE:
+        raise ValueError(
+            f"flex masks need a row length that is a multiple of {FLEX_BLOCK_SIZE}, got "
+            f"{total_seq_len}; pad the row"
         )
+    lengths = lengths.to(device)
+    documents = document_ids(lengths, total_seq_len) if documents is None else documents.to(device)
+    mask_mod = create_combined_mask_mod(lengths, total_seq_len, documents)
+    if flex:
+        return document_block_mask(documents, mask_mod)
     positions = torch.arange(total_seq_len, device=device)
     return mask_mod(0, 0, positions[:, None], positions[None, :]).view(
         1, 1, total_seq_len, total_seq_len
@@ -184,16 +180,42 @@ def block_mask_to_dense_attention_mask(
     return allowed.expand(batch, heads, q_len, kv_len).to(dtype)
 
 
-_compiled_block_mask: Callable | None = None
+def document_block_mask(documents: torch.Tensor, mask_mod: Callable) -> BlockMask:
+    """Step 0's `BlockMask`, read off the sample ids (`documents`, `[T]`, T a multiple of 128) one
+    128 x 128 block at a time; `mask_mod` decides within the partial blocks.
+
+    `create_block_mask` would evaluate `mask_mod` at all T x T positions, and compiled (as it must
+    be on a GPU, or it writes out that mask) it builds kernels for each row length whose build time
+    grows with it: minutes at T = 16,384. Here the work is a few small tensor operations on a
+    `[T / 128, T / 128]` grid, the same for every length, with nothing to compile. It relies on
+    what `document_ids` gives: sample ids never decrease along the row, padding (-1) comes last.
+    Key block j < query block i is visible where they share a sample (the last sample of j is
+    the first of i) and full where that one sample covers both blocks whole; the diagonal block
+    is partial (causal, and a padding position sees itself); later blocks are empty.
+    """
+    blocks = documents.view(-1, FLEX_BLOCK_SIZE)
+    count = blocks.shape[0]
+    first = blocks[:, 0]
+    last = blocks.max(dim=-1).values  # the block's last sample (padding, -1, is smaller)
+    whole = (first == blocks[:, -1]) & (first >= 0)  # one sample from end to end, no padding
+    earlier = torch.ones(count, count, dtype=torch.bool, device=documents.device).tril(-1)
+    shared = earlier & (last[None, :] == first[:, None]) & (first[:, None] >= 0)
+    full = shared & whole[:, None] & whole[None, :]
+    diagonal = torch.eye(count, dtype=torch.bool, device=documents.device)
+    partial = (shared & ~full) | diagonal
+    length = documents.numel()
+    return BlockMask.from_kv_blocks(
+        *_listed_blocks(partial), *_listed_blocks(full),
+        BLOCK_SIZE=FLEX_BLOCK_SIZE, mask_mod=mask_mod, seq_lengths=(length, length),
+    )
 
 
-def _block_mask_builder(device: torch.device) -> Callable:
-    global _compiled_block_mask
-    if device.type != "cuda":
-        return create_block_mask
-    if _compiled_block_mask is None:
-        _compiled_block_mask = torch.compile(create_block_mask)
-    return _compiled_block_mask
+def _listed_blocks(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[1, 1, q_blocks]` counts and `[1, 1, q_blocks, kv_blocks]` indices of the visible key
+    blocks of each query block (ascending, then the others), as `BlockMask` keeps them."""
+    counts = visible.sum(dim=-1, dtype=torch.int32)
+    order = torch.argsort(visible.to(torch.int8), dim=-1, descending=True, stable=True)
+    return counts[None, None], order.to(torch.int32)[None, None]
 
 
 def _flex(query, key, value, block_mask, scale, enable_gqa):

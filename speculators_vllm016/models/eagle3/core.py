@@ -144,10 +144,15 @@ class Eagle3DraftModel(SpeculatorModel):
     `skip_unused_positions` (False; None: on CUDA only; the trainer's choice is None) runs each
     TTT step's layer only over the positions whose output a loss term or metric reads
     (`used_positions`: the last step's scored ones, the earlier steps' scored or loss-masked
-    ones) where that leaves out at least a tenth of them (`MAX_USED_FRACTION_TO_SKIP`), for
-    single-layer drafts scored without `output_logits`; the loss's row skip comes with it.
+    ones) where that leaves out at least a tenth of the real positions (padding aside;
+    `MAX_USED_FRACTION_TO_SKIP`), for single-layer drafts scored without `output_logits`; the
+    loss's row skip comes with it.
     Loss, metrics and gradients are unchanged, but the draft tokens of the other positions are
     not computed (-1), which 0.3.0 never returned: hence off by default.
+    `flex_row_length` (None) pads every flex row to at least that many positions (the trainer
+    sets its `--total-seq-len`): every row of a run then has one shape, so the compiled blocks
+    and flex attention compile once, for the fastest static-shape kernels, and a shorter row
+    (the last of an epoch) recompiles nothing. The padding sees only itself and is never scored.
     Mixed precision: keep the parameters fp32 and run the forward under
     `torch.autocast(device, torch.bfloat16)`; `frozen_weights_to(torch.bfloat16)` halves the
     memory of the frozen verifier copies.
@@ -187,6 +192,7 @@ class Eagle3DraftModel(SpeculatorModel):
         self.skip_unscored_rows: bool | None = None
         self.skip_unused_positions: bool | None = False
         self.loss_chunk_size = 4096
+        self.flex_row_length: int | None = None
         if layer_config.model_type not in model_classes:
             raise ValueError(
                 f"no EAGLE-3 layer for transformer type {layer_config.model_type!r}; "
@@ -390,6 +396,7 @@ class Eagle3DraftModel(SpeculatorModel):
         row = pack_row(
             hidden_states, input_ids, lengths, position_ids,
             flex=self.resolved_attention_backend(hidden_states.device) == "flex",
+            pad_to=self.flex_row_length,
         )
         compiled = self.prepare_blocks(row.device)
         hidden = self.fc(row.hidden_states)

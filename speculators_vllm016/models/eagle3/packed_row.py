@@ -54,9 +54,11 @@ def pack_row(
     position_ids: torch.Tensor | None,
     *,
     flex: bool,
+    pad_to: int | None = None,
 ) -> PackedRow:
     """The forward's inputs checked, with their defaults (one sample; positions from 1), padded
-    to whole flex blocks when `flex`."""
+    to whole flex blocks when `flex`, and then to at least `pad_to` positions (rounded up to whole
+    blocks): rows of one padded length share one compiled shape."""
     if hidden_states.dim() != 3 or hidden_states.shape[0] != 1:
         raise ValueError(f"hidden_states must be [1, seq, 3*hidden], got {tuple(hidden_states.shape)}")
     device = hidden_states.device
@@ -67,7 +69,9 @@ def pack_row(
         lengths = torch.tensor([total], device=device)
     if position_ids is None:
         position_ids = torch.arange(1, total + 1, device=device).unsqueeze(0)
-    padded = -(-total // FLEX_BLOCK_SIZE) * FLEX_BLOCK_SIZE if flex else total
+    padded = total
+    if flex:
+        padded = -(-max(total, pad_to or 0) // FLEX_BLOCK_SIZE) * FLEX_BLOCK_SIZE
     pad = padded - total
     if pad:
         hidden_states = F.pad(hidden_states, (0, 0, 0, pad))

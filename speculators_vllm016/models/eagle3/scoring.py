@@ -294,7 +294,9 @@ class ScoringPass:
 
     def select_used_positions(self) -> None:
         """Run each step's layer only over the positions whose output is read (`used_positions`)
-        where that leaves out at least `1 - MAX_USED_FRACTION_TO_SKIP` of them."""
+        where that leaves out at least `1 - MAX_USED_FRACTION_TO_SKIP` of the row's real
+        positions. Padding (never used) does not count: a row padded to the run's length takes
+        the path a full row with its masks takes, and compiles nothing that one did not."""
         padded = self.prev_correct.shape[0]
         aligned = _aligned_masks(self.scored, padded, self.valid_rows)
         self.used = _used_from_aligned(aligned, self.prev_correct)
@@ -304,7 +306,7 @@ class ScoringPass:
         self.scored_counts, self.used_counts = counts[: self.steps], counts[self.steps :]
         self.positions = [
             torch.nonzero_static(used, size=count).squeeze(1)
-            if count <= MAX_USED_FRACTION_TO_SKIP * padded
+            if count <= MAX_USED_FRACTION_TO_SKIP * self.valid_rows
             else None
             for used, count in zip(self.used, self.used_counts, strict=True)
         ]
