@@ -149,8 +149,11 @@ class Trainer:
     def setup_trainer(self) -> None:
         """Pick the checkpoint to resume from (the newest complete one), if asked to resume."""
         if self.rank == 0:
-            remove_temporary_folders(Path(self.config.save_path))
+            remove_temporary_folders(Path(self.config.save_path))  # may put a checkpoint back
             self.metrics_log.recover_unconfirmed_run()
+        if self.is_distributed:
+            dist.barrier()
+        self.checkpointer.refresh()
         latest = self.checkpointer.latest
         if latest is None:
             root_logger.info("no checkpoint in %s: starting from scratch", self.config.save_path)
