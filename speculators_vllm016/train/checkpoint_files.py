@@ -2,8 +2,10 @@
 
 torch's zip writer swallows the `OSError` of a full disk and fails with "unexpected pos" instead;
 `utils.atomic_files.torch_save` (re-exported here) keeps the real error, and `is_disk_full`
-recognises it (or safetensors' message of it). `reading` turns the zip, header or pickle error of a damaged file into one line that names
-the file and its checkpoint and says how to go on from the checkpoint before it.
+recognises it (or safetensors' message of it). `reading` turns the zip, header or pickle error of a
+damaged file into one line that names the file and its checkpoint and says how to go on from the
+checkpoint before it; a file that holds more than tensors and plain values (a planted pickle) is
+refused as such, never loaded with code execution.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from speculators_vllm016.train.errors import CheckpointReadError
 from speculators_vllm016.utils.atomic_files import torch_save
 from speculators_vllm016.utils.errors import type_and_first_line
 
-__all__ = ["is_disk_full", "reading", "torch_save"]
+__all__ = ["is_disk_full", "reading", "torch_save", "weights_only_refusal"]
 
 _NO_SPACE = os.strerror(errno.ENOSPC)  # "No space left on device": what Rust's errors quote
 
@@ -38,6 +40,15 @@ def is_disk_full(error: BaseException) -> bool:
     return False
 
 
+def weights_only_refusal(error: BaseException) -> str | None:
+    """The one telling line of torch's long refusal to load a file with `weights_only=True`
+    (what the file would need to run), or None when `error` is no such refusal."""
+    for line in str(error).splitlines():
+        if "WeightsUnpickler error:" in line:
+            return line.split("WeightsUnpickler error:", 1)[1].strip().split(". ")[0]
+    return None
+
+
 @contextlib.contextmanager
 def reading(path: Path, checkpoint: Path, previous: Path | None) -> Iterator[None]:
     """Report a failure to read `path` of `checkpoint` as a damaged file, with the way on."""
@@ -52,6 +63,12 @@ def reading(path: Path, checkpoint: Path, previous: Path | None) -> Iterator[Non
         else:
             how = (f"it is the only checkpoint: move {checkpoint} away (or use "
                    "--no-resume-from-checkpoint) to start from scratch")
+        refusal = weights_only_refusal(error)
+        if refusal is not None:
+            raise CheckpointReadError(
+                f"{path.name} of checkpoint {checkpoint} holds more than tensors and plain values: "
+                f"loading it would run code from the file ({refusal}), so it is refused; {how}"
+            ) from None
         raise CheckpointReadError(
             f"{path.name} of checkpoint {checkpoint} cannot be read ({type_and_first_line(error)}): "
             f"the file is damaged (cut short by a full disk or a copy?); {how}"

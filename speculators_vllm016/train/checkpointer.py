@@ -61,6 +61,7 @@ from speculators_vllm016.utils.atomic_files import (
     atomic_torch_save,
     fsync_folder,
     replace_folder,
+    restore_replaced_folder,
 )
 from speculators_vllm016.utils.errors import type_and_first_line
 
@@ -87,6 +88,7 @@ _MID_EPOCH = re.compile(r"^(\d+)-step(\d+)$")
 # single files written in the save folder use utils/atomic_files' `.<name>.<hex8>.tmp` (before
 # it, `.<name>.tmp`: the sweep knows both).
 _TEMP_PREFIX = ".tmp-"
+_OLD_PREFIX = f"{_TEMP_PREFIX}old-"  # a checkpoint moved aside while its replacement goes in
 _TEMP_FILE = re.compile(rf"^\..+?(\.[0-9a-f]{{8}})?{re.escape(TEMP_SUFFIX)}$")
 
 
@@ -185,8 +187,13 @@ def find_checkpoints(save_path: str | os.PathLike) -> list[CheckpointRef]:
 
 def remove_temporary_folders(save_path: Path) -> None:
     """Delete what an interrupted save left behind (only this run's save path): checkpoint
-    folders being assembled, and temporary files of an atomic write (the metrics log's)."""
+    folders being assembled, and temporary files of an atomic write (the metrics log's). A
+    checkpoint whose replacement was killed between its two renames is first put back under its
+    name (the new one, never renamed in, goes with the leftovers)."""
     if save_path.is_dir():
+        for entry in save_path.iterdir():
+            if entry.name.startswith(_OLD_PREFIX) and entry.is_dir():
+                restore_replaced_folder(save_path / entry.name[len(_OLD_PREFIX):], entry)
         for entry in save_path.iterdir():
             if entry.name.startswith(_TEMP_PREFIX) and entry.is_dir():
                 shutil.rmtree(entry, ignore_errors=True)
@@ -457,7 +464,7 @@ class BaseCheckpointer:
                 f"the same command again to {resume}"
             ) from error
         if rank == 0:
-            replace_folder(temporary, final, aside=self.path / f"{_TEMP_PREFIX}old-{name}")
+            replace_folder(temporary, final, aside=self.path / f"{_OLD_PREFIX}{name}")
         if distributed:
             dist.barrier()
         self.refresh()

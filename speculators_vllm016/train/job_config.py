@@ -421,13 +421,11 @@ class FieldSpec:
                     raise TypeError
                 result: Any = value
             elif self.type is list:
-                if not isinstance(value, list) or any(isinstance(v, bool) for v in value):
+                if not isinstance(value, list):
                     raise TypeError
-                result = [int(v) for v in value]
+                result = [_whole_number(v) for v in value]
             elif self.type is int:
-                if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                    raise TypeError
-                result = int(value)
+                result = _whole_number(value)
             elif self.type is float:
                 if isinstance(value, bool):
                     raise TypeError
@@ -445,6 +443,14 @@ class FieldSpec:
                 f"{where} must be one of {', '.join(map(str, self.choices))}, got {value!r}"
             )
         return result
+
+
+def _whole_number(value: Any) -> int:
+    """`value` as an int, refusing what `int()` would silently change: a bool (True is not 1
+    epoch) and a float with a fraction (2.5 epochs is not 2)."""
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise TypeError
+    return int(value)
 
 
 def config_fields(section: type) -> list[FieldSpec]:

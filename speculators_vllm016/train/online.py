@@ -495,7 +495,7 @@ class OnlineLoader:
         if not need:
             yield from self._from_cache(steps)
             return
-        self.extractor.ensure_engine()
+        self._start_engine()
         producer = self.extractor.start_producer(steps, self.indices, need, self.queue_size)
         stats = self.extractor.stats
         try:
@@ -511,6 +511,16 @@ class OnlineLoader:
                 yield self.collate_fn(samples)
         finally:
             self.extractor.stop_producer()
+
+    def _start_engine(self) -> None:
+        """Start the engine; one that fails to start is a `DataSourceError` like one that dies
+        later, so the trainer handles both alike (a run replacing an earlier one leaves it)."""
+        try:
+            self.extractor.ensure_engine()
+        except (DataSourceError, SampleFileError):
+            raise
+        except Exception as error:  # noqa: BLE001 - vLLM's start-up fails in many ways
+            raise as_source_error(error, self.extractor) from error
 
     def _from_cache(self, steps: list[list[int]]) -> Iterator[PackedBatch]:
         """An epoch whose samples are all in the cache folder: no engine runs."""
@@ -548,7 +558,7 @@ class OnlineLoader:
         failed: ProducerFailure | None = None
         if exchange.rank == 0:
             try:
-                self.extractor.ensure_engine()
+                self._start_engine()
             except (DataSourceError, SampleFileError) as error:  # every rank stops, not only rank 0
                 failed = ProducerFailure(error)
             else:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from speculators_vllm016.train.checkpoint_files import weights_only_refusal
 from speculators_vllm016.utils.errors import first_line
 
 __all__ = ["RngStateUnsafe", "capture_rng_state", "load_rng_state", "restore_rng_state"]
@@ -73,14 +74,6 @@ def _numpy_array_globals() -> list[Any]:
     return [core.multiarray._reconstruct, np.ndarray, np.dtype, *dtypes]
 
 
-def _refusal(error: pickle.UnpicklingError) -> str:
-    """What torch's long weights-only refusal says in its one telling line."""
-    for line in str(error).splitlines():
-        if "WeightsUnpickler error:" in line:
-            return line.split("WeightsUnpickler error:", 1)[1].strip().split(". ")[0]
-    return first_line(error)
-
-
 def load_rng_state(path: Path) -> dict[str, Any]:
     """Read an RNG state file without running code from it.
 
@@ -91,7 +84,7 @@ def load_rng_state(path: Path) -> dict[str, Any]:
         with torch.serialization.safe_globals(_numpy_array_globals()):
             state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        raise RngStateUnsafe(_refusal(error)) from None
+        raise RngStateUnsafe(weights_only_refusal(error) or first_line(error)) from None
     if not isinstance(state, dict) or not {"python", "numpy", "torch"} <= set(state):
         raise RngStateUnsafe("it does not hold the python, numpy and torch generator states")
     return state

@@ -114,6 +114,7 @@ class Trainer:
         self.resume_ref: CheckpointRef | None = None
         self._pending_rng: dict[str, Any] | None = None
         self._wrote_checkpoint = False
+        self._first_step = 0
         self.save_lock = SavePathLock(config.save_path)
         weakref.finalize(self, self.save_lock.release)  # a trainer dropped without running
         self.lock_save_path()
@@ -149,8 +150,11 @@ class Trainer:
     def setup_trainer(self) -> None:
         """Pick the checkpoint to resume from (the newest complete one), if asked to resume."""
         if self.rank == 0:
-            remove_temporary_folders(Path(self.config.save_path))
+            remove_temporary_folders(Path(self.config.save_path))  # may put a checkpoint back
             self.metrics_log.recover_unconfirmed_run()
+        if self.is_distributed:
+            dist.barrier()
+        self.checkpointer.refresh()
         latest = self.checkpointer.latest
         if latest is None:
             root_logger.info("no checkpoint in %s: starting from scratch", self.config.save_path)
@@ -285,6 +289,8 @@ class Trainer:
         """Checkpoint where the run stands; the error that tells the user to rerun."""
         if self.replaces_earlier_run:
             return DataSourceError(f"{error}; {self._kept_earlier_run()}")
+        if self.state.global_step == self._first_step:  # e.g. the engine did not start
+            return DataSourceError(f"{error}; no step had run, so nothing was saved")
         path = self._save_mid_epoch()
         return TrainingInterrupted(
             f"{error}; checkpoint {path} at step {self.state.global_step}; "
@@ -451,6 +457,7 @@ class Trainer:
 
     def _run(self) -> TrainingState:
         self._pending_rng = None
+        self._first_step = self.state.global_step  # where this run starts
         moved_metrics = False
         if self.resume_ref is None:
             moved_metrics = self.metrics_log.start(

@@ -27,6 +27,7 @@ __all__ = [
     "atomic_write_text",
     "fsync_folder",
     "replace_folder",
+    "restore_replaced_folder",
     "temporary_path",
     "torch_save",
 ]
@@ -146,16 +147,33 @@ def replace_folder(
     """Rename the folder `source` to `target`, replacing an existing `target`.
 
     A folder cannot be swapped in one rename; the old one is first moved aside under a hidden
-    name (`aside`, for callers that sweep their own leftovers after a crash), so at every
-    moment either the old or the new folder is complete under some name.
+    name (`aside`; by default `.old-<name>`), so at every moment either the old or the new
+    folder is complete under some name. When the second rename fails, the old folder goes back
+    under its name before the error propagates; a process killed between the two renames leaves
+    the old one aside, and `restore_replaced_folder` (called by the owner before it sweeps its
+    leftovers) puts it back.
     """
     if target.exists():
         old = target.with_name(f".old-{target.name}") if aside is None else aside
         shutil.rmtree(old, ignore_errors=True)
         os.replace(target, old)
-        os.replace(source, target)
+        try:
+            os.replace(source, target)
+        except BaseException:
+            os.replace(old, target)
+            raise
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(source, target)
     if fsync:
         fsync_folder(target.parent)
+
+
+def restore_replaced_folder(target: Path, aside: Path) -> bool:
+    """Put `aside` back as `target` when a `replace_folder` was cut between its two renames
+    (`target` missing, the old folder whole under `aside`); True when it did. With `target`
+    there, `aside` is only a leftover (perhaps half deleted) and stays for the caller's sweep."""
+    if target.exists() or target.is_symlink() or not aside.is_dir():
+        return False
+    os.replace(aside, target)
+    return True

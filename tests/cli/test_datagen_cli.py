@@ -59,6 +59,9 @@ def assert_refused(code, lines, err, pattern: str, output: Path) -> None:
         (["--max-samples", "-1"], "--max-samples must be at least 1"),
         (["--num-writer-threads", "0"], "--num-writer-threads must be at least 1"),
         (["--layer-ids", "2", "9"], "--layer-ids: layer id 9 is out of range"),
+        # The tiny Llama has 4 layers: 4 is one past the last, -5 one before the first.
+        (["--layer-ids", "0", "1", "2", "4"], "--layer-ids: layer id 4 is out of range .* 4 decoder"),
+        (["--layer-ids", "-5", "1"], "--layer-ids: layer id -5 is out of range"),
         (["--assistant-pattern", "(unclosed"], "--assistant-pattern is not a valid regular"),
         (["--transfer-root", "/no/such/folder"], "transfer root /no/such/folder is not a writable"),
     ],

@@ -235,6 +235,32 @@ def test_data_without_data_config_needs_layer_ids_and_then_serves_those_layers(
         assert json.loads(path.read_text())["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
 
 
+@pytest.mark.parametrize("recorded", [True, False])
+def test_a_layer_id_past_the_verifiers_last_layer_is_refused_before_any_work(
+    tiny_llama, training_data, tmp_path, capsys, recorded
+):
+    """The tiny Llama has 4 layers (0..3): layer 4, whether data_config.json records it or
+    --layer-ids names it, is one line naming the verifier's depth, and nothing is written."""
+    import json
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(training_data, data)
+    extra = []
+    if recorded:
+        (data / "data_config.json").write_text(json.dumps({"hidden_states": {"layer_ids": [0, 1, 2, 4]}}))
+    else:
+        (data / "data_config.json").unlink()
+        extra = ["--layer-ids", "0", "1", "2", "4"]
+    save = tmp_path / "save"
+    argv = train_args(tiny_llama, data, save, *extra)
+    argv[argv.index("--d2t-path") + 1] = str(training_data.parent / "d2t.npy")
+    argv[argv.index("--t2d-path") + 1] = str(training_data.parent / "t2d.npy")
+    message = run_error(argv, capsys)
+    assert "[0, 1, 2, 4]" in message and "the verifier has 4 layers" in message, message
+    assert not save.exists() and not (tmp_path / "logs").exists(), "a refused run wrote files"
+
+
 def test_stray_maps_never_beat_the_draft_vocab_size(tiny_llama, training_data, tmp_path, capsys, monkeypatch):
     """Maps that disagree with --draft-vocab-size stop the run in one line, and maps left in the
     working directory are not read when --draft-vocab-size asks for a vocabulary: it is built

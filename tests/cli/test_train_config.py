@@ -56,6 +56,13 @@ def test_yaml_sets_fields_and_flags_override_them(tmp_path):
     ("training:\n  scheduler_type: step\n", "'training.scheduler_type' must be one of linear, cosine, none"),
     ("model: [1, 2]\n", "'model' must be a mapping of its fields"),
     ("model:\n  num_layers: [1\n", "is not valid YAML"),
+    # Never truncated: 2.5 epochs is not 2, true is not 1 layer, layer 1.5 is not layer 1.
+    ("training:\n  epochs: 2.5\n", "'training.epochs' must be an integer, got 2.5"),
+    ("training:\n  max_steps: 7.9\n", "'training.max_steps' must be an integer, got 7.9"),
+    ("model:\n  num_layers: true\n", "'model.num_layers' must be an integer, got True"),
+    ("online:\n  layer_ids: [0, 1.5]\n", "'online.layer_ids' must be a list of integers, got [0, 1.5]"),
+    ("online:\n  layer_ids: [0, true]\n", "'online.layer_ids' must be a list of integers, got [0, True]"),
+    ("online:\n  layer_ids: 3\n", "'online.layer_ids' must be a list of integers, got 3"),
 ])
 def test_a_bad_job_file_is_a_one_line_error_naming_the_key(tmp_path, capsys, text, message):
     job = tmp_path / "job.yaml"
@@ -65,6 +72,14 @@ def test_a_bad_job_file_is_a_one_line_error_naming_the_key(tmp_path, capsys, tex
     assert main(["--config", str(job), "--verifier-name-or-path", "m"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_whole_floats_are_integers_in_a_job_file(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("training:\n  epochs: 3.0\nonline:\n  layer_ids: [0, 2.0]\n")
+    config = load_job_config(job)
+    assert config.training.epochs == 3 and type(config.training.epochs) is int
+    assert config.online.layer_ids == [0, 2] and all(type(v) is int for v in config.online.layer_ids)
 
 
 def test_the_resolved_config_round_trips(tmp_path):

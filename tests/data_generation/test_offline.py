@@ -113,6 +113,18 @@ def test_run_writes_every_usable_row_and_its_config(reference_run):
     assert summary.tokens_extracted > 0 and summary.tokens_per_second > 0
 
 
+def test_an_unsharded_run_writes_its_counts_exactly_at_token_freq_path(reference_run):
+    # --token-freq-path X of a run with one shard is X itself (0.3.0's file), no shard suffix.
+    from speculators_vllm016.data_generation.token_counts import load_token_freq, read_token_counts
+
+    output, _ = reference_run
+    wanted = output.parent / f"{output.name}_token_freq.pt"  # what `options_for` passes
+    written = sorted(p.name for p in output.parent.iterdir() if p.name.startswith(output.name + "_"))
+    assert written == [wanted.name]
+    counts = read_token_counts(wanted)
+    assert counts and counts == load_token_freq(output)  # the run's own counts
+
+
 def test_samples_hold_the_models_hidden_states(reference_run, tiny_llama):
     output, _ = reference_run
     reference = HFReference(tiny_llama)

@@ -55,3 +55,24 @@ def test_the_draft_s_own_verifier_passes_the_check(draft_and_data, tiny_llama):
     assert settings.expects.aux_layer_ids == (1, 2, 3)
     check_verifier_matches("draft", settings.expects, str(tiny_llama),
                            load_verifier_config_dict(str(tiny_llama)))
+
+
+def test_the_check_reads_the_verifiers_width_not_the_draft_layers(tmp_path, tiny_llama, models_dir):
+    # A draft whose layer is narrower (128) than the verifier it reads (256, target_hidden_size):
+    # its real verifier passes, a verifier of the draft layer's own width is refused.
+    from speculators_vllm016.evaluate.runner import draft_settings
+    from speculators_vllm016.evaluate.verifier_match import check_verifier_matches
+    from speculators_vllm016.tiny_models import build_tiny_llama
+    from speculators_vllm016.utils.verifier_config import load_verifier_config_dict
+
+    config = build_draft(str(tiny_llama)).config
+    config.transformer_layer_config.hidden_size = 128
+    config.target_hidden_size = 256
+    config.save_pretrained(tmp_path / "narrow-draft")
+    expects = draft_settings(str(tmp_path / "narrow-draft")).expects
+    assert expects.hidden_size == 256
+    check_verifier_matches("draft", expects, str(tiny_llama), load_verifier_config_dict(str(tiny_llama)))
+    narrow = build_tiny_llama(models_dir / "llama-hidden_size128-intermediate_size256",
+                              hidden_size=128, intermediate_size=256)
+    with pytest.raises(ValueError, match="hidden states 256 wide, the verifier's are 128 wide"):
+        check_verifier_matches("draft", expects, str(narrow), load_verifier_config_dict(str(narrow)))

@@ -71,6 +71,26 @@ def test_a_planted_pickle_in_an_rng_state_is_refused_and_never_runs(tmp_path):
     assert "\n" not in message and f"rng_state_rank0.pt of checkpoint {save / '1'}" in message
 
 
+@pytest.mark.parametrize("name", ["optimizer_state_dict.pt", "scheduler_state_dict.pt",
+                                  "rng_state_rank0.pt"])
+def test_a_planted_pickle_in_any_state_file_runs_nothing_and_is_refused_in_one_line(tmp_path, name):
+    # Each .pt file of a checkpoint is read on resume; none may be unpickled with code execution.
+    save, marker = tmp_path / "ckpt", tmp_path / "code-ran"
+    _two_epochs(save, scheduler_type="linear")
+    path = save / "1" / name
+    assert path.is_file()
+    torch.save({"state": _Planted(marker), "param_groups": []}, path)
+    trainer = None
+    with pytest.raises(CheckpointReadError) as raised:
+        trainer = scripted_trainer(save, [packed_row(), packed_row()], num_epochs=3,
+                                   scheduler_type="linear")
+        trainer.run_training()
+    assert not marker.exists(), f"loading {name} ran code from it"
+    message = str(raised.value)
+    assert "\n" not in message and f"{name} of checkpoint {save / '1'}" in message, message
+    assert "would run code" in message, message
+
+
 @pytest.mark.parametrize("name", ["rng_state_rank0.pt", "master_weights.safetensors",
                                   "model.safetensors", "optimizer_state_dict.pt",
                                   "scheduler_state_dict.pt"])

@@ -106,3 +106,81 @@ def test_weights_the_model_lacks_are_refused(tiny_llama, tmp_path):
     save_file(weights, str(master))
     with pytest.raises(ValueError, match="weights the model lacks: .*layers.1.mlp.down_proj"):
         checkpointer.load_model_state_dict(draft_model(str(tiny_llama)))
+
+
+# A checkpoint replaced under the same name, killed (SIGKILL) before filesystem step k of
+# `replace_folder`: 1 sweep a stale aside, 2 move the old folder aside, 3 rename the new one in,
+# 4 delete the old one (killed half way through it), 5 after the whole replacement.
+_REPLACE_AND_DIE = """
+import os, shutil, signal, sys
+from pathlib import Path
+import torch
+from speculators_vllm016.train import checkpointer
+from speculators_vllm016.utils import atomic_files
+from tests.train.test_checkpointer import save_scripted
+
+save, kill_at = Path(sys.argv[1]), int(sys.argv[2])
+done = []
+real_replace, real_rmtree, real_replace_folder = os.replace, shutil.rmtree, atomic_files.replace_folder
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+def step(real):
+    def run(path, *args, **kwargs):
+        done.append(path)
+        if len(done) == kill_at:
+            if real is real_rmtree and Path(path).is_dir():
+                (Path(path) / "model.safetensors").unlink()  # half deleted
+            die()
+        return real(path, *args, **kwargs)
+    return run
+
+def replace_folder(*args, **kwargs):
+    os.replace, shutil.rmtree = step(real_replace), step(real_rmtree)
+    try:
+        real_replace_folder(*args, **kwargs)
+    finally:
+        os.replace, shutil.rmtree = real_replace, real_rmtree
+    if kill_at == 5:
+        die()
+
+checkpointer.replace_folder = replace_folder
+save_scripted(save, global_step=4)
+"""
+
+
+def save_scripted(save: Path, global_step: int) -> None:
+    """Checkpoint `0` of a scripted draft whose weights all equal `global_step` (tells which
+    save a folder holds, and that its files belong together)."""
+    from tests.train.scripted_draft import ScriptedDraft
+
+    model = ScriptedDraft(lambda training, call: {})
+    torch.nn.init.constant_(model.fc.weight, float(global_step))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = TrainingState(epoch=0, step_in_epoch=global_step, global_step=global_step)
+    SingleGPUCheckpointer(save).save("0", model, optimizer, None, state)
+
+
+@pytest.mark.parametrize(("kill_at", "kept"), [(1, 2), (2, 2), (3, 2), (4, 4), (5, 4)])
+def test_a_checkpoint_replaced_under_a_kill_at_any_step_resumes_whole(tmp_path, kill_at, kept):
+    import signal
+    import subprocess
+    import sys
+
+    from tests.train.scripted_draft import packed_row, scripted_trainer
+    from tests.training_fixtures import cli_env
+
+    save = tmp_path / "ckpt"
+    save_scripted(save, global_step=2)
+    died = subprocess.run([sys.executable, "-c", _REPLACE_AND_DIE, str(save), str(kill_at)],
+                          env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert died.returncode == -signal.SIGKILL, died.stderr
+    trainer = scripted_trainer(save, [packed_row()] * 8, num_epochs=2)  # what a resume does
+    try:
+        assert trainer.resume_ref is not None and trainer.resume_ref.path == save / "0"
+        assert trainer.resume_ref.state.global_step == kept  # the old one or the new, whole
+        assert torch.all(trainer.model.fc.weight == kept)
+        assert sorted(p.name for p in save.iterdir() if not p.name.startswith(".train")) == ["0"]
+    finally:
+        trainer.save_lock.release()

@@ -77,14 +77,39 @@ def test_a_resumed_stream_starts_inside_its_epoch_and_runs_on(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(following, expected, strict=True))
 
 
+def _plan_rows(folder, epoch: int, start_step: int = 0) -> list[dict]:
+    """The rows of `epoch` from `start_step` as a fresh per-epoch loader gives them: which
+    samples (the position in the epoch's plan) and their noise (the epoch's)."""
+    data = dataset(folder, 40)
+    sampler = MultipackDistributedBatchSamplerV2(40, data.lengths, 1, 0, seed=3)
+    loader = SampleFileLoader(data, batch_sampler=sampler, collate_fn=create_collate_fn(40))
+    sampler.set_epoch(epoch, start_step)
+    data.set_epoch(epoch)
+    return list(loader)
+
+
+def assert_same_rows(got: list[dict], expected: list[dict]) -> None:
+    assert len(got) == len(expected)
+    for position, (row, want) in enumerate(zip(got, expected, strict=True)):
+        assert row["sample_indices"].tolist() == want["sample_indices"].tolist(), position
+        assert row["row_noise"].epoch == want["row_noise"].epoch, position
+        assert torch.equal(to_step_row(row, CPU, None).inputs["hidden_states"],
+                           to_step_row(want, CPU, None).inputs["hidden_states"]), position
+
+
 def test_an_epoch_left_early_restarts_the_iteration_where_asked(tmp_path):
     write_files(tmp_path, LENGTHS)
     loader, _ = stream_loader(tmp_path, 2)
     rows = loader.epoch_rows(0, last_epoch=2)
     next(rows)  # stopped after one row (max_steps, an error): the stream is not where epoch 1 starts
-    again = inputs(loader.epoch_rows(0, last_epoch=2))
-    expected = [row["hidden_states"] for row in noised_rows(tmp_path, 0)]
-    assert len(again) == len(expected)
+    # Asked again for epoch 0: its rows from the first, not the stream's next ones.
+    assert_same_rows(list(loader.epoch_rows(0, last_epoch=2)), _plan_rows(tmp_path, 0))
+    rows = loader.epoch_rows(1, last_epoch=2)
+    next(rows)
+    # Asked for epoch 1 from step 2 (a resume): those rows, with epoch 1's noise.
+    assert_same_rows(list(loader.epoch_rows(1, 2, last_epoch=2)), _plan_rows(tmp_path, 1, 2))
+    # And the next epoch goes on from there.
+    assert_same_rows(list(loader.epoch_rows(2, last_epoch=2)), _plan_rows(tmp_path, 2))
 
 
 def test_plain_iteration_and_foreign_samplers_keep_their_per_epoch_behaviour(tmp_path):

@@ -145,3 +145,38 @@ def test_a_main_process_loader_noises_like_the_worker_loader(tmp_path):
     assert row["row_noise"] == RowNoise(data.transform, 7, 2)
     offline = on_device(create_collate_fn(40)([data[0], data[1]]), data)["hidden_states"]
     assert torch.equal(to_step_row(row, CPU, None).inputs["hidden_states"], offline)
+
+
+def _ks_distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest gap between the empirical CDFs of `a` and `b` (ties counted alike in both)."""
+    a, b = a.flatten().double().sort().values, b.flatten().double().sort().values
+    points = torch.cat([a, b]).unique()
+    cdf_a = torch.searchsorted(a, points, right=True).double() / a.numel()
+    cdf_b = torch.searchsorted(b, points, right=True).double() / b.numel()
+    return float((cdf_a - cdf_b).abs().max())
+
+
+@pytest.mark.parametrize(("transform", "variance"), [
+    (AddUniformNoise(0.5), 0.5**2 / 3),  # U(-s, s): mean 0, variance s^2 / 3
+    (AddGaussianNoise(0.5), 0.5**2),  # N(0, s^2)
+])
+def test_the_device_noise_has_the_cpu_transforms_distribution(transform, variance):
+    # 0.3.0's transforms define the noise (uniform over [-s, s], Gaussian of std s); the device
+    # path (RowNoise on a packed bf16 row) must draw the same distribution, not merely some noise.
+    samples, length = 64, 1024  # 64 samples of 1024 tokens x HIDDEN: 262144 values per side
+    row = {"hidden_states": torch.zeros(1, samples * length, HIDDEN, dtype=torch.bfloat16)}
+    RowNoise(transform, seed=5, epoch=0).apply(row, [length] * samples, list(range(samples)))
+    device = row["hidden_states"].flatten().double()
+    torch.manual_seed(11)
+    cpu_states = transform({"hidden_states": torch.zeros(samples * length, HIDDEN)})["hidden_states"]
+    cpu = cpu_states.to(torch.bfloat16).flatten().double()  # rounded as training rounds it
+    count = device.numel()
+    for values in (device, cpu):  # each against the definition, 6 standard errors wide
+        assert abs(float(values.mean())) < 6 * (variance / count) ** 0.5
+        spread = float((values**2).std()) / count**0.5  # standard error of the variance
+        assert abs(float((values**2).mean()) - variance) < 6 * spread
+    if isinstance(transform, AddUniformNoise):  # the whole of [-s, s] and nothing outside
+        assert float(device.min()) >= -0.5 and float(device.max()) <= 0.5
+        assert float(device.min()) < -0.499 and float(device.max()) > 0.499
+    # Two-sample Kolmogorov-Smirnov at significance 1e-6: c = sqrt(-ln(0.5e-6) / 2) = 2.69.
+    assert _ks_distance(device, cpu) < 2.69 * (2 / count) ** 0.5

@@ -679,3 +679,70 @@ def test_a_cache_of_other_tensors_is_refused_when_the_engine_starts(tmp_path, mo
         list(loader)
     loader.extractor.close()
     assert not (tmp_path / "cache" / "data_2.pt").exists()
+
+
+def _folder_bytes(folder: Path) -> dict[str, bytes | str]:
+    """Every file (its bytes) and link (its target) under `folder`, by relative path."""
+    found: dict[str, bytes | str] = {}
+    for path in sorted(folder.rglob("*")):
+        name = str(path.relative_to(folder))
+        if path.is_symlink():
+            found[name] = os.readlink(path)
+        elif path.is_file():
+            found[name] = path.read_bytes()
+    return found
+
+
+@pytest.mark.parametrize("failure", ["mid-epoch", "at engine start"])
+def test_an_engine_failure_in_a_no_resume_runs_first_epoch_leaves_the_earlier_run_whole(
+    tiny_llama, tmp_path, monkeypatch, capsys, failure
+):
+    """As a stop request does: the failed run wrote no checkpoint of its own, so the earlier
+    run's checkpoints, `best` and metrics stay as they were and the same command resumes it."""
+    from speculators_vllm016.data_generation import offline
+
+    save = tmp_path / "save"
+    argv = [*stand_in_argv(tiny_llama, tmp_path, save), "--max-num-seqs", "2"]
+    generators: list = [StandInGenerator(fail_after=None)]
+
+    def start(options, facts):
+        generator = generators.pop(0)
+        if isinstance(generator, Exception):
+            raise generator
+        return generator
+
+    monkeypatch.setattr(offline, "start_generator", start)
+    assert train_main(argv) == 0  # the earlier run: one epoch, checkpoint 0
+    capsys.readouterr()
+    earlier = {name: value for name, value in _folder_bytes(save).items()
+               if not name.startswith(("train_config.yaml", "."))}
+    assert "0/model.safetensors" in earlier and "best" in earlier
+    generators.append(StandInGenerator(fail_after=5) if failure == "mid-epoch"
+                      else RuntimeError("engine worker died"))
+    code = train_main([*argv, "--no-resume-from-checkpoint", "--checkpoint-freq", "0.25"])
+    err = capsys.readouterr().err
+    assert code != 0 and "engine worker died" in err and "Traceback" not in err, err[-3000:]
+    assert "left as it was" in err, err[-3000:]
+    after = _folder_bytes(save)
+    assert {name: after.get(name) for name in earlier} == earlier, "the earlier run was touched"
+    assert not [name for name in after if name not in earlier and name[0].isdigit()], sorted(after)
+    assert not (save / ".run-without-checkpoint").exists()
+
+
+def test_an_engine_that_does_not_start_is_one_line_and_saves_no_empty_checkpoint(
+    tiny_llama, tmp_path, monkeypatch, capsys
+):
+    from speculators_vllm016.data_generation import offline
+
+    def start(options, facts):
+        raise RuntimeError("engine worker died")
+
+    monkeypatch.setattr(offline, "start_generator", start)
+    save = tmp_path / "save"
+    code = train_main([*stand_in_argv(tiny_llama, tmp_path, save), "--max-num-seqs", "2"])
+    err = capsys.readouterr().err
+    assert code != 0 and "Traceback" not in err, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "engine failed (RuntimeError: engine worker died)" in errors[0], err[-3000:]
+    assert "nothing was saved" in errors[0]
+    assert not [p.name for p in save.iterdir() if p.name[0].isdigit()], "a checkpoint of no step"

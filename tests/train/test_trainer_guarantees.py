@@ -1,6 +1,7 @@
 """What the trainer promises about its results, on a draft whose metrics the test chooses:
 `best` names the epoch with the highest validation tau_sim; several ranks' metrics are logged
-as means (tokens as a sum); a run or an epoch that trains no token fails."""
+as means (tokens as a sum); a run or an epoch that trains no token fails; the logged wait for
+data is the loader's alone."""
 
 from __future__ import annotations
 
@@ -127,3 +128,54 @@ def test_a_later_epoch_that_trains_no_token_fails_too(tmp_path):
     with pytest.raises(NothingTrained, match="epoch 2 trained no token"):
         trainer.run_training()
     assert (tmp_path / "ckpt" / "0").is_dir() and not (tmp_path / "ckpt" / "1").exists()
+
+
+def test_the_logged_data_wait_is_the_loaders_not_the_steps(tmp_path):
+    # A loader that takes 0.05 s a row and a step that takes 0.4 s: data_wait_seconds must be
+    # the loader's share of step_seconds, not the step (no absolute time is asserted above the
+    # sleeps' own lower bounds: only how the two figures compare, with wide margins).
+    import logging
+    import time
+
+    from torch.utils.data import Dataset
+
+    from speculators_vllm016.train.metrics_log import METRICS_LOGGER
+
+    loader_sleep, step_sleep = 0.05, 0.4
+
+    class SlowRows(Dataset):
+        def __len__(self) -> int:
+            return 3
+
+        def __getitem__(self, index: int) -> dict:
+            time.sleep(loader_sleep)
+            return packed_row()
+
+    def script(training: bool, call: int) -> dict[str, float]:
+        time.sleep(step_sleep)
+        return {}
+
+    records: list[dict] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.msg)
+
+    metrics = logging.getLogger(METRICS_LOGGER)
+    keep, level = Keep(), metrics.level
+    metrics.setLevel(logging.INFO)
+    metrics.addHandler(keep)
+    try:
+        trainer = scripted_trainer(tmp_path / "ckpt", [], None, script)
+        trainer.train_loader = rows_loader(SlowRows())
+        trainer.run_training()
+    finally:
+        metrics.removeHandler(keep)
+        metrics.setLevel(level)
+    steps = [record["train"] for record in records if "train" in record]
+    assert len(steps) == 3
+    for step in steps:
+        assert step["data_wait_seconds"] >= loader_sleep  # a sleep lasts at least its time
+        assert step["step_seconds"] >= step_sleep + loader_sleep
+        # The step's sleep is 8x the loader's: a wait that counted the step would exceed half.
+        assert step["data_wait_seconds"] < 0.5 * step["step_seconds"], step

@@ -66,3 +66,46 @@ def test_torch_save_reports_a_full_disk_as_itself():
     with pytest.raises(OSError) as caught:
         torch_save({"t": torch.zeros(1 << 16)}, "/dev/full")
     assert caught.value.errno == errno.ENOSPC
+
+
+def _folder(path, content: str):
+    path.mkdir()
+    (path / "a").write_text(content)
+    (path / "b").write_text(content)
+    return path
+
+
+def test_a_failed_second_rename_puts_the_old_folder_back_under_its_name(tmp_path, monkeypatch):
+    import os
+
+    from speculators_vllm016.utils import atomic_files
+
+    target, source = _folder(tmp_path / "ckpt", "old"), _folder(tmp_path / "stage", "new")
+    renames = []
+    real_replace = os.replace
+
+    def second_fails(src, dst):
+        renames.append((src, dst))
+        if len(renames) == 2:
+            raise OSError(errno.EIO, "rename failed")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(atomic_files.os, "replace", second_fails)
+    with pytest.raises(OSError, match="rename failed"):
+        replace_folder(source, target, fsync=False)
+    monkeypatch.undo()
+    assert renames[1] == (source, target)  # the failure hit the second rename itself
+    assert (target / "a").read_text() == (target / "b").read_text() == "old"
+    assert (source / "a").read_text() == "new"  # the new content is not lost either
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "stage"]
+
+
+def test_restore_puts_back_only_a_folder_whose_name_is_empty(tmp_path):
+    from speculators_vllm016.utils.atomic_files import restore_replaced_folder
+
+    aside = _folder(tmp_path / ".old-ckpt", "old")
+    assert restore_replaced_folder(tmp_path / "ckpt", aside)
+    assert (tmp_path / "ckpt" / "a").read_text() == "old" and not aside.exists()
+    aside = _folder(tmp_path / ".old-ckpt", "older")  # the swap finished: a leftover
+    assert not restore_replaced_folder(tmp_path / "ckpt", aside)
+    assert (tmp_path / "ckpt" / "a").read_text() == "old" and aside.exists()
