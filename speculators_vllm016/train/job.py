@@ -219,6 +219,9 @@ def run_train_job(
                 "generate more data or use fewer processes"
             )
         val_loader = loader(val_files, None, VALIDATION_ITERATION)
+        for opened in (train_loader, val_loader):  # their workers ignore SIGTERM: end them here
+            if callable(getattr(opened, "close", None)):
+                closers.append(opened.close)
         trainer = Trainer(model, _trainer_config(config, save_path, distributed, local_rank, device_name),
                           train_loader, val_loader)
         state = trainer.run_training()
