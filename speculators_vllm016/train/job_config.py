@@ -151,9 +151,13 @@ class TrainingConfig:
     """the schedule, the optimizer and the input noise"""
 
     epochs: int = 20
-    """Passes over the training files (0.3.0's default)."""
+    """Passes over the training files (0.3.0's default), numbered from 0 as the checkpoint
+    folders <save-path>/<epoch>/ are. A finished run reruns as "already complete"; raise
+    --epochs to train it further."""
     lr: float = 1e-4
-    """Peak learning rate of AdamW (0.3.0's default)."""
+    """Peak learning rate of AdamW (0.3.0's default). A resumed run uses the value given now
+    (as every optimizer and --scheduler-* setting), from the resumed step on, with a warning
+    naming each change old -> new."""
     total_seq_len: int = 8192
     """Tokens per packed row, the unit of a step on each process (0.3.0's default)."""
     weight_decay: float = 0.01
