@@ -9,6 +9,7 @@ from typing import NoReturn
 import typer
 
 from speculators_vllm016.utils.errors import first_line
+from speculators_vllm016.utils.output_paths import check_output_file
 
 __all__ = ["evaluate"]
 
@@ -74,8 +75,11 @@ def evaluate(
             _fail("--plot needs matplotlib: pip install matplotlib (or leave out --plot)")
     for flag, path in (("--output-json", output_json), ("--plot", plot)):
         # Checked before the evaluation (which can take long), not when writing after it.
-        if path is not None and path.is_dir():
-            _fail(f"{flag} {path} is a folder; give a file path")
+        if path is not None:
+            try:
+                check_output_file(path, flag)
+            except ValueError as error:
+                _fail(str(error))
     options = EvalOptions(
         drafts=list(draft),
         data_path=data_path,

@@ -125,6 +125,11 @@ def _check_online(config: TrainJobConfig) -> OnlineSetup:
     online = config.online
     if online.train_data_path is None:
         raise TrainSetupError("--online needs --train-data-path (the chat data datagen would read)")
+    if Path(online.train_data_path).is_dir():
+        raise TrainSetupError(
+            f"--train-data-path {online.train_data_path} is a folder; name the .json/.jsonl chat "
+            "file in it (or 'sharegpt' / 'ultrachat')"
+        )
     if online.online_queue_size < 1:
         raise TrainSetupError("--online-queue-size must be at least 1")
     devices = _check_train_devices(config)
@@ -147,7 +152,10 @@ def _check_online(config: TrainJobConfig) -> OnlineSetup:
     cache_dir = online.cache_dir
     if cache_dir and Path(cache_dir).exists() and not Path(cache_dir).is_dir():
         raise TrainSetupError(f"--cache-dir {cache_dir} is a file; name a folder")
-    dataset = preprocess_samples(options, facts).dataset
+    try:
+        dataset = preprocess_samples(options, facts).dataset
+    except ValueError as error:  # the chat data: unknown, not UTF-8, not JSON
+        raise TrainSetupError(first_line(error)) from None
     if len(dataset) == 0:
         raise TrainSetupError(f"--train-data-path {online.train_data_path} gives no usable samples")
     return OnlineSetup(options=options, facts=facts, dataset=dataset, devices=devices)
@@ -168,13 +176,12 @@ def _check_online_model(online: OnlineSetup, hidden_size: int) -> list[int]:
 
 
 def _check_save_path(save_path: Path) -> None:
-    if save_path.exists() and not save_path.is_dir():
-        raise TrainSetupError(f"--save-path {save_path} is a file; give a folder")
-    probe = save_path
-    while not probe.exists():
-        probe = probe.parent
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise TrainSetupError(f"--save-path {save_path} is not writable ({probe}); choose another folder")
+    from speculators_vllm016.utils.output_paths import check_output_folder
+
+    try:
+        check_output_folder(save_path, "--save-path")
+    except ValueError as error:
+        raise TrainSetupError(str(error)) from None
 
 
 def verifier_text_config(path: str) -> tuple[PretrainedConfig, PretrainedConfig]:
@@ -291,6 +298,33 @@ def _check_numbers(config: TrainJobConfig) -> None:
         raise TrainSetupError("--checkpoint-freq is a fraction of an epoch in (0, 1]")
 
 
+def _check_runtime(config: TrainJobConfig) -> None:
+    """--logger's names and --device against this machine (before the save path is touched)."""
+    from speculators_vllm016.train.logger import logger_names
+
+    try:
+        logger_names(config.logging.logger)
+    except ValueError as error:
+        raise TrainSetupError(str(error)) from None
+    device = config.runtime.device
+    if device is None:
+        return
+    import torch
+
+    try:
+        wanted = torch.device(device)
+    except RuntimeError:
+        raise TrainSetupError(f"--device {device}: not a device; give cpu, cuda or cuda:N") from None
+    if wanted.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise TrainSetupError(f"--device {device}: this machine has no usable GPU; use --device cpu")
+        if wanted.index is not None and wanted.index >= count:
+            raise TrainSetupError(f"--device {device}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}")
+    elif wanted.type != "cpu":
+        raise TrainSetupError(f"--device {device}: training runs on cpu or cuda")
+
+
 def prepare(config: TrainJobConfig) -> TrainSetup:
     """Every check that can be made before anything is written; errors are `TrainSetupError`s."""
     from speculators_vllm016.train.data import list_files, standardize_data_v0, standardize_data_v1
@@ -298,6 +332,7 @@ def prepare(config: TrainJobConfig) -> TrainSetup:
     if not config.model.verifier_name_or_path:
         raise TrainSetupError("--verifier-name-or-path is required (the target model of the data)")
     _check_numbers(config)
+    _check_runtime(config)
     data_path, save_path = Path(config.data.data_path), Path(config.checkpoint.save_path)
     if config.online.train_devices is not None and not config.online.enabled:
         raise TrainSetupError("--train-devices places the trainer beside the engine of --online; use --device")
