@@ -15,6 +15,7 @@ from speculators_vllm016.evaluate.verifier_match import (
     check_verifier_matches,
     expected_verifier,
 )
+from speculators_vllm016.utils.errors import first_line
 
 __all__ = ["ENGINES", "EvalOptions", "draft_settings", "resolve_engine", "run_evaluation"]
 
@@ -130,7 +131,15 @@ def run_evaluation(options: EvalOptions) -> EvaluationReport:
     assert verifier_path is not None
     from speculators_vllm016.utils.verifier_config import load_verifier_config_dict
 
-    verifier_config = load_verifier_config_dict(verifier_path)
+    try:
+        verifier_config = load_verifier_config_dict(verifier_path)
+    except ValueError as error:
+        if options.verifier is not None:
+            raise
+        raise ValueError(
+            f"the verifier the draft names, {verifier_path}, is not found here ({first_line(error)}); "
+            "pass --verifier <its folder or hub id>"
+        ) from None
     for draft, setting in zip(options.drafts, settings, strict=True):
         check_verifier_matches(draft, setting.expects, verifier_path, verifier_config)
     engine = resolve_engine(options.engine)

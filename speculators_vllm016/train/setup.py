@@ -437,6 +437,13 @@ def build_draft_config(
     )
 
 
+def recorded_verifier_path(name_or_path: str) -> str:
+    """The verifier as a checkpoint names it: a local folder absolute (`eval` and vLLM then find
+    it from any working folder), a hub id as given."""
+    path = Path(name_or_path).expanduser()
+    return str(path.resolve()) if path.exists() else name_or_path
+
+
 def build_model(config: TrainJobConfig, setup: TrainSetup) -> Eagle3DraftModel:
     """The draft with its initial weights (seeded by --seed): what training starts from."""
     import torch
@@ -446,7 +453,7 @@ def build_model(config: TrainJobConfig, setup: TrainSetup) -> Eagle3DraftModel:
     model_config = config.model
     torch.manual_seed(config.training.seed)
     draft_config = build_draft_config(
-        model_config.verifier_name_or_path, setup.verifier_config, setup.text_config,
+        recorded_verifier_path(model_config.verifier_name_or_path), setup.verifier_config, setup.text_config,
         draft_vocab=int(setup.vocab.d2t.shape[0]), num_layers=model_config.num_layers,
         norm_before_residual=model_config.norm_before_residual, ttt_steps=model_config.ttt_steps,
         aux_layer_ids=setup.aux_ids,
