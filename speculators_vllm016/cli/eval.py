@@ -62,6 +62,11 @@ def evaluate(
         None, "--plot", help="Write a PNG of per-position acceptance here (needs matplotlib)."
     ),
     no_progress: bool = typer.Option(False, "--no-progress", help="Hide progress bars."),
+    allow_other_verifier: bool = typer.Option(
+        False, "--allow-other-verifier",
+        help="Measure a draft against a verifier whose final norm and LM head differ from those it "
+        "was trained against (refused otherwise: usually a wrong --verifier).",
+    ),
 ) -> None:
     """Measure draft acceptance (per-position rates, tau, tokens/s) on chat prompts."""
     from speculators_vllm016.evaluate.report import format_table, write_json, write_plot
@@ -95,6 +100,7 @@ def evaluate(
         max_prompt_tokens=max_prompt_tokens,
         hf_cache_dir=hf_cache_dir,
         show_progress=not no_progress,
+        allow_other_verifier=allow_other_verifier,
     )
     try:
         report = run_evaluation(options)

@@ -86,6 +86,10 @@ class ModelConfig:
     """The loss of TTT step k is weighted decay**k; 1.0 (0.3.0) weighs every step alike."""
     norm_before_residual: bool = field(default=True, metadata={"negatable": True})
     """Normalize the fused hidden state before the residual add (0.3.0's hard-coded choice)."""
+    allow_other_verifier: bool = False
+    """Train against a verifier whose final norm and LM head differ from those of the model the
+    data was extracted from (data_config.json records them; --target-model-path with --online):
+    refused without this flag, as it is usually a wrong path."""
 
 
 @dataclass

@@ -73,6 +73,8 @@ class TrainSetup:
     vocab: VocabMaps
     online: OnlineSetup | None = None
     """The online extraction set-up (`--online`), else None."""
+    verifier_fingerprint: str | None = None
+    """The verifier's final norm and LM head, hashed: recorded in the draft for `eval`."""
 
 
 def _check_train_devices(config: TrainJobConfig) -> TrainDevices | None:
@@ -210,6 +212,14 @@ def _data_layer_ids(data_path: Path) -> list[int] | None:
     return list(recorded.hidden_states.layer_ids)
 
 
+def _data_model(data_path: Path) -> Any:
+    """The `model` section of `data_config.json` (the target the data comes from), or None."""
+    from speculators_vllm016.data_generation.config_generator import read_data_config
+
+    recorded = read_data_config(data_path)
+    return None if recorded is None else recorded.model
+
+
 def _offline_layer_ids(data_path: Path, flag: list[int] | None) -> list[int]:
     """The captured layers of --data-path: data_config.json's, else --layer-ids. Never unknown:
     a draft whose config names no layers is fed other layers by vLLM than it was trained on."""
@@ -230,6 +240,40 @@ def _offline_layer_ids(data_path: Path, flag: list[int] | None) -> list[int]:
             f"--layer-ids {layer_ids}: an EAGLE-3 draft needs 4 layer ids of 0 or more (3 fused + the last)"
         )
     return layer_ids
+
+
+def fingerprint_of_verifier(verifier: str) -> str:
+    """`utils.verifier_weights.verifier_fingerprint` of --verifier-name-or-path (one line if not)."""
+    from speculators_vllm016.utils.verifier_weights import verifier_fingerprint
+
+    try:
+        return verifier_fingerprint(verifier)
+    except (ValueError, OSError) as error:
+        raise TrainSetupError(
+            f"cannot read the final norm and LM head of --verifier-name-or-path {verifier} "
+            f"({first_line(error)})"
+        ) from None
+
+
+def check_same_verifier(
+    verifier: str, mine: str, source: str, source_fingerprint: str | None, what: str, allow: bool
+) -> None:
+    """Refuse (one line) a verifier whose fingerprint `mine` differs from `source_fingerprint`,
+    that of the model `source` the data comes from (`what` says where that is recorded), unless
+    `allow` (--allow-other-verifier: a warning). Nothing to compare: nothing to refuse."""
+    import logging
+
+    if source_fingerprint is None:
+        return
+    if mine != source_fingerprint:
+        message = (f"the data comes from {source} ({what}), whose final norm and LM head differ "
+                   f"from those of --verifier-name-or-path {verifier}")
+        if not allow:
+            raise TrainSetupError(
+                f"{message}: train against the model of the data, or pass --allow-other-verifier "
+                "to do so deliberately"
+            )
+        logging.getLogger("speculators").warning("%s; training against it (--allow-other-verifier)", message)
 
 
 def _check_sample(path: Path, standardize: Callable[[dict], dict], hidden_size: int) -> None:
@@ -351,11 +395,22 @@ def prepare(config: TrainJobConfig) -> TrainSetup:
     verifier_config, text_config = verifier_text_config(config.model.verifier_name_or_path)
     hidden_size, target_vocab = int(text_config.hidden_size), int(text_config.vocab_size)
     standardize = standardize_data_v1 if config.data.data_format_version == 1 else standardize_data_v0
+    verifier = config.model.verifier_name_or_path
+    allow = config.model.allow_other_verifier
+    fingerprint = fingerprint_of_verifier(verifier)
     if online is None:
         _check_sample(files[0], standardize, hidden_size)
         layer_ids = _offline_layer_ids(data_path, config.online.layer_ids)
+        recorded = _data_model(data_path)
+        if recorded is not None:
+            check_same_verifier(verifier, fingerprint, recorded.target_model_path,
+                                recorded.verifier_fingerprint, f"{data_path}/data_config.json", allow)
     else:
         layer_ids = _check_online_model(online, hidden_size)
+        target = online.options.target_model_path
+        if recorded_verifier_path(target) != recorded_verifier_path(verifier):
+            check_same_verifier(verifier, fingerprint, target, fingerprint_of_verifier(target),
+                                "--target-model-path", allow)
     aux_ids = None
     if layer_ids is not None:
         num_target_layers = int(text_config.num_hidden_layers)
@@ -383,13 +438,14 @@ def prepare(config: TrainJobConfig) -> TrainSetup:
     return TrainSetup(
         data_path=data_path, save_path=save_path, verifier_config=verifier_config,
         text_config=text_config, standardize=standardize, layer_ids=layer_ids, aux_ids=aux_ids,
-        vocab=vocab, online=online,
+        vocab=vocab, online=online, verifier_fingerprint=fingerprint,
     )
 
 
 def build_draft_config(
     verifier_path: str, verifier_config: Any, text_config: Any, *, draft_vocab: int,
     num_layers: int, norm_before_residual: bool, ttt_steps: int, aux_layer_ids: list[int] | None,
+    verifier_fingerprint: str | None = None,
 ) -> Eagle3SpeculatorConfig:
     """The EAGLE-3 draft's config: a Llama decoder layer shaped like the verifier."""
     from transformers import LlamaConfig
@@ -425,6 +481,7 @@ def build_draft_config(
         verifier=VerifierConfig(
             name_or_path=verifier_path,
             architectures=list(getattr(verifier_config, "architectures", None) or []),
+            weights_fingerprint=verifier_fingerprint,
         ),
     )
     return Eagle3SpeculatorConfig(
@@ -456,7 +513,7 @@ def build_model(config: TrainJobConfig, setup: TrainSetup) -> Eagle3DraftModel:
         recorded_verifier_path(model_config.verifier_name_or_path), setup.verifier_config, setup.text_config,
         draft_vocab=int(setup.vocab.d2t.shape[0]), num_layers=model_config.num_layers,
         norm_before_residual=model_config.norm_before_residual, ttt_steps=model_config.ttt_steps,
-        aux_layer_ids=setup.aux_ids,
+        aux_layer_ids=setup.aux_ids, verifier_fingerprint=setup.verifier_fingerprint,
     )
     model_kwargs = {}
     if config.legacy.no_verifier_norm:
