@@ -155,9 +155,9 @@ class TrainingConfig:
     """the schedule, the optimizer and the input noise"""
 
     epochs: int = 20
-    """Passes over the training files (0.3.0's default), numbered from 0 as the checkpoint
-    folders <save-path>/<epoch>/ are. A finished run reruns as "already complete"; raise
-    --epochs to train it further."""
+    """Passes over the training files (0.3.0's default). They are numbered from 0, as the
+    checkpoint folders <save-path>/<epoch>/ are; a finished run reruns as "already complete":
+    raise --epochs to train it further."""
     lr: float = 1e-4
     """Peak learning rate of AdamW (0.3.0's default). A resumed run uses the value given now
     (as every optimizer and --scheduler-* setting), from the resumed step on, with a warning
