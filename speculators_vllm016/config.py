@@ -12,7 +12,7 @@ import os
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 from transformers import PretrainedConfig
 
 from speculators_vllm016.utils import PydanticClassRegistryMixin, ReloadableBaseModel
@@ -81,6 +81,19 @@ class VerifierConfig(BaseModel):
 
     name_or_path: str | None = Field(description="Hub id or local path of the verifier.")
     architectures: list[str] = Field(description="The verifier's config.json architectures.")
+    weights_fingerprint: str | None = Field(
+        default=None,
+        description="The verifier's final norm and LM head, hashed "
+        "(`utils.verifier_weights.verifier_fingerprint`): what `eval` compares with the verifier "
+        "it runs. Written only when known (0.3.0's configs have no such key).",
+    )
+
+    @model_serializer(mode="wrap")
+    def _without_unknown_fingerprint(self, handler: Any) -> dict[str, Any]:
+        values = handler(self)
+        if values.get("weights_fingerprint") is None:
+            values.pop("weights_fingerprint", None)
+        return values
 
     @classmethod
     def from_config(

@@ -65,6 +65,20 @@ def train_args(verifier: Path, data: Path, save: Path, *extra: str) -> list[str]
     ]
 
 
+# A schedule that does not depend on the number of epochs: a run continued with more epochs
+# keeps it (tests of resumed settings compare learning rates step by step).
+FIXED_SCHEDULE = ("--scheduler-warmup-steps", "0", "--scheduler-total-steps", "100")
+
+
+def train_finished_run(verifier: Path, data: Path, save: Path) -> Path:
+    """One whole epoch of training in this process (`--epochs 1`, `FIXED_SCHEDULE`): a finished
+    run whose checkpoint `<save>/0` tests resume, evaluate or rerun (copy it before changing it)."""
+    from speculators_vllm016.cli.train import main
+
+    assert main(train_args(verifier, data, save, "--epochs", "1", *FIXED_SCHEDULE)) == 0
+    return save
+
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -9,6 +9,7 @@ from typing import NoReturn
 import typer
 
 from speculators_vllm016.utils.errors import first_line
+from speculators_vllm016.utils.output_paths import check_output_file
 
 __all__ = ["evaluate"]
 
@@ -61,6 +62,11 @@ def evaluate(
         None, "--plot", help="Write a PNG of per-position acceptance here (needs matplotlib)."
     ),
     no_progress: bool = typer.Option(False, "--no-progress", help="Hide progress bars."),
+    allow_other_verifier: bool = typer.Option(
+        False, "--allow-other-verifier",
+        help="Measure a draft against a verifier whose final norm and LM head differ from those it "
+        "was trained against (refused otherwise: usually a wrong --verifier).",
+    ),
 ) -> None:
     """Measure draft acceptance (per-position rates, tau, tokens/s) on chat prompts."""
     from speculators_vllm016.evaluate.report import format_table, write_json, write_plot
@@ -74,8 +80,11 @@ def evaluate(
             _fail("--plot needs matplotlib: pip install matplotlib (or leave out --plot)")
     for flag, path in (("--output-json", output_json), ("--plot", plot)):
         # Checked before the evaluation (which can take long), not when writing after it.
-        if path is not None and path.is_dir():
-            _fail(f"{flag} {path} is a folder; give a file path")
+        if path is not None:
+            try:
+                check_output_file(path, flag)
+            except ValueError as error:
+                _fail(str(error))
     options = EvalOptions(
         drafts=list(draft),
         data_path=data_path,
@@ -91,6 +100,7 @@ def evaluate(
         max_prompt_tokens=max_prompt_tokens,
         hf_cache_dir=hf_cache_dir,
         show_progress=not no_progress,
+        allow_other_verifier=allow_other_verifier,
     )
     try:
         report = run_evaluation(options)

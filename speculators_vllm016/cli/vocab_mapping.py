@@ -18,6 +18,7 @@ from speculators_vllm016.train.vocab_maps import (
     write_vocab_mappings,
     write_vocab_mappings_from_counts,
 )
+from speculators_vllm016.utils.output_paths import check_output_folder
 
 # The library names stay importable from here (their home is `train.vocab_maps`).
 __all__ = ["D2T_FILE", "T2D_FILE", "target_vocab_size_of", "vocab_mapping", "write_vocab_mappings",
@@ -47,6 +48,7 @@ def vocab_mapping(
     if (target_vocab_size is None) == (target_model_path is None):
         _fail("pass exactly one of --target-vocab-size and --target-model-path")
     try:
+        check_output_folder(output_path, "--output-path")
         if target_vocab_size is not None:
             size = target_vocab_size
         else:

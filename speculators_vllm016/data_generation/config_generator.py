@@ -8,6 +8,7 @@ older runs, and hand-written ones holding only some sections, stay readable.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from dataclasses import asdict, dataclass, field, fields
@@ -76,6 +77,10 @@ class ModelConfig:
     tensor_parallel_size: int
     gpu_memory_utilization: float
     hidden_size: int
+    verifier_fingerprint: str | None = None
+    """`utils.verifier_weights.verifier_fingerprint` of the target (its final norm and LM head):
+    training and eval compare it with the verifier they are given. None: a folder written before
+    it was recorded, or a target whose tensors were not found."""
 
 
 @dataclass
@@ -220,6 +225,7 @@ class DataGenerationConfig:
                 tensor_parallel_size=generator.tensor_parallel_size,
                 gpu_memory_utilization=generator.vllm_config.cache_config.gpu_memory_utilization,
                 hidden_size=generator.hidden_size,
+                verifier_fingerprint=_fingerprint(generator.model_path),
             ),
             data=DataConfig(
                 train_data_path=train_data_path,
@@ -237,6 +243,21 @@ class DataGenerationConfig:
                 hidden_dtype=str(generator.dtype),
             ),
         )
+
+
+def _fingerprint(model_path: str) -> str | None:
+    """The target's fingerprint; None (and a warning) when its tensors cannot be read: the data
+    is still usable, only the check of the verifier it trains against is lost."""
+    from speculators_vllm016.utils.verifier_weights import verifier_fingerprint
+
+    try:
+        return verifier_fingerprint(model_path)
+    except Exception as error:  # noqa: BLE001 - any failure: record none, keep the data
+        logging.getLogger(__name__).warning(
+            "no fingerprint of %s's final norm and LM head recorded (%s): training cannot check "
+            "that it is given this verifier", model_path, error,
+        )
+        return None
 
 
 def _section(cls: type, raw: Any) -> Any:

@@ -299,6 +299,20 @@ def _load_json_rows(path: str) -> HFDataset:
     return HFDataset.from_dict({"conversations": conversations})
 
 
+def check_utf8(path: str) -> None:
+    """Refuse a chat file that is not UTF-8 text, naming its first bad line: read as bytes, such a
+    file loads, and fails later with the decoder's message and no file name."""
+    with open(path, "rb") as handle:
+        for number, line in enumerate(handle, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(
+                    f"{path} is not UTF-8 text (line {number}, byte {error.start + 1} of the line: "
+                    f"{line[error.start:error.start + 1]!r}); save the file as UTF-8"
+                ) from None
+
+
 def load_raw_dataset(
     train_data_path: str, num_proc: int = 8, cache_dir: str | None = None
 ) -> HFDataset:
@@ -308,6 +322,7 @@ def load_raw_dataset(
     if train_data_path.endswith((".json", ".jsonl")):
         if not os.path.isfile(train_data_path):
             raise FileNotFoundError(f"no data file at {train_data_path}; check --train-data-path")
+        check_utf8(train_data_path)
         try:
             return load_dataset(
                 "json", data_files=train_data_path, split="train", cache_dir=cache_dir

@@ -15,6 +15,7 @@ from speculators_vllm016.evaluate.verifier_match import (
     check_verifier_matches,
     expected_verifier,
 )
+from speculators_vllm016.utils.errors import first_line
 
 __all__ = ["ENGINES", "EvalOptions", "draft_settings", "resolve_engine", "run_evaluation"]
 
@@ -40,6 +41,7 @@ class EvalOptions:
     hf_cache_dir: str | None = None
     show_progress: bool = True
     labels: list[str] = field(default_factory=list)  # default: from the draft paths
+    allow_other_verifier: bool = False  # run drafts trained for a verifier of other weights
 
 
 @dataclass
@@ -50,6 +52,8 @@ class DraftSettings:
     speculative_tokens: int
     expects: VerifierShape = field(default_factory=VerifierShape)
     """What the draft needs of its verifier (checked before any model loads)."""
+    verifier_fingerprint: str | None = None
+    """The final norm and LM head it was trained against, hashed (None: not recorded)."""
 
 
 def draft_settings(draft: str) -> DraftSettings:
@@ -63,9 +67,28 @@ def draft_settings(draft: str) -> DraftSettings:
     except Exception as error:  # noqa: BLE001 - any unreadable config is the user's to fix
         raise ValueError(f"cannot read the draft config of {draft}: {error}") from error
     speculators = getattr(config, "speculators_config", None)
-    verifier = speculators.verifier.name_or_path if speculators and speculators.verifier else None
-    return DraftSettings(verifier=verifier, speculative_tokens=default_speculative_tokens(config),
-                         expects=expected_verifier(config))
+    recorded = speculators.verifier if speculators else None
+    return DraftSettings(verifier=recorded.name_or_path if recorded else None,
+                         speculative_tokens=default_speculative_tokens(config),
+                         expects=expected_verifier(config),
+                         verifier_fingerprint=getattr(recorded, "weights_fingerprint", None))
+
+
+def _check_trained_for(options: EvalOptions, settings: list[DraftSettings], verifier_path: str) -> None:
+    """Refuse a draft whose recorded verifier weights (final norm and LM head) differ from the
+    verifier's: same shapes, other model; it would be measured against targets it never saw."""
+    if options.allow_other_verifier or not any(s.verifier_fingerprint for s in settings):
+        return
+    from speculators_vllm016.utils.verifier_weights import verifier_fingerprint
+
+    mine = verifier_fingerprint(verifier_path)
+    for draft, setting in zip(options.drafts, settings, strict=True):
+        if setting.verifier_fingerprint and setting.verifier_fingerprint != mine:
+            raise ValueError(
+                f"the draft {draft} was trained against a verifier whose final norm and LM head "
+                f"differ from those of {verifier_path}; evaluate it with the verifier it was trained "
+                "for (--verifier), or pass --allow-other-verifier to measure it against this one"
+            )
 
 
 def resolve_engine(engine: str) -> str:
@@ -130,9 +153,18 @@ def run_evaluation(options: EvalOptions) -> EvaluationReport:
     assert verifier_path is not None
     from speculators_vllm016.utils.verifier_config import load_verifier_config_dict
 
-    verifier_config = load_verifier_config_dict(verifier_path)
+    try:
+        verifier_config = load_verifier_config_dict(verifier_path)
+    except ValueError as error:
+        if options.verifier is not None:
+            raise
+        raise ValueError(
+            f"the verifier the draft names, {verifier_path}, is not found here ({first_line(error)}); "
+            "pass --verifier <its folder or hub id>"
+        ) from None
     for draft, setting in zip(options.drafts, settings, strict=True):
         check_verifier_matches(draft, setting.expects, verifier_path, verifier_config)
+    _check_trained_for(options, settings, verifier_path)
     engine = resolve_engine(options.engine)
     labels = options.labels or _labels(options.drafts)
 

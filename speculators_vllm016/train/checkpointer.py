@@ -113,6 +113,9 @@ class TrainingState:
     data_digest: str | None = None
     # `--deterministic` (None: a checkpoint from before it was recorded).
     deterministic: bool | None = None
+    # The optimizer and schedule settings the steps so far used (`resume.optimizer_settings`);
+    # None: a checkpoint from before they were recorded.
+    optimizer: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def resume_position(self) -> tuple[int, int]:

@@ -4,6 +4,13 @@ A scheduler's SIGTERM (or the user's Ctrl-C) only sets a flag; the trainer check
 step, on every rank at once (`requested_on_any_rank`), so all ranks stop at the same step and
 write one checkpoint together. A second Ctrl-C meets Python's own handler again and stops at once
 (KeyboardInterrupt), without a checkpoint.
+
+A scheduler (SLURM preemption, `scancel`, systemd, `timeout`) signals the whole process group:
+the trainer's helper processes (loader workers, which also fill the row slots) get the same
+SIGTERM. They ignore it (`ignore_stop_signals`, their `worker_init_fn`) and are started with the
+signals held back (`stop_signals_held`) so that none arrives before they ignore it: a worker that
+died of it would crash the trainer before it could checkpoint. The trainer ends them itself, and
+a worker whose parent is gone exits on its own (torch's watchdog).
 """
 
 from __future__ import annotations
@@ -19,9 +26,31 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["GracefulShutdown"]
+__all__ = ["STOP_SIGNALS", "GracefulShutdown", "ignore_stop_signals", "stop_signals_held"]
 
 logger = logging.getLogger("speculators")
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def ignore_stop_signals(*_: object) -> None:
+    """In a helper process (a loader worker; usable as `worker_init_fn`): SIGTERM and Ctrl-C
+    sent to the process group are the trainer's to act on, not this process's."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # held back by `stop_signals_held`
+
+
+@contextlib.contextmanager
+def stop_signals_held() -> Iterator[None]:
+    """SIGTERM and SIGINT held back from this thread for the block: processes started in it
+    inherit the held signals and receive none before `ignore_stop_signals` runs there. This
+    process gets a signal that arrived meanwhile when the block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class GracefulShutdown:

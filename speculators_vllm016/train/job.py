@@ -44,6 +44,8 @@ class TrainJobResult:
     """The online extraction's counts (`--online`), else None."""
     received_bytes: int | None = None
     """With --extraction-ranks: the hidden states this training rank received, in bytes."""
+    already_complete: bool = False
+    """The save path held a finished run (its last epoch or --max-steps): nothing was trained."""
 
     def describe(self) -> str:
         skipped = f", {self.state.skipped_samples} unusable samples skipped" if self.state.skipped_samples else ""
@@ -54,6 +56,10 @@ class TrainJobResult:
                         f"{stats.engine_starts} times")
         if self.received_bytes is not None:
             skipped += f"; online: {self.received_bytes / 1e6:,.1f} MB of samples received from the extraction ranks"
+        if self.already_complete:
+            return (f"Already complete: {self.state.global_step} steps, checkpoints in "
+                    f"{self.save_path}; nothing was trained (to train more, raise --epochs, or "
+                    "--max-steps if it was set, and run the same command)")
         return f"Done: {self.state.global_step} steps, checkpoints in {self.save_path}{skipped}"
 
 
@@ -224,6 +230,9 @@ def run_train_job(
                 "generate more data or use fewer processes"
             )
         val_loader = loader(val_files, None, VALIDATION_ITERATION)
+        for opened in (train_loader, val_loader):  # their workers ignore SIGTERM: end them here
+            if callable(getattr(opened, "close", None)):
+                closers.append(opened.close)
         trainer = Trainer(model, _trainer_config(config, save_path, distributed, local_rank, device_name),
                           train_loader, val_loader)
         state = trainer.run_training()
@@ -231,6 +240,7 @@ def run_train_job(
             state=state, save_path=save_path, rank=rank,
             online=extractor.stats if extractor is not None and layout is None else None,
             received_bytes=transport.bytes_moved if layout is not None else None,
+            already_complete=trainer.already_complete,
         )
         if report is not None and rank == 0:
             report(result)

@@ -95,6 +95,10 @@ class ModelConfig:
     vocabularies, fused layers and layer count must match this run (each mismatch is named, and
     nothing is written); without --d2t-path/--draft-vocab-size it trains with the draft's own
     maps. None: a new draft."""
+    allow_other_verifier: bool = False
+    """Train against a verifier whose final norm and LM head differ from those of the model the
+    data was extracted from (data_config.json records them; --target-model-path with --online):
+    refused without this flag, as it is usually a wrong path."""
 
 
 @dataclass
@@ -160,9 +164,13 @@ class TrainingConfig:
     """the schedule, the optimizer and the input noise"""
 
     epochs: int = 20
-    """Passes over the training files (0.3.0's default)."""
+    """Passes over the training files (0.3.0's default). They are numbered from 0, as the
+    checkpoint folders <save-path>/<epoch>/ are; a finished run reruns as "already complete":
+    raise --epochs to train it further."""
     lr: float = 1e-4
-    """Peak learning rate of AdamW (0.3.0's default)."""
+    """Peak learning rate of AdamW (0.3.0's default). A resumed run uses the value given now
+    (as every optimizer and --scheduler-* setting), from the resumed step on, with a warning
+    naming each change old -> new."""
     total_seq_len: int = 8192
     """Tokens per packed row, the unit of a step on each process (0.3.0's default)."""
     weight_decay: float = 0.01

@@ -243,6 +243,19 @@ def setup_root_logger(level: str | int = "INFO", *, ranks: str = "local-0") -> N
 _BACKENDS = {"tensorboard": TensorBoardHandler, "wandb": WandbHandler, "trackio": TrackioHandler}
 
 
+def logger_names(loggers: str | Iterable[str] | None) -> list[str]:
+    """The backends a `--logger` value names (comma list or list); `ValueError` for an unknown
+    one (checked before the run writes anything, and again when the loggers start)."""
+    names = loggers.split(",") if isinstance(loggers, str) else list(loggers or [])
+    names = [name.strip() for name in names if name and name.strip()]
+    unknown = sorted(set(names) - set(_BACKENDS))
+    if unknown:
+        raise ValueError(
+            f"--logger {', '.join(unknown)}: unknown logger; choose from {', '.join(sorted(_BACKENDS))}"
+        )
+    return names
+
+
 def setup_metric_logger(
     loggers: str | Iterable[str] | None,
     run_name: str | None,
@@ -251,11 +264,7 @@ def setup_metric_logger(
     jsonl_path: str | os.PathLike | None = None,
 ) -> list[logging.Handler]:
     """Attach the asked-for backends (comma list or list) to the metrics logger, rank 0 only."""
-    names = loggers.split(",") if isinstance(loggers, str) else list(loggers or [])
-    names = [name.strip() for name in names if name and name.strip()]
-    unknown = sorted(set(names) - set(_BACKENDS))
-    if unknown:
-        raise ValueError(f"unknown logger(s) {unknown}; choose from {sorted(_BACKENDS)}")
+    names = logger_names(loggers)
     metrics = logging.getLogger(METRICS_LOGGER)
     for handler in list(metrics.handlers):
         metrics.removeHandler(handler)

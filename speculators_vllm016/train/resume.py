@@ -4,6 +4,12 @@ A checkpoint records what exact resume depends on besides weights and optimizer:
 processes, the seed, a digest of the training files and `--deterministic`. A resumed run that
 differs in one of them still continues (the user may mean it), with a warning saying what will
 not match an uninterrupted run, and records its own values from then on.
+
+The optimizer and schedule settings (`--lr`, `--weight-decay`, `--max-grad-norm`, the
+`--scheduler-*` flags and what they resolve to) are the resumed run's own too: a changed one is
+applied from the resumed step on, with one warning naming each change old -> new
+(`apply_resumed_settings`), so that `train_config.yaml` (which holds the new values) describes
+the steps trained after it; the checkpoint records the settings its steps used.
 """
 
 from __future__ import annotations
@@ -17,7 +23,23 @@ from typing import Any
 from speculators_vllm016.train.checkpointer import CheckpointRef, TrainingState
 from speculators_vllm016.train.data import Eagle3SampleFileDataset
 
-__all__ = ["reconcile_resumed_state", "training_data_digest"]
+__all__ = [
+    "apply_resumed_settings",
+    "optimizer_settings",
+    "reconcile_resumed_state",
+    "training_data_digest",
+]
+
+# The flag of each recorded optimizer / schedule setting, for the warning that names a change.
+SETTING_FLAGS = {
+    "lr": "--lr",
+    "weight_decay": "--weight-decay",
+    "max_grad_norm": "--max-grad-norm",
+    "scheduler_type": "--scheduler-type",
+    "warmup_steps": "--scheduler-warmup-steps",
+    "total_steps": "--scheduler-total-steps",
+    "num_cosine_cycles": "--scheduler-num-cosine-cycles",
+}
 
 logger = logging.getLogger("speculators")
 
@@ -76,3 +98,54 @@ def reconcile_resumed_state(
         )
     state.deterministic = deterministic
     return state
+
+
+def optimizer_settings(
+    *, lr: float, weight_decay: float, max_grad_norm: float, scheduler_type: str,
+    warmup_steps: int, total_steps: int, num_cosine_cycles: float,
+) -> dict[str, Any]:
+    """The settings a run's steps use (the schedule's steps resolved), as a checkpoint records
+    them in `TrainingState.optimizer`."""
+    return {
+        "lr": float(lr), "weight_decay": float(weight_decay), "max_grad_norm": float(max_grad_norm),
+        "scheduler_type": scheduler_type, "warmup_steps": int(warmup_steps),
+        "total_steps": int(total_steps), "num_cosine_cycles": float(num_cosine_cycles),
+    }
+
+
+def _loaded_settings(optimizer: Any, recorded: dict[str, Any] | None) -> dict[str, Any]:
+    """What the checkpoint's steps used: its record, else (older checkpoints) what the loaded
+    optimizer state itself holds (the peak rate, the weight decay)."""
+    if recorded is not None:
+        return dict(recorded)
+    group = optimizer.param_groups[0]
+    return {"lr": float(group.get("initial_lr", group["lr"])), "weight_decay": float(group["weight_decay"])}
+
+
+def apply_resumed_settings(
+    optimizer: Any, scheduler: Any, recorded: dict[str, Any] | None, current: dict[str, Any],
+    step: int,
+) -> None:
+    """After the optimizer and scheduler states are loaded (they bring the checkpoint's rate and
+    weight decay back), put this run's `current` settings in force, warning once about any that
+    changed. The schedule's shape comes from this run's flags already; its peak rate and the
+    weight decay are set here."""
+    before = _loaded_settings(optimizer, recorded)
+    changes = [
+        f"{SETTING_FLAGS[name]} {before[name]:g} -> {value:g}" if isinstance(value, float)
+        else f"{SETTING_FLAGS[name]} {before[name]} -> {value}"
+        for name, value in current.items() if name in before and before[name] != value
+    ]
+    if changes:
+        logger.warning(
+            "resuming with other optimizer settings than the checkpoint's, in force from step %d "
+            "on (train_config.yaml holds the new ones): %s", step, ", ".join(changes),
+        )
+    for group in optimizer.param_groups:
+        group["initial_lr"], group["weight_decay"] = current["lr"], current["weight_decay"]
+        group["lr"] = current["lr"]
+    if scheduler is not None:
+        scheduler.base_lrs = [current["lr"]] * len(optimizer.param_groups)
+        for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+            group["lr"] = current["lr"] * factor(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

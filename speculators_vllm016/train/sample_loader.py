@@ -13,6 +13,7 @@ from typing import Any
 from torch.utils.data import DataLoader, default_collate
 
 from speculators_vllm016.train.data import BatchType, Eagle3SampleFileDataset, PackedBatch
+from speculators_vllm016.train.graceful_shutdown import ignore_stop_signals, stop_signals_held
 from speculators_vllm016.train.noise_transforms import RowNoise
 from speculators_vllm016.train.row_slots import HostRowSlots, SlotPackingDataset, packed_row_collate
 
@@ -73,6 +74,9 @@ class SampleFileLoader(DataLoader):
     With `row_slots` (and workers) the workers pack each row into a reused host slot that the main
     process pins for the GPU (`row_slots`); the loader's own `pin_memory` is then off (nothing
     left for it to do). Rows read from a slot carry their `HostSlot` under `HOST_SLOT_KEY`.
+
+    The workers ignore SIGTERM and Ctrl-C sent to the whole process group (`graceful_shutdown`):
+    the trainer finishes its step and checkpoints; a worker killed by the signal would crash it.
     """
 
     def __init__(self, dataset: Any, *args: Any, batch_sampler: Any = None,
@@ -90,6 +94,7 @@ class SampleFileLoader(DataLoader):
             dataset = SlotPackingDataset(dataset, row_slots)
             kwargs["collate_fn"] = packed_row_collate(kwargs.get("collate_fn") or default_collate)
             self._pin_slots = bool(kwargs.pop("pin_memory", False))
+        kwargs["worker_init_fn"] = partial(_init_worker, kwargs.get("worker_init_fn"))
         super().__init__(dataset, *args, batch_sampler=batch_sampler, **kwargs)
         self._stream: Iterator[Any] | None = None
         self._stream_next: tuple[int, int, int] | None = None  # (epoch, step, last epoch)
@@ -98,12 +103,35 @@ class SampleFileLoader(DataLoader):
         if getattr(self, "row_slots", None) is not None:
             self.row_slots.close()  # before the workers are joined: none may wait for a slot
 
+    def close(self) -> None:
+        """End the worker processes now. They ignore SIGTERM, so the interpreter's exit (which
+        terminates and then joins them) would wait for ever on one still running: the job closes
+        its loaders when it ends, however it ends. A worker that does not leave when asked is
+        killed."""
+        iterator, self._stream = getattr(self, "_iterator", None), None
+        if iterator is None:
+            return
+        workers = list(getattr(iterator, "_workers", []))
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+        self._iterator = None
+        if self.row_slots is not None:
+            self.row_slots.close()
+
     def _start(self) -> Iterator[Any]:
         """A new iteration of the underlying `DataLoader` (the slots of the last one freed first)."""
+        if self.row_slots is not None:
+            self.row_slots.reset()
+        with stop_signals_held():  # the workers start here (once, as they persist)
+            rows = super().__iter__()
         if self.row_slots is None:
-            return super().__iter__()
-        self.row_slots.reset()
-        return map(partial(self.row_slots.take, pin=self._pin_slots), super().__iter__())
+            return rows
+        return map(partial(self.row_slots.take, pin=self._pin_slots), rows)
 
     def __iter__(self) -> Any:
         self._stream, self._stream_next = None, None  # a fresh iteration ends a running one
@@ -158,6 +186,13 @@ class SampleFileLoader(DataLoader):
             yield row
         if stream is self._stream:
             self._stream_next = after
+
+
+def _init_worker(then: Callable[[int], Any] | None, worker_id: int) -> None:
+    """A loader worker's start: stop signals ignored, then the caller's own `worker_init_fn`."""
+    ignore_stop_signals()
+    if then is not None:
+        then(worker_id)
 
 
 def _with_noise(rows: Any, noise: RowNoise) -> Any:

@@ -90,6 +90,8 @@ class TrainSetup:
     """The online extraction set-up (`--online`), else None."""
     pretrained: PretrainedDraft | None = None
     """The draft a fresh run fine-tunes (`--from-pretrained`, checked against the run), else None."""
+    verifier_fingerprint: str | None = None
+    """The verifier's final norm and LM head, hashed: recorded in the draft for `eval`."""
 
 
 def _check_train_devices(config: TrainJobConfig) -> TrainDevices | None:
@@ -142,6 +144,11 @@ def _check_online(config: TrainJobConfig) -> OnlineSetup:
     online = config.online
     if online.train_data_path is None:
         raise TrainSetupError("--online needs --train-data-path (the chat data datagen would read)")
+    if Path(online.train_data_path).is_dir():
+        raise TrainSetupError(
+            f"--train-data-path {online.train_data_path} is a folder; name the .json/.jsonl chat "
+            "file in it (or 'sharegpt' / 'ultrachat')"
+        )
     if online.online_queue_size < 1:
         raise TrainSetupError("--online-queue-size must be at least 1")
     devices = _check_train_devices(config)
@@ -164,7 +171,10 @@ def _check_online(config: TrainJobConfig) -> OnlineSetup:
     cache_dir = online.cache_dir
     if cache_dir and Path(cache_dir).exists() and not Path(cache_dir).is_dir():
         raise TrainSetupError(f"--cache-dir {cache_dir} is a file; name a folder")
-    dataset = preprocess_samples(options, facts).dataset
+    try:
+        dataset = preprocess_samples(options, facts).dataset
+    except ValueError as error:  # the chat data: unknown, not UTF-8, not JSON
+        raise TrainSetupError(first_line(error)) from None
     if len(dataset) == 0:
         raise TrainSetupError(f"--train-data-path {online.train_data_path} gives no usable samples")
     return OnlineSetup(options=options, facts=facts, dataset=dataset, devices=devices)
@@ -185,13 +195,12 @@ def _check_online_model(online: OnlineSetup, hidden_size: int) -> list[int]:
 
 
 def _check_save_path(save_path: Path) -> None:
-    if save_path.exists() and not save_path.is_dir():
-        raise TrainSetupError(f"--save-path {save_path} is a file; give a folder")
-    probe = save_path
-    while not probe.exists():
-        probe = probe.parent
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise TrainSetupError(f"--save-path {save_path} is not writable ({probe}); choose another folder")
+    from speculators_vllm016.utils.output_paths import check_output_folder
+
+    try:
+        check_output_folder(save_path, "--save-path")
+    except ValueError as error:
+        raise TrainSetupError(str(error)) from None
 
 
 def verifier_text_config(path: str) -> tuple[PretrainedConfig, PretrainedConfig]:
@@ -220,6 +229,14 @@ def _data_layer_ids(data_path: Path) -> list[int] | None:
     return list(recorded.hidden_states.layer_ids)
 
 
+def _data_model(data_path: Path) -> Any:
+    """The `model` section of `data_config.json` (the target the data comes from), or None."""
+    from speculators_vllm016.data_generation.config_generator import read_data_config
+
+    recorded = read_data_config(data_path)
+    return None if recorded is None else recorded.model
+
+
 def _offline_layer_ids(data_path: Path, flag: list[int] | None) -> list[int]:
     """The captured layers of --data-path: data_config.json's, else --layer-ids. Never unknown:
     a draft whose config names no layers is fed other layers by vLLM than it was trained on."""
@@ -240,6 +257,40 @@ def _offline_layer_ids(data_path: Path, flag: list[int] | None) -> list[int]:
             f"--layer-ids {layer_ids}: an EAGLE-3 draft needs 4 layer ids of 0 or more (3 fused + the last)"
         )
     return layer_ids
+
+
+def fingerprint_of_verifier(verifier: str) -> str:
+    """`utils.verifier_weights.verifier_fingerprint` of --verifier-name-or-path (one line if not)."""
+    from speculators_vllm016.utils.verifier_weights import verifier_fingerprint
+
+    try:
+        return verifier_fingerprint(verifier)
+    except (ValueError, OSError) as error:
+        raise TrainSetupError(
+            f"cannot read the final norm and LM head of --verifier-name-or-path {verifier} "
+            f"({first_line(error)})"
+        ) from None
+
+
+def check_same_verifier(
+    verifier: str, mine: str, source: str, source_fingerprint: str | None, what: str, allow: bool
+) -> None:
+    """Refuse (one line) a verifier whose fingerprint `mine` differs from `source_fingerprint`,
+    that of the model `source` the data comes from (`what` says where that is recorded), unless
+    `allow` (--allow-other-verifier: a warning). Nothing to compare: nothing to refuse."""
+    import logging
+
+    if source_fingerprint is None:
+        return
+    if mine != source_fingerprint:
+        message = (f"the data comes from {source} ({what}), whose final norm and LM head differ "
+                   f"from those of --verifier-name-or-path {verifier}")
+        if not allow:
+            raise TrainSetupError(
+                f"{message}: train against the model of the data, or pass --allow-other-verifier "
+                "to do so deliberately"
+            )
+        logging.getLogger("speculators").warning("%s; training against it (--allow-other-verifier)", message)
 
 
 def _check_sample(path: Path, standardize: Callable[[dict], dict], hidden_size: int) -> None:
@@ -365,6 +416,33 @@ def _run_vocab(
     return vocab, vocab.built_from or str(d2t_path)
 
 
+def _check_runtime(config: TrainJobConfig) -> None:
+    """--logger's names and --device against this machine (before the save path is touched)."""
+    from speculators_vllm016.train.logger import logger_names
+
+    try:
+        logger_names(config.logging.logger)
+    except ValueError as error:
+        raise TrainSetupError(str(error)) from None
+    device = config.runtime.device
+    if device is None:
+        return
+    import torch
+
+    try:
+        wanted = torch.device(device)
+    except RuntimeError:
+        raise TrainSetupError(f"--device {device}: not a device; give cpu, cuda or cuda:N") from None
+    if wanted.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise TrainSetupError(f"--device {device}: this machine has no usable GPU; use --device cpu")
+        if wanted.index is not None and wanted.index >= count:
+            raise TrainSetupError(f"--device {device}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}")
+    elif wanted.type != "cpu":
+        raise TrainSetupError(f"--device {device}: training runs on cpu or cuda")
+
+
 def prepare(config: TrainJobConfig, research_reader: ResearchReader | None = None) -> TrainSetup:
     """Every check that can be made before anything is written; errors are `TrainSetupError`s.
 
@@ -375,6 +453,7 @@ def prepare(config: TrainJobConfig, research_reader: ResearchReader | None = Non
     if not config.model.verifier_name_or_path:
         raise TrainSetupError("--verifier-name-or-path is required (the target model of the data)")
     _check_numbers(config)
+    _check_runtime(config)
     data_path, save_path = Path(config.data.data_path), Path(config.checkpoint.save_path)
     if config.online.train_devices is not None and not config.online.enabled:
         raise TrainSetupError("--train-devices places the trainer beside the engine of --online; use --device")
@@ -393,11 +472,22 @@ def prepare(config: TrainJobConfig, research_reader: ResearchReader | None = Non
     verifier_config, text_config = verifier_text_config(config.model.verifier_name_or_path)
     hidden_size, target_vocab = int(text_config.hidden_size), int(text_config.vocab_size)
     standardize = standardize_data_v1 if config.data.data_format_version == 1 else standardize_data_v0
+    verifier = config.model.verifier_name_or_path
+    allow = config.model.allow_other_verifier
+    fingerprint = fingerprint_of_verifier(verifier)
     if online is None:
         _check_sample(files[0], standardize, hidden_size)
         layer_ids = _offline_layer_ids(data_path, config.online.layer_ids)
+        recorded = _data_model(data_path)
+        if recorded is not None:
+            check_same_verifier(verifier, fingerprint, recorded.target_model_path,
+                                recorded.verifier_fingerprint, f"{data_path}/data_config.json", allow)
     else:
         layer_ids = _check_online_model(online, hidden_size)
+        target = online.options.target_model_path
+        if recorded_verifier_path(target) != recorded_verifier_path(verifier):
+            check_same_verifier(verifier, fingerprint, target, fingerprint_of_verifier(target),
+                                "--target-model-path", allow)
     aux_ids = None
     if layer_ids is not None:
         num_target_layers = int(text_config.num_hidden_layers)
@@ -423,13 +513,14 @@ def prepare(config: TrainJobConfig, research_reader: ResearchReader | None = Non
     return TrainSetup(
         data_path=data_path, save_path=save_path, verifier_config=verifier_config,
         text_config=text_config, standardize=standardize, layer_ids=layer_ids, aux_ids=aux_ids,
-        vocab=vocab, online=online, pretrained=pretrained,
+        vocab=vocab, online=online, pretrained=pretrained, verifier_fingerprint=fingerprint,
     )
 
 
 def build_draft_config(
     verifier_path: str, verifier_config: Any, text_config: Any, *, draft_vocab: int,
     num_layers: int, norm_before_residual: bool, ttt_steps: int, aux_layer_ids: list[int] | None,
+    verifier_fingerprint: str | None = None,
 ) -> Eagle3SpeculatorConfig:
     """The EAGLE-3 draft's config: a Llama decoder layer shaped like the verifier."""
     from transformers import LlamaConfig
@@ -462,11 +553,15 @@ def build_draft_config(
         norm_before_residual=norm_before_residual,
         target_hidden_size=hidden,
         eagle_aux_hidden_state_layer_ids=aux_layer_ids,
-        speculators_config=_speculators_config(verifier_path, verifier_config, ttt_steps),
+        speculators_config=_speculators_config(
+            verifier_path, verifier_config, ttt_steps, verifier_fingerprint
+        ),
     )
 
 
-def _speculators_config(verifier_path: str, verifier_config: Any, ttt_steps: int) -> Any:
+def _speculators_config(
+    verifier_path: str, verifier_config: Any, ttt_steps: int, verifier_fingerprint: str | None = None
+) -> Any:
     """The draft's `speculators_config`: greedy proposals of `ttt_steps` tokens, for this verifier."""
     from speculators_vllm016.config import SpeculatorsConfig, VerifierConfig
     from speculators_vllm016.proposals import GreedyTokenProposalConfig
@@ -478,8 +573,16 @@ def _speculators_config(verifier_path: str, verifier_config: Any, ttt_steps: int
         verifier=VerifierConfig(
             name_or_path=verifier_path,
             architectures=list(getattr(verifier_config, "architectures", None) or []),
+            weights_fingerprint=verifier_fingerprint,
         ),
     )
+
+
+def recorded_verifier_path(name_or_path: str) -> str:
+    """The verifier as a checkpoint names it: a local folder absolute (`eval` and vLLM then find
+    it from any working folder), a hub id as given."""
+    path = Path(name_or_path).expanduser()
+    return str(path.resolve()) if path.exists() else name_or_path
 
 
 def build_model(config: TrainJobConfig, setup: TrainSetup) -> Eagle3DraftModel:
@@ -492,19 +595,20 @@ def build_model(config: TrainJobConfig, setup: TrainSetup) -> Eagle3DraftModel:
 
     model_config = config.model
     torch.manual_seed(config.training.seed)
+    verifier_path = recorded_verifier_path(model_config.verifier_name_or_path)
     if setup.pretrained is not None:
         draft_config = fine_tune_config(
             setup.pretrained,
-            _speculators_config(model_config.verifier_name_or_path, setup.verifier_config,
-                                model_config.ttt_steps),
+            _speculators_config(verifier_path, setup.verifier_config, model_config.ttt_steps,
+                                setup.verifier_fingerprint),
             setup.aux_ids,
         )
     else:
         draft_config = build_draft_config(
-            model_config.verifier_name_or_path, setup.verifier_config, setup.text_config,
+            verifier_path, setup.verifier_config, setup.text_config,
             draft_vocab=int(setup.vocab.d2t.shape[0]), num_layers=model_config.num_layers,
             norm_before_residual=model_config.norm_before_residual, ttt_steps=model_config.ttt_steps,
-            aux_layer_ids=setup.aux_ids,
+            aux_layer_ids=setup.aux_ids, verifier_fingerprint=setup.verifier_fingerprint,
         )
     model_kwargs = {}
     if config.legacy.no_verifier_norm:

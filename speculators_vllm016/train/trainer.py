@@ -52,7 +52,12 @@ from speculators_vllm016.train.errors import NothingTrained, SavePathInUse
 from speculators_vllm016.train.graceful_shutdown import GracefulShutdown
 from speculators_vllm016.train.lr_schedule import build_lr_scheduler, default_warmup_steps
 from speculators_vllm016.train.metrics_log import MetricsLog, log_train_step, log_validation, tau_sim
-from speculators_vllm016.train.resume import reconcile_resumed_state, training_data_digest
+from speculators_vllm016.train.resume import (
+    apply_resumed_settings,
+    optimizer_settings,
+    reconcile_resumed_state,
+    training_data_digest,
+)
 from speculators_vllm016.train.save_lock import SavePathLock
 from speculators_vllm016.train.trainer_config import TrainerConfig
 from speculators_vllm016.train.train_step import (
@@ -112,6 +117,7 @@ class Trainer:
         self.state = TrainingState(seed=config.seed, world_size=self.world_size,
                                    data_digest=self.data_digest, deterministic=config.deterministic)
         self.resume_ref: CheckpointRef | None = None
+        self.already_complete = False  # resumed at (or past) its last epoch or --max-steps
         self._pending_rng: dict[str, Any] | None = None
         self._wrote_checkpoint = False
         self._first_step = 0
@@ -177,6 +183,16 @@ class Trainer:
             deterministic=self.config.deterministic,
         )
         epoch, step = self.state.resume_position()
+        self.already_complete = epoch >= self.config.num_epochs or self._reached_max_steps()
+        if self.already_complete:
+            limit = ("--max-steps" if self._reached_max_steps() and epoch < self.config.num_epochs
+                     else "--epochs")
+            root_logger.info(
+                "the run in %s is already complete (%d steps, %s; newest checkpoint %s): nothing "
+                "to train; to train more, raise %s and run the same command", self.config.save_path,
+                self.state.global_step, self._epoch_range(), latest.name, limit,
+            )
+            return
         root_logger.info("resuming from %s at epoch %d, step %d", latest.path, epoch, step)
 
     def setup_model(self) -> None:
@@ -207,13 +223,22 @@ class Trainer:
     def setup_optimizer(self) -> None:
         """AdamW over the model's parameters (frozen ones get no update), the LR schedule, and
         the step that uses them."""
-        self.opt = build_optimizer(self.model, self.config.lr, self.config.weight_decay, self.device)
+        config = self.config
+        self.opt = build_optimizer(self.model, config.lr, config.weight_decay, self.device)
+        run_steps = self._total_steps()
+        warmup = default_warmup_steps(run_steps) if config.scheduler_warmup_steps is None else config.scheduler_warmup_steps
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = build_lr_scheduler(
-            self.opt, self.config.scheduler_type, run_steps=self._total_steps(),
-            warmup_steps=self.config.scheduler_warmup_steps,
-            total_steps=self.config.scheduler_total_steps,
-            num_cosine_cycles=self.config.scheduler_num_cosine_cycles,
+            self.opt, config.scheduler_type, run_steps=run_steps, warmup_steps=warmup,
+            total_steps=config.scheduler_total_steps,
+            num_cosine_cycles=config.scheduler_num_cosine_cycles,
         )
+        settings = optimizer_settings(
+            lr=config.lr, weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm,
+            scheduler_type=config.scheduler_type, warmup_steps=warmup,
+            total_steps=config.scheduler_total_steps or run_steps,
+            num_cosine_cycles=config.scheduler_num_cosine_cycles,
+        )
+        recorded, self.state.optimizer = self.state.optimizer, settings
         self.step_runner = TrainStep(
             model=self.wrapped, optimizer=self.opt, parameters=self.trainable_parameters(),
             device=self.device, max_grad_norm=self.config.max_grad_norm,
@@ -232,6 +257,8 @@ class Trainer:
             self.checkpointer.load_scheduler_state_dict(
                 self.scheduler, checkpoint=self.resume_ref.path
             )
+        if not self.already_complete:  # this run's settings, from the resumed step on
+            apply_resumed_settings(self.opt, self.scheduler, recorded, settings, self.state.global_step)
         root_logger.info("optimizer state of %s loaded in %.2f s", self.resume_ref.path,
                          time.perf_counter() - started)
 
@@ -311,7 +338,7 @@ class Trainer:
         if self.config.checkpoint_freq:
             every = max(1, round(self.config.checkpoint_freq * steps))
         progress = tqdm(
-            total=steps, initial=start_step, desc=f"epoch {epoch + 1}/{self.config.num_epochs}",
+            total=steps, initial=start_step, desc=f"epoch {epoch} ({self._epoch_range()})",
             disable=not self.config.show_progress or self.rank != 0, dynamic_ncols=True,
         )
         started, tokens, trained = time.perf_counter(), 0.0, 0.0
@@ -385,7 +412,7 @@ class Trainer:
         every row was empty (all its samples unusable) or had no token with a loss."""
         if end <= first or trained > 0:
             return
-        where = f"epoch {epoch + 1}" if first == 0 else f"steps {first + 1}-{end} of epoch {epoch + 1}"
+        where = f"epoch {epoch}" if first == 0 else f"steps {first + 1}-{end} of epoch {epoch}"
         raise NothingTrained(
             f"{where} trained no token: none of its {end - first} rows held a token to learn from "
             "(every sample unusable: see the warnings above, or --total-seq-len too short for "
@@ -483,7 +510,7 @@ class Trainer:
         if self._reached_max_steps():
             return
         for epoch in range(start_epoch, self.config.num_epochs):
-            root_logger.info("epoch %d/%d", epoch + 1, self.config.num_epochs)
+            root_logger.info("epoch %d (%s)", epoch, self._epoch_range())
             if not self.train_epoch(epoch, start_step=start_step if epoch == start_epoch else 0):
                 return
             try:
@@ -503,6 +530,11 @@ class Trainer:
                 self.checkpointer.point_best(str(epoch))
             if self._reached_max_steps():
                 return
+
+    def _epoch_range(self) -> str:
+        """The run's epochs as the checkpoint folders number them (from 0, 0.3.0's names)."""
+        last = self.config.num_epochs - 1
+        return f"epochs 0 to {last}" if last else "epoch 0 only"
 
     def _reached_max_steps(self) -> bool:
         return self.config.max_steps is not None and self.state.global_step >= self.config.max_steps

@@ -97,7 +97,9 @@ def assert_same_dataset(directory: Path, reference: Path) -> None:
             assert a.dtype == b.dtype and torch.equal(a, b), f"{name} layer {layer} differs"
 
 
-def test_run_writes_every_usable_row_and_its_config(reference_run):
+def test_run_writes_every_usable_row_and_its_config(reference_run, tiny_llama):
+    from speculators_vllm016.utils.verifier_weights import verifier_fingerprint
+
     output, summary = reference_run
     usable = NUM_ROWS - len(MALFORMED)
     assert summary.skipped_rows == len(MALFORMED)
@@ -110,6 +112,8 @@ def test_run_writes_every_usable_row_and_its_config(reference_run):
     assert config["hidden_states"]["layer_ids"] == [2, 2, 1, 3]  # 0.3.0 defaults, 4 layers
     assert config["data"]["num_samples"] == usable
     assert config["model"]["hidden_size"] == 256
+    # The target's identity, which training and eval compare with their verifier (#37).
+    assert config["model"]["verifier_fingerprint"] == verifier_fingerprint(str(tiny_llama))
     assert summary.tokens_extracted > 0 and summary.tokens_per_second > 0
 
 

@@ -103,7 +103,7 @@ def test_an_epoch_that_trains_no_token_fails_in_one_line_and_saves_nothing(tmp_p
         packed_row(1, loss_tokens=0), packed_row(1, loss_tokens=0)]
     save = tmp_path / "ckpt"
     trainer = scripted_trainer(save, batches, [packed_row()])
-    with pytest.raises(NothingTrained, match="epoch 1 trained no token") as raised:
+    with pytest.raises(NothingTrained, match="epoch 0 trained no token") as raised:
         trainer.run_training()
     assert isinstance(raised.value, TrainingError) and "\n" not in str(raised.value)
     assert not list(save.glob("[0-9]*")), "an untrained checkpoint was saved"
@@ -125,7 +125,7 @@ def test_a_later_epoch_that_trains_no_token_fails_too(tmp_path):
 
     trainer = scripted_trainer(tmp_path / "ckpt", [], None, num_epochs=2)
     trainer.train_loader = rows_loader(Rows([None, None]))
-    with pytest.raises(NothingTrained, match="epoch 2 trained no token"):
+    with pytest.raises(NothingTrained, match="epoch 1 trained no token"):
         trainer.run_training()
     assert (tmp_path / "ckpt" / "0").is_dir() and not (tmp_path / "ckpt" / "1").exists()
 

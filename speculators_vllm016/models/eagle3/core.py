@@ -61,12 +61,12 @@ from speculators_vllm016.models.eagle3.scoring import (
     scored_position_counts,
     used_positions,
 )
-from speculators_vllm016.models.eagle3.verifier_weights import (
+from speculators_vllm016.utils.layer_ids import eagle3_aux_layer_ids
+from speculators_vllm016.utils.verifier_weights import (
     VERIFIER_WEIGHT_LAYOUTS,
     read_verifier_weights,
     verifier_rms_norm_eps,
 )
-from speculators_vllm016.utils.layer_ids import eagle3_aux_layer_ids
 
 __all__ = [
     "MAX_USED_FRACTION_TO_SKIP",
