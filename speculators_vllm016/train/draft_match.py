@@ -66,7 +66,7 @@ class RunFacts:
 
 def verifier_embeddings(verifier: str) -> torch.Tensor | None:
     """The verifier's token embeddings as stored (None when no layout we know holds them)."""
-    from speculators_vllm016.models.eagle3.verifier_weights import VERIFIER_WEIGHT_LAYOUTS
+    from speculators_vllm016.utils.verifier_weights import VERIFIER_WEIGHT_LAYOUTS
     from speculators_vllm016.utils.loading import read_checkpoint_tensors
 
     names = [layout[0] for layout in VERIFIER_WEIGHT_LAYOUTS]
