@@ -96,6 +96,7 @@ def evaluate_with_vllm(
     tensor_parallel_size: int = 1,
     seed: int = 0,
     show_progress: bool = True,
+    trust_remote_code: bool = False,
 ) -> GenerationResult:
     """Greedy generation of `prompts` by vLLM with the draft; acceptance from vLLM's counters."""
     reason = speculative_decoding_unavailable()
@@ -117,6 +118,7 @@ def evaluate_with_vllm(
         gpu_memory_utilization=gpu_memory_utilization,
         tensor_parallel_size=tensor_parallel_size,
         seed=seed,
+        trust_remote_code=trust_remote_code,
         disable_log_stats=False,
     )
     try:
