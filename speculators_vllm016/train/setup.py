@@ -23,6 +23,11 @@ from speculators_vllm016.train.pretrained_draft import (
     load_draft_weights,
     read_pretrained_draft,
 )
+from speculators_vllm016.train.verifier_identity import (
+    check_same_verifier,
+    data_model,
+    fingerprint_of_verifier,
+)
 from speculators_vllm016.train.vocab_maps import (
     D2T_FILE,
     T2D_FILE,
@@ -249,14 +254,6 @@ def _data_layer_ids(data_path: Path) -> list[int] | None:
     return list(recorded.hidden_states.layer_ids)
 
 
-def _data_model(data_path: Path) -> Any:
-    """The `model` section of `data_config.json` (the target the data comes from), or None."""
-    from speculators_vllm016.data_generation.config_generator import read_data_config
-
-    recorded = read_data_config(data_path)
-    return None if recorded is None else recorded.model
-
-
 def _offline_layer_ids(data_path: Path, flag: list[int] | None) -> list[int]:
     """The captured layers of --data-path: data_config.json's, else --layer-ids. Never unknown:
     a draft whose config names no layers is fed other layers by vLLM than it was trained on."""
@@ -277,40 +274,6 @@ def _offline_layer_ids(data_path: Path, flag: list[int] | None) -> list[int]:
             f"--layer-ids {layer_ids}: an EAGLE-3 draft needs 4 layer ids of 0 or more (3 fused + the last)"
         )
     return layer_ids
-
-
-def fingerprint_of_verifier(verifier: str) -> str:
-    """`utils.verifier_weights.verifier_fingerprint` of --verifier-name-or-path (one line if not)."""
-    from speculators_vllm016.utils.verifier_weights import verifier_fingerprint
-
-    try:
-        return verifier_fingerprint(verifier)
-    except (ValueError, OSError) as error:
-        raise TrainSetupError(
-            f"cannot read the final norm and LM head of --verifier-name-or-path {verifier} "
-            f"({first_line(error)})"
-        ) from None
-
-
-def check_same_verifier(
-    verifier: str, mine: str, source: str, source_fingerprint: str | None, what: str, allow: bool
-) -> None:
-    """Refuse (one line) a verifier whose fingerprint `mine` differs from `source_fingerprint`,
-    that of the model `source` the data comes from (`what` says where that is recorded), unless
-    `allow` (--allow-other-verifier: a warning). Nothing to compare: nothing to refuse."""
-    import logging
-
-    if source_fingerprint is None:
-        return
-    if mine != source_fingerprint:
-        message = (f"the data comes from {source} ({what}), whose final norm and LM head differ "
-                   f"from those of --verifier-name-or-path {verifier}")
-        if not allow:
-            raise TrainSetupError(
-                f"{message}: train against the model of the data, or pass --allow-other-verifier "
-                "to do so deliberately"
-            )
-        logging.getLogger("speculators").warning("%s; training against it (--allow-other-verifier)", message)
 
 
 def _check_sample(path: Path, standardize: Callable[[dict], dict], hidden_size: int) -> None:
@@ -500,7 +463,7 @@ def prepare(config: TrainJobConfig, research_reader: ResearchReader | None = Non
     if online is None:
         _check_sample(files[0], standardize, hidden_size)
         layer_ids = _offline_layer_ids(data_path, config.online.layer_ids)
-        recorded = _data_model(data_path)
+        recorded = data_model(data_path)
         if recorded is not None:
             check_same_verifier(verifier, fingerprint, recorded.target_model_path,
                                 recorded.verifier_fingerprint, f"{data_path}/data_config.json", allow)
