@@ -1,8 +1,8 @@
 """The package's layers import downward only, and no two modules import each other.
 
-The layers, lowest first: utils -> data_generation -> models -> train / convert -> evaluate ->
-cli -> demo. The top-level 0.3.0 modules (`config`, `model`, `proposals`, `tiny_models`) sit with
-the models; `__main__` is the top of the stack. Every import counts, also one inside a function:
+The layers, lowest first: utils -> data_generation -> models / vllm_plugin -> train / convert ->
+evaluate -> cli -> demo. The top-level 0.3.0 modules (`config`, `model`, `proposals`,
+`tiny_models`) sit with the models; `__main__` is the top of the stack. Every import counts, also one inside a function:
 a deferred import is still a dependency, it only hides a cycle until it runs.
 """
 
@@ -21,6 +21,7 @@ LAYER_OF_SUBPACKAGE = {
     "utils": 0,
     "data_generation": 1,
     "models": 2,
+    "vllm_plugin": 2,
     "config": 2,
     "model": 2,
     "proposals": 2,

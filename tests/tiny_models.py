@@ -227,7 +227,9 @@ def build_tiny_kimi_k25(path: str | Path, *, language_model: str | Path | None =
             "init_pos_emb_width": 8,
             "init_pos_emb_time": 4,
             "pos_emb_type": "divided_fixed",
-            "num_attention_heads": 1,
+            # vLLM builds the (unused) vision tower even text-only, with its heads split over
+            # tensor-parallel ranks: 2 heads let the tiny Kimi-K2.5 run with TP2.
+            "num_attention_heads": 2,
             "num_hidden_layers": 1,
             "hidden_size": 64,
             "intermediate_size": 128,

@@ -19,7 +19,8 @@ DRAFT_VOCAB = 64
 
 
 def write_dataset(
-    verifier: Path, out: Path, lengths: list[int], seed: int = 0, output_format: str = "pt"
+    verifier: Path, out: Path, lengths: list[int], seed: int = 0, output_format: str = "pt",
+    layer_ids: list[int] = LAYER_IDS,
 ) -> Path:
     """Sample files in datagen's layout from the verifier's own (fp32) hidden states."""
     reference = HFReference(verifier)
@@ -30,7 +31,7 @@ def write_dataset(
     for index, length in enumerate(lengths):
         ids = torch.randint(0, vocab, (length,), generator=generator)
         mask = (torch.rand(length, generator=generator) > 0.3).long()
-        states = reference.streams(ids.tolist(), LAYER_IDS)
+        states = reference.streams(ids.tolist(), layer_ids)
         suffix = "pt" if output_format == "pt" else "safetensors"
         write_sample(
             out / f"data_{index}.{suffix}",
@@ -39,7 +40,7 @@ def write_dataset(
         )
         for token in ids[mask.bool()].tolist():
             counts[token] = counts.get(token, 0) + 1
-    (out / "data_config.json").write_text(json.dumps({"hidden_states": {"layer_ids": LAYER_IDS}}))
+    (out / "data_config.json").write_text(json.dumps({"hidden_states": {"layer_ids": layer_ids}}))
     torch.save(counts, out / "token_freq.pt")
     return out
 

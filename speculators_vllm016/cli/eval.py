@@ -60,6 +60,11 @@ def evaluate(
         None, "--max-prompt-tokens", min=1, help="Skip prompts longer than this."
     ),
     hf_cache_dir: str | None = typer.Option(None, "--hf-cache-dir", help="datasets cache folder."),
+    trust_remote_code: bool = typer.Option(
+        False, "--trust-remote-code",
+        help="Run Python code shipped in the verifier folder where vLLM and transformers have no "
+        "class of their own for it (e.g. Kimi-K2.5's tokenizer); off by default.",
+    ),
     output_json: Path | None = typer.Option(None, "--output-json", help="Write the results here."),
     plot: Path | None = typer.Option(
         None, "--plot", help="Write a PNG of per-position acceptance here (needs matplotlib)."
@@ -95,6 +100,7 @@ def evaluate(
         ignore_eos=ignore_eos,
         max_prompt_tokens=max_prompt_tokens,
         hf_cache_dir=hf_cache_dir,
+        trust_remote_code=trust_remote_code,
         show_progress=not no_progress,
     )
     try:

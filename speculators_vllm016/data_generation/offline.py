@@ -56,6 +56,7 @@ from speculators_vllm016.data_generation.sample_io import (
 from speculators_vllm016.data_generation.sample_writers import SampleWriterPool
 from speculators_vllm016.data_generation.token_counts import count_trained_tokens
 from speculators_vllm016.data_generation.transfer import check_transfer_space
+from speculators_vllm016.utils.eagle3_serving import target_identity, target_serving_line
 
 if TYPE_CHECKING:
     from speculators_vllm016.data_generation.preprocessing import PreprocessResult
@@ -174,6 +175,7 @@ def run_datagen(options: DatagenOptions) -> DatagenSummary:
     engine, output = options.engine, options.output
     facts = inspect_model(engine.target_model_path, output.layer_ids, engine.trust_remote_code)
     check_transfer_space(options, facts)
+    logger.info(target_serving_line(*target_identity(facts.config_dict)))
     started = time.perf_counter()
     folder = DatagenFolder(
         output.output_dir,

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from speculators_vllm016.utils.text_config import text_config_of
+from speculators_vllm016.utils.verifier_config import REMOTE_CODE_FLAG, looks_local, remote_code_hint
 
 __all__ = ["ModelFacts", "inspect_model", "remote_code_hint"]
-
-REMOTE_CODE_FLAG = "--trust-remote-code"
 
 
 @dataclass(frozen=True)
@@ -27,29 +26,8 @@ class ModelFacts:
     config_dict: dict
 
 
-def _looks_local(model: str) -> bool:
-    """A path, not a hub id ("org/name" or "name")."""
-    return (
-        os.path.isabs(model)
-        or model.startswith((".", "~"))
-        or model.count("/") > 1
-        or os.sep != "/" and os.sep in model
-    )
-
-
 def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
-
-
-def remote_code_hint(error: BaseException, model: str) -> ValueError | None:
-    """A one-line error naming the flag when `error` is transformers/vLLM asking for remote code."""
-    text = str(error)
-    if "trust_remote_code" in text or "trust-remote-code" in text:
-        return ValueError(
-            f"{model} needs the Python code shipped in its folder; pass {REMOTE_CODE_FLAG} if you "
-            "trust it (off by default since 0.3.0 ran it unasked)"
-        )
-    return None
 
 
 def _read_config(model: str) -> dict:
@@ -66,7 +44,7 @@ def _read_config(model: str) -> dict:
             raise ValueError(f"{config} is not valid JSON ({error}); fix or replace it") from None
     if local.exists():
         raise ValueError(f"{local} is a file; --target-model-path needs a model folder or hub id")
-    if _looks_local(model) or _offline():
+    if looks_local(model) or _offline():
         raise ValueError(
             f"no model folder at {model}; check --target-model-path (a local folder, or a hub "
             "id like org/name when online)"

@@ -39,6 +39,7 @@ class EvalOptions:
     ignore_eos: bool = False
     max_prompt_tokens: int | None = None
     hf_cache_dir: str | None = None
+    trust_remote_code: bool = False  # run the verifier folder's code (e.g. Kimi-K2.5's tokenizer)
     show_progress: bool = True
     labels: list[str] = field(default_factory=list)  # default: from the draft paths
 
@@ -115,6 +116,22 @@ def _eos_ids(verifier, tokenizer) -> list[int]:
     return sorted(ids)
 
 
+def _load_tokenizer(verifier_path: str, trust_remote_code: bool):
+    """The verifier's tokenizer; a folder whose tokenizer is its own code (Kimi-K2.5's) needs
+    --trust-remote-code, and the error says so."""
+    from transformers import AutoTokenizer
+
+    from speculators_vllm016.utils.verifier_config import remote_code_hint
+
+    try:
+        return AutoTokenizer.from_pretrained(verifier_path, trust_remote_code=trust_remote_code)
+    except ValueError as error:
+        hint = remote_code_hint(error, verifier_path)
+        if hint is not None:
+            raise hint from None
+        raise
+
+
 def run_evaluation(options: EvalOptions) -> EvaluationReport:
     """Measure every draft on the same prompts with the same verifier."""
     if not options.drafts:
@@ -142,11 +159,9 @@ def run_evaluation(options: EvalOptions) -> EvaluationReport:
         )
     labels = options.labels or _labels(options.drafts)
 
-    from transformers import AutoTokenizer
-
     from speculators_vllm016.evaluate.prompts import load_eval_prompts
 
-    tokenizer = AutoTokenizer.from_pretrained(verifier_path)
+    tokenizer = _load_tokenizer(verifier_path, options.trust_remote_code)
     prompts = load_eval_prompts(
         options.data_path,
         tokenizer,
@@ -209,13 +224,14 @@ def _draft_evaluation(
 
 def _run_hf(options, settings, verifier_path, tokenizer, prompts, labels, report) -> None:
     import torch
-    from transformers import AutoModelForCausalLM
 
     from speculators_vllm016.evaluate.speculative import speculative_generate
+    from speculators_vllm016.models.verifier_lm import load_verifier_lm
 
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = _torch_dtype(options.dtype, device)
-    verifier = AutoModelForCausalLM.from_pretrained(verifier_path, dtype=dtype).to(device).eval()
+    # A wrapper (Kimi-K2.5) gives its language model; no vision tower, no code from its folder.
+    verifier = load_verifier_lm(verifier_path, dtype, options.trust_remote_code).to(device).eval()
     eos = [] if options.ignore_eos else _eos_ids(verifier, tokenizer)
     ks = [options.num_speculative_tokens or setting.speculative_tokens for setting in settings]
     limit = getattr(verifier.config, "max_position_embeddings", None)
@@ -263,5 +279,6 @@ def _run_vllm(options, settings, verifier_path, prompts, labels, report) -> None
             dtype=options.dtype,
             ignore_eos=options.ignore_eos,
             show_progress=options.show_progress,
+            trust_remote_code=options.trust_remote_code,
         )
         report.drafts.append(_draft_evaluation(draft_path, label, "vllm", k, result))

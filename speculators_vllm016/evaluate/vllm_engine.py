@@ -24,6 +24,7 @@ from speculators_vllm016.evaluate.generation import GenerationResult
 
 __all__ = [
     "VllmGeneration",
+    "counts_difference",
     "counts_from_metrics",
     "evaluate_with_vllm",
     "speculative_decoding_unavailable",
@@ -68,7 +69,8 @@ def counts_from_metrics(metrics: Sequence[object], num_speculative_tokens: int) 
     return counts
 
 
-def _difference(after: AcceptanceCounts, before: AcceptanceCounts) -> AcceptanceCounts:
+def counts_difference(after: AcceptanceCounts, before: AcceptanceCounts) -> AcceptanceCounts:
+    """What happened between two readings of vLLM's (cumulative) counters."""
     return AcceptanceCounts(
         num_speculative_tokens=after.num_speculative_tokens,
         num_drafts=after.num_drafts - before.num_drafts,
@@ -94,6 +96,7 @@ def evaluate_with_vllm(
     tensor_parallel_size: int = 1,
     seed: int = 0,
     show_progress: bool = True,
+    trust_remote_code: bool = False,
 ) -> GenerationResult:
     """Greedy generation of `prompts` by vLLM with the draft; acceptance from vLLM's counters."""
     reason = speculative_decoding_unavailable()
@@ -115,6 +118,7 @@ def evaluate_with_vllm(
         gpu_memory_utilization=gpu_memory_utilization,
         tensor_parallel_size=tensor_parallel_size,
         seed=seed,
+        trust_remote_code=trust_remote_code,
         disable_log_stats=False,
     )
     try:
@@ -129,4 +133,4 @@ def evaluate_with_vllm(
     finally:
         del llm
         gc.collect()
-    return GenerationResult(outputs=outputs, counts=_difference(after, before), seconds=seconds)
+    return GenerationResult(outputs=outputs, counts=counts_difference(after, before), seconds=seconds)

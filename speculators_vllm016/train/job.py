@@ -22,6 +22,7 @@ from speculators_vllm016.train.job_config import (
     save_job_config,
 )
 from speculators_vllm016.train.setup import TrainSetup, build_model, noise_transform, prepare
+from speculators_vllm016.utils.eagle3_serving import target_serving_line
 
 if TYPE_CHECKING:
     from speculators_vllm016.train.checkpointer import TrainingState
@@ -127,6 +128,10 @@ def run_train_job(
         save_path.mkdir(parents=True, exist_ok=True)
         if rank == 0:
             save_job_config(config, save_path / CONFIG_FILE)
+            logger.info(target_serving_line(
+                getattr(setup.verifier_config, "architectures", None) or [],
+                str(getattr(setup.text_config, "model_type", "")),
+            ))
         if rank == 0 and vocab.built_from:
             save_vocab_maps(vocab, save_path)
             logger.info("vocabulary maps built from %s -> %s/{d2t,t2d}.npy", vocab.built_from, save_path)

@@ -283,8 +283,9 @@ class OnlineConfig:
     max_num_batched_tokens: int | None = None
     """Tokens per engine step; None: max(8192, max model len)."""
     trust_remote_code: bool = False
-    """Run Python code shipped in the model folder (some models need it, e.g. Kimi-K2.5); off by
-    default (0.3.0 always ran it)."""
+    """Run Python code shipped in the model folder, where vLLM and transformers have no class of
+    their own for it (Kimi-K2.5's tokenizer, for --online); off by default (0.3.0 always ran it).
+    Also applies to reading --verifier-name-or-path's config, offline too."""
     transfer_root: str | None = None
     """Folder for the shared-memory files that carry hidden states from the engine; None:
     $SPECULATORS_TRANSFER_ROOT, else /dev/shm, else the temp dir."""

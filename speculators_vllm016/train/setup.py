@@ -177,20 +177,40 @@ def _check_save_path(save_path: Path) -> None:
         raise TrainSetupError(f"--save-path {save_path} is not writable ({probe}); choose another folder")
 
 
-def verifier_text_config(path: str) -> tuple[PretrainedConfig, PretrainedConfig]:
-    """The verifier's config and its language model's (nested in a multimodal config)."""
-    from transformers import AutoConfig
+def verifier_text_config(
+    path: str, trust_remote_code: bool = False
+) -> tuple[PretrainedConfig, PretrainedConfig]:
+    """The verifier's config as vLLM 0.16 reads it (its own classes know `kimi_k25`,
+    `deepseek_v32`, ...; the folder's code runs only with `trust_remote_code`), and its language
+    model's config (nested in a multimodal config)."""
+    from speculators_vllm016.utils.text_config import text_config_of
+    from speculators_vllm016.utils.verifier_config import load_verifier_config
 
     try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
-    except Exception as error:  # noqa: BLE001 - any failure means: not a usable verifier
+        config = load_verifier_config(path, trust_remote_code=trust_remote_code)
+    except ValueError as error:
         raise TrainSetupError(
-            f"cannot read the verifier config at {path!r} ({first_line(error)}); "
-            "--verifier-name-or-path must be the target model folder"
+            f"{first_line(error)}; --verifier-name-or-path must be the target model folder"
         ) from None
-    from speculators_vllm016.utils.text_config import text_config_of
+    text_config = text_config_of(config)
+    for name in ("hidden_size", "vocab_size", "num_hidden_layers"):
+        if not isinstance(getattr(text_config, name, None), int):
+            raise TrainSetupError(
+                f"the config of {path} has no usable {name} for its language model; "
+                "--verifier-name-or-path must be a decoder language model (or a wrapper of one)"
+            )
+    return config, text_config
 
-    return config, text_config_of(config)
+
+def _check_verifier_weights(path: str) -> None:
+    """The tensors the draft copies (embeddings, final norm, LM head) are there and unquantized:
+    read only from tensor names and the config, before anything is written."""
+    from speculators_vllm016.models.eagle3.verifier_weights import locate_verifier_weights
+
+    try:
+        locate_verifier_weights(path)
+    except (ValueError, OSError) as error:
+        raise TrainSetupError(first_line(error)) from None
 
 
 def _data_layer_ids(data_path: Path) -> list[int] | None:
@@ -313,7 +333,9 @@ def prepare(config: TrainJobConfig) -> TrainSetup:
                 "point --data-path at datagen's --output-dir"
             )
     _check_save_path(save_path)
-    verifier_config, text_config = verifier_text_config(config.model.verifier_name_or_path)
+    verifier_path = config.model.verifier_name_or_path
+    verifier_config, text_config = verifier_text_config(verifier_path, config.online.trust_remote_code)
+    _check_verifier_weights(verifier_path)
     hidden_size, target_vocab = int(text_config.hidden_size), int(text_config.vocab_size)
     standardize = standardize_data_v1 if config.data.data_format_version == 1 else standardize_data_v0
     if online is None:
@@ -352,6 +374,15 @@ def prepare(config: TrainJobConfig) -> TrainSetup:
     )
 
 
+def _draft_rope_scaling(rope_scaling: dict | None) -> dict | None:
+    """The verifier's RoPE scaling for the draft's Llama layer. vLLM's config reader copies
+    `rope_theta` into it (its `rope_parameters` share the dict); the draft keeps `rope_theta` as
+    its own field, as transformers 4.57's Llama expects."""
+    if not rope_scaling:
+        return rope_scaling
+    return {key: value for key, value in rope_scaling.items() if key != "rope_theta"}
+
+
 def build_draft_config(
     verifier_path: str, verifier_config: Any, text_config: Any, *, draft_vocab: int,
     num_layers: int, norm_before_residual: bool, ttt_steps: int, aux_layer_ids: list[int] | None,
@@ -378,7 +409,7 @@ def build_draft_config(
         max_position_embeddings=get("max_position_embeddings", 4096),
         rms_norm_eps=get("rms_norm_eps", 1e-6),
         rope_theta=get("rope_theta", 10000.0),
-        rope_scaling=get("rope_scaling") if llama_like else None,
+        rope_scaling=_draft_rope_scaling(get("rope_scaling")) if llama_like else None,
         hidden_act="silu",
         tie_word_embeddings=False,
         torch_dtype="bfloat16",

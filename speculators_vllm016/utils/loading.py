@@ -18,7 +18,7 @@ import torch
 
 from speculators_vllm016.utils.errors import first_line
 
-__all__ = ["load_model_layers", "read_checkpoint_tensors", "read_weights_file"]
+__all__ = ["checkpoint_tensor_names", "load_model_layers", "read_checkpoint_tensors", "read_weights_file"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,13 @@ def _resolve_file(
         return None
 
 
+def _no_weights(model_path: str | Path) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"no weights in {model_path}: expected model.safetensors, pytorch_model.bin or a sharded "
+        "index of either"
+    )
+
+
 def read_weights_file(
     path: Path, names: set[str] | None = None, *, open_safetensors: Callable[..., Any] | None = None
 ) -> dict[str, torch.Tensor]:
@@ -91,6 +98,23 @@ def read_weights_file(
     return {k: v for k, v in state.items() if names is None or k in names}
 
 
+def _weights_location(
+    model_path: str | Path, cache_dir: str | Path | None
+) -> tuple[Path, dict[str, str] | None]:
+    """The checkpoint's index file and its weight map, or its single weights file and None."""
+    for index_name, single_name in _LAYOUTS:
+        index = _resolve_file(model_path, index_name, cache_dir)
+        if index is not None:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index} has no weight_map: re-save the checkpoint")
+            return index, weight_map
+        single = _resolve_file(model_path, single_name, cache_dir)
+        if single is not None:
+            return single, None
+    raise _no_weights(model_path)
+
+
 def read_checkpoint_tensors(
     model_path: str | Path,
     names: Iterable[str] | None = None,
@@ -102,29 +126,34 @@ def read_checkpoint_tensors(
     Names the checkpoint lacks are left out. Raises FileNotFoundError when there are no weights.
     """
     wanted = None if names is None else set(names)
-    for index_name, single_name in _LAYOUTS:
-        index = _resolve_file(model_path, index_name, cache_dir)
-        if index is not None:
-            weight_map = json.loads(index.read_text()).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise ValueError(f"{index} has no weight_map: re-save the checkpoint")
-            files = sorted(
-                {shard for name, shard in weight_map.items() if wanted is None or name in wanted}
-            )
-            found: dict[str, torch.Tensor] = {}
-            for shard in files:
-                shard_path = _resolve_file(model_path, shard, cache_dir)
-                if shard_path is None:
-                    raise FileNotFoundError(f"{model_path}: {index_name} names {shard}, which is missing")
-                found.update(read_weights_file(shard_path, wanted))
-            return found
-        single = _resolve_file(model_path, single_name, cache_dir)
-        if single is not None:
-            return read_weights_file(single, wanted)
-    raise FileNotFoundError(
-        f"no weights in {model_path}: expected model.safetensors, pytorch_model.bin or a sharded "
-        "index of either"
-    )
+    location, weight_map = _weights_location(model_path, cache_dir)
+    if weight_map is None:
+        return read_weights_file(location, wanted)
+    files = sorted({shard for name, shard in weight_map.items() if wanted is None or name in wanted})
+    found: dict[str, torch.Tensor] = {}
+    for shard in files:
+        shard_path = _resolve_file(model_path, shard, cache_dir)
+        if shard_path is None:
+            raise FileNotFoundError(f"{model_path}: {location.name} names {shard}, which is missing")
+        found.update(read_weights_file(shard_path, wanted))
+    return found
+
+
+def checkpoint_tensor_names(model_path: str | Path, *, cache_dir: str | Path | None = None) -> list[str]:
+    """The names of every tensor the checkpoint holds, read from its index or safetensors header
+    (no tensor data is read; a single PyTorch .bin is memory-mapped)."""
+    location, weight_map = _weights_location(model_path, cache_dir)
+    if weight_map is not None:
+        return sorted(weight_map)
+    if location.suffix != ".safetensors":
+        return sorted(read_weights_file(location))
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(location), framework="pt", device="cpu") as handle:
+            return sorted(handle.keys())
+    except SafetensorError as err:
+        raise ValueError(f"{location} is not a readable safetensors file: {err}") from err
 
 
 def load_model_layers(

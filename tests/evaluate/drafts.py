@@ -18,7 +18,9 @@ DRAFT_VOCAB = 128
 
 
 def build_draft(
-    verifier_path: str, speculative_tokens: int = 3, seed: int = 0, layers: int = 1
+    verifier_path: str, speculative_tokens: int = 3, seed: int = 0, layers: int = 1,
+    aux_layer_ids: Sequence[int] = (1, 2, 3), architectures: Sequence[str] = ("LlamaForCausalLM",),
+    draft_vocab: int = DRAFT_VOCAB,
 ) -> Eagle3DraftModel:
     layer = LlamaConfig(
         hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -27,18 +29,18 @@ def build_draft(
     )
     config = Eagle3SpeculatorConfig(
         transformer_layer_config=layer,
-        draft_vocab_size=DRAFT_VOCAB,
-        eagle_aux_hidden_state_layer_ids=[1, 2, 3],
+        draft_vocab_size=draft_vocab,
+        eagle_aux_hidden_state_layer_ids=list(aux_layer_ids),
         speculators_config=SpeculatorsConfig(
             algorithm="eagle3",
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=speculative_tokens)],
             default_proposal_method="greedy",
-            verifier=VerifierConfig(name_or_path=verifier_path, architectures=["LlamaForCausalLM"]),
+            verifier=VerifierConfig(name_or_path=verifier_path, architectures=list(architectures)),
         ),
     )
     torch.manual_seed(seed)
     d2t, t2d = build_vocab_mappings_from_distribution(
-        {token: VOCAB - token for token in range(VOCAB)}, DRAFT_VOCAB, VOCAB
+        {token: VOCAB - token for token in range(VOCAB)}, draft_vocab, VOCAB
     )
     return Eagle3DraftModel(config, t2d=t2d, d2t=d2t).eval()
 

@@ -7,7 +7,7 @@ from vllm.v1.metrics.reader import Counter, Gauge, Vector
 
 from speculators_vllm016.evaluate.runner import resolve_engine
 from speculators_vllm016.evaluate.vllm_engine import (
-    _difference,
+    counts_difference,
     counts_from_metrics,
     speculative_decoding_unavailable,
 )
@@ -32,7 +32,7 @@ def test_counters_are_summed_over_engines_and_differenced():
     before = counts_from_metrics(snapshot(20, 60, 10, [6, 4, 0]), 3)
     after = counts_from_metrics(snapshot(120, 360, 130, [80, 40, 10]), 3)
     assert (after.num_drafts, after.num_draft_tokens, after.num_accepted_tokens) == (120, 360, 130)
-    run = _difference(after, before)
+    run = counts_difference(after, before)
     assert (run.num_drafts, run.num_draft_tokens, run.num_accepted_tokens) == (100, 300, 120)
     assert run.accepted_per_position == [74, 36, 10]
     assert run.acceptance_length == pytest.approx(2.2)
@@ -72,7 +72,7 @@ def test_counters_written_by_vllms_own_logger_are_read_back(vllm_registry):
             for accepted in accepted_in_step:
                 stats.observe_draft(num_draft_tokens=k, num_accepted_tokens=accepted)
             prom.observe(stats, engine_idx=engine)
-    run = _difference(counts_from_metrics(get_metrics_snapshot(), k), before)
+    run = counts_difference(counts_from_metrics(get_metrics_snapshot(), k), before)
     drafts = [accepted for engine_steps in steps.values() for step in engine_steps for accepted in step]
     assert run.num_drafts == len(drafts) == 9
     assert run.num_draft_tokens == k * len(drafts)

@@ -97,3 +97,20 @@ def test_unreadable_files_are_named(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}")
     with pytest.raises(ValueError, match="is not a readable safetensors file"):
         read_checkpoint_tensors(tmp_path)
+
+
+def test_tensor_names_come_from_the_index_or_the_header_of_every_format(tmp_path: Path) -> None:
+    from speculators_vllm016.utils.loading import checkpoint_tensor_names
+
+    expected = sorted(TENSORS)
+    assert checkpoint_tensor_names(sharded_folder(tmp_path / "sharded")) == expected
+    single = tmp_path / "single"
+    single.mkdir()
+    save_file(TENSORS, str(single / "model.safetensors"))
+    assert checkpoint_tensor_names(single) == expected
+    pickled = tmp_path / "bin"
+    pickled.mkdir()
+    torch.save(TENSORS, pickled / "pytorch_model.bin")
+    assert checkpoint_tensor_names(pickled) == expected
+    with pytest.raises(FileNotFoundError, match="no weights"):
+        checkpoint_tensor_names(tmp_path)

@@ -1,8 +1,11 @@
 """The verifier tensors an EAGLE-3 draft copies: token embeddings, final norm and LM head.
 
 Verifiers keep them under different names (plain causal LMs, multimodal and other wrappers,
-bare language models); `read_verifier_weights` finds the layout and reads (or downloads) only
-those tensors. The draft checks their shapes and copies them (`Eagle3DraftModel.load_verifier_weights`).
+bare language models: `utils.language_model_layout`); `locate_verifier_weights` finds them from
+the checkpoint's tensor names alone and refuses, in one line, a checkpoint that stores one of
+them quantized (the draft copies them as they are stored); `read_verifier_weights` then reads
+(or downloads) only those tensors. The draft checks their shapes and copies them
+(`Eagle3DraftModel.load_verifier_weights`).
 """
 
 from __future__ import annotations
@@ -11,23 +14,52 @@ from dataclasses import dataclass
 
 import torch
 
-from speculators_vllm016.utils.loading import load_model_layers
+from speculators_vllm016.utils.language_model_layout import (
+    LANGUAGE_MODEL_LAYOUTS,
+    find_language_model_layout,
+)
+from speculators_vllm016.utils.loading import checkpoint_tensor_names, load_model_layers
+from speculators_vllm016.utils.quantized_weights import (
+    FULL_PRECISION_DTYPES,
+    config_quantizes,
+    quantization_config_of,
+    quantized_storage,
+)
 from speculators_vllm016.utils.verifier_config import load_verifier_config_dict
 
-__all__ = ["VERIFIER_WEIGHT_LAYOUTS", "VerifierWeights", "read_verifier_weights", "verifier_rms_norm_eps"]
+__all__ = [
+    "VERIFIER_WEIGHT_LAYOUTS",
+    "QuantizedVerifierWeight",
+    "VerifierWeightNames",
+    "VerifierWeights",
+    "locate_verifier_weights",
+    "read_verifier_weights",
+    "verifier_rms_norm_eps",
+]
 
-# Where verifiers keep (embeddings, final norm, LM head): plain causal LMs, multimodal wrappers
-# (Llama-4 / Qwen-VL style), Kimi-K2.5 style wrappers, bare language models.
-VERIFIER_WEIGHT_LAYOUTS: tuple[tuple[str, str, str], ...] = (
-    ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"),
-    ("model.language_model.embed_tokens.weight", "model.language_model.norm.weight", "lm_head.weight"),
-    (
-        "language_model.model.embed_tokens.weight",
-        "language_model.model.norm.weight",
-        "language_model.lm_head.weight",
-    ),
-    ("embed_tokens.weight", "norm.weight", "lm_head.weight"),
+# The three copied tensors in a causal LM's names, with the module class a quantizer targets.
+_COPIED = (("model.embed_tokens", "Embedding"), ("model.norm", None), ("lm_head", "Linear"))
+_ROLE = {"model.embed_tokens": "token embeddings", "model.norm": "final norm", "lm_head": "LM head"}
+
+# (embeddings, final norm, LM head) as each layout of `LANGUAGE_MODEL_LAYOUTS` stores them.
+VERIFIER_WEIGHT_LAYOUTS: tuple[tuple[str, str, str], ...] = tuple(
+    tuple(layout.stored_name(f"{module}.weight") for module, _ in _COPIED)  # type: ignore[misc]
+    for layout in LANGUAGE_MODEL_LAYOUTS
 )
+
+
+class QuantizedVerifierWeight(ValueError):
+    """A tensor the draft copies is stored quantized: it cannot be used as it is stored."""
+
+
+@dataclass(frozen=True)
+class VerifierWeightNames:
+    """Where one checkpoint stores the tensors a draft copies."""
+
+    embeddings: str
+    norm: str
+    head: str
+    """The LM head's name; absent from the checkpoint when the verifier ties it to the embeddings."""
 
 
 @dataclass
@@ -44,23 +76,59 @@ class VerifierWeights:
     """Where the final norm was looked for (for the error that says it is missing)."""
 
 
-def read_verifier_weights(path: str) -> VerifierWeights:
-    """Embeddings, LM head and final norm of the verifier at `path` (a folder or a hub id)."""
-    names = [name for layout in VERIFIER_WEIGHT_LAYOUTS for name in layout]
-    weights = load_model_layers(list(dict.fromkeys(names)), path)
-    layout = next((lay for lay in VERIFIER_WEIGHT_LAYOUTS if lay[0] in weights), None)
+def _refuse_quantized(path: str, module: str, role: str, why: str) -> QuantizedVerifierWeight:
+    return QuantizedVerifierWeight(
+        f"the verifier's {role} {module} in {path} is quantized ({why}); the draft copies it as "
+        "it is stored and cannot use quantized values: use a checkpoint that keeps the embeddings, "
+        "final norm and LM head unquantized (the INT4 Kimi-K2.5 release does)"
+    )
+
+
+def locate_verifier_weights(path: str, config_dict: dict | None = None) -> VerifierWeightNames:
+    """The names of the verifier's embeddings, final norm and LM head, from the checkpoint's tensor
+    names (no tensor is read). Raises `QuantizedVerifierWeight` when its tensors or its
+    compressed-tensors `quantization_config` say one of them is stored quantized."""
+    names = checkpoint_tensor_names(path)
+    layout = find_language_model_layout(names)
     if layout is None:
         raise ValueError(
-            f"{path} has no token embeddings (looked for "
-            f"{[lay[0] for lay in VERIFIER_WEIGHT_LAYOUTS]})"
+            f"{path} has no token embeddings (looked for {[lay[0] for lay in VERIFIER_WEIGHT_LAYOUTS]})"
         )
-    embed_name, norm_name, head_name = layout
-    embeddings = weights[embed_name]
+    if config_dict is None:
+        config_dict = load_verifier_config_dict(path)
+    quantization = quantization_config_of(config_dict)
+    present = set(names)
+    for module, module_class in _COPIED:
+        stored = layout.stored_name(f"{module}.weight").removesuffix(".weight")
+        extra = quantized_storage(stored, present)
+        if extra:
+            raise _refuse_quantized(path, stored, _ROLE[module], "stored as " + ", ".join(extra))
+        if f"{stored}.weight" in present and config_quantizes(quantization, stored, module_class):
+            raise _refuse_quantized(
+                path, stored, _ROLE[module], "its quantization_config quantizes it and does not ignore it"
+            )
+    return VerifierWeightNames(*(layout.stored_name(f"{module}.weight") for module, _ in _COPIED))
+
+
+def _check_full_precision(path: str, name: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype not in FULL_PRECISION_DTYPES:
+        module = name.removesuffix(".weight")
+        role = next((r for m, r in _ROLE.items() if module.endswith(m)), "tensor")
+        raise _refuse_quantized(path, module, role, f"stored as {tensor.dtype}")
+
+
+def read_verifier_weights(path: str) -> VerifierWeights:
+    """Embeddings, LM head and final norm of the verifier at `path` (a folder or a hub id)."""
+    located = locate_verifier_weights(path)
+    weights = load_model_layers([located.embeddings, located.norm, located.head], path)
+    for name, tensor in weights.items():
+        _check_full_precision(path, name, tensor)
+    embeddings = weights[located.embeddings]
     return VerifierWeights(
         embeddings=embeddings,
-        head=weights.get(head_name, embeddings),  # tied embeddings
-        norm=weights.get(norm_name),
-        norm_name=norm_name,
+        head=weights.get(located.head, embeddings),  # tied embeddings
+        norm=weights.get(located.norm),
+        norm_name=located.norm,
     )
 
 

@@ -1,0 +1,98 @@
+"""The verifier as a transformers causal LM, also when it sits inside a multimodal wrapper.
+
+`speculators eval --engine hf` runs the verifier with transformers. A plain causal LM loads as
+transformers loads it. A wrapper such as Kimi-K2.5 (`KimiK25ForConditionalGeneration`: a
+DeepSeek-V3 language model beside a vision tower, config and modeling code only in its folder)
+loads as the causal LM of its `text_config`, built by transformers from the config vLLM 0.16
+reads, with the language model's tensors taken from the wrapper's checkpoint: no code from the
+folder runs and no vision tensor is read.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from speculators_vllm016.utils.language_model_layout import find_language_model_layout
+from speculators_vllm016.utils.loading import checkpoint_tensor_names, read_checkpoint_tensors
+from speculators_vllm016.utils.quantized_weights import QUANTIZATION_TENSOR_SUFFIXES
+from speculators_vllm016.utils.text_config import text_config_of
+from speculators_vllm016.utils.verifier_config import load_verifier_config
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig, PreTrainedModel
+
+__all__ = ["load_verifier_lm"]
+
+logger = logging.getLogger(__name__)
+
+
+def load_verifier_lm(
+    path: str, dtype: torch.dtype | str = "auto", trust_remote_code: bool = False
+) -> PreTrainedModel:
+    """The verifier at `path` as a transformers causal LM (on the CPU, in `dtype`).
+
+    Wrappers (a config with a nested text config) give their language model; errors are one-line
+    `ValueError`s (an unknown layout, a quantized language model, missing tensors).
+    """
+    config = load_verifier_config(path, trust_remote_code=trust_remote_code)
+    text_config = text_config_of(config)
+    if text_config is config:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    return _load_wrapped_language_model(path, config, text_config, dtype)
+
+
+def _language_model_state(path: str, architecture: str) -> dict[str, Any]:
+    """The wrapper's language-model tensors under the causal LM's names (`model.*`, `lm_head.*`)."""
+    names = checkpoint_tensor_names(path)
+    layout = find_language_model_layout(names)
+    if layout is None:
+        raise ValueError(
+            f"{path} ({architecture}) holds no language model tensors under a known prefix "
+            "(language_model.model., language_model., model.language_model.)"
+        )
+    wanted = {name: causal for name in names if (causal := layout.causal_name(name)) is not None}
+    quantized = sorted(name for name in wanted if name.rsplit(".", 1)[-1] in QUANTIZATION_TENSOR_SUFFIXES)
+    if quantized:
+        raise ValueError(
+            f"{path} stores its language model quantized (e.g. {quantized[0]}); the hf engine reads "
+            "unquantized weights only: evaluate on an unquantized copy, or with --engine vllm on a GPU"
+        )
+    tensors = read_checkpoint_tensors(path, wanted)
+    return {wanted[name]: tensor for name, tensor in tensors.items()}
+
+
+def _load_wrapped_language_model(
+    path: str, config: PretrainedConfig, text_config: PretrainedConfig, dtype: torch.dtype | str
+) -> PreTrainedModel:
+    from transformers import GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    architecture = ", ".join(getattr(config, "architectures", None) or [type(config).__name__])
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(text_config)]
+    except KeyError:
+        raise ValueError(
+            f"transformers has no causal LM for the language model of {path} ({architecture}, "
+            f"text model type {getattr(text_config, 'model_type', None)!r}); use --engine vllm"
+        ) from None
+    state = _language_model_state(path, architecture)
+    model, info = model_class.from_pretrained(
+        None, config=text_config, state_dict=state, dtype=dtype, output_loading_info=True
+    )
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise ValueError(
+            f"the language model of {path} lacks {len(missing)} tensors (e.g. {missing[0]}); "
+            "is the checkpoint complete?"
+        )
+    if info.get("unexpected_keys"):
+        logger.info("%s: %d language-model tensors not used", path, len(info["unexpected_keys"]))
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json: the text config's token ids stay
+        pass
+    return model.eval()

@@ -1,0 +1,68 @@
+"""vLLM 0.16 plugin: EAGLE-3 drafts for DeepSeek-V2/V3, Kimi-K2 and Kimi-K2.5 targets.
+
+vLLM 0.16 refuses to serve an EAGLE-3 draft for these targets twice over: `SpeculativeConfig`
+accepts `method="eagle3"` only for a fixed list of text model types (llama, qwen, ...), and
+neither `DeepseekV2ForCausalLM` / `DeepseekV3ForCausalLM` nor `KimiK25ForConditionalGeneration`
+implements `SupportsEagle3` (no auxiliary hidden states). This plugin fixes both:
+
+- it registers subclasses of those three model classes (`deepseek_eagle3.py`) through
+  `ModelRegistry.register_model(arch, "module:Class")`, the lazy form that imports nothing until
+  vLLM builds the model. They add `set_aux_hidden_state_layers`,
+  `get_eagle3_aux_hidden_state_layers` and a forward that returns `(hidden_states, aux_states)`
+  once layers are set. Numbering as vLLM's Llama: aux id i is the residual stream entering
+  decoder layer i (the output of layer i - 1), which is what our draft configs record as
+  `eagle_aux_hidden_state_layer_ids` (datagen ids + 1). With no layers set the forward is vLLM's
+  own, unchanged;
+- it widens the list of text model types in `SpeculativeConfig`'s EAGLE-3 check
+  (`speculative_types.py`: deepseek_v2, deepseek_v3, kimi_k2; Kimi-K2.5's text model is
+  deepseek_v3). Nothing else of vLLM is touched; other models load vLLM's own classes.
+
+vLLM runs it in every process through the `vllm.general_plugins` entry point
+`speculators_eagle3` (pyproject.toml); running it twice changes nothing. Switch it off with
+`SPECULATORS_VLLM_PLUGIN=0` (or leave it out of `VLLM_PLUGINS`); vLLM then behaves as shipped.
+
+vLLM's CPU build cannot run speculative decoding at all (`cpu_model_runner.py` asserts there is
+no speculative config), so on a CPU the plugin can only be checked up to the config accepting
+the draft and the target returning the right aux states (tests/vllm_plugin/). The decode loop
+needs a GPU: `benchmarks/serve_eagle3.py` serves target + draft and measures acceptance.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from speculators_vllm016.utils.eagle3_serving import PLUGIN_ENV, plugin_enabled
+
+__all__ = ["PLUGIN_CLASSES", "register"]
+
+logger = logging.getLogger(__name__)
+
+_MODULE = "speculators_vllm016.vllm_plugin.deepseek_eagle3"
+# vLLM architecture name -> the class this plugin has vLLM build for it.
+PLUGIN_CLASSES = {
+    "DeepseekV2ForCausalLM": f"{_MODULE}:Eagle3DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": f"{_MODULE}:Eagle3DeepseekV3ForCausalLM",
+    "KimiK25ForConditionalGeneration": f"{_MODULE}:Eagle3KimiK25ForConditionalGeneration",
+}
+
+
+def register() -> bool:
+    """The entry point: register the model classes and widen the EAGLE-3 list (once).
+
+    Returns whether the plugin is active in this process.
+    """
+    if not plugin_enabled():
+        logger.info("speculators EAGLE-3 plugin switched off (%s=0)", PLUGIN_ENV)
+        return False
+    from vllm.model_executor.models import ModelRegistry
+
+    from speculators_vllm016.vllm_plugin.speculative_types import widen_eagle3_model_types
+
+    for arch, target in PLUGIN_CLASSES.items():
+        current = ModelRegistry.models.get(arch)
+        module, _, name = target.partition(":")
+        if getattr(current, "module_name", None) == module and current.class_name == name:
+            continue  # already ours
+        ModelRegistry.register_model(arch, target)
+    widen_eagle3_model_types()
+    return True

@@ -1,0 +1,66 @@
+"""The verifier as a transformers causal LM for `eval --engine hf`: a Kimi-K2.5 wrapper gives the
+DeepSeek-V3 language model inside it (same logits as the plain model on the same weights), with
+no code from its folder run and no vision tensor read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import speculators_vllm016.models.verifier_lm as verifier_lm
+from speculators_vllm016.models.verifier_lm import load_verifier_lm
+from tests.kimi_variants import (
+    REMOTE_CODE_MARKER,
+    int4_variant,
+    with_remote_code,
+    with_vision_tower,
+    without_inner_model,
+)
+
+IDS = torch.tensor([[0, 17, 300, 45, 9, 511, 128, 77, 3, 250, 6, 6, 6, 400]])
+
+
+@pytest.fixture(scope="module")
+def reference_logits(tiny_deepseek_v3):
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_deepseek_v3), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def test_the_kimi_wrapper_loads_its_language_model_only(tiny_kimi_k25, tmp_path, reference_logits, monkeypatch):
+    folder = with_vision_tower(with_remote_code(tiny_kimi_k25, tmp_path / "code"), tmp_path / "kimi")
+    requested: list[str] = []
+    read = verifier_lm.read_checkpoint_tensors
+
+    def spy(path, names=None, **kwargs):
+        requested.extend(names or ["<every tensor>"])
+        return read(path, names, **kwargs)
+
+    monkeypatch.setattr(verifier_lm, "read_checkpoint_tensors", spy)
+    model = load_verifier_lm(str(folder), torch.float32)
+    assert type(model).__name__ == "DeepseekV3ForCausalLM"
+    assert torch.equal(_logits(model), reference_logits)
+    assert requested and all(name.startswith("language_model.") for name in requested), requested
+    assert not (folder / REMOTE_CODE_MARKER).exists()
+    assert model.generation_config.eos_token_id == 4  # the text config's end of sequence
+
+
+def test_the_layout_without_the_inner_model_loads_the_same(tiny_kimi_k25, tmp_path, reference_logits):
+    model = load_verifier_lm(str(without_inner_model(tiny_kimi_k25, tmp_path / "nvfp4")), torch.float32)
+    assert torch.equal(_logits(model), reference_logits)
+
+
+def test_a_plain_model_loads_as_transformers_loads_it(tiny_deepseek_v3, reference_logits):
+    assert torch.equal(_logits(load_verifier_lm(str(tiny_deepseek_v3), torch.float32)), reference_logits)
+
+
+def test_a_quantized_language_model_is_one_line(tiny_kimi_k25, tmp_path):
+    with pytest.raises(ValueError, match="stores its language model quantized") as refused:
+        load_verifier_lm(str(int4_variant(tiny_kimi_k25, tmp_path / "int4")), torch.float32)
+    assert "\n" not in str(refused.value)
