@@ -9,7 +9,8 @@ run in its own folder. The only other changes:
 - PLACEHOLDERS: the chat data becomes demo conversations: `chat.jsonl` the first CONVERSATIONS,
   `heldout.jsonl` the CONVERSATIONS after them;
 - SCALED_DOWN: per (flag, README value), the 8-GPU sizes made tiny for a 2-core CPU (tensor
-  parallel 1, one torchrun process, 128-token samples, a 64-token draft vocabulary, 3 epochs);
+  parallel 1, one torchrun process, 128-token samples and rows, a 64-token draft vocabulary,
+  3 epochs, 8 prompts);
 - `vllm serve`: vLLM's CPU build cannot speculate, so the serve command's own arguments are parsed
   by vLLM's serve parser and its engine configuration built (`create_engine_config`, which loads
   vLLM's general plugins, ours among them), in a fresh process, without starting the server.
@@ -45,7 +46,7 @@ SCALED_DOWN = {
     ("--seq-length", "4096"): "128",
     ("--draft-vocab-size", "32000"): "64",
     ("--epochs", "10"): "3",
-    ("--total-seq-len", "8192"): "256",
+    ("--total-seq-len", "8192"): "128",
     ("--max-prompts", "200"): "8",
 }
 STEPS = [["speculators", "datagen"], ["speculators", "vocab-mapping"], ["torchrun", "--nproc-per-node"],
@@ -67,11 +68,11 @@ validate_parsed_serve_args(args)
 args.model = args.model_tag
 config = AsyncEngineArgs.from_cli_args(args).create_engine_config(UsageContext.OPENAI_API_SERVER)
 spec = config.speculative_config
-target, _ = ModelRegistry.resolve_model_cls(config.model_config.architectures, config.model_config)
+target, architecture = ModelRegistry.resolve_model_cls(config.model_config.architectures, config.model_config)
 print("SERVE_CONFIG " + json.dumps({
     "method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
     "aux_layer_ids": spec.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids,
-    "target_class": target.__name__, "target_supports_eagle3": bool(supports_eagle3(target)),
+    "architecture": architecture, "target_supports_eagle3": bool(supports_eagle3(target)),
 }))
 """
 
@@ -257,6 +258,11 @@ def test_the_block_runs_as_written_on_the_tiny_kimi_k25(kimi_run):
         kimi_run.require(name)
     report = kimi_run.eval_report()
     assert report["engine"] == "hf" and report["num_prompts"] == 8
+    # Before any long work, datagen and train say the draft will be servable (through the plugin).
+    for name in ("speculators datagen", "torchrun --nproc-per-node"):
+        _, done = kimi_run.step(name)
+        assert "can serve an EAGLE-3 draft for this target with this package's plugin" in (
+            done.stdout + done.stderr), name
 
 
 @pytest.mark.engine
@@ -266,14 +272,14 @@ def test_vllm_serve_takes_the_trained_draft_with_the_plugin(kimi_run, deepseek_r
     target, whose model class (Kimi-K2.5's wrapper, DeepSeek-V3's causal LM) then supports EAGLE-3
     and is given the aux layers the draft was trained on (datagen's defaults in vLLM's numbering)."""
     expected = {"KimiK25ForConditionalGeneration": kimi_run, "DeepseekV3ForCausalLM": deepseek_run}
-    for target_class, recipe in expected.items():
+    for architecture, recipe in expected.items():
         recipe.require(*(" ".join(s) for s in STEPS))
         _, done = recipe.step("vllm serve")
         line = next(x for x in done.stdout.splitlines() if x.startswith("SERVE_CONFIG "))
         served = json.loads(line.removeprefix("SERVE_CONFIG "))
         assert served == {
             "method": "eagle3", "num_speculative_tokens": 3, "aux_layer_ids": [3, 4, 5],
-            "target_class": target_class, "target_supports_eagle3": True,
+            "architecture": architecture, "target_supports_eagle3": True,
         }
 
 
@@ -301,7 +307,7 @@ def test_the_kimi_draft_is_the_deepseek_v3_draft(kimi_run, deepseek_run):
 def test_the_trained_kimi_draft_beats_the_untrained_one(kimi_run, untrained_tau):
     kimi_run.require("speculators eval")
     trained, untrained = tau(kimi_run.eval_report()), tau(untrained_tau)
-    assert untrained < 1.1, untrained  # the target's next tokens are not guessable untrained
+    assert untrained < 1.05, untrained  # the untrained draft guesses (almost) nothing
     assert trained > untrained + 0.15, (trained, untrained)
 
 
