@@ -307,6 +307,7 @@ def test_the_kimi_draft_is_the_deepseek_v3_draft(kimi_run, deepseek_run):
 def test_the_trained_kimi_draft_beats_the_untrained_one(kimi_run, untrained_tau):
     kimi_run.require("speculators eval")
     trained, untrained = tau(kimi_run.eval_report()), tau(untrained_tau)
+    print(f"tau: trained {trained:.3f}, untrained {untrained:.3f}")
     assert untrained < 1.05, untrained  # the untrained draft guesses (almost) nothing
     assert trained > untrained + 0.15, (trained, untrained)
 
