@@ -49,6 +49,9 @@ class Eagle3DeepseekV2Model(DeepseekV2Model):
     """vLLM's DeepSeek-V2/V3 decoder stack that also returns the residual streams asked for."""
 
     aux_hidden_state_layers: tuple[int, ...] = ()
+    # What turns vLLM's float16 stream back into the model's own (1.0 in bf16/fp32); set together
+    # with the layers, so the (compiled) forward only multiplies by a constant.
+    aux_stream_scale: float = 1.0
 
     def forward(
         self,
@@ -80,13 +83,13 @@ class Eagle3DeepseekV2Model(DeepseekV2Model):
                 scaling_beta=scaling["beta"],
                 positions=positions,
             )
-        # The factor vLLM's float16 path divided the stream by (1.0 in bf16/fp32).
-        scale = residual_scale(self.layers[self.start_layer], hidden_states.dtype)
+        scale = self.aux_stream_scale
         wanted = self.aux_hidden_state_layers
         aux_hidden_states: list[torch.Tensor] = []
         for index in range(self.start_layer, self.end_layer):
             if index in wanted:
-                aux_hidden_states.append(_stream(hidden_states, residual, 1.0 if index == 0 else scale))
+                stream_scale = 1.0 if index == 0 else scale  # layer 0's input is the embedding
+                aux_hidden_states.append(_stream(hidden_states, residual, stream_scale))
             hidden_states, residual = self.layers[index](
                 positions, hidden_states, residual, llama_4_scaling
             )
@@ -98,7 +101,9 @@ class Eagle3DeepseekV2Model(DeepseekV2Model):
         return hidden_states, aux_hidden_states
 
 
-def _stream(hidden_states: torch.Tensor, residual: torch.Tensor | None, scale: float) -> torch.Tensor:
+def _stream(
+    hidden_states: torch.Tensor, residual: torch.Tensor | None, scale: float
+) -> torch.Tensor:
     """The residual stream between two layers (vLLM defers the add to the next layer's norm)."""
     stream = hidden_states if residual is None else hidden_states + residual
     return stream * scale if scale != 1.0 else stream
@@ -121,7 +126,10 @@ class Eagle3DeepseekV2ForCausalLM(DeepseekV2ForCausalLM, SupportsEagle3):
     model_cls = Eagle3DeepseekV2Model
 
     def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
-        self.model.aux_hidden_state_layers = _checked_layers(layers, len(self.model.layers))
+        model = self.model
+        model.aux_hidden_state_layers = _checked_layers(layers, len(model.layers))
+        dtype = model.vllm_config.model_config.dtype  # the activations' dtype
+        model.aux_stream_scale = residual_scale(model.layers[model.start_layer], dtype)
 
     def get_eagle3_aux_hidden_state_layers(self) -> tuple[int, ...]:
         # vLLM's default for Llama; a draft's config.json names its own layers and wins.

@@ -63,3 +63,12 @@ def test_a_draft_measures_the_same_on_the_kimi_wrapper_as_on_its_language_model(
     assert kimi_row["generated_tokens"] == 3 * 12 and kimi_row["acceptance_length"] > 1.0
     for key in ("acceptance_length", "num_drafts", "num_accepted_tokens", "per_position_acceptance_rate"):
         assert kimi_row[key] == plain_row[key], key
+
+    # The real folder's tokenizer is its own code (tiktoken): refused in one line, naming the flag.
+    tokenizer_config = json.loads((kimi / "tokenizer_config.json").read_text())
+    tokenizer_config.update(tokenizer_class="TikTokenTokenizer",
+                            auto_map={"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]})
+    (kimi / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    result = CliRunner().invoke(app, ["eval", "--draft", str(draft), "--data-path", str(data), "--engine", "hf"])
+    assert result.exit_code == 2
+    assert "needs the Python code shipped in its folder; pass --trust-remote-code" in result.output, result.output

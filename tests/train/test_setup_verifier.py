@@ -85,3 +85,21 @@ def test_folder_code_runs_only_with_trust_remote_code(tiny_kimi_k25, deepseek_da
     with pytest.raises(TrainSetupError, match="no usable hidden_size"):  # read by the stand-in code
         _prepare(folder, deepseek_data, tmp_path / "save", "--trust-remote-code")
     assert (folder / REMOTE_CODE_MARKER).exists()
+
+
+def test_the_drafts_rope_scaling_is_the_verifiers_without_vllms_copy_of_rope_theta(tmp_path):
+    """vLLM's reader puts `rope_theta` into `rope_scaling` (one dict with its `rope_parameters`);
+    the draft's Llama layer keeps the verifier's scaling as transformers wrote it."""
+    from transformers import LlamaConfig
+
+    from speculators_vllm016.train.setup import build_draft_config, verifier_text_config
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    LlamaConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=4, intermediate_size=128,
+                vocab_size=128, rope_theta=500000.0, rope_scaling=dict(scaling)).save_pretrained(tmp_path)
+    config, text = verifier_text_config(str(tmp_path))
+    draft = build_draft_config(str(tmp_path), config, text, draft_vocab=32, num_layers=1,
+                               norm_before_residual=True, ttt_steps=3, aux_layer_ids=[3, 3, 2])
+    layer = draft.transformer_layer_config
+    assert layer.rope_scaling == scaling and layer.rope_theta == 500000.0
