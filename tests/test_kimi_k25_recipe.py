@@ -30,10 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from tests.test_readme_commands import section_commands
+from tests.train.test_online import assert_same_weights
 from tests.training_fixtures import cli_env, free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -217,17 +216,6 @@ def untrained_tau(kimi_run) -> dict:
 def tau(report: dict) -> float:
     (draft,) = report["drafts"]
     return draft["acceptance_length"]
-
-
-def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(checkpoint / "model.safetensors"))
-
-
-def assert_same_weights(a: Path, b: Path) -> None:
-    left, right = weights(a), weights(b)
-    assert left.keys() == right.keys()
-    different = [name for name in left if not torch.equal(left[name], right[name])]
-    assert not different, f"{a} and {b} differ: {different[:5]}"
 
 
 # ------------------------------------------------------------------------------------------------
