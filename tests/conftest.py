@@ -57,6 +57,22 @@ def tiny_kimi_k25(models_dir: Path, tiny_deepseek_v3: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def taught_deepseek_v3(models_dir: Path) -> Path:
+    """A tiny DeepSeek-V3 trained briefly on the demo conversations (a draft can learn from it)."""
+    from tests.tiny_models import build_taught_tiny_deepseek_v3
+
+    return build_taught_tiny_deepseek_v3(models_dir / "deepseek_v3_taught")
+
+
+@pytest.fixture(scope="session")
+def taught_kimi_k25(models_dir: Path, taught_deepseek_v3: Path) -> Path:
+    """The tiny Kimi-K2.5 wrapper around `taught_deepseek_v3` (the same weights inside)."""
+    from tests.tiny_models import build_tiny_kimi_k25
+
+    return build_tiny_kimi_k25(models_dir / "kimi_k25_taught", language_model=taught_deepseek_v3)
+
+
+@pytest.fixture(scope="session")
 def training_data(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """24 sample files of 20 to 90 tokens from the tiny Llama, with d2t/t2d maps beside the folder."""
     from tests.training_fixtures import write_dataset, write_vocab_maps

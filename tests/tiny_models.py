@@ -16,7 +16,9 @@ import torch
 
 from speculators_vllm016.tiny_models import save_checkpoint, seeded_model
 
-__all__ = ["build_tiny_deepseek_v3", "build_tiny_kimi_k25", "build_tiny_qwen3"]
+__all__ = [
+    "build_taught_tiny_deepseek_v3", "build_tiny_deepseek_v3", "build_tiny_kimi_k25", "build_tiny_qwen3",
+]
 
 
 def build_tiny_qwen3(
@@ -126,6 +128,38 @@ def build_tiny_deepseek_v3(
     return out
 
 
+def build_taught_tiny_deepseek_v3(path: str | Path, *, steps: int = 40) -> Path:
+    """A tiny DeepSeek-V3 that has learnt the demo conversations: a target a draft can learn from.
+
+    A random target's next tokens are noise (a draft trained on it stays at tau ~1.0), so, as the
+    demo does for its Llama, the model is trained briefly (`steps` x 8 rows x 64 tokens) on the
+    shipped conversations with a tokenizer trained on them. Seven layers: the smallest count whose
+    default datagen layers `[2, N // 2, N - 3, N - 1]` are distinct, so the README's commands run
+    without `--layer-ids`. The tokenizer keeps one id of the 512 free, for the Kimi-K2.5 wrapper's
+    media token. Reused when `path` holds a finished build.
+    """
+    from speculators_vllm016.demo import demo_conversations_path, read_conversations
+    from speculators_vllm016.demo.target import TargetTraining, train_demo_target
+    from speculators_vllm016.tiny_models import build_tokenizer
+
+    out = Path(path)
+    initial = out.with_name(f"{out.name}-initial")
+    if not (initial / "tokenizer.json").is_file():
+        build_tiny_deepseek_v3(initial, num_hidden_layers=7, tokenizer_style=None)
+        corpus = [m["content"] for messages in read_conversations(demo_conversations_path()) for m in messages]
+        build_tokenizer(initial, "llama3", corpus, vocab_size=511)
+    threads = torch.get_num_threads()
+    # One thread: OpenMP's spinning workers make this many times slower on a busy 2-core machine.
+    torch.set_num_threads(1)
+    try:
+        train_demo_target(initial, out, demo_conversations_path(), TargetTraining(
+            steps=steps, row_tokens=64, rows_per_step=8, lr=3e-3, show_progress=False,
+        ))
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
 # Kimi-K2.5 loads its media processor as remote code from the checkpoint folder. The text-only
 # runs here never process media, so this stand-in only answers the questions vLLM asks at start-up.
 _KIMI_MEDIA_PROCESSOR = """
@@ -178,6 +212,12 @@ def build_tiny_kimi_k25(path: str | Path, *, language_model: str | Path | None =
 
     config = {
         "architectures": ["KimiK25ForConditionalGeneration"],
+        # The real folder's: its own code, which nothing here may need (no such file is written).
+        "auto_map": {
+            "AutoConfig": "configuration_kimi_k25.KimiK25Config",
+            "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
+            "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
+        },
         "model_type": "kimi_k25",
         "text_config": text_config,
         "vision_config": {

@@ -45,6 +45,10 @@ def evaluate(
         help="hf: transformers verifier + the draft (runs anywhere); vllm: vLLM 0.16 spec decode "
         "(GPU builds); auto: vllm where vLLM can speculate, else hf.",
     ),
+    tensor_parallel_size: int = typer.Option(
+        1, "--tensor-parallel-size", min=1,
+        help="vllm: GPUs that hold the verifier (8 for Kimi-K2.5 on 8 GPUs); the hf engine takes 1.",
+    ),
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="hf: prompts per verifier pass."),
     device: str | None = typer.Option(None, "--device", help="hf: default cuda if available, else cpu."),
     dtype: str = typer.Option(
@@ -98,6 +102,7 @@ def evaluate(
         max_new_tokens=max_new_tokens,
         num_speculative_tokens=num_speculative_tokens,
         engine=engine,
+        tensor_parallel_size=tensor_parallel_size,
         batch_size=batch_size,
         device=device,
         dtype=dtype,

@@ -33,6 +33,7 @@ class EvalOptions:
     max_new_tokens: int = 128
     num_speculative_tokens: int | None = None  # default: each draft's config
     engine: str = "auto"
+    tensor_parallel_size: int = 1  # vllm engine: GPUs per verifier copy
     batch_size: int = 8
     device: str | None = None  # hf engine; default cuda when available
     dtype: str = "auto"
@@ -183,6 +184,11 @@ def run_evaluation(options: EvalOptions) -> EvaluationReport:
         check_verifier_matches(draft, setting.expects, verifier_path, verifier_config)
     _check_trained_for(options, settings, verifier_path)
     engine = resolve_engine(options.engine)
+    if engine == "hf" and options.tensor_parallel_size != 1:
+        raise ValueError(
+            f"--tensor-parallel-size {options.tensor_parallel_size} needs the vllm engine; eval runs "
+            f"the hf engine here (--engine {options.engine}), which holds the verifier on one device"
+        )
     labels = options.labels or _labels(options.drafts)
 
     from speculators_vllm016.evaluate.prompts import load_eval_prompts
@@ -301,6 +307,7 @@ def _run_vllm(options, settings, verifier_path, prompts, labels, report) -> None
             prompts,
             options.max_new_tokens,
             k,
+            tensor_parallel_size=options.tensor_parallel_size,
             dtype=options.dtype,
             ignore_eos=options.ignore_eos,
             show_progress=options.show_progress,

@@ -115,6 +115,19 @@ def test_engine_vllm_on_the_cpu_build_names_engine_hf(workspace):
     assert lines == ["error: vLLM's CPU build refuses speculative decoding; use --engine hf"]
 
 
+def test_tensor_parallel_on_the_hf_engine_is_one_line_before_any_model_loads(workspace, tmp_path):
+    out = tmp_path / "eval.json"
+    result = CliRunner().invoke(app, [
+        "eval", "--draft", str(workspace / "ckpt" / "0"), "--data-path", str(workspace / "chat.jsonl"),
+        "--engine", "hf", "--tensor-parallel-size", "8", "--output-json", str(out),
+    ])
+    assert result.exit_code == 2
+    lines = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert lines == ["error: --tensor-parallel-size 8 needs the vllm engine; eval runs the hf engine "
+                     "here (--engine hf), which holds the verifier on one device"]
+    assert not out.exists()
+
+
 def test_eval_reads_the_trainers_checkpoints_and_tau_sim(workspace, tiny_llama, training_data, tmp_path):
     """Checkpoints and metrics.jsonl as `speculators train` writes them."""
     from speculators_vllm016.cli.train import main as train
