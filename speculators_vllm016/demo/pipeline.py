@@ -27,7 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from speculators_vllm016.utils.atomic_files import atomic_write, atomic_write_text, replace_folder
+from speculators_vllm016.utils.atomic_files import (
+    atomic_write,
+    atomic_write_text,
+    give_usual_modes,
+    replace_folder,
+)
 
 if TYPE_CHECKING:
     from speculators_vllm016.train.job_config import TrainJobConfig
@@ -189,6 +194,7 @@ def _save_initial_draft(config: TrainJobConfig, output: Path) -> None:
     weights = {k: v.detach() for k, v in model.state_dict().items()}
     model.save_pretrained(temporary, state_dict=convert_float_dtype(weights, torch.bfloat16),
                           safe_serialization=True)
+    give_usual_modes(temporary)
     replace_folder(temporary, output)
 
 

@@ -60,6 +60,7 @@ from speculators_vllm016.utils.atomic_files import (
     TEMP_SUFFIX,
     atomic_torch_save,
     fsync_folder,
+    give_usual_modes,
     replace_folder,
 )
 from speculators_vllm016.utils.errors import type_and_first_line
@@ -499,6 +500,7 @@ class BaseCheckpointer:
             dist.barrier()
         if rank == 0:
             (temporary / STATE_FILE).write_text(state.to_json())
+            give_usual_modes(temporary)  # safetensors writes 0600: a server may run as another user
             _fsync_files(temporary)
 
     def load_rng_state(self, checkpoint: Path) -> dict[str, Any] | None:

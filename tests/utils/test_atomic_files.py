@@ -66,3 +66,27 @@ def test_torch_save_reports_a_full_disk_as_itself():
     with pytest.raises(OSError) as caught:
         torch_save({"t": torch.zeros(1 << 16)}, "/dev/full")
     assert caught.value.errno == errno.ENOSPC
+
+
+def test_a_model_folder_gets_the_modes_a_plain_open_gives(tmp_path):
+    """safetensors' own writer leaves 0600; after `give_usual_modes` every file has the mode
+    the umask allows (0644 under 022, 0640 under 027), as a json written with `open` has."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from speculators_vllm016.utils.atomic_files import give_usual_modes, usual_file_mode
+
+    for umask, expected in ((0o022, 0o644), (0o027, 0o640)):
+        folder = tmp_path / oct(umask)
+        (folder / "sub").mkdir(parents=True)
+        previous = os.umask(umask)
+        try:
+            save_file({"w": torch.zeros(2)}, str(folder / "sub" / "model.safetensors"))
+            (folder / "config.json").write_text("{}")
+            assert usual_file_mode() == expected
+            give_usual_modes(folder)
+        finally:
+            os.umask(previous)
+        modes = {p.name: p.stat().st_mode & 0o777 for p in folder.rglob("*") if p.is_file()}
+        assert modes == {"model.safetensors": expected, "config.json": expected}
