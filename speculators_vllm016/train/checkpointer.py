@@ -108,6 +108,11 @@ class TrainingState:
     best_val_tau_sim: float | None = None
     best_checkpoint: str | None = None
     skipped_samples: int = 0
+    """Samples of training rows dropped as unusable (NaN/inf, wrong widths, unreadable), each epoch."""
+    unreadable_files: int = 0
+    """Sample files left out when the data was listed (not even their header could be read)."""
+    last_loss: float | None = None
+    """The last training step's loss: the command's last line reports it."""
     # The training files' names and token counts, hashed: the sampler's plans depend on them.
     data_digest: str | None = None
     # `--deterministic` (None: a checkpoint from before it was recorded).

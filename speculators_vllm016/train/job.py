@@ -45,7 +45,7 @@ class TrainJobResult:
     """With --extraction-ranks: the hidden states this training rank received, in bytes."""
 
     def describe(self) -> str:
-        skipped = f", {self.state.skipped_samples} unusable samples skipped" if self.state.skipped_samples else ""
+        skipped = "".join(f", {phrase}" for phrase in self.data_losses())
         if self.online is not None:
             stats = self.online
             skipped += (f"; online: {stats.extracted_samples} samples extracted, "
@@ -53,7 +53,30 @@ class TrainJobResult:
                         f"{stats.engine_starts} times")
         if self.received_bytes is not None:
             skipped += f"; online: {self.received_bytes / 1e6:,.1f} MB of samples received from the extraction ranks"
-        return f"Done: {self.state.global_step} steps, checkpoints in {self.save_path}{skipped}"
+        return f"Done: {self.state.global_step} steps{self.outcome()}, checkpoints in {self.save_path}{skipped}"
+
+    def outcome(self) -> str:
+        """", last loss L, validation tau_sim T, best checkpoint P (tau_sim B)" as far as known."""
+        state, parts = self.state, []
+        if state.last_loss is not None:
+            parts.append(f"last loss {state.last_loss:.4f}")
+        if state.val_tau_sim is not None:
+            parts.append(f"validation tau_sim {state.val_tau_sim:.3f}")
+        if state.best_checkpoint is not None and state.best_val_tau_sim is not None:
+            parts.append(f"best checkpoint {self.save_path / state.best_checkpoint} "
+                         f"(tau_sim {state.best_val_tau_sim:.3f})")
+        return "".join(f", {part}" for part in parts)
+
+    def data_losses(self) -> list[str]:
+        """The samples the run could not use, counted ("1 unusable sample skipped", ...)."""
+        phrases = []
+        if self.state.skipped_samples:
+            count = self.state.skipped_samples
+            phrases.append(f"{count} unusable sample{'s' if count != 1 else ''} skipped")
+        if self.state.unreadable_files:
+            count = self.state.unreadable_files
+            phrases.append(f"{count} unreadable sample file{'s' if count != 1 else ''} left out")
+        return phrases
 
 
 def run_train_job(
