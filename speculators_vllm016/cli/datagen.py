@@ -179,9 +179,9 @@ def options_from_args(args: argparse.Namespace) -> DatagenOptions:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "speculators datagen") -> int:
+    args = build_parser(prog).parse_args(argv)  # before the engine's imports: `--help` is quick
     from speculators_vllm016.data_generation.offline import run_datagen, summary_json
 
-    args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def run() -> int:
