@@ -8,7 +8,7 @@ from typing import NoReturn
 
 import typer
 
-from speculators_vllm016.utils.errors import first_line
+from speculators_vllm016.utils.command_errors import EXIT_ERROR, describe_error, error_line
 
 __all__ = ["evaluate"]
 
@@ -61,6 +61,7 @@ def evaluate(
         None, "--plot", help="Write a PNG of per-position acceptance here (needs matplotlib)."
     ),
     no_progress: bool = typer.Option(False, "--no-progress", help="Hide progress bars."),
+    debug: bool = typer.Option(False, "--debug", help="Show the full traceback of an error."),
 ) -> None:
     """Measure draft acceptance (per-position rates, tau, tokens/s) on chat prompts."""
     from speculators_vllm016.evaluate.report import format_table, write_json, write_plot
@@ -97,7 +98,9 @@ def evaluate(
     except (ValueError, OSError, RuntimeError) as error:
         # OSError: transformers' answer to a tokenizer it cannot find (a folder without tokenizer
         # files, a hub id with no network); FileNotFoundError is one too.
-        _fail(first_line(error))
+        if debug:
+            raise
+        _fail(describe_error(error))
     typer.echo(
         f"{report.num_prompts} prompts from {report.data_path}, verifier {report.verifier}, "
         f"engine {report.engine}, up to {report.max_new_tokens} new tokens"
@@ -112,5 +115,5 @@ def evaluate(
 
 
 def _fail(message: str) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
+    typer.echo(error_line(message), err=True)
+    raise typer.Exit(EXIT_ERROR)
