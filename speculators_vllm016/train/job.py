@@ -146,7 +146,8 @@ def run_train_job(
         local_rank, world_size, rank, distributed = maybe_setup_distributed(device_name)
     failure: BaseException | None = None
     try:
-        setup_root_logger("INFO", ranks="local-0" if layout is None else "rank-0")
+        setup_root_logger("INFO", ranks="local-0" if layout is None else "rank-0",
+                          train_steps=config.logging.no_progress)  # a bar shows them otherwise
         save_path.mkdir(parents=True, exist_ok=True)
         if rank == 0:
             save_job_config(config, save_path / CONFIG_FILE)
