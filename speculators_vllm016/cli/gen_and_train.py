@@ -130,7 +130,7 @@ def plan_from_argv(argv: Sequence[str]) -> PipelinePlan:
 
 def _datagen_record(plan: PipelinePlan) -> dict:
     # The folder itself is not recorded: a data folder moved or copied elsewhere stays done.
-    skip = ("no_progress", "debug", "output_dir")
+    skip = ("no_progress", "debug", "output_dir", "verbose")
     values = {k: v for k, v in vars(plan.datagen).items() if k not in skip}
     return json.loads(json.dumps(values, default=str))
 
@@ -154,7 +154,7 @@ def run_datagen_stage(plan: PipelinePlan) -> bool:
     """Datagen, skipped when this folder's record says the same flags already finished.
 
     Returns whether it ran (its token counts may have changed)."""
-    from speculators_vllm016.cli.datagen import options_from_args
+    from speculators_vllm016.cli.datagen import keep_vllm_quiet, options_from_args
     from speculators_vllm016.data_generation.offline import run_datagen
 
     data = Path(plan.datagen.output_dir)
@@ -164,6 +164,8 @@ def run_datagen_stage(plan: PipelinePlan) -> bool:
         print(f"[1/3] datagen: done earlier in {data}")
         return False
     print(f"[1/3] datagen -> {data}")
+    if not getattr(plan.datagen, "verbose", False):
+        keep_vllm_quiet()
     summary = run_datagen(options_from_args(plan.datagen))
     print(f"      {summary.describe()}")
     atomic_write_text(done, json.dumps(record, indent=2) + "\n")
