@@ -397,7 +397,9 @@ def test_validation_weighs_a_row_of_unusable_samples_zero(tiny_llama, training_d
     empty = collate([None])
     clean = tiny_trainer(tiny_llama, training_data, tmp_path / "a", good, good).val_epoch(0)
     mixed = tiny_trainer(tiny_llama, training_data, tmp_path / "b", good, [good[0], empty, good[1]])
-    assert mixed.val_epoch(0) == pytest.approx(clean, rel=1e-6)
+    means = mixed.val_epoch(0)
+    assert means.pop("skipped_samples") == 1  # counted in the validation record (#37 item 18)
+    assert means == pytest.approx(clean, rel=1e-6)
 
 
 def test_skipped_samples_averaged_over_three_ranks_count_exactly(tiny_llama, training_data, tmp_path):
