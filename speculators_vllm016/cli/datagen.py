@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from collections.abc import Sequence
 
 from speculators_vllm016.cli.errors import describe_error, report_errors
@@ -155,7 +156,7 @@ def build_parser(prog: str = "speculators datagen") -> argparse.ArgumentParser:
         help=(
             "sequences per extraction call (0.3.0 used 8). The engine runs a call's sequences "
             "continuously and samples are written as they finish, but each call ends with a "
-            "partly filled step, so larger is faster; a resumed run recomputes whole calls"
+            "partly filled step, so larger is faster; a resumed run computes only the missing samples"
         ),
     )
     output.add_argument("--num-shards", type=int, default=1, help="shards of the whole job")
@@ -170,7 +171,19 @@ def build_parser(prog: str = "speculators datagen") -> argparse.ArgumentParser:
     parser.add_argument(
         "--debug", action="store_true", help="show the full traceback of an error"
     )
+    parser.add_argument(
+        "--verbose", action="store_true",
+        help="show vLLM's own start-up lines (by default only its warnings and errors show)",
+    )
     return parser
+
+
+def keep_vllm_quiet() -> None:
+    """vLLM's INFO lines (config dumps, compile and cache notes: dozens at every start) buried
+    datagen's own; only its warnings and errors show. The variable reaches vLLM when it is
+    imported and its worker processes; a level the user set is kept."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
 
 
 def options_from_args(args: argparse.Namespace) -> DatagenOptions:
@@ -179,9 +192,11 @@ def options_from_args(args: argparse.Namespace) -> DatagenOptions:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "speculators datagen") -> int:
+    args = build_parser(prog).parse_args(argv)  # before the engine's imports: `--help` is quick
+    if not args.verbose:
+        keep_vllm_quiet()
     from speculators_vllm016.data_generation.offline import run_datagen, summary_json
 
-    args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def run() -> int:

@@ -8,7 +8,7 @@ from typing import NoReturn
 
 import typer
 
-from speculators_vllm016.utils.errors import first_line
+from speculators_vllm016.utils.command_errors import EXIT_ERROR, describe_error, error_line
 from speculators_vllm016.utils.output_paths import check_output_file
 
 __all__ = ["evaluate"]
@@ -76,6 +76,7 @@ def evaluate(
         help="Measure a draft against a verifier whose final norm and LM head differ from those it "
         "was trained against (refused otherwise: usually a wrong --verifier).",
     ),
+    debug: bool = typer.Option(False, "--debug", help="Show the full traceback of an error."),
 ) -> None:
     """Measure draft acceptance (per-position rates, tau, tokens/s) on chat prompts."""
     from speculators_vllm016.evaluate.report import format_table, write_json, write_plot
@@ -118,7 +119,9 @@ def evaluate(
     except (ValueError, OSError, RuntimeError) as error:
         # OSError: transformers' answer to a tokenizer it cannot find (a folder without tokenizer
         # files, a hub id with no network); FileNotFoundError is one too.
-        _fail(first_line(error))
+        if debug:
+            raise
+        _fail(describe_error(error))
     typer.echo(
         f"{report.num_prompts} prompts from {report.data_path}, verifier {report.verifier}, "
         f"engine {report.engine}, up to {report.max_new_tokens} new tokens"
@@ -133,5 +136,5 @@ def evaluate(
 
 
 def _fail(message: str) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
+    typer.echo(error_line(message), err=True)
+    raise typer.Exit(EXIT_ERROR)

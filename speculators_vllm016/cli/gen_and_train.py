@@ -22,6 +22,7 @@ from speculators_vllm016.train.job_config import JobConfigError, TrainJobConfig
 from speculators_vllm016.train.vocab_maps import (
     D2T_FILE,
     T2D_FILE,
+    draft_vocab_too_large,
     target_vocab_size_of,
     write_vocab_mappings_from_counts,
 )
@@ -93,10 +94,7 @@ def plan_from_argv(argv: Sequence[str]) -> PipelinePlan:
     if own.draft_vocab_size < 1:
         raise SystemExit(f"error: --draft-vocab-size must be at least 1, got {own.draft_vocab_size}")
     if own.target_vocab_size is not None and own.target_vocab_size < own.draft_vocab_size:
-        raise SystemExit(
-            f"error: --draft-vocab-size {own.draft_vocab_size} exceeds --target-vocab-size "
-            f"{own.target_vocab_size}; the draft predicts a subset of the target's tokens"
-        )
+        raise SystemExit(f"error: {draft_vocab_too_large(own.draft_vocab_size, own.target_vocab_size)}")
     root = Path(own.output_dir)
     shared = ["--seed", str(own.seed)] + (["--no-progress"] if own.no_progress else [])
     shared += ["--debug"] if own.debug else []
@@ -132,7 +130,7 @@ def plan_from_argv(argv: Sequence[str]) -> PipelinePlan:
 
 def _datagen_record(plan: PipelinePlan) -> dict:
     # The folder itself is not recorded: a data folder moved or copied elsewhere stays done.
-    skip = ("no_progress", "debug", "output_dir")
+    skip = ("no_progress", "debug", "output_dir", "verbose")
     values = {k: v for k, v in vars(plan.datagen).items() if k not in skip}
     return json.loads(json.dumps(values, default=str))
 
@@ -149,17 +147,14 @@ def check_vocab_sizes(plan: PipelinePlan) -> None:
     except Exception:  # noqa: BLE001 - datagen reports an unusable target itself
         return
     if plan.draft_vocab_size > size:
-        raise ValueError(
-            f"--draft-vocab-size {plan.draft_vocab_size} exceeds the target's vocabulary of "
-            f"{size} tokens; choose at most {size}"
-        )
+        raise ValueError(draft_vocab_too_large(plan.draft_vocab_size, size))
 
 
 def run_datagen_stage(plan: PipelinePlan) -> bool:
     """Datagen, skipped when this folder's record says the same flags already finished.
 
     Returns whether it ran (its token counts may have changed)."""
-    from speculators_vllm016.cli.datagen import options_from_args
+    from speculators_vllm016.cli.datagen import keep_vllm_quiet, options_from_args
     from speculators_vllm016.data_generation.offline import run_datagen
 
     data = Path(plan.datagen.output_dir)
@@ -169,6 +164,8 @@ def run_datagen_stage(plan: PipelinePlan) -> bool:
         print(f"[1/3] datagen: done earlier in {data}")
         return False
     print(f"[1/3] datagen -> {data}")
+    if not getattr(plan.datagen, "verbose", False):
+        keep_vllm_quiet()
     summary = run_datagen(options_from_args(plan.datagen))
     print(f"      {summary.describe()}")
     atomic_write_text(done, json.dumps(record, indent=2) + "\n")
@@ -214,6 +211,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "speculators gen-and-tra
     from speculators_vllm016.cli import datagen as datagen_cli
     from speculators_vllm016.cli import train as train_cli
     from speculators_vllm016.cli.datagen import report_errors
+    from speculators_vllm016.cli.errors import error_line
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
@@ -227,7 +225,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "speculators gen-and-tra
         plan = plan_from_argv(argv)
     except SystemExit as stop:
         if isinstance(stop.code, str):
-            print(stop.code, file=sys.stderr)
+            print(error_line(stop.code.removeprefix("error: ")), file=sys.stderr)
             return 2
         return int(stop.code or 0)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

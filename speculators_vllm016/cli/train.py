@@ -146,8 +146,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "speculators train") -> 
     try:
         config, _ = config_from_argv(argv, prog)
     except JobConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        from speculators_vllm016.cli.errors import EXIT_ERROR, error_line
+
+        print(error_line(str(error)), file=sys.stderr)
+        return EXIT_ERROR
     return run_config(config)
 
 

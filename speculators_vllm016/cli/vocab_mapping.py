@@ -11,6 +11,7 @@ from typing import NoReturn
 
 import typer
 
+from speculators_vllm016.utils.command_errors import EXIT_ERROR, describe_error, error_line
 from speculators_vllm016.train.vocab_maps import (
     D2T_FILE,
     T2D_FILE,
@@ -43,6 +44,7 @@ def vocab_mapping(
     output_path: str = typer.Option(
         ..., "--output-path", help="Folder to write d2t.npy and t2d.npy into (created if missing)."
     ),
+    debug: bool = typer.Option(False, "--debug", help="Show the full traceback of an error."),
 ) -> None:
     """Build the draft vocabulary maps (d2t.npy, t2d.npy) from token frequencies."""
     if (target_vocab_size is None) == (target_model_path is None):
@@ -56,10 +58,12 @@ def vocab_mapping(
             size = target_vocab_size_of(target_model_path)
         d2t_path, t2d_path = write_vocab_mappings(token_freq_path, draft_vocab_size, size, output_path)
     except (ValueError, FileNotFoundError) as error:
-        _fail(str(error))
+        if debug:
+            raise
+        _fail(describe_error(error))
     typer.echo(f"d2t: {d2t_path} ({draft_vocab_size},)  t2d: {t2d_path} ({size},)")
 
 
 def _fail(message: str) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
+    typer.echo(error_line(message), err=True)
+    raise typer.Exit(EXIT_ERROR)

@@ -2,8 +2,9 @@
 
 dataset -> preprocessing -> this shard's samples -> generator (vLLM) -> writer threads -> files.
 Extraction of batch k+1 overlaps the writing of batch k. A run resumes where a crash left it:
-batches whose files all exist are skipped; a batch missing any file is recomputed whole (so every
-file is bit-identical to an uninterrupted run's) and only the missing files are written.
+only the samples whose files are missing (or fail their check) are computed, in batches of their
+own; a sample's hidden states do not depend on its batch, so the folder equals an uninterrupted
+run's file by file.
 
 The parts live in their own modules: the options (`options`), the folder protocol
 (`output_folder`), the writer pool (`sample_writers`) and the extraction loop (`extraction`).
@@ -232,7 +233,7 @@ def _run_locked(
 class ShardExtraction:
     """What is left of one shard's extraction in a held folder, and running it.
 
-    Present files that check out are kept; batches missing any file run whole, once the started
+    Present files that check out are kept; only the missing samples run, once the started
     engine is known to make tensors like the kept files' (its dtype and width). The run is
     recorded in the folder once the engine started (a typo never locks the folder), and
     `data_config.json` is written when an engine ran.
@@ -273,14 +274,14 @@ class ShardExtraction:
         options, output, folder = self.options, self.options.output, self.folder
         positions, start = self.positions, output.start_idx
         present = self.present()
-        batches = [
-            positions[i : i + output.batch_size] for i in range(0, len(positions), output.batch_size)
-        ]
-        todo = [batch for batch in batches if any(start + p not in present for p in batch)]
-        already = sum(1 for position in positions if start + position in present)
+        # Only the missing samples reach the engine, batched anew: a sample's hidden states do
+        # not depend on the others in its batch (the test compares a resumed folder bit for bit).
+        missing = [position for position in positions if start + position not in present]
+        todo = [missing[i : i + output.batch_size] for i in range(0, len(missing), output.batch_size)]
+        already = len(positions) - len(missing)
         logger.info(
-            "shard %d/%d: %d samples, %d already on disk, %d batches to run",
-            output.shard_index, output.num_shards, len(positions), already, len(todo),
+            "shard %d/%d: %d samples, %d already on disk, %d to compute",
+            output.shard_index, output.num_shards, len(positions), already, len(missing),
         )
 
         written = 0

@@ -314,14 +314,16 @@ def check_utf8(path: str) -> None:
 
 
 def load_raw_dataset(
-    train_data_path: str, num_proc: int = 8, cache_dir: str | None = None
+    train_data_path: str, num_proc: int = 8, cache_dir: str | None = None,
+    flag: str = "--train-data-path",
 ) -> HFDataset:
-    """A local .json/.jsonl file, or a named dataset from `DATASET_CONFIGS` (needs the hub)."""
+    """A local .json/.jsonl file, or a named dataset from `DATASET_CONFIGS` (needs the hub).
+    `flag`: the calling command's name for the path, which its errors name (eval: --data-path)."""
     from datasets import load_dataset
 
     if train_data_path.endswith((".json", ".jsonl")):
         if not os.path.isfile(train_data_path):
-            raise FileNotFoundError(f"no data file at {train_data_path}; check --train-data-path")
+            raise FileNotFoundError(f"no data file at {train_data_path}; check {flag}")
         check_utf8(train_data_path)
         try:
             return load_dataset(
@@ -336,7 +338,7 @@ def load_raw_dataset(
     config = DATASET_CONFIGS.get(train_data_path)
     if config is None:
         raise ValueError(
-            f"unknown dataset {train_data_path!r}: pass a local .json/.jsonl file or one of "
+            f"unknown dataset {train_data_path!r} ({flag}): pass a local .json/.jsonl file or one of "
             f"{sorted(DATASET_CONFIGS)}"
         )
     dataset = load_dataset(config.hf_path, split=config.split, cache_dir=cache_dir)

@@ -26,9 +26,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from speculators_vllm016.utils.atomic_files import (
     TEMP_SUFFIX,
@@ -37,6 +35,9 @@ from speculators_vllm016.utils.atomic_files import (
     real_write_errors,
 )
 from speculators_vllm016.utils.file_lock import try_lock_file
+
+if TYPE_CHECKING:  # torch is imported where a sample is read or written: `--help` needs none
+    import torch
 
 __all__ = [
     "SAMPLE_FILE",
@@ -172,6 +173,8 @@ def write_sample_file(
     slot: WriterSlot | None = None,
 ) -> WrittenFile:
     """`write_sample`, with the temporary file in the writer's own folder; size and hash back."""
+    import torch
+
     input_ids = torch.as_tensor(sample["input_ids"], dtype=torch.long).contiguous()
     loss_mask = torch.as_tensor(sample["loss_mask"], dtype=torch.long).contiguous()
     hidden_states = _independent_layers(list(sample["hidden_states"]))
@@ -203,6 +206,8 @@ def load_sample(path: str | os.PathLike, mmap: bool = True) -> dict[str, Any]:
             "hidden_states": [tensors[f"hidden_states.{i}"] for i in range(count)],
             "loss_mask": tensors["loss_mask"],
         }
+    import torch
+
     return torch.load(path, weights_only=True, mmap=mmap)
 
 

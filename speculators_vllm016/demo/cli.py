@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from speculators_vllm016.demo.engine_dtype import ENGINE_DTYPES
 from speculators_vllm016.demo.pipeline import DemoOptions, DemoResult
 
 __all__ = ["build_parser", "main", "options_from_args", "print_summary", "work_offline"]
@@ -46,6 +47,10 @@ def build_parser(prog: str = "speculators demo") -> argparse.ArgumentParser:
     parser.add_argument("--eval-prompts", type=int, default=24, help="prompts for the evaluation")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per prompt")
     parser.add_argument("--seed", type=int, default=0, help="seeds every stage")
+    parser.add_argument("--dtype", choices=ENGINE_DTYPES, default="auto",
+                        help="the extraction engine's dtype; auto: vLLM's choice (bfloat16 for this "
+                             "model) where the CPU computes bfloat16 natively, float32 where it "
+                             "would be emulated (about 5x slower)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     return parser

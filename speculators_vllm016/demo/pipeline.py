@@ -23,11 +23,16 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from speculators_vllm016.utils.atomic_files import atomic_write, atomic_write_text, replace_folder
+from speculators_vllm016.utils.atomic_files import (
+    atomic_write,
+    atomic_write_text,
+    give_usual_modes,
+    replace_folder,
+)
 
 if TYPE_CHECKING:
     from speculators_vllm016.train.job_config import TrainJobConfig
@@ -57,6 +62,8 @@ class DemoOptions:
     eval_prompts: int = 24
     max_new_tokens: int = 32
     seed: int = 0
+    dtype: str = "auto"
+    """The extraction engine's dtype; "auto" is resolved by `demo.engine_dtype` when the run starts."""
     show_progress: bool = True
 
 
@@ -95,7 +102,8 @@ def stage_options(options: DemoOptions) -> dict[str, dict[str, Any]]:
                    "target_row_tokens": options.target_row_tokens,
                    "target_rows_per_step": options.target_rows_per_step},
         "datagen": {"max_samples": options.max_samples, "seq_length": options.seq_length,
-                    "batch_size": options.batch_size, "output_format": options.output_format},
+                    "batch_size": options.batch_size, "output_format": options.output_format,
+                    "dtype": options.dtype},
         "vocab": {"draft_vocab_size": options.draft_vocab_size},
         "initial draft": {},
         "train": {"epochs": options.epochs, "lr": options.lr, "total_seq_len": options.total_seq_len},
@@ -189,6 +197,7 @@ def _save_initial_draft(config: TrainJobConfig, output: Path) -> None:
     weights = {k: v.detach() for k, v in model.state_dict().items()}
     model.save_pretrained(temporary, state_dict=convert_float_dtype(weights, torch.bfloat16),
                           safe_serialization=True)
+    give_usual_modes(temporary)
     replace_folder(temporary, output)
 
 
@@ -245,7 +254,12 @@ def plot_training_curves(metrics: list[dict], path: Path) -> None:
 def run_demo(options: DemoOptions) -> DemoResult:
     """Run (or resume) every stage; returns what each stage wrote and measured."""
     from speculators_vllm016.demo import build_demo_model, demo_conversations_path
+    from speculators_vllm016.demo.engine_dtype import choose_engine_dtype
 
+    dtype, why = choose_engine_dtype(options.dtype)
+    if why is not None:
+        print(why)
+    options = replace(options, dtype=dtype)  # the stages record the dtype that ran
     root = Path(options.output_dir)
     root.mkdir(parents=True, exist_ok=True)
     state = _load_state(root)
@@ -280,7 +294,7 @@ def run_demo(options: DemoOptions) -> DemoResult:
         )
 
         summary = run_datagen(DatagenOptions(
-            engine=EngineOptions(target_model_path=str(target)),
+            engine=EngineOptions(target_model_path=str(target), dtype=options.dtype),
             preprocessing=PreprocessingOptions(
                 train_data_path=str(conversations), seq_length=options.seq_length,
                 max_samples=options.max_samples, hf_cache_dir=str(root / "hf-datasets-cache"),

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from speculators_vllm016.utils.atomic_files import give_usual_modes
+
 __all__ = ["TargetTraining", "TargetTrainingResult", "render_conversations", "train_demo_target"]
 
 RESULT_FILE = "demo_target_training.json"
@@ -137,6 +139,7 @@ def train_demo_target(
     tokenizer.save_pretrained(temporary)
     saved = {k: v for k, v in vars(result).items() if k not in ("path", "reused")}
     (temporary / RESULT_FILE).write_text(json.dumps(saved, indent=2) + "\n")
+    give_usual_modes(temporary)
     shutil.rmtree(output, ignore_errors=True)
     temporary.rename(output)
     return result

@@ -60,6 +60,7 @@ from speculators_vllm016.utils.atomic_files import (
     TEMP_SUFFIX,
     atomic_torch_save,
     fsync_folder,
+    give_usual_modes,
     replace_folder,
     restore_replaced_folder,
 )
@@ -109,6 +110,11 @@ class TrainingState:
     best_val_tau_sim: float | None = None
     best_checkpoint: str | None = None
     skipped_samples: int = 0
+    """Samples of training rows dropped as unusable (NaN/inf, wrong widths, unreadable), each epoch."""
+    unreadable_files: int = 0
+    """Sample files left out when the data was listed (not even their header could be read)."""
+    last_loss: float | None = None
+    """The last training step's loss: the command's last line reports it."""
     # The training files' names and token counts, hashed: the sampler's plans depend on them.
     data_digest: str | None = None
     # `--deterministic` (None: a checkpoint from before it was recorded).
@@ -509,6 +515,7 @@ class BaseCheckpointer:
             dist.barrier()
         if rank == 0:
             (temporary / STATE_FILE).write_text(state.to_json())
+            give_usual_modes(temporary)  # safetensors writes 0600: a server may run as another user
             _fsync_files(temporary)
 
     def load_rng_state(self, checkpoint: Path) -> dict[str, Any] | None:

@@ -48,7 +48,7 @@ class TrainJobResult:
     """The save path held a finished run (its last epoch or --max-steps): nothing was trained."""
 
     def describe(self) -> str:
-        skipped = f", {self.state.skipped_samples} unusable samples skipped" if self.state.skipped_samples else ""
+        skipped = "".join(f", {phrase}" for phrase in self.data_losses())
         if self.online is not None:
             stats = self.online
             skipped += (f"; online: {stats.extracted_samples} samples extracted, "
@@ -60,7 +60,30 @@ class TrainJobResult:
             return (f"Already complete: {self.state.global_step} steps, checkpoints in "
                     f"{self.save_path}; nothing was trained (to train more, raise --epochs, or "
                     "--max-steps if it was set, and run the same command)")
-        return f"Done: {self.state.global_step} steps, checkpoints in {self.save_path}{skipped}"
+        return f"Done: {self.state.global_step} steps{self.outcome()}, checkpoints in {self.save_path}{skipped}"
+
+    def outcome(self) -> str:
+        """", last loss L, validation tau_sim T, best checkpoint P (tau_sim B)" as far as known."""
+        state, parts = self.state, []
+        if state.last_loss is not None:
+            parts.append(f"last loss {state.last_loss:.4f}")
+        if state.val_tau_sim is not None:
+            parts.append(f"validation tau_sim {state.val_tau_sim:.3f}")
+        if state.best_checkpoint is not None and state.best_val_tau_sim is not None:
+            parts.append(f"best checkpoint {self.save_path / state.best_checkpoint} "
+                         f"(tau_sim {state.best_val_tau_sim:.3f})")
+        return "".join(f", {part}" for part in parts)
+
+    def data_losses(self) -> list[str]:
+        """The samples the run could not use, counted ("1 unusable sample skipped", ...)."""
+        phrases = []
+        if self.state.skipped_samples:
+            count = self.state.skipped_samples
+            phrases.append(f"{count} unusable sample{'s' if count != 1 else ''} skipped")
+        if self.state.unreadable_files:
+            count = self.state.unreadable_files
+            phrases.append(f"{count} unreadable sample file{'s' if count != 1 else ''} left out")
+        return phrases
 
 
 def run_train_job(
@@ -130,7 +153,8 @@ def run_train_job(
         local_rank, world_size, rank, distributed = maybe_setup_distributed(device_name)
     failure: BaseException | None = None
     try:
-        setup_root_logger("INFO", ranks="local-0" if layout is None else "rank-0")
+        setup_root_logger("INFO", ranks="local-0" if layout is None else "rank-0",
+                          train_steps=config.logging.no_progress)  # a bar shows them otherwise
         save_path.mkdir(parents=True, exist_ok=True)
         if rank == 0:
             save_job_config(config, save_path / CONFIG_FILE)

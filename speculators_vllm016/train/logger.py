@@ -27,6 +27,7 @@ __all__ = [
     "JsonlHandler",
     "METRICS_FILE",
     "METRICS_LOGGER",
+    "NoTrainStepsFilter",
     "TensorBoardHandler",
     "TrackioHandler",
     "WandbHandler",
@@ -95,6 +96,14 @@ class IsRank0Filter(logging.Filter):
             return True
         rank = self.rank_val if self.rank_val is not None else _rank(self.local_rank)
         return rank == 0
+
+
+class NoTrainStepsFilter(logging.Filter):
+    """Drops the per-step training records (the console's while a progress bar shows them: a
+    line per step would break the bar; metrics.jsonl and the backends still get every one)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, Mapping) and "train" in record.msg)
 
 
 class FormatDictFilter(logging.Filter):
@@ -225,16 +234,21 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
-def setup_root_logger(level: str | int = "INFO", *, ranks: str = "local-0") -> None:
+def setup_root_logger(
+    level: str | int = "INFO", *, ranks: str = "local-0", train_steps: bool = True
+) -> None:
     """Console logging, with metric mappings rendered readably. `ranks`: which processes log:
     `local-0` (each node's first process, the default), `rank-0` (rank 0 of the training process
     group: with --extraction-ranks it is not a node's first process) or `every` (an extraction
-    rank: each has its own engine and figures)."""
+    rank: each has its own engine and figures). `train_steps=False` keeps the per-step metrics
+    off the console (the progress bar shows loss, acc and tokens/s)."""
     if ranks not in ("local-0", "rank-0", "every"):
         raise ValueError(f"ranks must be local-0, rank-0 or every, got {ranks!r}")
     handler = _StderrHandler()
     if ranks != "every":
         handler.addFilter(IsRank0Filter(local_rank=ranks == "local-0"))
+    if not train_steps:
+        handler.addFilter(NoTrainStepsFilter())
     handler.addFilter(FormatDictFilter())
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler], force=True)

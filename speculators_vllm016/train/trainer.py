@@ -359,7 +359,11 @@ class Trainer:
                 if callable(from_loader):
                     metrics.update(from_loader())
                 # A float averaged over ranks and multiplied back: 5 on 3 ranks is 4.9999998.
-                self.state.skipped_samples += round(metrics.pop("skipped_samples"))
+                skipped = round(metrics.pop("skipped_samples"))
+                if skipped:  # named in the log where it happened; counted here and in the metrics
+                    self.state.skipped_samples += skipped
+                    metrics["skipped_samples"] = skipped
+                self.state.last_loss = metrics.get("loss")
                 trained += metrics.pop("trained_tokens", metrics["tokens"])
                 tokens += metrics["tokens"]
                 # Wall-clock seconds since the previous step ended, waiting for data included
@@ -438,12 +442,16 @@ class Trainer:
             weight = 1.0 if row.has_samples else 0.0
             weighted = {name: value * weight for name, value in metrics.items()}
             weighted["__rows__"] = torch.tensor(weight, device=self.device)
+            weighted["__skipped__"] = row.skipped_samples.to(self.device, torch.float32)
             for name, value in reduce_metrics(weighted, self.is_distributed, self.world_size).items():
                 totals[name] = totals.get(name, 0.0) + value
         rows = totals.pop("__rows__", 0.0)
+        skipped = round(totals.pop("__skipped__", 0.0) * self.world_size)  # a mean over ranks
         if rows == 0:
             return None
         means = {f"{name}_epoch": value / rows for name, value in totals.items()}
+        if skipped:
+            means["skipped_samples"] = skipped
         score = tau_sim({name: value / rows for name, value in totals.items()})
         if score is not None:
             means["tau_sim"] = score
@@ -482,9 +490,15 @@ class Trainer:
         finally:
             self.save_lock.release()  # the run is over: another may use the save path
 
+    def _unreadable_files(self) -> int:
+        """Sample files the loaders' datasets left out when listing the data (named in the log)."""
+        loaders = (self.train_loader, self.val_loader)
+        return sum(len(getattr(getattr(loader, "dataset", None), "unreadable", ())) for loader in loaders)
+
     def _run(self) -> TrainingState:
         self._pending_rng = None
         self._first_step = self.state.global_step  # where this run starts
+        self.state.unreadable_files = self._unreadable_files()
         moved_metrics = False
         if self.resume_ref is None:
             moved_metrics = self.metrics_log.start(

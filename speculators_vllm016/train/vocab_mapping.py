@@ -14,8 +14,12 @@ from speculators_vllm016.data_generation.token_counts import (
     save_token_counts,
     sum_token_counts,
 )
+from speculators_vllm016.train.vocab_size_rule import draft_vocab_too_large
 
-__all__ = ["build_vocab_mappings_from_distribution", "save_token_frequency_distribution"]
+__all__ = [
+    "build_vocab_mappings_from_distribution",
+    "save_token_frequency_distribution",
+]
 
 
 def save_token_frequency_distribution(
@@ -45,9 +49,7 @@ def build_vocab_mappings_from_distribution(
     data has fewer distinct tokens than the draft vocabulary, the lowest unused ids fill it.
     """
     if draft_vocab_size > target_vocab_size:
-        raise ValueError(
-            f"draft_vocab_size {draft_vocab_size} exceeds target_vocab_size {target_vocab_size}"
-        )
+        raise ValueError(draft_vocab_too_large(draft_vocab_size, target_vocab_size))
     ranked = sorted(
         (token for token in token_freq_dict if 0 <= int(token) < target_vocab_size),
         key=lambda token: (-token_freq_dict[token], int(token)),

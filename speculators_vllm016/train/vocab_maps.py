@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from speculators_vllm016.train.job_config import TrainSetupError
+from speculators_vllm016.train.vocab_size_rule import draft_vocab_too_large
 from speculators_vllm016.utils.atomic_files import atomic_write, temporary_path
 from speculators_vllm016.utils.errors import first_line, type_and_first_line
 
@@ -23,10 +24,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("speculators")
 
+
 __all__ = [
     "D2T_FILE",
     "T2D_FILE",
     "VocabMaps",
+    "draft_vocab_too_large",  # from train.vocab_size_rule
     "load_vocab_maps",
     "read_folder_token_counts",
     "resolve_vocab_paths",
@@ -51,6 +54,7 @@ class VocabMaps:
     """bool [target_vocab]: the target tokens the draft predicts."""
     built_from: str | None
     """The token counts they were built from (then training saves them), or None when read."""
+
 
 
 def target_vocab_size_of(target_model_path: str) -> int:
@@ -228,7 +232,7 @@ def load_vocab_maps(
         try:
             d2t, t2d = build_vocab_mappings_from_distribution(counts, draft_vocab_size, target_vocab)
         except ValueError as error:
-            raise TrainSetupError(f"--draft-vocab-size: {error}") from None
+            raise TrainSetupError(str(error)) from None  # names --draft-vocab-size itself
     else:
         raise TrainSetupError(
             f"no vocabulary maps: {d2t_path} / {t2d_path} do not exist; give --d2t-path/--t2d-path "

@@ -26,10 +26,12 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "fsync_folder",
+    "give_usual_modes",
     "replace_folder",
     "restore_replaced_folder",
     "temporary_path",
     "torch_save",
+    "usual_file_mode",
 ]
 
 TEMP_SUFFIX = ".tmp"
@@ -47,6 +49,38 @@ def fsync_folder(folder: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+def _current_umask() -> int:
+    """The process umask, read without changing it where Linux says it (`os.umask` sets it,
+    a moment another thread could create a file in)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def usual_file_mode() -> int:
+    """The mode `open(path, "w")` gives a new file: 0o666 less the umask (0o644 under 022)."""
+    return 0o666 & ~_current_umask()
+
+
+def give_usual_modes(folder: str | os.PathLike) -> None:
+    """Give every file in `folder` (and below) the mode a plain `open` would have given it.
+
+    safetensors 0.8 writes through a temporary file it creates 0600 and renames into place, so
+    a draft's weights were unreadable to a server running as another user while the config
+    beside them was readable. Writers of a model folder call this once the folder is written.
+    """
+    mode = usual_file_mode()
+    for path in Path(folder).rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, mode)
 
 
 def atomic_write(

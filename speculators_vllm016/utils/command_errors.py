@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from speculators_vllm016.utils.errors import first_line
 
-__all__ = ["EXPECTED_ERRORS", "describe_error", "report_errors"]
+__all__ = ["DEBUG_HINT", "EXPECTED_ERRORS", "describe_error", "error_line", "report_errors"]
 
 EXPECTED_ERRORS: tuple[type[BaseException], ...] = (
     ValueError, OSError, NotImplementedError, RuntimeError,
@@ -20,6 +20,13 @@ EXPECTED_ERRORS: tuple[type[BaseException], ...] = (
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130  # Ctrl-C
 EXIT_STOPPED = 143  # stopped by a signal (SIGTERM, a first Ctrl-C) after saving what resumes it
+DEBUG_HINT = "(--debug shows the traceback)"
+
+
+def error_line(message: str) -> str:
+    """The line every command prints for a mistake or an expected failure: one wording, one
+    ending, whichever command (and parser: argparse, typer, a job file) found it."""
+    return f"error: {message} {DEBUG_HINT}"
 
 
 def describe_error(error: BaseException) -> str:
@@ -58,7 +65,7 @@ def report_errors(
     except expected as error:
         if debug:
             raise
-        print(f"error: {describe_error(error)} (--debug shows the traceback)", file=sys.stderr)
+        print(error_line(describe_error(error)), file=sys.stderr)
         # An error that lists several findings (each a line of `details`) prints them all.
         for line in getattr(error, "details", None) or ():
             print(f"  {line}", file=sys.stderr)

@@ -176,3 +176,30 @@ def test_every_demo_flag_has_help():
     for action in demo_parser()._actions:
         if action.option_strings and action.option_strings != ["-h", "--help"]:
             assert action.help, f"demo {action.option_strings} has no help"
+
+
+def test_vllms_start_up_lines_are_kept_out_of_the_way_unless_verbose(tmp_path, monkeypatch):
+    """#37 item 22: by the time the engine would start, vLLM's logging level is WARNING (its
+    variable for the import and the workers, and its logger if already imported); --verbose
+    leaves vLLM as it is, and a level the user set is kept."""
+    import logging
+
+    from speculators_vllm016.cli import datagen as cli
+    from speculators_vllm016.data_generation import offline
+
+    seen = []
+
+    def fake_run(options):
+        seen.append((os.environ.get("VLLM_LOGGING_LEVEL"), logging.getLogger("vllm").level))
+        raise ValueError("stopped before the engine")
+
+    monkeypatch.setattr(offline, "run_datagen", fake_run)
+    argv = ["--target-model-path", str(tmp_path), "--train-data-path", "x.jsonl",
+            "--output-dir", str(tmp_path / "out")]
+    for extra, preset in (([], None), (["--verbose"], None), ([], "DEBUG")):
+        monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+        if preset:
+            monkeypatch.setenv("VLLM_LOGGING_LEVEL", preset)
+        logging.getLogger("vllm").setLevel(logging.NOTSET)
+        assert cli.main([*argv, *extra]) == 2
+    assert seen == [("WARNING", logging.WARNING), (None, logging.NOTSET), ("DEBUG", logging.DEBUG)]

@@ -45,7 +45,7 @@ def test_flags_go_to_their_stage_and_the_layout_comes_from_output_dir():
         (BASE + ["--draft-vocab-size", "0"], "--draft-vocab-size must be at least 1, got 0"),
         (BASE + ["--draft-vocab-size", "-3"], "--draft-vocab-size must be at least 1, got -3"),
         (BASE + ["--draft-vocab-size", "64", "--target-vocab-size", "32"],
-         "--draft-vocab-size 64 exceeds --target-vocab-size 32"),
+         "--draft-vocab-size 64 is larger than the target's vocabulary of 32 tokens"),
     ],
 )
 def test_bad_flags_are_one_line_errors(argv, message, capsys):
@@ -69,7 +69,7 @@ def test_a_draft_vocabulary_larger_than_the_targets_is_refused_before_datagen(
     argv = ["--target-model-path", str(tiny_llama), "--train-data-path", str(demo_conversations_path()),
             "--output-dir", str(tmp_path / "out"), "--draft-vocab-size", str(size + 1)]
     assert main(argv) == 2
-    assert f"--draft-vocab-size {size + 1} exceeds the target's vocabulary of {size} tokens" in (
+    assert f"--draft-vocab-size {size + 1} is larger than the target's vocabulary of {size} tokens" in (
         capsys.readouterr().err
     )
     assert not (tmp_path / "out" / "data").exists()  # datagen never started

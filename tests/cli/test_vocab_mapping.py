@@ -53,7 +53,7 @@ def test_bad_inputs_get_one_line_errors(tmp_path, token_freq):
     assert missing.exit_code == 2 and "no token frequency file" in missing.output
     too_big = invoke("--token-freq-path", token_freq, "--draft-vocab-size", 600,
                      "--target-vocab-size", 512, "--output-path", tmp_path / "o")
-    assert too_big.exit_code == 2 and "exceeds target_vocab_size" in too_big.output
+    assert too_big.exit_code == 2 and "is larger than the target's vocabulary" in too_big.output
     assert not (tmp_path / "o" / "d2t.npy").exists()
 
 

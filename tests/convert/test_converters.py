@@ -137,6 +137,14 @@ def _check_speculators_config(config: dict, algorithm: str, verifier: Path) -> N
     assert layer["num_key_value_heads"] == KV_HEADS and layer["intermediate_size"] == INTER
 
 
+def _check_modes_as_the_umask_allows(folder: Path) -> None:
+    """The weights are as readable as the config beside them (safetensors alone writes 0600)."""
+    from speculators_vllm016.utils.atomic_files import usual_file_mode
+
+    modes = {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir() if p.is_file()}
+    assert set(modes.values()) == {usual_file_mode()}, modes
+
+
 # ---------------------------------------------------------------- EAGLE-1 / HASS
 
 
@@ -157,6 +165,7 @@ def test_eagle_conversion(tmp_path: Path, verifier: Path, hass: bool) -> None:
     assert config["transformer_layer_config"]["num_hidden_layers"] == 1
     assert config["transformer_layer_config"]["vocab_size"] == VOCAB
     _check_speculators_config(config, "eagle", verifier)
+    _check_modes_as_the_umask_allows(out)
 
     saved = load_file(str(out / "model.safetensors"))
     expected = {
@@ -272,6 +281,7 @@ def test_eagle3_conversion(tmp_path: Path, verifier: Path, reduced_vocab: bool) 
     assert config["transformer_layer_config"]["vocab_size"] == VOCAB
     assert config["transformer_layer_config"]["max_position_embeddings"] == 1024  # verifier's
     _check_speculators_config(config, "eagle3", verifier)
+    _check_modes_as_the_umask_allows(out)
 
     saved = load_file(str(out / "model.safetensors"))
     expected = {

@@ -205,6 +205,29 @@ def test_damaged_files_are_recomputed_on_resume(reference, tiny_llama, chats, tm
     assert records["data_5.pt"].bytes == (folder / "data_5.pt").stat().st_size
 
 
+def test_a_resume_computes_only_the_missing_sample(reference, tiny_llama, chats, tmp_path, monkeypatch):
+    """#37 item 19: one file of a finished run deleted; the rerun sends exactly that sample to
+    the engine (not its whole batch of 4) and the folder equals the uninterrupted run, bit for bit."""
+    from speculators_vllm016.data_generation.vllm_hidden_states_generator import (
+        VllmHiddenStatesGenerator,
+    )
+
+    folder = copy_run(reference, tmp_path / "one-missing")
+    (folder / "data_5.pt").unlink()
+    sent: list[list[int]] = []
+    real = VllmHiddenStatesGenerator.generate_stream
+
+    def counting(self, token_ids):
+        sent.extend(list(ids) for ids in token_ids)
+        yield from real(self, token_ids)
+
+    monkeypatch.setattr(VllmHiddenStatesGenerator, "generate_stream", counting)
+    summary = run_datagen(options_for(tiny_llama, chats, folder))
+    assert summary.samples_written == 1 and summary.samples_already_present == NUM_ROWS - 1
+    assert sent == [load_sample(reference / "data_5.pt")["input_ids"].tolist()]
+    assert_same_samples(folder, reference, exact=True)
+
+
 def test_foreign_folder_is_refused_unless_adopted_and_then_checked(
     reference, tiny_llama, chats, tmp_path
 ):

@@ -184,3 +184,19 @@ def test_a_checkpoint_replaced_under_a_kill_at_any_step_resumes_whole(tmp_path, 
         assert sorted(p.name for p in save.iterdir() if not p.name.startswith(".train")) == ["0"]
     finally:
         trainer.save_lock.release()
+
+
+def test_every_checkpoint_file_is_readable_by_other_users_as_the_umask_allows(tiny_llama, tmp_path):
+    """safetensors 0.8 writes through a 0600 temporary file: a server running as another user
+    could not read the draft. Each file gets the mode a plain `open` gives under the umask."""
+    import os
+
+    model, optimizer = _trained(str(tiny_llama))
+    previous = os.umask(0o022)
+    try:
+        SingleGPUCheckpointer(tmp_path).save_checkpoint(model, optimizer, 0)
+    finally:
+        os.umask(previous)
+    modes = {f.name: oct(f.stat().st_mode & 0o777) for f in (tmp_path / "0").iterdir()}
+    assert "model.safetensors" in modes
+    assert set(modes.values()) == {"0o644"}, modes

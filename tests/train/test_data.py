@@ -337,6 +337,39 @@ def test_training_steps_over_rows_whose_samples_are_all_unusable(tiny_llama, tra
     assert poisoned[0].name in error and "NaN" in error
 
 
+def test_skipped_and_unreadable_samples_are_counted_in_the_state_the_metrics_and_the_last_line(
+    tiny_llama, training_data, tmp_path, capsys
+):
+    """#37 item 18: one NaN sample in each split and one training file that cannot be read at
+    all (left out when the data is listed). Each is named in the log and counted: the state,
+    the metrics lines and the command's last line say how many."""
+    import json
+
+    from speculators_vllm016.cli.train import main
+    from tests.training_fixtures import train_args
+
+    data, poisoned = poisoned_copy(training_data, tmp_path)
+    train, _ = split_files(str(data), 0.9, 0)
+    broken = next(path for path in reversed(train) if path not in poisoned)
+    broken.write_bytes(b"not a sample file")
+    save = tmp_path / "ckpt"
+    assert main(train_args(tiny_llama, data, save, "--epochs", "1")) == 0
+    printed = capsys.readouterr()
+    assert broken.name in printed.err and poisoned[0].name in printed.err
+    state = json.loads((save / "0" / "training_state.json").read_text())
+    assert state["skipped_samples"] == 1 and state["unreadable_files"] == 1
+    lines = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    assert sum(line["train"].get("skipped_samples", 0) for line in lines if "train" in line) == 1
+    assert [line["val"]["skipped_samples"] for line in lines if "val" in line] == [1]
+    last = printed.out.strip().splitlines()[-1]
+    assert "1 unusable sample skipped" in last and "1 unreadable sample file left out" in last, last
+    # #37 item 22: the last line also gives the final loss, the validation tau_sim, the best checkpoint.
+    final = [line["train"]["loss"] for line in lines if "train" in line][-1]
+    tau = [line["val"]["tau_sim"] for line in lines if "val" in line][-1]
+    assert f"last loss {final:.4f}" in last and f"validation tau_sim {tau:.3f}" in last, last
+    assert f"best checkpoint {save / '0'} (tau_sim {tau:.3f})" in last, last
+
+
 def tiny_trainer(verifier: Path, training_data: Path, save: Path, rows: list, val_rows: list, **config: Any):
     """A CPU `Trainer` of the tiny verifier's draft over ready-made rows (`config`: more
     `TrainerConfig` fields)."""
@@ -364,7 +397,9 @@ def test_validation_weighs_a_row_of_unusable_samples_zero(tiny_llama, training_d
     empty = collate([None])
     clean = tiny_trainer(tiny_llama, training_data, tmp_path / "a", good, good).val_epoch(0)
     mixed = tiny_trainer(tiny_llama, training_data, tmp_path / "b", good, [good[0], empty, good[1]])
-    assert mixed.val_epoch(0) == pytest.approx(clean, rel=1e-6)
+    means = mixed.val_epoch(0)
+    assert means.pop("skipped_samples") == 1  # counted in the validation record (#37 item 18)
+    assert means == pytest.approx(clean, rel=1e-6)
 
 
 def test_skipped_samples_averaged_over_three_ranks_count_exactly(tiny_llama, training_data, tmp_path):

@@ -44,5 +44,5 @@ def test_ties_keep_the_lower_id_and_unused_ids_fill_a_short_distribution():
 def test_tokens_outside_the_target_vocabulary_are_ignored_and_too_large_a_draft_is_refused():
     d2t, _ = build_vocab_mappings_from_distribution({100: 1000, 3: 5, 1: 2}, 2, 10)
     assert kept_tokens(d2t) == [1, 3]
-    with pytest.raises(ValueError, match="draft_vocab_size 11 exceeds target_vocab_size 10"):
+    with pytest.raises(ValueError, match="--draft-vocab-size 11 is larger than the target's vocabulary of 10 tokens"):
         build_vocab_mappings_from_distribution({1: 1}, 11, 10)

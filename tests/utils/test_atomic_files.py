@@ -109,3 +109,27 @@ def test_restore_puts_back_only_a_folder_whose_name_is_empty(tmp_path):
     aside = _folder(tmp_path / ".old-ckpt", "older")  # the swap finished: a leftover
     assert not restore_replaced_folder(tmp_path / "ckpt", aside)
     assert (tmp_path / "ckpt" / "a").read_text() == "old" and aside.exists()
+
+
+def test_a_model_folder_gets_the_modes_a_plain_open_gives(tmp_path):
+    """safetensors' own writer leaves 0600; after `give_usual_modes` every file has the mode
+    the umask allows (0644 under 022, 0640 under 027), as a json written with `open` has."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from speculators_vllm016.utils.atomic_files import give_usual_modes, usual_file_mode
+
+    for umask, expected in ((0o022, 0o644), (0o027, 0o640)):
+        folder = tmp_path / oct(umask)
+        (folder / "sub").mkdir(parents=True)
+        previous = os.umask(umask)
+        try:
+            save_file({"w": torch.zeros(2)}, str(folder / "sub" / "model.safetensors"))
+            (folder / "config.json").write_text("{}")
+            assert usual_file_mode() == expected
+            give_usual_modes(folder)
+        finally:
+            os.umask(previous)
+        modes = {p.name: p.stat().st_mode & 0o777 for p in folder.rglob("*") if p.is_file()}
+        assert modes == {"model.safetensors": expected, "config.json": expected}

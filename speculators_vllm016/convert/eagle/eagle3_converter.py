@@ -22,6 +22,7 @@ from transformers import LlamaConfig, PretrainedConfig
 from speculators_vllm016.convert.eagle.eagle_converter import greedy_speculators_config
 from speculators_vllm016.convert.eagle.utils import find_vocab_size, read_research_checkpoint
 from speculators_vllm016.convert.eagle.validation import check_reloaded_weights
+from speculators_vllm016.utils.atomic_files import give_usual_modes
 from speculators_vllm016.utils.loading import load_model_layers
 from speculators_vllm016.utils.verifier_config import load_verifier_config_dict
 
@@ -329,6 +330,7 @@ class Eagle3Converter:
         config.save_pretrained(str(output_dir))
         tensors = {name: t.detach().contiguous().cpu() for name, t in weights.items()}
         save_file(tensors, str(output_dir / "model.safetensors"), metadata={"format": "pt"})
+        give_usual_modes(output_dir)
         return output_dir
 
     @staticmethod

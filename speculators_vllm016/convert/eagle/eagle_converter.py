@@ -23,6 +23,7 @@ from speculators_vllm016.convert.eagle.utils import (
 from speculators_vllm016.convert.eagle.validation import check_reloaded_weights
 from speculators_vllm016.models.eagle import EagleSpeculator, EagleSpeculatorConfig
 from speculators_vllm016.proposals.greedy import GreedyTokenProposalConfig
+from speculators_vllm016.utils.atomic_files import give_usual_modes
 from speculators_vllm016.utils.verifier_config import load_verifier_config_dict
 
 __all__ = ["EagleConverter"]
@@ -200,6 +201,7 @@ class EagleConverter:
             )
         output_dir = Path(output_dir)
         model.save_pretrained(str(output_dir))
+        give_usual_modes(output_dir)
         return output_dir
 
     @staticmethod
