@@ -188,3 +188,21 @@ def test_a_hub_id_that_cannot_be_had_is_one_line(monkeypatch, tmp_path):
         locate_draft("org/not-a-draft")
     message = str(caught.value)
     assert "\n" not in message and "org/not-a-draft" in message and "cannot be downloaded" in message
+
+
+def test_a_kimi_k25_draft_fine_tunes_exactly(tiny_deepseek_v3, tiny_kimi_k25, tmp_path, first_step):
+    """Users start from public Kimi-K2.5 drafts: a draft trained against the wrapper (its config
+    names `KimiK25ForConditionalGeneration`) seeds a fine-tune against the wrapper, exactly. The
+    data is the DeepSeek-V3's inside it (same weights, so the same fingerprint)."""
+    root = tmp_path / "kimi"
+    data = write_dataset(tiny_deepseek_v3, root / "data", [24 + 9 * i for i in range(8)], layer_ids=[0, 1, 1, 2])
+    write_vocab_maps(data, 512, root)
+    draft = train_ours(tiny_kimi_k25, data, root / "base")
+    first_step.clear()
+    save = root / "save"
+    assert main(train_args(tiny_kimi_k25, data, save, *FINE_TUNE, "--from-pretrained", str(draft))) == 0
+    _assert_started_from(first_step, _served(draft))
+    assert first_step["loss"] == _evaluate_draft(draft, tiny_kimi_k25, first_step["row"], first_step["options"])
+    written = json.loads((save / finished_checkpoints(save)[-1] / "config.json").read_text())
+    assert written["speculators_config"]["verifier"]["architectures"] == ["KimiK25ForConditionalGeneration"]
+    assert written["eagle_aux_hidden_state_layer_ids"] == [1, 2, 2]
