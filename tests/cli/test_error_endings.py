@@ -14,6 +14,20 @@ from speculators_vllm016.utils.command_errors import DEBUG_HINT
 TOO_LARGE = "--draft-vocab-size 600 is larger than the target's vocabulary of 512 tokens; choose at most 512"
 
 
+@pytest.fixture(autouse=True)
+def _fresh_root_logging():
+    """Each command runs as in a fresh process: a handler that an earlier in-process command
+    put on the root logger (eval's `basicConfig`) would print its INFO records here too."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    root.handlers.clear()
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
 def _error_line(argv: list[str]) -> str:
     """The command's stderr: exactly one line, and exit status 2."""
     result = CliRunner().invoke(app, argv)

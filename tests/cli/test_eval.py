@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from speculators_vllm016.__main__ import app
+from speculators_vllm016.utils.command_errors import DEBUG_HINT
 from tests.evaluate.drafts import build_draft
 
 CONVERSATIONS = [
@@ -112,7 +113,7 @@ def test_engine_vllm_on_the_cpu_build_names_engine_hf(workspace):
     ])
     assert result.exit_code == 2
     lines = [line for line in result.output.splitlines() if line.startswith("error:")]
-    assert lines == ["error: vLLM's CPU build refuses speculative decoding; use --engine hf"]
+    assert lines == ["error: vLLM's CPU build refuses speculative decoding; use --engine hf " + DEBUG_HINT]
 
 
 def test_tensor_parallel_on_the_hf_engine_is_one_line_before_any_model_loads(workspace, tmp_path):
@@ -124,7 +125,7 @@ def test_tensor_parallel_on_the_hf_engine_is_one_line_before_any_model_loads(wor
     assert result.exit_code == 2
     lines = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert lines == ["error: --tensor-parallel-size 8 needs the vllm engine; eval runs the hf engine "
-                     "here (--engine hf), which holds the verifier on one device"]
+                     "here (--engine hf), which holds the verifier on one device " + DEBUG_HINT]
     assert not out.exists()
 
 
