@@ -70,20 +70,19 @@ def gen_and_train(ctx: typer.Context) -> None:
 
 def _register_convert() -> None:
     from speculators_vllm016.cli.convert import convert
-    from speculators_vllm016.cli.help_style import ARGPARSE_HELP_SETTINGS, ArgparseHelpCommand
+    from speculators_vllm016.cli.help_style import ARGPARSE_HELP_STYLE
 
-    app.command(name="convert", cls=ArgparseHelpCommand, context_settings=ARGPARSE_HELP_SETTINGS)(convert)
+    app.command(name="convert", **ARGPARSE_HELP_STYLE)(convert)
 
 
 def _register_evaluation() -> None:
     from speculators_vllm016.cli.eval import EPILOG, evaluate
-    from speculators_vllm016.cli.help_style import ARGPARSE_HELP_SETTINGS, ArgparseHelpCommand
+    from speculators_vllm016.cli.help_style import ARGPARSE_HELP_STYLE
     from speculators_vllm016.cli.vocab_mapping import vocab_mapping
 
     # One help layout for every command: these parse with typer but print argparse's help page.
-    help_style = {"cls": ArgparseHelpCommand, "context_settings": ARGPARSE_HELP_SETTINGS}
-    app.command(name="eval", epilog=EPILOG, **help_style)(evaluate)
-    app.command(name="vocab-mapping", **help_style)(vocab_mapping)
+    app.command(name="eval", epilog=EPILOG, **ARGPARSE_HELP_STYLE)(evaluate)
+    app.command(name="vocab-mapping", **ARGPARSE_HELP_STYLE)(vocab_mapping)
 
 
 _register_convert()

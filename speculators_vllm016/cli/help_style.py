@@ -13,10 +13,7 @@ from typing import Any
 
 from typer.core import TyperCommand
 
-__all__ = ["ARGPARSE_HELP_SETTINGS", "ArgparseHelpCommand", "argparse_parser_for"]
-
-# `-h` as the argparse commands take it.
-ARGPARSE_HELP_SETTINGS = {"help_option_names": ["-h", "--help"]}
+__all__ = ["ARGPARSE_HELP_STYLE", "ArgparseHelpCommand", "argparse_parser_for"]
 
 
 class ArgparseHelpCommand(TyperCommand):
@@ -24,6 +21,13 @@ class ArgparseHelpCommand(TyperCommand):
 
     def get_help(self, ctx: Any) -> str:
         return argparse_parser_for(self, f"speculators {ctx.info_name}").format_help()
+
+
+# `app.command(..., **ARGPARSE_HELP_STYLE)`; `-h` too, as the argparse commands take it.
+ARGPARSE_HELP_STYLE: dict[str, Any] = {
+    "cls": ArgparseHelpCommand,
+    "context_settings": {"help_option_names": ["-h", "--help"]},
+}
 
 
 def argparse_parser_for(command: TyperCommand, prog: str) -> argparse.ArgumentParser:

@@ -60,5 +60,6 @@ def test_every_command_help_has_one_layout(command):
     page = result.output
     assert page.startswith(f"usage: speculators {command} [-h]"), page
     assert "\noptions:\n  -h, --help            show this help message and exit\n" in page, page
+    assert "(default: " in page, page  # argparse's defaults formatter, as every command uses
     assert "Usage:" not in page and "╭" not in page, page  # no typer/rich page
     assert CliRunner().invoke(app, [command, "-h"]).output == page
