@@ -70,16 +70,19 @@ def gen_and_train(ctx: typer.Context) -> None:
 
 def _register_convert() -> None:
     from speculators_vllm016.cli.convert import convert
+    from speculators_vllm016.cli.help_style import ARGPARSE_HELP_STYLE
 
-    app.command(name="convert")(convert)
+    app.command(name="convert", **ARGPARSE_HELP_STYLE)(convert)
 
 
 def _register_evaluation() -> None:
     from speculators_vllm016.cli.eval import EPILOG, evaluate
+    from speculators_vllm016.cli.help_style import ARGPARSE_HELP_STYLE
     from speculators_vllm016.cli.vocab_mapping import vocab_mapping
 
-    app.command(name="eval", epilog=EPILOG)(evaluate)
-    app.command(name="vocab-mapping")(vocab_mapping)
+    # One help layout for every command: these parse with typer but print argparse's help page.
+    app.command(name="eval", epilog=EPILOG, **ARGPARSE_HELP_STYLE)(evaluate)
+    app.command(name="vocab-mapping", **ARGPARSE_HELP_STYLE)(vocab_mapping)
 
 
 _register_convert()

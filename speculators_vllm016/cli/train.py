@@ -153,6 +153,15 @@ def main(argv: Sequence[str] | None = None, prog: str = "speculators train") -> 
     return run_config(config)
 
 
+def quiet_online_engine(config: TrainJobConfig) -> None:
+    """--online starts vLLM, whose dozens of INFO lines would bury training's own: only its
+    warnings and errors show unless --verbose (datagen's rule)."""
+    if config.online.enabled and not config.logging.verbose:
+        from speculators_vllm016.cli.datagen import keep_vllm_quiet
+
+        keep_vllm_quiet()
+
+
 def _research_draft(folder: Path, verifier: str, norm_before_residual: bool) -> tuple[Any, dict]:
     """A research-format `--from-pretrained` draft as `speculators convert` turns it into ours
     (in memory; the training layer cannot import the converter). The fused layers a research
@@ -169,6 +178,7 @@ def _research_draft(folder: Path, verifier: str, norm_before_residual: bool) -> 
 
 def run_config(config: TrainJobConfig) -> int:
     """Run the job; an expected failure is one line on stderr and exit status 2."""
+    quiet_online_engine(config)
     from speculators_vllm016.cli.errors import report_errors
     from speculators_vllm016.train.data import DataSourceError, SampleFileError
     from speculators_vllm016.train.errors import TrainingError

@@ -242,6 +242,9 @@ class LoggingConfig:
     """No progress bars (for logs that are files)."""
     debug: bool = False
     """Show tracebacks on errors instead of one line."""
+    verbose: bool = False
+    """--online: show vLLM's own start-up lines (by default only its warnings and errors show, as
+    in datagen)."""
 
 
 @dataclass

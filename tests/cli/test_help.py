@@ -46,3 +46,20 @@ def test_help_imports_neither_torch_nor_vllm(command):
 def test_the_top_level_help_imports_neither():
     loaded, printed = _help("--help")
     assert loaded["heavy"] == [] and "train" in printed
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_help_has_one_layout(command):
+    """#37 item 22: argparse's help page for every command (the typer ones included), `-h` too."""
+    from typer.testing import CliRunner
+
+    from speculators_vllm016.__main__ import app
+
+    result = CliRunner().invoke(app, [command, "--help"])
+    assert result.exit_code == 0, result.output
+    page = result.output
+    assert page.startswith(f"usage: speculators {command} [-h]"), page
+    assert "\noptions:\n  -h, --help            show this help message and exit\n" in page, page
+    assert "(default: " in page, page  # argparse's defaults formatter, as every command uses
+    assert "Usage:" not in page and "╭" not in page, page  # no typer/rich page
+    assert CliRunner().invoke(app, [command, "-h"]).output == page

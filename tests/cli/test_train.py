@@ -290,3 +290,32 @@ def test_stray_maps_never_beat_the_draft_vocab_size(tiny_llama, training_data, t
     message = run_error([*argv[:argv.index("--draft-vocab-size") + 1], "300",
                          *argv[argv.index("--draft-vocab-size") + 2:]], capsys)
     assert "maps 200 draft tokens but --draft-vocab-size is 300" in message, message
+
+
+@pytest.mark.parametrize(("flags", "quiet"), [
+    (["--online"], True), (["--online", "--verbose"], False), ([], False),
+])
+def test_online_training_keeps_vllms_start_up_lines_off_unless_verbose(monkeypatch, flags, quiet):
+    """#37 item 22: as datagen, `train --online` sets vLLM's log level to WARNING before the
+    engine starts (seen at the job's first step), unless --verbose; offline training leaves it."""
+    import logging
+    import os
+
+    from speculators_vllm016.cli import train as train_cli
+    from speculators_vllm016.train.job_config import TrainSetupError
+
+    seen = {}
+
+    def first_step(config, research_reader):
+        seen["level"] = os.environ.get("VLLM_LOGGING_LEVEL")
+        raise TrainSetupError("stop here")
+
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    monkeypatch.setattr(train_cli, "_prepare", first_step)
+    vllm_logger = logging.getLogger("vllm")
+    before = vllm_logger.level
+    try:
+        assert train_cli.main(["--verifier-name-or-path", "no-such-model", *flags]) == 2
+    finally:
+        vllm_logger.setLevel(before)
+    assert seen["level"] == ("WARNING" if quiet else None)
