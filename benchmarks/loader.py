@@ -64,7 +64,7 @@ def build_loader(args: argparse.Namespace, variant: str) -> tuple[Any, Any, Any]
     from speculators_vllm016.train.noise_transforms import AddGaussianNoise
 
     try:  # its home since the split of train/data.py; before, train/data.py; before #28, none
-        from speculators_vllm016.train.sample_loader import SampleFileLoader
+        from speculators_vllm016.train.loading.sample_loader import SampleFileLoader
     except ImportError:
         SampleFileLoader = getattr(data_module, "SampleFileLoader", None)  # noqa: N806
     new = SampleFileLoader is not None
@@ -104,7 +104,7 @@ def child(args: argparse.Namespace) -> None:
             waits, tokens, last = [], 0, started
             for row in rows:
                 if args.child == "new-cpu-noise":
-                    from speculators_vllm016.train.device_rows import to_step_row
+                    from speculators_vllm016.train.loading.device_rows import to_step_row
 
                     to_step_row(row, torch.device("cpu"), None)
                 now = time.perf_counter()

@@ -196,7 +196,7 @@ def _torchrun(processes: int) -> list[str]:
 
 def _split_figures(log: str, metrics: Path) -> dict:
     """Extraction ranks' summary lines and the training ranks' metrics log, as figures."""
-    from speculators_vllm016.train.extraction_rank import SUMMARY_PREFIX
+    from speculators_vllm016.train.online.extraction_rank import SUMMARY_PREFIX
     from speculators_vllm016.train.metrics_log import read_metrics
 
     ranks = [json.loads(line.split(SUMMARY_PREFIX, 1)[1]) for line in log.splitlines() if SUMMARY_PREFIX in line]

@@ -177,7 +177,7 @@ def run_length(args: argparse.Namespace, preset: TrainingPreset, packed_tokens: 
     import torch
 
     from speculators_vllm016.models.eagle3.model_definitions import use_reproducible_compilation
-    from speculators_vllm016.train.device_rows import StepRow
+    from speculators_vllm016.train.loading.device_rows import StepRow
     from speculators_vllm016.train.draft_contract import DraftCallOptions
     from speculators_vllm016.train.train_step import TrainStep, build_optimizer
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_readme_commands import section_commands
-from tests.train.test_online import assert_same_weights
+from tests.train.online.test_loader import assert_same_weights
 from tests.training_fixtures import cli_env, free_port
 
 REPO = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from speculators_vllm016.train.job_config import JobConfigError, TrainJobConfig
+from speculators_vllm016.train.jobs.job_config import JobConfigError, TrainJobConfig
 from speculators_vllm016.train.vocab_maps import (
     D2T_FILE,
     T2D_FILE,

@@ -1,9 +1,9 @@
 """`speculators train`: train an EAGLE-3 draft on datagen's hidden states.
 
 The flags of 0.3.0's `scripts/train.py` keep their names and defaults; everything 0.3.0 hard-coded
-is a flag too. Every flag is a field of `train.job_config.TrainJobConfig` and its help is that
+is a flag too. Every flag is a field of `train.jobs.job_config.TrainJobConfig` and its help is that
 field's docstring; `--config job.yaml` sets the same fields from a file, and flags given on the
-command line override it. This module only parses: the job is `train.job.run_train_job`.
+command line override it. This module only parses: the job is `train.jobs.job.run_train_job`.
 One process trains on one device (a GPU, else the CPU); under
 `torchrun --nproc-per-node N -m speculators_vllm016 train ...` N processes train data-parallel
 (FSDP2 or DDP; NCCL on GPUs, gloo on CPUs). Every input is checked before anything is written.
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from speculators_vllm016.train.job_config import (
+from speculators_vllm016.train.jobs.job_config import (
     CHECKPOINT_DTYPES,
     FieldSpec,
     JobConfigError,
@@ -27,14 +27,14 @@ from speculators_vllm016.train.job_config import (
     config_fields,
     load_job_config,
 )
-from speculators_vllm016.train.setup import (
+from speculators_vllm016.train.jobs.setup import (
     OnlineSetup,
     TrainSetup,
     build_draft_config,
     verifier_text_config,
 )
-from speculators_vllm016.train.setup import build_model as _build_model
-from speculators_vllm016.train.setup import prepare as _prepare
+from speculators_vllm016.train.jobs.setup import build_model as _build_model
+from speculators_vllm016.train.jobs.setup import prepare as _prepare
 from speculators_vllm016.train.vocab_maps import VocabMaps
 
 if TYPE_CHECKING:
@@ -131,13 +131,13 @@ def _as_config(args: argparse.Namespace | TrainJobConfig) -> TrainJobConfig:
 
 
 def prepare(args: argparse.Namespace | TrainJobConfig) -> TrainSetup:
-    """`train.setup.prepare` for a parsed command line (or a config), converting a research
+    """`train.jobs.setup.prepare` for a parsed command line (or a config), converting a research
     `--from-pretrained` draft as the command does."""
     return _prepare(_as_config(args), research_reader=_research_draft)
 
 
 def build_model(args: argparse.Namespace | TrainJobConfig, setup: TrainSetup) -> Eagle3DraftModel:
-    """`train.setup.build_model` for a parsed command line (or a config)."""
+    """`train.jobs.setup.build_model` for a parsed command line (or a config)."""
     return _build_model(_as_config(args), setup)
 
 
@@ -182,7 +182,7 @@ def run_config(config: TrainJobConfig) -> int:
     from speculators_vllm016.cli.errors import report_errors
     from speculators_vllm016.train.data import DataSourceError, SampleFileError
     from speculators_vllm016.train.errors import TrainingError
-    from speculators_vllm016.train.job import run_train_job
+    from speculators_vllm016.train.jobs.job import run_train_job
     from speculators_vllm016.train.trainer import TrainingInterrupted
 
     def run() -> int:

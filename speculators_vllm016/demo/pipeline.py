@@ -4,8 +4,8 @@
 2. datagen: its hidden states for the conversations (`data_generation.offline.run_datagen`);
 3. vocab: the draft vocabulary maps from datagen's token counts (`train.vocab_maps`);
 4. draft: the draft with its initial weights, built by the trainer's own construction
-   (`train.setup`);
-5. train: the job `speculators train` runs (`train.job.run_train_job`, in this process), from
+   (`train.jobs.setup`);
+5. train: the job `speculators train` runs (`train.jobs.job.run_train_job`, in this process), from
    a `TrainJobConfig`;
 6. eval: both drafts with `evaluate.runner.run_evaluation` (hf engine), side by side.
 
@@ -35,7 +35,7 @@ from speculators_vllm016.utils.atomic_files import (
 )
 
 if TYPE_CHECKING:
-    from speculators_vllm016.train.job_config import TrainJobConfig
+    from speculators_vllm016.train.jobs.job_config import TrainJobConfig
 
 __all__ = [
     "DemoOptions", "DemoResult", "StageRecord", "plot_training_curves", "run_demo",
@@ -160,7 +160,7 @@ def _run_stage(
 
 def _train_config(options: DemoOptions, root: Path, target: Path) -> TrainJobConfig:
     """The draft's training job: the demo's folders, its options, the CPU in this process."""
-    from speculators_vllm016.train.job_config import (
+    from speculators_vllm016.train.jobs.job_config import (
         CheckpointConfig,
         DataConfig,
         LoggingConfig,
@@ -189,7 +189,7 @@ def _save_initial_draft(config: TrainJobConfig, output: Path) -> None:
     import torch
 
     from speculators_vllm016.train.checkpointer import convert_float_dtype
-    from speculators_vllm016.train.setup import build_model, prepare
+    from speculators_vllm016.train.jobs.setup import build_model, prepare
 
     model = build_model(config, prepare(config))
     temporary = output.with_name(f".{output.name}.partial")
@@ -343,7 +343,7 @@ def run_demo(options: DemoOptions) -> DemoResult:
     trained = save / str(options.epochs - 1)
 
     def train_stage() -> tuple[dict, dict]:
-        from speculators_vllm016.train.job import run_train_job
+        from speculators_vllm016.train.jobs.job import run_train_job
         from speculators_vllm016.train.logger import METRICS_FILE
 
         started = time.perf_counter()

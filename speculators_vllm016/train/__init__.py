@@ -1,9 +1,16 @@
 """Draft training: sample files -> packed rows -> trainer -> checkpoints vLLM serves.
 
-Modules (0.3.0's paths): `data` (sample files, packing contract), `distributed_batch_sampler`,
-`noise_transforms`, `checkpointer`, `trainer`, `logger`, `utils`, `vocab_mapping`. The job and
-its parts: `job_config`, `setup`, `job`, `online` and, for `--extraction-ranks`, `rank_layout`,
-`split_groups`, `sample_transport`, `extraction_rank`, `remote_loader`, `split_online` (README,
-"Package layout", lists every module). None of them imports vLLM at import time: training runs
-where vLLM is not installed.
+At the top: the trainer (`trainer`, `train_step`, `trainer_config`, `optimizer_step`,
+`lr_schedule`, `metrics_log`, `draft_contract`, `graceful_shutdown`, `errors`) and 0.3.0's module
+paths (`data`, `distributed_batch_sampler`, `noise_transforms`, `checkpointer`, `logger`, `utils`,
+`vocab_mapping`, with `vocab_maps`). The wings:
+
+- `jobs/`: one training job from its config (`job_config`, `setup`, `job`, `devices`, `resume`,
+  `pretrained_draft`, `draft_match`, `verifier_identity`, `vocab_size_rule`);
+- `loading/`: sample files to device rows (`sample_loader`, `row_slots`, `device_rows`);
+- `online/`: hidden states extracted while training (`loader`; for `--extraction-ranks`:
+  `split`, `rank_layout`, `split_groups`, `sample_transport`, `extraction_rank`, `remote_loader`);
+- `checkpointing/`: the files of a checkpoint (`checkpoint_files`, `rng_state`, `save_lock`).
+
+None of them imports vLLM at import time: training runs where vLLM is not installed.
 """

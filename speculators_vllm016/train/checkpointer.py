@@ -48,14 +48,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers.modeling_utils import PreTrainedModel
 
-from speculators_vllm016.train.checkpoint_files import is_disk_full, reading, torch_save
+from speculators_vllm016.train.checkpointing.checkpoint_files import is_disk_full, reading, torch_save
 from speculators_vllm016.train.errors import CheckpointReadError, CheckpointWriteError
-from speculators_vllm016.train.rng_state import (
+from speculators_vllm016.train.checkpointing.rng_state import (
     RngStateUnsafe,
     capture_rng_state,
     restore_rng_state,
 )
-from speculators_vllm016.train.rng_state import load_rng_state as read_rng_state
+from speculators_vllm016.train.checkpointing.rng_state import load_rng_state as read_rng_state
 from speculators_vllm016.utils.atomic_files import (
     TEMP_SUFFIX,
     atomic_torch_save,

@@ -14,7 +14,7 @@ from speculators_vllm016.data_generation.token_counts import (
     save_token_counts,
     sum_token_counts,
 )
-from speculators_vllm016.train.vocab_size_rule import draft_vocab_too_large
+from speculators_vllm016.train.jobs.vocab_size_rule import draft_vocab_too_large
 
 __all__ = [
     "build_vocab_mappings_from_distribution",

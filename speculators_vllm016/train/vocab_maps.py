@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from speculators_vllm016.train.job_config import TrainSetupError
-from speculators_vllm016.train.vocab_size_rule import draft_vocab_too_large
+from speculators_vllm016.train.jobs.job_config import TrainSetupError
+from speculators_vllm016.train.jobs.vocab_size_rule import draft_vocab_too_large
 from speculators_vllm016.utils.atomic_files import atomic_write, temporary_path
 from speculators_vllm016.utils.errors import first_line, type_and_first_line
 
@@ -29,7 +29,7 @@ __all__ = [
     "D2T_FILE",
     "T2D_FILE",
     "VocabMaps",
-    "draft_vocab_too_large",  # from train.vocab_size_rule
+    "draft_vocab_too_large",  # from train.jobs.vocab_size_rule
     "load_vocab_maps",
     "read_folder_token_counts",
     "resolve_vocab_paths",

@@ -302,7 +302,7 @@ def test_online_training_keeps_vllms_start_up_lines_off_unless_verbose(monkeypat
     import os
 
     from speculators_vllm016.cli import train as train_cli
-    from speculators_vllm016.train.job_config import TrainSetupError
+    from speculators_vllm016.train.jobs.job_config import TrainSetupError
 
     seen = {}
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from speculators_vllm016.cli.train import build_parser, config_from_argv, main
-from speculators_vllm016.train.job_config import (
+from speculators_vllm016.train.jobs.job_config import (
     CONFIG_FILE,
     JobConfigError,
     TrainJobConfig,

@@ -9,8 +9,8 @@ import torch
 
 from speculators_vllm016.data_generation.sample_io import write_sample
 from speculators_vllm016.train.data import Eagle3SampleFileDataset, create_collate_fn
-from speculators_vllm016.train.device_rows import prefetch_to_device, to_step_row
-from speculators_vllm016.train.sample_loader import SampleFileLoader
+from speculators_vllm016.train.loading.device_rows import prefetch_to_device, to_step_row
+from speculators_vllm016.train.loading.sample_loader import SampleFileLoader
 from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 from speculators_vllm016.train.noise_transforms import AddGaussianNoise, AddUniformNoise, RowNoise
 
@@ -136,7 +136,7 @@ def test_the_finiteness_check_in_bf16_refuses_nan_and_inf_but_not_large_values()
 
 def test_a_main_process_loader_noises_like_the_worker_loader(tmp_path):
     # Online extraction collates in the main process: its rows get the same noise as offline's.
-    from speculators_vllm016.train.sample_loader import main_process_noise
+    from speculators_vllm016.train.loading.sample_loader import main_process_noise
 
     write_files(tmp_path, [9, 13])
     data = dataset(tmp_path, 40)

@@ -10,7 +10,7 @@ from speculators_vllm016.train.draft_contract import (
     FusesVerifierStates,
     loss_and_metrics,
 )
-from speculators_vllm016.train.device_rows import StepRow, empty_row, to_step_row
+from speculators_vllm016.train.loading.device_rows import StepRow, empty_row, to_step_row
 from speculators_vllm016.train.trainer import TrainerConfig
 
 

@@ -1,0 +1,523 @@
+"""The training job's configuration: every setting of `speculators train`, typed and documented.
+
+One source of truth for the command line, YAML job files and code (the demo, gen-and-train):
+- each section is a dataclass and the docstring under each field says what it does, its unit and
+  why its default; `speculators train --help` shows those very words;
+- each field is one command-line flag, `--` + the field name with dashes (0.3.0's flag names,
+  so the field names are 0.3.0's too, `no_` prefixes included), unless `metadata["flag"]` names
+  it otherwise;
+- a YAML file (`speculators train --config job.yaml`) sets the same fields by section:
+
+      model:
+        verifier_name_or_path: meta-llama/Llama-3.1-8B-Instruct
+      training:
+        epochs: 3
+        lr: 3.0e-5
+
+  flags given on the command line override it, and the resolved config is written beside the
+  checkpoints (`<save_path>/train_config.yaml`, `save_job_config`).
+
+The checks that need more than one field or the disk are `train.jobs.setup.prepare`'s.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from speculators_vllm016.utils.atomic_files import atomic_write_text
+from speculators_vllm016.utils.field_docs import field_docs
+
+__all__ = [
+    "CHECKPOINT_DTYPES",
+    "CONFIG_FILE",
+    "CheckpointConfig",
+    "DataConfig",
+    "FieldSpec",
+    "JobConfigError",
+    "LegacyConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OnlineConfig",
+    "all_fields",
+    "RuntimeConfig",
+    "TrainJobConfig",
+    "TrainSetupError",
+    "TrainingConfig",
+    "VocabConfig",
+    "config_fields",
+    "load_job_config",
+    "save_job_config",
+]
+
+CONFIG_FILE = "train_config.yaml"  # the resolved config, beside the checkpoints
+CHECKPOINT_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# datagen's engine dtypes (`data_generation.offline.DTYPES`), written out so that reading a job
+# config imports no torch; tests/cli/test_train.py keeps the online flags equal to datagen's.
+ENGINE_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+
+
+class TrainSetupError(ValueError):
+    """Bad input found before training starts; the message names the fix."""
+
+
+class JobConfigError(TrainSetupError):
+    """A job file that cannot be read as a `TrainJobConfig`; the message names the key."""
+
+
+@dataclass
+class ModelConfig:
+    """the verifier and the draft's shape (0.3.0)"""
+
+    verifier_name_or_path: str = field(default="", metadata={"required": True})
+    """The target model that generated the data (local folder or hub id). The draft copies its
+    layer shape and vocabulary; required."""
+    num_layers: int = 1
+    """Decoder layers of the draft. 1, as 0.3.0 and the EAGLE-3 paper: a deeper draft is slower
+    to run than it gains in acceptance."""
+    ttt_steps: int = 3
+    """Test-time-training steps: tokens the draft proposes in a row during training (0.3.0's
+    default), also written as the served number of speculative tokens."""
+    ttt_step_loss_decay: float = 1.0
+    """The loss of TTT step k is weighted decay**k; 1.0 (0.3.0) weighs every step alike."""
+    norm_before_residual: bool = field(default=True, metadata={"negatable": True})
+    """Normalize the fused hidden state before the residual add (0.3.0's hard-coded choice)."""
+    from_pretrained: str | None = None
+    """Fine-tune an existing EAGLE-3 draft (a folder or hub id): this package's, speculators
+    0.3.0's, or a research/SpecForge checkpoint (converted as `speculators convert` does; it does
+    not record --norm-before-residual, so give the value it was trained with). It seeds a fresh
+    run only: its served weights (model.safetensors) bit for bit, a fresh optimizer and schedule;
+    a --save-path that already has checkpoints resumes them instead and does not read it. Its verifier, hidden size,
+    vocabularies, fused layers and layer count must match this run (each mismatch is named, and
+    nothing is written); without --d2t-path/--draft-vocab-size it trains with the draft's own
+    maps. None: a new draft."""
+    allow_other_verifier: bool = False
+    """Train against a verifier whose final norm and LM head differ from those of the model the
+    data was extracted from (data_config.json records them; --target-model-path with --online):
+    refused without this flag, as it is usually a wrong path."""
+
+
+@dataclass
+class DataConfig:
+    """where the hidden states are and how they are split (0.3.0)"""
+
+    data_path: str = "./data"
+    """Datagen's output folder (its --output-dir), read unless --online."""
+    data_format_version: int = field(default=1, metadata={"choices": [0, 1]})
+    """1: datagen's files; 0: legacy files with hidden_state/target keys."""
+    train_ratio: float = 0.9
+    """Share of the sample files used for training, in (0, 1]; the rest validates (0.3.0's
+    split). 1 trains on all, with no validation."""
+    split_seed: int = 0
+    """Seed of the train/validation split, apart from --seed so the split stays put when the
+    training seed changes."""
+    strict_data: bool = False
+    """Stop at the first unreadable or non-finite sample instead of skipping it (skipping keeps a
+    long run alive; the skipped samples are counted in the metrics)."""
+
+
+@dataclass
+class VocabConfig:
+    """the draft vocabulary maps d2t/t2d, read or built (0.3.0)"""
+
+    d2t_path: str | None = None
+    """Draft->target offsets (.npy), as `speculators vocab-mapping` writes them. None: the run's
+    own <save-path>/d2t.npy (built there by --draft-vocab-size); without --draft-vocab-size,
+    ./d2t.npy (0.3.0's default) when the run has none."""
+    t2d_path: str | None = None
+    """Target->draft mask (.npy), the pair of --d2t-path (None: beside it, as --d2t-path)."""
+    draft_vocab_size: int | None = None
+    """Tokens the draft predicts: build d2t/t2d from token counts (saved beside the
+    checkpoints) when the .npy files do not exist; maps of another size stop the run. None: the
+    files must exist."""
+    token_freq_path: str | None = None
+    """Token counts for --draft-vocab-size (None: datagen's token_freq/ or token_freq*.pt in
+    --data-path)."""
+
+
+@dataclass
+class CheckpointConfig:
+    """where, how often, how many, in which dtype"""
+
+    save_path: str = "./checkpoints"
+    """Checkpoints go to <save-path>/<epoch>/ (vLLM serves each); the resolved config to
+    <save-path>/train_config.yaml."""
+    no_resume_from_checkpoint: bool = False
+    """Start from scratch even if --save-path has checkpoints (by default a run resumes from the
+    newest one, ending as an uninterrupted run would)."""
+    checkpoint_freq: float | None = None
+    """Also checkpoint every this fraction of an epoch (0.25: 4 per epoch); None: once an epoch."""
+    keep_mid_epoch_checkpoints: int = 1
+    """Mid-epoch checkpoints (--checkpoint-freq, SIGTERM, --max-steps) kept after the newest epoch
+    checkpoint; the one just written is always kept, so 0 behaves like 1."""
+    checkpoint_dtype: str = field(default="bf16", metadata={"choices": sorted(CHECKPOINT_DTYPES)})
+    """Dtype of the served model.safetensors; bf16 is what vLLM serves a draft in (training keeps
+    fp32 masters either way)."""
+
+
+@dataclass
+class TrainingConfig:
+    """the schedule, the optimizer and the input noise"""
+
+    epochs: int = 20
+    """Passes over the training files (0.3.0's default). They are numbered from 0, as the
+    checkpoint folders <save-path>/<epoch>/ are; a finished run reruns as "already complete":
+    raise --epochs to train it further."""
+    lr: float = 1e-4
+    """Peak learning rate of AdamW (0.3.0's default). A resumed run uses the value given now
+    (as every optimizer and --scheduler-* setting), from the resumed step on, with a warning
+    naming each change old -> new."""
+    total_seq_len: int = 8192
+    """Tokens per packed row, the unit of a step on each process (0.3.0's default)."""
+    weight_decay: float = 0.01
+    """AdamW's decoupled weight decay (0.3.0's value)."""
+    max_grad_norm: float = 1.0
+    """Gradients are clipped to this global L2 norm (0.3.0's value)."""
+    scheduler_type: str = field(default="linear", metadata={"choices": ["linear", "cosine", "none"]})
+    """Learning-rate schedule after the warm-up: linear or cosine decay to 0, or constant."""
+    scheduler_warmup_steps: int | None = None
+    """Steps of linear warm-up; None: 1% of the steps trained (epochs x steps per epoch, capped at
+    --max-steps)."""
+    scheduler_total_steps: int | None = None
+    """Steps over which the schedule decays; None: all steps."""
+    scheduler_num_cosine_cycles: float = 0.5
+    """Cosine cycles over the total steps; 0.5 is one half-wave from the peak to 0."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (a checkpoint is written there); None: all epochs."""
+    seed: int = 0
+    """Seeds the draft's initial weights, the shuffling and the noise."""
+    noise_type: str = field(default="uniform", metadata={"choices": ["uniform", "gaussian", "none"]})
+    """Noise on the fused input states, as 0.3.0 (uniform) regularizes the draft."""
+    noise_std: float = 0.05
+    """Noise scale (the half-width for uniform noise, as 0.3.0)."""
+    teacher_forcing: bool = field(default=True, metadata={"negatable": True})
+    """Later TTT steps read the true next tokens (D7, as upstream later fixed it);
+    --no-teacher-forcing feeds the draft's own predictions, as 0.3.0 did."""
+
+
+@dataclass
+class RuntimeConfig:
+    """devices, parallelism, loader"""
+
+    precision: str = field(default="auto", metadata={"choices": ["auto", "fp32", "bf16"]})
+    """auto: bf16 compute with fp32 master weights on GPU, fp32 on CPU (where bf16 is slow)."""
+    parallel: str = field(default="fsdp", metadata={"choices": ["fsdp", "ddp"]})
+    """Data parallelism under torchrun; FSDP2 shards the optimizer state, DDP replicates it."""
+    fsdp_bf16_params: bool = False
+    """--parallel fsdp: gather bf16 copies of the weights, not the fp32 masters (half the traffic:
+    for slow links; norms then use bf16 weights, so the numerics differ slightly from one-GPU
+    training)."""
+    deterministic: bool = False
+    """GPU runs reproducible bit for bit, resumed or not: compiled blocks take symbolic shapes
+    from the first step and skip autotuning that changes rounding (about 7% slower a step on an
+    H200); CPU runs always are."""
+    device: str | None = None
+    """cpu or cuda; None: the GPU if there is one."""
+    num_workers: int | None = None
+    """Loader processes; None: min(12, CPUs) (0.3.0 used 12)."""
+    prefetch_factor: int = 4
+    """Packed rows each loader process prepares ahead (0.3.0's value)."""
+    row_slots: bool = field(default=True, metadata={"negatable": True})
+    """On a GPU the loader processes pack rows into a ring of host buffers pinned once (the rows in
+    flight + 2, at most 8 GiB unless 8 rows need more; 4 rows for validation), in shared memory;
+    --no-row-slots: a fresh shared-memory row each time, copied again into pinned memory."""
+
+
+@dataclass
+class LoggingConfig:
+    """loggers and messages (0.3.0)"""
+
+    logger: str = ""
+    """Comma list of tensorboard, wandb, trackio; metrics.jsonl beside the checkpoints is always
+    written."""
+    log_dir: str = "./logs"
+    """Folder of the tensorboard/trackio logs."""
+    run_name: str | None = None
+    """Run name for the loggers; None: their own default."""
+    no_progress: bool = False
+    """No progress bars (for logs that are files)."""
+    debug: bool = False
+    """Show tracebacks on errors instead of one line."""
+    verbose: bool = False
+    """--online: show vLLM's own start-up lines (by default only its warnings and errors show, as
+    in datagen)."""
+
+
+@dataclass
+class LegacyConfig:
+    """0.3.0 behaviour (each changes the trained weights)"""
+
+    no_verifier_norm: bool = False
+    """Score targets without the verifier's final norm (D1)."""
+    noise_on_targets: bool = False
+    """Also add noise to the teacher's states (D3)."""
+    legacy_loss_mask_shift: bool = False
+    """Take the loss mask one token ahead instead of two (D9)."""
+    bf16_optimizer_state: bool = False
+    """Save the optimizer state in bf16 (D2); half the checkpoint size, a resumed run drifts."""
+
+
+# NOTE(cli): the target-model and preprocessing fields below are datagen's options under the
+# names of datagen's flags (`speculators datagen --help`); `train.jobs.setup` hands them to
+# `DatagenOptions`. A test keeps their flags equal to datagen's.
+@dataclass
+class OnlineConfig:
+    """hidden states extracted live while training (--online), with datagen's flags"""
+
+    enabled: bool = field(default=False, metadata={"flag": "--online"})
+    """Extract hidden states with the target model while training, instead of reading
+    --data-path; the batches equal offline training's on datagen's files of the same samples.
+    Under torchrun, rank 0 runs the engine and sends each rank its samples."""
+    cache_dir: str | None = None
+    """Hybrid mode: also write every extracted sample here as a datagen folder; later epochs (and
+    later runs) read it and start no engine."""
+    online_queue_size: int = 4
+    """Packed rows extracted ahead of the trainer (bounds memory)."""
+    extraction_ranks: int = 0
+    """Under torchrun: the first K ranks only extract (each runs one engine replica on its own
+    devices: TP x PP GPUs of its node, or the CPU) and send each training rank its samples; the
+    other ranks only train, among themselves. For a target that fills its machine: extract on one
+    node, train on another. 0: rank 0 both extracts and trains."""
+    train_devices: str | None = None
+    """Where the draft trains: cuda:N (one per training process, e.g. cuda:6,cuda:7 under
+    torchrun --nproc-per-node 2) or cpu; the target model's engine gets every other visible GPU
+    (CUDA_VISIBLE_DEVICES). None: both time-share the same devices."""
+    target_model_path: str | None = None
+    """HF model id or local folder of the target; None: --verifier-name-or-path."""
+    tensor_parallel_size: int = 1
+    """GPUs (or CPU workers) per model copy; 0.3.0 used every visible GPU, now 1."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages per model copy."""
+    max_model_len: int | None = None
+    """Engine context length in tokens; None: --seq-length + 1."""
+    gpu_memory_utilization: float = 0.8
+    """Share of GPU memory vLLM may use (the rest is the trainer's when they time-share)."""
+    dtype: str = field(default="auto", metadata={"choices": list(ENGINE_DTYPES)})
+    """Model dtype of the engine; auto: the model's own."""
+    max_num_seqs: int | None = None
+    """Engine batch in sequences; None: max(32, datagen's batch size)."""
+    max_num_batched_tokens: int | None = None
+    """Tokens per engine step; None: max(8192, max model len)."""
+    trust_remote_code: bool = False
+    """Run Python code shipped in the model folder, where vLLM and transformers have no class of
+    their own for it (Kimi-K2.5's tokenizer, for --online); off by default (0.3.0 always ran it).
+    Also applies to reading --verifier-name-or-path's config, offline too."""
+    transfer_root: str | None = None
+    """Folder for the shared-memory files that carry hidden states from the engine; None:
+    $SPECULATORS_TRANSFER_ROOT, else /dev/shm, else the temp dir."""
+    train_data_path: str | None = None
+    """Chat data, as datagen reads it: local .json/.jsonl (ShareGPT or messages shape), or
+    'sharegpt' / 'ultrachat'. Required with --online."""
+    seq_length: int = 2048
+    """Truncate samples to this many tokens (datagen's default)."""
+    max_samples: int | None = None
+    """Use at most this many conversations; None: all."""
+    hf_cache_dir: str | None = None
+    """Datasets cache directory; None: the datasets library's own."""
+    assistant_pattern: str | None = None
+    """Regex whose first group is assistant text; None: found from the chat template."""
+    turn_dropout: bool = False
+    """Keep a random prefix of each conversation (datagen's augmentation)."""
+    data_seed: int = 0
+    """Shuffle seed of the chat data (datagen's --seed)."""
+    num_preprocessing_workers: int = 8
+    """Processes for tokenizing."""
+    output_format: str = field(default="pt", metadata={"choices": ["pt", "safetensors"]})
+    """Sample file format of the --cache-dir files."""
+    start_idx: int = 0
+    """Index of the first sample file."""
+    layer_ids: list[int] | None = None
+    """Decoder layers captured (datagen's numbering: output of layer i). --online: the layers to
+    capture; None: [2, N/2, N-3, N-1] of N layers. Offline: the layers --data-path holds, needed
+    only for a folder without datagen's data_config.json (0.3.0's layout from elsewhere), whose
+    layers the draft's config must name for vLLM; with data_config.json they must agree."""
+    num_writer_threads: int = 4
+    """Threads writing --cache-dir sample files."""
+    fsync: bool = False
+    """fsync every --cache-dir sample file (survives power loss; files are always whole after a
+    crash)."""
+
+
+@dataclass
+class TrainJobConfig:
+    """Every setting of one `speculators train` job, by section (the YAML file's top-level keys)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    vocab: VocabConfig = field(default_factory=VocabConfig)
+    online: OnlineConfig = field(default_factory=OnlineConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    legacy: LegacyConfig = field(default_factory=LegacyConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """`{section: {field: value}}`, the YAML file's shape."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], source: str = "the job config") -> TrainJobConfig:
+        """The config with `values` (`{section: {field: value}}`) over the defaults.
+
+        An unknown section or field, or a value of the wrong type, is a `JobConfigError` naming
+        the key (`source` names where the values came from)."""
+        if not isinstance(values, dict):
+            raise JobConfigError(f"{source}: expected a mapping of sections, got {type(values).__name__}")
+        config = cls()
+        sections = {f.name: f for f in dataclasses.fields(cls)}
+        for name, section_values in values.items():
+            if name not in sections:
+                raise JobConfigError(
+                    f"{source}: unknown key {name!r}; the sections are {', '.join(sections)}"
+                )
+            if section_values is None:
+                continue
+            section = getattr(config, name)
+            if not isinstance(section_values, dict):
+                raise JobConfigError(f"{source}: {name!r} must be a mapping of its fields")
+            known = {spec.name: spec for spec in config_fields(type(section))}
+            for key, value in section_values.items():
+                if key not in known:
+                    raise JobConfigError(
+                        f"{source}: unknown key '{name}.{key}'; {name}'s fields are {', '.join(known)}"
+                    )
+                setattr(section, key, known[key].coerce(value, f"{source}: '{name}.{key}'"))
+        return config
+
+    def with_flat(self, values: dict[str, Any]) -> TrainJobConfig:
+        """A copy with `values` keyed by flag dest (`epochs`, `online`, ...) set in their sections."""
+        config = copy.deepcopy(self)
+        where = {spec.dest: (section, spec.name) for section, spec in all_fields()}
+        for dest, value in values.items():
+            section, name = where[dest]
+            setattr(getattr(config, section), name, value)
+        return config
+
+    def flat(self) -> dict[str, Any]:
+        """`{flag dest: value}` over every section: the shape a command line parses into."""
+        return {spec.dest: getattr(getattr(self, section), spec.name) for section, spec in all_fields()}
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One field of a section and how it is written on a command line."""
+
+    name: str
+    type: type  # int, float, str, bool or list (of int)
+    optional: bool  # None is allowed
+    default: Any
+    doc: str
+    flag: str
+    choices: tuple | None
+    required: bool
+    negatable: bool  # a bool with --x/--no-x (its default is True)
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+    def coerce(self, value: Any, where: str) -> Any:
+        """`value` from a YAML file as this field's type (YAML 1.1 reads `1e-4` as a string)."""
+        if value is None:
+            if self.optional:
+                return None
+            raise JobConfigError(f"{where} cannot be null")
+        try:
+            if self.type is bool:
+                if not isinstance(value, bool):
+                    raise TypeError
+                result: Any = value
+            elif self.type is list:
+                if not isinstance(value, list):
+                    raise TypeError
+                result = [_whole_number(v) for v in value]
+            elif self.type is int:
+                result = _whole_number(value)
+            elif self.type is float:
+                if isinstance(value, bool):
+                    raise TypeError
+                result = float(value)
+            else:
+                if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                    raise TypeError
+                result = str(value)
+        except (TypeError, ValueError):
+            kind = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+                    list: "a list of integers"}[self.type]
+            raise JobConfigError(f"{where} must be {kind}, got {value!r}") from None
+        if self.choices is not None and result not in self.choices:
+            raise JobConfigError(
+                f"{where} must be one of {', '.join(map(str, self.choices))}, got {value!r}"
+            )
+        return result
+
+
+def _whole_number(value: Any) -> int:
+    """`value` as an int, refusing what `int()` would silently change: a bool (True is not 1
+    epoch) and a float with a fraction (2.5 epochs is not 2)."""
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise TypeError
+    return int(value)
+
+
+def config_fields(section: type) -> list[FieldSpec]:
+    """The fields of one section class, with their docstrings and flag names."""
+    docs = field_docs(section)
+    hints = typing.get_type_hints(section)
+    specs = []
+    for spec in dataclasses.fields(section):
+        hint = hints[spec.name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        optional = type(None) in typing.get_args(hint)
+        base = args[0] if optional else hint
+        if typing.get_origin(base) is list:
+            base = list
+        default = spec.default if spec.default is not dataclasses.MISSING else spec.default_factory()  # type: ignore[misc]
+        choices = spec.metadata.get("choices")
+        specs.append(FieldSpec(
+            name=spec.name, type=base, optional=optional, default=default,
+            doc=docs.get(spec.name, ""),
+            flag=spec.metadata.get("flag", "--" + spec.name.replace("_", "-")),
+            choices=tuple(choices) if choices is not None else None,
+            required=bool(spec.metadata.get("required", False)),
+            negatable=bool(spec.metadata.get("negatable", False)),
+        ))
+    return specs
+
+
+def all_fields() -> list[tuple[str, FieldSpec]]:
+    """`(section name, field)` for every field of the job config, in declaration order."""
+    return [
+        (section.name, spec)
+        for section in dataclasses.fields(TrainJobConfig)
+        for spec in config_fields(section.default_factory)  # type: ignore[arg-type]
+    ]
+
+
+def load_job_config(path: str | Path) -> TrainJobConfig:
+    """A YAML job file as a config over the defaults (`JobConfigError` names a bad key)."""
+    import yaml
+
+    path = Path(path)
+    try:
+        values = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise JobConfigError(f"cannot read the job file {path}: {error.strerror or error}") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        at = f" (line {mark.line + 1})" if mark is not None else ""
+        raise JobConfigError(f"{path} is not valid YAML{at}") from None
+    return TrainJobConfig.from_dict(values or {}, source=str(path))
+
+
+def save_job_config(config: TrainJobConfig, path: str | Path) -> Path:
+    """Write `config` as YAML (whole or not at all); `load_job_config` reads it back equal."""
+    import yaml
+
+    text = yaml.safe_dump(config.to_dict(), sort_keys=False, default_flow_style=False)
+    return atomic_write_text(path, text)

@@ -1,0 +1,633 @@
+"""Everything a training job checks and builds before its first step.
+
+`prepare(config)` makes every check that can be made before anything is written (the flags, the
+data or the online set-up, the verifier, the vocabulary maps) and returns a `TrainSetup`;
+`build_model(config, setup)` builds the draft with its initial weights. `speculators train`,
+`gen-and-train`, the demo and `train.jobs.job.run_train_job` all go through these two.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from speculators_vllm016.train.jobs.draft_match import RunFacts, check_draft_fits, verifier_embeddings
+from speculators_vllm016.train.jobs.job_config import TrainJobConfig, TrainSetupError
+from speculators_vllm016.train.jobs.pretrained_draft import (
+    check_draft_weights,
+    draft_vocab_maps,
+    fine_tune_config,
+    load_draft_weights,
+    read_pretrained_draft,
+)
+from speculators_vllm016.train.jobs.verifier_identity import (
+    check_same_verifier,
+    data_model,
+    fingerprint_of_verifier,
+)
+from speculators_vllm016.train.vocab_maps import (
+    D2T_FILE,
+    T2D_FILE,
+    VocabMaps,
+    load_vocab_maps,
+    resolve_vocab_paths,
+)
+from speculators_vllm016.utils.errors import first_line
+from speculators_vllm016.utils.layer_ids import datagen_to_vllm_layer_ids
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from transformers import PretrainedConfig
+
+    from speculators_vllm016.data_generation.offline import DatagenOptions
+    from speculators_vllm016.data_generation.preflight import ModelFacts
+    from speculators_vllm016.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators_vllm016.train.jobs.devices import TrainDevices
+    from speculators_vllm016.train.noise_transforms import TransformTensors
+    from speculators_vllm016.train.jobs.pretrained_draft import PretrainedDraft, ResearchReader
+
+__all__ = [
+    "OnlineSetup",
+    "TrainSetup",
+    "TrainSetupError",
+    "build_draft_config",
+    "build_model",
+    "noise_transform",
+    "prepare",
+    "verifier_text_config",
+]
+
+
+@dataclass
+class OnlineSetup:
+    """What `--online` checked and preprocessed before the engine starts."""
+
+    options: DatagenOptions
+    """Datagen's options for the extraction (`--cache-dir` as its output folder)."""
+    facts: ModelFacts
+    """The target model as datagen inspected it (resolved layer ids, hidden size)."""
+    dataset: Dataset
+    """Datagen's preprocessed samples (input_ids, loss_mask), row i is sample start_idx + i."""
+    devices: TrainDevices | None = None
+    """From --train-devices; None: trainer and engine time-share the devices."""
+
+
+@dataclass
+class TrainSetup:
+    """What `prepare` checked and read before anything is written."""
+
+    data_path: Path
+    save_path: Path
+    verifier_config: PretrainedConfig
+    text_config: PretrainedConfig
+    """The verifier's language-model config (nested in a multimodal config)."""
+    standardize: Callable[[dict], dict]
+    """Reads a sample file's dict in --data-format-version's layout."""
+    layer_ids: list[int] | None
+    """The captured layers (datagen's numbering): data_config.json's or --layer-ids."""
+    aux_ids: list[int] | None
+    """The fused layers in vLLM's numbering, for the draft's config."""
+    vocab: VocabMaps
+    online: OnlineSetup | None = None
+    """The online extraction set-up (`--online`), else None."""
+    pretrained: PretrainedDraft | None = None
+    """The draft a fresh run fine-tunes (`--from-pretrained`, checked against the run), else None."""
+    verifier_fingerprint: str | None = None
+    """The verifier's final norm and LM head, hashed: recorded in the draft for `eval`."""
+
+
+def _check_train_devices(config: TrainJobConfig) -> TrainDevices | None:
+    """`--train-devices` against the GPUs and the training processes of this node."""
+    from speculators_vllm016.train.jobs.devices import TrainDevicesError, parse_train_devices, visible_gpus
+
+    online = config.online
+    if online.train_devices is None:
+        return None
+    if config.runtime.device is not None:
+        raise TrainSetupError("give --train-devices or --device, not both (--train-devices places the trainer)")
+    try:
+        return parse_train_devices(
+            online.train_devices, visible=visible_gpus(),
+            local_processes=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+            engine_gpus_needed=online.tensor_parallel_size * online.pipeline_parallel_size,
+        )
+    except TrainDevicesError as error:
+        raise TrainSetupError(str(error)) from None
+
+
+def _check_extraction_ranks(config: TrainJobConfig) -> None:
+    """`--extraction-ranks` needs --online and torchrun; the layout itself is checked where the
+    ranks are known (`rank_layout.plan_rank_layout`)."""
+    online = config.online
+    if online.extraction_ranks == 0:
+        return
+    if online.extraction_ranks < 0:
+        raise TrainSetupError(f"--extraction-ranks must be at least 1, got {online.extraction_ranks}")
+    if not online.enabled:
+        raise TrainSetupError("--extraction-ranks splits the ranks of --online; add --online")
+    if online.train_devices is not None:
+        raise TrainSetupError(
+            "give --extraction-ranks or --train-devices, not both (--train-devices places one node's "
+            "trainer beside its engine; --extraction-ranks gives the engines ranks of their own)"
+        )
+    if "LOCAL_RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise TrainSetupError(
+            "--extraction-ranks needs torchrun (extraction and training ranks are its processes), e.g. "
+            "torchrun --nproc-per-node 3 -m speculators_vllm016 train --online --extraction-ranks 1 ..."
+        )
+
+
+def _check_online(config: TrainJobConfig) -> OnlineSetup:
+    """Datagen's checks on the online flags, then datagen's preprocessing (nothing is written)."""
+    from speculators_vllm016.data_generation.offline import DatagenOptions, preprocess_samples
+    from speculators_vllm016.data_generation.preflight import inspect_model
+    from speculators_vllm016.data_generation.transfer import check_transfer_space
+
+    online = config.online
+    if online.train_data_path is None:
+        raise TrainSetupError("--online needs --train-data-path (the chat data datagen would read)")
+    if Path(online.train_data_path).is_dir():
+        raise TrainSetupError(
+            f"--train-data-path {online.train_data_path} is a folder; name the .json/.jsonl chat "
+            "file in it (or 'sharegpt' / 'ultrachat')"
+        )
+    if online.online_queue_size < 1:
+        raise TrainSetupError("--online-queue-size must be at least 1")
+    devices = _check_train_devices(config)
+    # The online section holds datagen's own flags under datagen's names; train's `--seed`,
+    # `--token-freq-path` and `--no-progress` mean something else, so datagen's values are given.
+    options = DatagenOptions.from_fields(
+        asdict(online),
+        target_model_path=online.target_model_path or config.model.verifier_name_or_path,
+        output_dir=online.cache_dir or "",
+        seed=online.data_seed,
+        token_freq_path=None,
+        show_progress=False,
+    )
+    try:
+        options.validate()
+        facts = inspect_model(options.target_model_path, options.layer_ids, options.trust_remote_code)
+        check_transfer_space(options, facts)
+    except ValueError as error:
+        raise TrainSetupError(first_line(error)) from None
+    cache_dir = online.cache_dir
+    if cache_dir and Path(cache_dir).exists() and not Path(cache_dir).is_dir():
+        raise TrainSetupError(f"--cache-dir {cache_dir} is a file; name a folder")
+    try:
+        dataset = preprocess_samples(options, facts).dataset
+    except ValueError as error:  # the chat data: unknown, not UTF-8, not JSON
+        raise TrainSetupError(first_line(error)) from None
+    if len(dataset) == 0:
+        raise TrainSetupError(f"--train-data-path {online.train_data_path} gives no usable samples")
+    return OnlineSetup(options=options, facts=facts, dataset=dataset, devices=devices)
+
+
+def _check_online_model(online: OnlineSetup, hidden_size: int) -> list[int]:
+    """The target's layers and width against the draft's needs (what `_check_sample` checks)."""
+    if int(online.facts.hidden_size) != hidden_size:
+        raise TrainSetupError(
+            f"the target's hidden size {online.facts.hidden_size} differs from the verifier's "
+            f"{hidden_size}: --target-model-path must be --verifier-name-or-path's model"
+        )
+    if len(online.facts.layer_ids) != 4:
+        raise TrainSetupError(
+            f"{len(online.facts.layer_ids)} --layer-ids; an EAGLE-3 draft needs 4 (3 fused + the last)"
+        )
+    return list(online.facts.layer_ids)
+
+
+def _check_save_path(save_path: Path) -> None:
+    from speculators_vllm016.utils.output_paths import check_output_folder
+
+    try:
+        check_output_folder(save_path, "--save-path")
+    except ValueError as error:
+        raise TrainSetupError(str(error)) from None
+
+
+def verifier_text_config(
+    path: str, trust_remote_code: bool = False
+) -> tuple[PretrainedConfig, PretrainedConfig]:
+    """The verifier's config as vLLM 0.16 reads it (its own classes know `kimi_k25`,
+    `deepseek_v32`, ...; the folder's code runs only with `trust_remote_code`), and its language
+    model's config (nested in a multimodal config)."""
+    from speculators_vllm016.utils.text_config import text_config_of
+    from speculators_vllm016.utils.verifier_config import load_verifier_config
+
+    try:
+        config = load_verifier_config(path, trust_remote_code=trust_remote_code)
+    except ValueError as error:
+        raise TrainSetupError(
+            f"{first_line(error)}; --verifier-name-or-path must be the target model folder"
+        ) from None
+    text_config = text_config_of(config)
+    for name in ("hidden_size", "vocab_size", "num_hidden_layers"):
+        if not isinstance(getattr(text_config, name, None), int):
+            raise TrainSetupError(
+                f"the config of {path} has no usable {name} for its language model; "
+                "--verifier-name-or-path must be a decoder language model (or a wrapper of one)"
+            )
+    return config, text_config
+
+
+def _check_verifier_weights(path: str) -> None:
+    """The tensors the draft copies (embeddings, final norm, LM head) are there and unquantized:
+    read only from tensor names and the config, before anything is written."""
+    from speculators_vllm016.utils.verifier_weights import locate_verifier_weights
+
+    try:
+        locate_verifier_weights(path)
+    except (ValueError, OSError) as error:
+        raise TrainSetupError(first_line(error)) from None
+
+
+def _data_layer_ids(data_path: Path) -> list[int] | None:
+    """The captured layer ids datagen recorded in `data_config.json`; None when it does not say."""
+    from speculators_vllm016.data_generation.config_generator import read_data_config
+
+    recorded = read_data_config(data_path)
+    if recorded is None or recorded.hidden_states is None or recorded.hidden_states.layer_ids is None:
+        return None
+    return list(recorded.hidden_states.layer_ids)
+
+
+def _offline_layer_ids(data_path: Path, flag: list[int] | None) -> list[int]:
+    """The captured layers of --data-path: data_config.json's, else --layer-ids. Never unknown:
+    a draft whose config names no layers is fed other layers by vLLM than it was trained on."""
+    recorded = _data_layer_ids(data_path)
+    if recorded is None and flag is None:
+        raise TrainSetupError(
+            f"{data_path} has no data_config.json naming the layers its hidden states come from; "
+            "give them with --layer-ids (datagen's numbering, 4 ids: 3 fused + the last)"
+        )
+    if recorded is not None and flag is not None and list(flag) != recorded:
+        raise TrainSetupError(
+            f"--layer-ids {' '.join(map(str, flag))} differ from the layers {recorded} that "
+            f"{data_path}/data_config.json records; leave --layer-ids out for this data"
+        )
+    layer_ids = recorded if recorded is not None else list(flag)  # type: ignore[arg-type]
+    if len(layer_ids) != 4 or min(layer_ids) < 0:
+        raise TrainSetupError(
+            f"--layer-ids {layer_ids}: an EAGLE-3 draft needs 4 layer ids of 0 or more (3 fused + the last)"
+        )
+    return layer_ids
+
+
+def _check_sample(path: Path, standardize: Callable[[dict], dict], hidden_size: int) -> None:
+    """The first sample's shapes against the verifier: fused width 3*H and teacher width H."""
+    from speculators_vllm016.data_generation.sample_io import load_sample
+
+    try:
+        sample = load_sample(path)
+    except Exception as error:  # noqa: BLE001
+        raise TrainSetupError(f"cannot read sample {path} ({error}); regenerate the data") from None
+    if "hidden_states" in sample and isinstance(sample["hidden_states"], (list, tuple)):
+        layers = sample["hidden_states"]
+        widths = {int(layer.shape[-1]) for layer in layers}
+        if widths != {hidden_size}:
+            raise TrainSetupError(
+                f"the data's hidden size {sorted(widths)} differs from the verifier's {hidden_size}: "
+                "--verifier-name-or-path must be the model that generated --data-path"
+            )
+        if len(layers) != 4:
+            raise TrainSetupError(
+                f"the data has {len(layers)} captured layers; an EAGLE-3 draft needs 4 "
+                "(3 fused + the last): regenerate it with 4 --layer-ids (the default)"
+            )
+    standardized = standardize(sample)
+    fused = int(standardized["hidden_states"].shape[-1])
+    last = int(standardized["verifier_last_hidden_states"].shape[-1])
+    if fused != 3 * hidden_size or last != hidden_size:
+        raise TrainSetupError(
+            f"sample {path.name} has fused width {fused} and teacher width {last}; the verifier's "
+            f"hidden size {hidden_size} needs {3 * hidden_size} and {hidden_size}"
+        )
+
+
+def _check_numbers(config: TrainJobConfig) -> None:
+    """The settings that are wrong whatever the data (each message names its flag)."""
+    training, runtime, checkpoint = config.training, config.runtime, config.checkpoint
+    at_least_one = (
+        ("epochs", training.epochs), ("total_seq_len", training.total_seq_len),
+        ("ttt_steps", config.model.ttt_steps), ("num_layers", config.model.num_layers),
+        ("prefetch_factor", runtime.prefetch_factor),
+    )
+    for name, value in at_least_one:
+        if value < 1:
+            raise TrainSetupError(f"--{name.replace('_', '-')} must be at least 1")
+    for name, value in (
+        ("num_workers", runtime.num_workers),
+        ("scheduler_warmup_steps", training.scheduler_warmup_steps),
+        ("keep_mid_epoch_checkpoints", checkpoint.keep_mid_epoch_checkpoints),
+    ):
+        if value is not None and value < 0:
+            raise TrainSetupError(f"--{name.replace('_', '-')} must be 0 or more")
+    for name, value in (("max_steps", training.max_steps), ("scheduler_total_steps", training.scheduler_total_steps)):
+        if value is not None and value < 1:
+            raise TrainSetupError(f"--{name.replace('_', '-')} must be at least 1 (leave it out for all steps)")
+    if runtime.fsdp_bf16_params and runtime.parallel != "fsdp":
+        raise TrainSetupError("--fsdp-bf16-params applies to --parallel fsdp only (DDP gathers no weights)")
+    train_ratio = config.data.train_ratio
+    if not 0 < train_ratio <= 1:
+        raise TrainSetupError(
+            f"--train-ratio {train_ratio} must be in (0, 1]: the share of sample files that "
+            "trains (1 trains on all, with no validation)"
+        )
+    if training.lr <= 0:
+        raise TrainSetupError("--lr must be positive")
+    if checkpoint.checkpoint_freq is not None and not 0 < checkpoint.checkpoint_freq <= 1:
+        raise TrainSetupError("--checkpoint-freq is a fraction of an epoch in (0, 1]")
+
+
+def _pretrained_draft(
+    config: TrainJobConfig, save_path: Path, research_reader: ResearchReader | None
+) -> PretrainedDraft | None:
+    """The `--from-pretrained` draft, read whole; None without one, and when the run resumes
+    the checkpoints already in --save-path (the draft only seeds a fresh run)."""
+    import logging
+
+    from speculators_vllm016.train.checkpointer import find_checkpoints
+
+    name = config.model.from_pretrained
+    if not name:
+        return None
+    if not config.checkpoint.no_resume_from_checkpoint and find_checkpoints(save_path):
+        logging.getLogger("speculators").info(
+            "--save-path %s has checkpoints: resuming them; --from-pretrained %s only seeds a "
+            "fresh run and is not read", save_path, name,
+        )
+        return None
+    return read_pretrained_draft(
+        name, config.model.verifier_name_or_path,
+        norm_before_residual=config.model.norm_before_residual, research_reader=research_reader,
+    )
+
+
+def _names_no_maps(config: TrainJobConfig, save_path: Path) -> bool:
+    """Neither the flags nor an earlier start of this run name vocabulary maps: a fine-tune
+    then keeps the draft's own."""
+    vocab = config.vocab
+    named = vocab.d2t_path or vocab.t2d_path or vocab.draft_vocab_size
+    return not named and not any((save_path / name).is_file() for name in (D2T_FILE, T2D_FILE))
+
+
+def _run_vocab(
+    config: TrainJobConfig, online: OnlineSetup | None, data_path: Path, save_path: Path,
+    target_vocab: int, pretrained: PretrainedDraft | None,
+) -> tuple[VocabMaps, str]:
+    """The maps the run trains with, and where they come from (for messages): the flags', the
+    run's own beside its checkpoints, built from counts, or a fine-tuned draft's own."""
+    if pretrained is not None and _names_no_maps(config, save_path):
+        return draft_vocab_maps(pretrained), "the draft's own"
+    vocab_config = config.vocab
+    counts = None
+    if online is not None and vocab_config.draft_vocab_size and not vocab_config.token_freq_path:
+        from speculators_vllm016.train.vocab_mapping import count_trained_tokens
+
+        counts = {int(k): int(v) for k, v in dict(count_trained_tokens(online.dataset)).items()}
+    d2t_path, t2d_path = resolve_vocab_paths(
+        vocab_config.d2t_path, vocab_config.t2d_path, save_path, vocab_config.draft_vocab_size
+    )
+    vocab = load_vocab_maps(
+        d2t_path, t2d_path, target_vocab,
+        draft_vocab_size=vocab_config.draft_vocab_size, token_freq_path=vocab_config.token_freq_path,
+        data_path=data_path, counts=counts,
+    )
+    return vocab, vocab.built_from or str(d2t_path)
+
+
+def _check_runtime(config: TrainJobConfig) -> None:
+    """--logger's names and --device against this machine (before the save path is touched)."""
+    from speculators_vllm016.train.logger import logger_names
+
+    try:
+        logger_names(config.logging.logger)
+    except ValueError as error:
+        raise TrainSetupError(str(error)) from None
+    device = config.runtime.device
+    if device is None:
+        return
+    import torch
+
+    try:
+        wanted = torch.device(device)
+    except RuntimeError:
+        raise TrainSetupError(f"--device {device}: not a device; give cpu, cuda or cuda:N") from None
+    if wanted.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise TrainSetupError(f"--device {device}: this machine has no usable GPU; use --device cpu")
+        if wanted.index is not None and wanted.index >= count:
+            raise TrainSetupError(f"--device {device}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}")
+    elif wanted.type != "cpu":
+        raise TrainSetupError(f"--device {device}: training runs on cpu or cuda")
+
+
+def prepare(config: TrainJobConfig, research_reader: ResearchReader | None = None) -> TrainSetup:
+    """Every check that can be made before anything is written; errors are `TrainSetupError`s.
+
+    `research_reader`: how a research-format `--from-pretrained` draft is converted (the
+    converter lives above this layer; `speculators train` passes it)."""
+    from speculators_vllm016.train.data import list_files, standardize_data_v0, standardize_data_v1
+
+    if not config.model.verifier_name_or_path:
+        raise TrainSetupError("--verifier-name-or-path is required (the target model of the data)")
+    _check_numbers(config)
+    _check_runtime(config)
+    data_path, save_path = Path(config.data.data_path), Path(config.checkpoint.save_path)
+    if config.online.train_devices is not None and not config.online.enabled:
+        raise TrainSetupError("--train-devices places the trainer beside the engine of --online; use --device")
+    _check_extraction_ranks(config)
+    online = _check_online(config) if config.online.enabled else None
+    if online is None:
+        if not data_path.is_dir():
+            raise TrainSetupError(f"--data-path {data_path} is not a folder; run `speculators datagen` first")
+        files = list_files(data_path)
+        if not files:
+            raise TrainSetupError(
+                f"no sample files (data_<i>.pt / data_<i>.safetensors) under {data_path}; "
+                "point --data-path at datagen's --output-dir"
+            )
+    _check_save_path(save_path)
+    verifier_path = config.model.verifier_name_or_path
+    verifier_config, text_config = verifier_text_config(verifier_path, config.online.trust_remote_code)
+    _check_verifier_weights(verifier_path)
+    hidden_size, target_vocab = int(text_config.hidden_size), int(text_config.vocab_size)
+    standardize = standardize_data_v1 if config.data.data_format_version == 1 else standardize_data_v0
+    verifier = config.model.verifier_name_or_path
+    allow = config.model.allow_other_verifier
+    fingerprint = fingerprint_of_verifier(verifier)
+    if online is None:
+        _check_sample(files[0], standardize, hidden_size)
+        layer_ids = _offline_layer_ids(data_path, config.online.layer_ids)
+        recorded = data_model(data_path)
+        if recorded is not None:
+            check_same_verifier(verifier, fingerprint, recorded.target_model_path,
+                                recorded.verifier_fingerprint, f"{data_path}/data_config.json", allow)
+    else:
+        layer_ids = _check_online_model(online, hidden_size)
+        target = online.options.target_model_path
+        if recorded_verifier_path(target) != recorded_verifier_path(verifier):
+            check_same_verifier(verifier, fingerprint, target, fingerprint_of_verifier(target),
+                                "--target-model-path", allow)
+    aux_ids = None
+    if layer_ids is not None:
+        num_target_layers = int(text_config.num_hidden_layers)
+        if max(layer_ids) >= num_target_layers:
+            raise TrainSetupError(
+                f"the data's layer ids are {layer_ids}, but the verifier has "
+                f"{num_target_layers} layers: --verifier-name-or-path must be the model of the data"
+            )
+        # The last captured layer is the teacher's; the others are fused (D8: vLLM's numbering).
+        aux_ids = datagen_to_vllm_layer_ids(layer_ids[:-1])
+    pretrained = _pretrained_draft(config, save_path, research_reader)
+    vocab, vocab_source = _run_vocab(config, online, data_path, save_path, target_vocab, pretrained)
+    if pretrained is not None:
+        check_draft_weights(pretrained)
+        check_draft_fits(pretrained, RunFacts(
+            verifier=config.model.verifier_name_or_path,
+            architectures=list(getattr(verifier_config, "architectures", None) or []),
+            hidden_size=hidden_size, vocab_size=target_vocab, vocab=vocab, vocab_source=vocab_source,
+            layer_ids=layer_ids, aux_ids=aux_ids, num_layers=config.model.num_layers,
+            norm_before_residual=config.model.norm_before_residual,
+            embeddings=verifier_embeddings(config.model.verifier_name_or_path),
+        ))
+    return TrainSetup(
+        data_path=data_path, save_path=save_path, verifier_config=verifier_config,
+        text_config=text_config, standardize=standardize, layer_ids=layer_ids, aux_ids=aux_ids,
+        vocab=vocab, online=online, pretrained=pretrained, verifier_fingerprint=fingerprint,
+    )
+
+
+def _draft_rope_scaling(rope_scaling: dict | None) -> dict | None:
+    """The verifier's RoPE scaling for the draft's Llama layer. vLLM's config reader copies
+    `rope_theta` into it (its `rope_parameters` share the dict); the draft keeps `rope_theta` as
+    its own field, as transformers 4.57's Llama expects."""
+    if not rope_scaling:
+        return rope_scaling
+    return {key: value for key, value in rope_scaling.items() if key != "rope_theta"}
+
+
+def build_draft_config(
+    verifier_path: str, verifier_config: Any, text_config: Any, *, draft_vocab: int,
+    num_layers: int, norm_before_residual: bool, ttt_steps: int, aux_layer_ids: list[int] | None,
+    verifier_fingerprint: str | None = None,
+) -> Eagle3SpeculatorConfig:
+    """The EAGLE-3 draft's config: a Llama decoder layer shaped like the verifier."""
+    from transformers import LlamaConfig
+
+    from speculators_vllm016.models.eagle3 import Eagle3SpeculatorConfig
+
+    get = lambda name, default=None: getattr(text_config, name, default)  # noqa: E731
+    heads = get("num_attention_heads")
+    hidden = get("hidden_size")
+    llama_like = get("model_type") in {"llama", "mistral", "qwen2", "qwen3"}
+    layer = LlamaConfig(
+        vocab_size=get("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=get("intermediate_size"),
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=get("num_key_value_heads") or heads,
+        head_dim=(get("head_dim") if llama_like else None) or hidden // heads,
+        max_position_embeddings=get("max_position_embeddings", 4096),
+        rms_norm_eps=get("rms_norm_eps", 1e-6),
+        rope_theta=get("rope_theta", 10000.0),
+        rope_scaling=_draft_rope_scaling(get("rope_scaling")) if llama_like else None,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    return Eagle3SpeculatorConfig(
+        transformer_layer_config=layer,
+        draft_vocab_size=draft_vocab,
+        norm_before_residual=norm_before_residual,
+        target_hidden_size=hidden,
+        eagle_aux_hidden_state_layer_ids=aux_layer_ids,
+        speculators_config=_speculators_config(
+            verifier_path, verifier_config, ttt_steps, verifier_fingerprint
+        ),
+    )
+
+
+def _speculators_config(
+    verifier_path: str, verifier_config: Any, ttt_steps: int, verifier_fingerprint: str | None = None
+) -> Any:
+    """The draft's `speculators_config`: greedy proposals of `ttt_steps` tokens, for this verifier."""
+    from speculators_vllm016.config import SpeculatorsConfig, VerifierConfig
+    from speculators_vllm016.proposals import GreedyTokenProposalConfig
+
+    return SpeculatorsConfig(
+        algorithm="eagle3",
+        proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=ttt_steps)],
+        default_proposal_method="greedy",
+        verifier=VerifierConfig(
+            name_or_path=verifier_path,
+            architectures=list(getattr(verifier_config, "architectures", None) or []),
+            weights_fingerprint=verifier_fingerprint,
+        ),
+    )
+
+
+def recorded_verifier_path(name_or_path: str) -> str:
+    """The verifier as a checkpoint names it: a local folder absolute (`eval` and vLLM then find
+    it from any working folder), a hub id as given."""
+    path = Path(name_or_path).expanduser()
+    return str(path.resolve()) if path.exists() else name_or_path
+
+
+def build_model(config: TrainJobConfig, setup: TrainSetup) -> Eagle3DraftModel:
+    """The draft with its initial weights: seeded by --seed, or the `--from-pretrained` draft's
+    exactly (the verifier's final norm and LM head rows, which drafts do not hold, are read
+    from the verifier either way). What training starts from."""
+    import torch
+
+    from speculators_vllm016.models.eagle3 import Eagle3DraftModel
+
+    model_config = config.model
+    torch.manual_seed(config.training.seed)
+    verifier_path = recorded_verifier_path(model_config.verifier_name_or_path)
+    if setup.pretrained is not None:
+        draft_config = fine_tune_config(
+            setup.pretrained,
+            _speculators_config(verifier_path, setup.verifier_config, model_config.ttt_steps,
+                                setup.verifier_fingerprint),
+            setup.aux_ids,
+        )
+    else:
+        draft_config = build_draft_config(
+            verifier_path, setup.verifier_config, setup.text_config,
+            draft_vocab=int(setup.vocab.d2t.shape[0]), num_layers=model_config.num_layers,
+            norm_before_residual=model_config.norm_before_residual, ttt_steps=model_config.ttt_steps,
+            aux_layer_ids=setup.aux_ids, verifier_fingerprint=setup.verifier_fingerprint,
+        )
+    model_kwargs = {}
+    if config.legacy.no_verifier_norm:
+        model_kwargs["use_verifier_norm"] = False
+    model = Eagle3DraftModel(draft_config, t2d=setup.vocab.t2d, d2t=setup.vocab.d2t, **model_kwargs)
+    if setup.pretrained is not None:
+        load_draft_weights(model, setup.pretrained)
+    # Training reads only the loss: on CUDA each TTT step's layer skips the positions
+    # whose output no loss term or metric reads (the draft tokens there are not needed).
+    model.skip_unused_positions = None
+    # Every row padded to --total-seq-len (flex only): one compiled shape for the whole run.
+    model.flex_row_length = config.training.total_seq_len
+    return model
+
+
+def noise_transform(config: TrainJobConfig) -> TransformTensors | None:
+    """The noise added to each training sample's states (--noise-type), or None for none."""
+    from speculators_vllm016.train.noise_transforms import AddGaussianNoise, AddUniformNoise
+
+    training = config.training
+    if training.noise_type == "none" or training.noise_std == 0:
+        return None
+    tensors = (
+        ("hidden_states", "verifier_last_hidden_states") if config.legacy.noise_on_targets
+        else ("hidden_states",)
+    )
+    cls = AddUniformNoise if training.noise_type == "uniform" else AddGaussianNoise
+    return cls(std=training.noise_std, tensors=tensors)

@@ -1,0 +1,1 @@
+"""Sample files to device rows: the loader, its row slots and the rows on the training device."""

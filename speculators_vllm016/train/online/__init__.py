@@ -1,0 +1,1 @@
+"""Online training: the target extracts hidden states while the draft trains on them."""
