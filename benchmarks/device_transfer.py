@@ -88,7 +88,9 @@ def main() -> None:
     tokens = rows_per_request * args.requests
     layer_bytes = tokens * args.hidden * 2
     step_bytes = layer_bytes * args.layers
-    sources = [torch.randn(tokens, args.hidden, device=device, dtype=dtype) for _ in range(args.layers)]
+    sources = [
+        torch.randn(tokens, args.hidden, device=device, dtype=dtype) for _ in range(args.layers)
+    ]
     buffers = shared_buffers(args.requests, rows_per_request, args.hidden, dtype)
     targets = make_targets(buffers, rows_per_request)
     weight = torch.randn(args.hidden, args.hidden, device=device, dtype=dtype) / args.hidden**0.5

@@ -78,9 +78,7 @@ def describe_environment() -> dict[str, Any]:
         "gpu_count": len(gpus),
         "gpus": gpus,
         "env": {
-            key: value
-            for key, value in sorted(os.environ.items())
-            if key.startswith(_ENV_PREFIXES)
+            key: value for key, value in sorted(os.environ.items()) if key.startswith(_ENV_PREFIXES)
         },
         "git": _git_commit(),
     }

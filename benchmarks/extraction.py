@@ -56,34 +56,44 @@ def make_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument(
-        "--preset", required=True, choices=sorted(PRESETS),
+        "--preset",
+        required=True,
+        choices=sorted(PRESETS),
         help="which model, parallelism, engine limits and token batches to run (see below)",
     )
     parser.add_argument(
-        "--model", default=None,
+        "--model",
+        default=None,
         help="checkpoint path or hub id to benchmark; required by kimi-k2.5-8xrtxpro6000, "
         "replaces the default model of the other GPU presets and the tiny model of cpu presets",
     )
     parser.add_argument(
-        "--repeats", type=int, default=None,
+        "--repeats",
+        type=int,
+        default=None,
         help="timed runs per path; the median is reported (default: the preset's, 5 for "
         "cpu-small, 1 for smoke)",
     )
     parser.add_argument(
-        "--output-dir", default="benchmarks/results",
+        "--output-dir",
+        default="benchmarks/results",
         help="where extraction-<preset>.json/.md/.png go (default: benchmarks/results)",
     )
     parser.add_argument(
-        "--plot", action="store_true",
+        "--plot",
+        action="store_true",
         help="also write a PNG bar chart (needs matplotlib: pip install -r requirements/bench.txt)",
     )
     parser.add_argument(
-        "--skip-hf", action="store_true",
+        "--skip-hf",
+        action="store_true",
         help="leave out (c), transformers' forward, for models too large for it (always left "
         "out by the Kimi preset)",
     )
     parser.add_argument(
-        "--schedule", choices=SCHEDULES, default=None,
+        "--schedule",
+        choices=SCHEDULES,
+        default=None,
         help="interleaved: all paths loaded side by side, runs alternate (a b c, b a c, ...) so "
         "drift hits all alike; sets VLLM_SLEEP_WHEN_IDLE=1 and pauses "
         f"{SETTLE_SECONDS} s before each run so idle engines do not spin. grouped: one engine at "
@@ -91,20 +101,35 @@ def make_parser() -> argparse.ArgumentParser:
         "the preset's; GPU presets are grouped)",
     )
     parser.add_argument(
-        "--samples-dir", default=None,
+        "--samples-dir",
+        default=None,
         help="where (a) and (c) write their sample files, deleted after each run (default: a "
         "temporary folder in --output-dir); put it on the disk datagen would write to",
     )
     tuning = parser.add_argument_group("overrides of the preset (recorded in the JSON)")
-    tuning.add_argument("--dtype", help="model dtype for all paths: auto, bfloat16, float16, float32")
-    tuning.add_argument("--batch-size", type=int, help="sequences per generate() call in (a), as datagen's --batch-size")
+    tuning.add_argument(
+        "--dtype", help="model dtype for all paths: auto, bfloat16, float16, float32"
+    )
+    tuning.add_argument(
+        "--batch-size",
+        type=int,
+        help="sequences per generate() call in (a), as datagen's --batch-size",
+    )
     tuning.add_argument("--max-num-seqs", type=int, help="vLLM max_num_seqs for (a) and (b)")
-    tuning.add_argument("--max-num-batched-tokens", type=int, help="vLLM max_num_batched_tokens for (a) and (b)")
+    tuning.add_argument(
+        "--max-num-batched-tokens", type=int, help="vLLM max_num_batched_tokens for (a) and (b)"
+    )
     tuning.add_argument("--max-model-len", type=int, help="vLLM max_model_len for (a) and (b)")
-    tuning.add_argument("--num-writer-threads", type=int, help="sample writer threads of (a) and (c)")
+    tuning.add_argument(
+        "--num-writer-threads", type=int, help="sample writer threads of (a) and (c)"
+    )
     tuning.add_argument("--output-format", choices=("pt", "safetensors"), help="sample file format")
-    tuning.add_argument("--tensor-parallel-size", type=int, help="tensor parallel size for (a) and (b)")
-    tuning.add_argument("--pipeline-parallel-size", type=int, help="pipeline parallel size for (a) and (b)")
+    tuning.add_argument(
+        "--tensor-parallel-size", type=int, help="tensor parallel size for (a) and (b)"
+    )
+    tuning.add_argument(
+        "--pipeline-parallel-size", type=int, help="pipeline parallel size for (a) and (b)"
+    )
     return parser
 
 

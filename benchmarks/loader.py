@@ -60,7 +60,9 @@ def build_loader(args: argparse.Namespace, variant: str) -> tuple[Any, Any, Any]
     import torch
 
     from speculators_vllm016.train import data as data_module
-    from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+    from speculators_vllm016.train.distributed_batch_sampler import (
+        MultipackDistributedBatchSamplerV2,
+    )
     from speculators_vllm016.train.noise_transforms import AddGaussianNoise
 
     try:  # its home since the split of train/data.py; before, train/data.py; before #28, none
@@ -73,17 +75,26 @@ def build_loader(args: argparse.Namespace, variant: str) -> tuple[Any, Any, Any]
     files = data_module.list_files(args.data)
     options: dict[str, Any] = {"device_noise": True} if new else {}
     dataset = data_module.Eagle3SampleFileDataset(
-        args.total_seq_len, file_list=[str(f) for f in files], transform=AddGaussianNoise(0.05),
-        seed=0, output_dtype=torch.bfloat16, widths=(3 * args.hidden, args.hidden), **options,
+        args.total_seq_len,
+        file_list=[str(f) for f in files],
+        transform=AddGaussianNoise(0.05),
+        seed=0,
+        output_dtype=torch.bfloat16,
+        widths=(3 * args.hidden, args.hidden),
+        **options,
     )
     sampler = MultipackDistributedBatchSamplerV2(args.total_seq_len, dataset.lengths, 1, 0, seed=0)
     loader_class = SampleFileLoader if new else torch.utils.data.DataLoader
     workers = args.num_workers
     extra = {"persistent_workers": workers > 0} if new else {}
     loader = loader_class(
-        dataset, batch_sampler=sampler, collate_fn=data_module.create_collate_fn(args.total_seq_len),
-        num_workers=workers, prefetch_factor=args.prefetch_factor if workers else None,
-        pin_memory=False, **extra,
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=data_module.create_collate_fn(args.total_seq_len),
+        num_workers=workers,
+        prefetch_factor=args.prefetch_factor if workers else None,
+        pin_memory=False,
+        **extra,
     )
     return loader, sampler, dataset
 
@@ -112,12 +123,17 @@ def child(args: argparse.Namespace) -> None:
                 tokens += int(row["lengths"].sum())
                 last = time.perf_counter()
             seconds = last - started
-            epochs.append({
-                "epoch": epoch, "rows": len(waits), "tokens": tokens, "seconds": seconds,
-                "tokens_per_second": tokens / seconds,
-                "epoch_boundary_seconds": waits[0] if waits else None,
-                "slowest_waits_after_first": sorted(waits[1:], reverse=True)[:3],
-            })
+            epochs.append(
+                {
+                    "epoch": epoch,
+                    "rows": len(waits),
+                    "tokens": tokens,
+                    "seconds": seconds,
+                    "tokens_per_second": tokens / seconds,
+                    "epoch_boundary_seconds": waits[0] if waits else None,
+                    "slowest_waits_after_first": sorted(waits[1:], reverse=True)[:3],
+                }
+            )
         runs.append(epochs)
         del loader
     print("RESULT " + json.dumps(runs), flush=True)
@@ -130,13 +146,25 @@ def summarize(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         rates = [run[epoch]["tokens_per_second"] for run in runs]
         starts = [run[epoch]["epoch_boundary_seconds"] for run in runs]
         waits = [max(run[epoch]["slowest_waits_after_first"], default=0.0) for run in runs]
-        summary.append({
-            "epoch": epoch,
-            "tokens_per_second": {"median": statistics.median(rates), "min": min(rates), "max": max(rates)},
-            "epoch_boundary_seconds": {"median": statistics.median(starts), "min": min(starts),
-                                       "max": max(starts)},
-            "max_wait_after_first_seconds": {"median": statistics.median(waits), "max": max(waits)},
-        })
+        summary.append(
+            {
+                "epoch": epoch,
+                "tokens_per_second": {
+                    "median": statistics.median(rates),
+                    "min": min(rates),
+                    "max": max(rates),
+                },
+                "epoch_boundary_seconds": {
+                    "median": statistics.median(starts),
+                    "min": min(starts),
+                    "max": max(starts),
+                },
+                "max_wait_after_first_seconds": {
+                    "median": statistics.median(waits),
+                    "max": max(waits),
+                },
+            }
+        )
     return summary
 
 
@@ -145,15 +173,19 @@ def old_package(ref: str, folder: Path) -> Path:
     target = folder / f"code-{ref}"
     if not (target / "speculators_vllm016").is_dir():
         target.mkdir(parents=True, exist_ok=True)
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "speculators_vllm016",
-                                  "speculators"], check=True, capture_output=True).stdout
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", ref, "speculators_vllm016", "speculators"],
+            check=True,
+            capture_output=True,
+        ).stdout
         subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
     return target
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "loader-bench"))
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--sample-tokens", type=int, default=2048)
@@ -165,9 +197,15 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=["old", "new"])
     parser.add_argument("--old-ref", default="e057f76")
-    parser.add_argument("--torch-threads", type=int, default=None,
-                        help="torch threads per process (default: torch's)")
-    parser.add_argument("--output", default=None, help="JSON path (default: <work-dir>/loader.json)")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch threads per process (default: torch's)",
+    )
+    parser.add_argument(
+        "--output", default=None, help="JSON path (default: <work-dir>/loader.json)"
+    )
     parser.add_argument("--child", choices=VARIANTS, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--data", default=None, help=argparse.SUPPRESS)
     return parser
@@ -189,26 +227,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     window = args.num_workers * args.prefetch_factor * (args.total_seq_len // args.sample_tokens)
     if args.samples <= window:
         print(f"warning: {args.samples} samples fit in the prefetch window ({window})", flush=True)
-    result: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items()
-                                           if k not in ("child", "data")}, "variants": {}}
+    result: dict[str, Any] = {
+        "settings": {k: v for k, v in vars(args).items() if k not in ("child", "data")},
+        "variants": {},
+    }
     for variant in args.variants:
         code = old_package(args.old_ref, work) if variant == "old" else ROOT
-        command = [sys.executable, str(Path(__file__).resolve()), "--child", variant,
-                   "--data", str(data), *(argv if argv is not None else sys.argv[1:])]
+        command = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--child",
+            variant,
+            "--data",
+            str(data),
+            *(argv if argv is not None else sys.argv[1:]),
+        ]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code), str(ROOT)])}
         done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         if done.returncode or not lines:
             raise SystemExit(f"{variant} failed:\n{done.stderr[-3000:]}")
-        runs = json.loads(lines[-1][len("RESULT "):])
+        runs = json.loads(lines[-1][len("RESULT ") :])
         result["variants"][variant] = {"runs": runs, "per_epoch": summarize(runs)}
         for row in result["variants"][variant]["per_epoch"]:
-            rate, start, wait = row["tokens_per_second"], row["epoch_boundary_seconds"], \
-                row["max_wait_after_first_seconds"]
-            print(f"{variant:14s} epoch {row['epoch']}: {rate['median']:9,.0f} tokens/s "
-                  f"[{rate['min']:,.0f}-{rate['max']:,.0f}]  first row {start['median']:.2f} s "
-                  f"[{start['min']:.2f}-{start['max']:.2f}]  slowest later wait "
-                  f"{wait['median']:.2f} s (max {wait['max']:.2f})", flush=True)
+            rate, start, wait = (
+                row["tokens_per_second"],
+                row["epoch_boundary_seconds"],
+                row["max_wait_after_first_seconds"],
+            )
+            print(
+                f"{variant:14s} epoch {row['epoch']}: {rate['median']:9,.0f} tokens/s "
+                f"[{rate['min']:,.0f}-{rate['max']:,.0f}]  first row {start['median']:.2f} s "
+                f"[{start['min']:.2f}-{start['max']:.2f}]  slowest later wait "
+                f"{wait['median']:.2f} s (max {wait['max']:.2f})",
+                flush=True,
+            )
     output = Path(args.output) if args.output else work / "loader.json"
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=1))

@@ -54,7 +54,11 @@ class Run:
 
 
 def folder_bytes(path: Path) -> int:
-    return sum(entry.stat().st_size for entry in path.rglob("*") if entry.is_file()) if path.exists() else 0
+    return (
+        sum(entry.stat().st_size for entry in path.rglob("*") if entry.is_file())
+        if path.exists()
+        else 0
+    )
 
 
 def timed(command: list[str], env: dict[str, str]) -> float:
@@ -72,11 +76,17 @@ def build_model(preset_name: str, where: Path) -> Path:
 
     spec = PRESETS[preset_name].tiny_model
     if spec is None:
-        raise SystemExit(f"--preset {preset_name} has no locally built model; use cpu-small or smoke")
+        raise SystemExit(
+            f"--preset {preset_name} has no locally built model; use cpu-small or smoke"
+        )
     return build_tiny_llama(
-        where, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
-        intermediate_size=spec.intermediate_size, vocab_size=spec.vocab_size,
+        where,
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        intermediate_size=spec.intermediate_size,
+        vocab_size=spec.vocab_size,
         max_position_embeddings=spec.max_position_embeddings,
     )
 
@@ -106,8 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="runs of each way (median, spread)")
     parser.add_argument("--output-dir", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("--work-dir", default=None, help="default: a temporary folder, removed")
-    parser.add_argument("--split", nargs="+", default=None, metavar="K:T",
-                        help="extraction ranks : training ranks layouts to run under torchrun")
+    parser.add_argument(
+        "--split",
+        nargs="+",
+        default=None,
+        metavar="K:T",
+        help="extraction ranks : training ranks layouts to run under torchrun",
+    )
     args = parser.parse_args(argv)
 
     from benchmarks.presets import PRESETS
@@ -116,36 +131,110 @@ def main(argv: list[str] | None = None) -> int:
     preset = PRESETS[args.preset]
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="online-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model = build_model(args.preset, work / "model")
     chats = work / "chats.jsonl"
-    chats.write_text("\n".join(demo_conversations_path().read_text().splitlines()[: args.rows]) + "\n")
+    chats.write_text(
+        "\n".join(demo_conversations_path().read_text().splitlines()[: args.rows]) + "\n"
+    )
     speculators = [sys.executable, "-m", "speculators_vllm016"]
-    shared = ["--seq-length", str(args.seq_length), "--dtype", preset.dtype,
-              "--hf-cache-dir", str(work / "hf"), "--num-preprocessing-workers", "1"]
+    shared = [
+        "--seq-length",
+        str(args.seq_length),
+        "--dtype",
+        preset.dtype,
+        "--hf-cache-dir",
+        str(work / "hf"),
+        "--num-preprocessing-workers",
+        "1",
+    ]
     if args.split:
         return run_split_layouts(args, preset, work, model, chats, speculators, shared, env)
     runs: list[Run] = []
     same: list[bool] = []
     for repeat in range(args.repeats):
-        data, offline_save, online_save = (work / f"{name}-{repeat}" for name in ("data", "offline", "online"))
-        datagen_s = timed([*speculators, "datagen", "--target-model-path", str(model),
-                           "--train-data-path", str(chats), "--output-dir", str(data),
-                           "--no-progress", *shared], env)
-        train = ["--verifier-name-or-path", str(model), "--draft-vocab-size", "1024",
-                 "--total-seq-len", str(args.total_seq_len), "--epochs", str(args.epochs),
-                 "--num-workers", "0", "--no-progress", "--precision", "fp32", "--device", "cpu",
-                 "--log-dir", str(work / "logs")]
+        data, offline_save, online_save = (
+            work / f"{name}-{repeat}" for name in ("data", "offline", "online")
+        )
+        datagen_s = timed(
+            [
+                *speculators,
+                "datagen",
+                "--target-model-path",
+                str(model),
+                "--train-data-path",
+                str(chats),
+                "--output-dir",
+                str(data),
+                "--no-progress",
+                *shared,
+            ],
+            env,
+        )
+        train = [
+            "--verifier-name-or-path",
+            str(model),
+            "--draft-vocab-size",
+            "1024",
+            "--total-seq-len",
+            str(args.total_seq_len),
+            "--epochs",
+            str(args.epochs),
+            "--num-workers",
+            "0",
+            "--no-progress",
+            "--precision",
+            "fp32",
+            "--device",
+            "cpu",
+            "--log-dir",
+            str(work / "logs"),
+        ]
         counts = ["--token-freq-path", str(data / "token_freq" / "shard-0-of-1.pth")]
-        train_s = timed([*speculators, "train", *train, *counts, "--data-path", str(data),
-                         "--save-path", str(offline_save)], env)
-        runs.append(Run("offline", datagen_s + train_s, datagen_s, train_s, folder_bytes(data),
-                        folder_bytes(offline_save)))
-        online_s = timed([*speculators, "train", *train, *counts, "--online",
-                          "--train-data-path", str(chats), "--save-path", str(online_save), *shared],
-                         env)
+        train_s = timed(
+            [
+                *speculators,
+                "train",
+                *train,
+                *counts,
+                "--data-path",
+                str(data),
+                "--save-path",
+                str(offline_save),
+            ],
+            env,
+        )
+        runs.append(
+            Run(
+                "offline",
+                datagen_s + train_s,
+                datagen_s,
+                train_s,
+                folder_bytes(data),
+                folder_bytes(offline_save),
+            )
+        )
+        online_s = timed(
+            [
+                *speculators,
+                "train",
+                *train,
+                *counts,
+                "--online",
+                "--train-data-path",
+                str(chats),
+                "--save-path",
+                str(online_save),
+                *shared,
+            ],
+            env,
+        )
         runs.append(Run("online", online_s, 0.0, online_s, 0, folder_bytes(online_save)))
         last = str(args.epochs - 1)
         same.append(final_weights_equal(offline_save / last, online_save / last))
@@ -161,25 +250,35 @@ def main(argv: list[str] | None = None) -> int:
         }
 
     result = {
-        "preset": args.preset, "rows": args.rows, "seq_length": args.seq_length,
-        "epochs": args.epochs, "repeats": args.repeats, "cpus": os.cpu_count(),
-        "same_final_checkpoint": all(same), "runs": [asdict(run) for run in runs],
-        "offline": summary("offline"), "online": summary("online"),
+        "preset": args.preset,
+        "rows": args.rows,
+        "seq_length": args.seq_length,
+        "epochs": args.epochs,
+        "repeats": args.repeats,
+        "cpus": os.cpu_count(),
+        "same_final_checkpoint": all(same),
+        "runs": [asdict(run) for run in runs],
+        "offline": summary("offline"),
+        "online": summary("online"),
     }
     result["online_over_offline_time"] = (
         result["online"]["median_seconds"] / result["offline"]["median_seconds"]
     )
     lines = [
-        f"# online vs offline training, {args.preset}", "",
+        f"# online vs offline training, {args.preset}",
+        "",
         f"{args.rows} chat rows, seq-length {args.seq_length}, {args.epochs} epochs, "
-        f"{args.repeats} repeat(s); same final checkpoint: {result['same_final_checkpoint']}", "",
+        f"{args.repeats} repeat(s); same final checkpoint: {result['same_final_checkpoint']}",
+        "",
         "| way | wall s (median) | spread | hidden-state bytes on disk | checkpoint bytes |",
         "|---|---|---|---|---|",
     ]
     for way in ("offline", "online"):
         row = result[way]
-        lines.append(f"| {way} | {row['median_seconds']:.1f} | {row['spread_seconds'][0]:.1f}.."
-                     f"{row['spread_seconds'][1]:.1f} | {row['data_bytes']:,} | {row['checkpoint_bytes']:,} |")
+        lines.append(
+            f"| {way} | {row['median_seconds']:.1f} | {row['spread_seconds'][0]:.1f}.."
+            f"{row['spread_seconds'][1]:.1f} | {row['data_bytes']:,} | {row['checkpoint_bytes']:,} |"
+        )
     lines.append("")
     lines.append(f"online / offline wall time: {result['online_over_offline_time']:.2f}")
     write_report(Path(args.output_dir), f"online-{args.preset}", result, lines)
@@ -190,8 +289,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _torchrun(processes: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
-            "-m", "speculators_vllm016"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={processes}",
+        "-m",
+        "speculators_vllm016",
+    ]
 
 
 def _split_figures(log: str, metrics: Path) -> dict:
@@ -199,7 +305,11 @@ def _split_figures(log: str, metrics: Path) -> dict:
     from speculators_vllm016.train.online.extraction_rank import SUMMARY_PREFIX
     from speculators_vllm016.train.metrics_log import read_metrics
 
-    ranks = [json.loads(line.split(SUMMARY_PREFIX, 1)[1]) for line in log.splitlines() if SUMMARY_PREFIX in line]
+    ranks = [
+        json.loads(line.split(SUMMARY_PREFIX, 1)[1])
+        for line in log.splitlines()
+        if SUMMARY_PREFIX in line
+    ]
     steps = [r.train for r in read_metrics(metrics) if r.train is not None]
     timed = steps[1:] or steps  # the first step compiles nothing on the CPU, but warms caches
     tokens, seconds = sum(s["tokens"] for s in timed), sum(s["step_seconds"] for s in timed)
@@ -207,58 +317,145 @@ def _split_figures(log: str, metrics: Path) -> dict:
     wall = max((rank["seconds"] for rank in ranks), default=0.0)
     return {
         "extraction_tokens_per_second": sum(
-            rank["extracted_tokens"] / rank["extraction_seconds"] for rank in ranks if rank["extraction_seconds"]
+            rank["extracted_tokens"] / rank["extraction_seconds"]
+            for rank in ranks
+            if rank["extraction_seconds"]
         ),
         "training_tokens_per_second": tokens / seconds if seconds else None,
         "bytes_moved": sent,
         "bytes_per_second": sent / wall if wall else None,
         "training_ranks_waited_seconds": sum(s.get("data_wait_seconds", 0.0) for s in steps),
-        "extraction_ranks_waited_for_room_seconds": sum(r["waited_for_room_seconds"] for r in ranks),
-        "extraction_ranks_waited_for_requests_seconds": sum(r["waited_for_requests_seconds"] for r in ranks),
+        "extraction_ranks_waited_for_room_seconds": sum(
+            r["waited_for_room_seconds"] for r in ranks
+        ),
+        "extraction_ranks_waited_for_requests_seconds": sum(
+            r["waited_for_requests_seconds"] for r in ranks
+        ),
         "extraction_ranks": ranks,
     }
 
 
-def run_split_layouts(args: argparse.Namespace, preset: object, work: Path, model: Path, chats: Path,
-                      speculators: list[str], shared: list[str], env: dict[str, str]) -> int:
+def run_split_layouts(
+    args: argparse.Namespace,
+    preset: object,
+    work: Path,
+    model: Path,
+    chats: Path,
+    speculators: list[str],
+    shared: list[str],
+    env: dict[str, str],
+) -> int:
     """`--split K:T ...`: each layout beside offline training with T ranks (same final weights)."""
     data = work / "data"
-    datagen_s = timed([*speculators, "datagen", "--target-model-path", str(model), "--train-data-path",
-                       str(chats), "--output-dir", str(data), "--no-progress", *shared], env)
-    train = ["--verifier-name-or-path", str(model), "--draft-vocab-size", "1024",
-             "--total-seq-len", str(args.total_seq_len), "--epochs", str(args.epochs),
-             "--num-workers", "0", "--no-progress", "--precision", "fp32", "--device", "cpu",
-             "--parallel", "ddp", "--log-dir", str(work / "logs"),
-             "--token-freq-path", str(data / "token_freq" / "shard-0-of-1.pth")]
+    datagen_s = timed(
+        [
+            *speculators,
+            "datagen",
+            "--target-model-path",
+            str(model),
+            "--train-data-path",
+            str(chats),
+            "--output-dir",
+            str(data),
+            "--no-progress",
+            *shared,
+        ],
+        env,
+    )
+    train = [
+        "--verifier-name-or-path",
+        str(model),
+        "--draft-vocab-size",
+        "1024",
+        "--total-seq-len",
+        str(args.total_seq_len),
+        "--epochs",
+        str(args.epochs),
+        "--num-workers",
+        "0",
+        "--no-progress",
+        "--precision",
+        "fp32",
+        "--device",
+        "cpu",
+        "--parallel",
+        "ddp",
+        "--log-dir",
+        str(work / "logs"),
+        "--token-freq-path",
+        str(data / "token_freq" / "shard-0-of-1.pth"),
+    ]
     layouts, offline = [], {}
     for layout in args.split:
         k, t = (int(part) for part in layout.split(":"))
         if t not in offline:
             save = work / f"offline-{t}"
-            offline[t] = (save, timed([*_torchrun(t), "train", *train, "--data-path", str(data),
-                                       "--save-path", str(save)], env))
+            offline[t] = (
+                save,
+                timed(
+                    [
+                        *_torchrun(t),
+                        "train",
+                        *train,
+                        "--data-path",
+                        str(data),
+                        "--save-path",
+                        str(save),
+                    ],
+                    env,
+                ),
+            )
         save = work / f"split-{k}-{t}"
-        command = [*_torchrun(k + t), "train", *train, "--online", "--extraction-ranks", str(k),
-                   "--train-data-path", str(chats), "--save-path", str(save), *shared]
+        command = [
+            *_torchrun(k + t),
+            "train",
+            *train,
+            "--online",
+            "--extraction-ranks",
+            str(k),
+            "--train-data-path",
+            str(chats),
+            "--save-path",
+            str(save),
+            *shared,
+        ]
         started = time.perf_counter()
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         seconds = time.perf_counter() - started
         if done.returncode != 0:
-            raise SystemExit(f"failed ({done.returncode}): {' '.join(command)}\n{done.stderr[-3000:]}")
+            raise SystemExit(
+                f"failed ({done.returncode}): {' '.join(command)}\n{done.stderr[-3000:]}"
+            )
         last = str(args.epochs - 1)
-        layouts.append({
-            "layout": layout, "extraction_ranks": k, "training_ranks": t, "wall_seconds": seconds,
-            "offline_train_seconds": offline[t][1], "offline_datagen_seconds": datagen_s,
-            "same_final_checkpoint_as_offline": final_weights_equal(offline[t][0] / last, save / last),
-            **_split_figures(done.stdout + done.stderr, save / "metrics.jsonl"),
-        })
-    result = {"preset": args.preset, "rows": args.rows, "seq_length": args.seq_length, "epochs": args.epochs,
-              "cpus": os.cpu_count(), "layouts": layouts}
+        layouts.append(
+            {
+                "layout": layout,
+                "extraction_ranks": k,
+                "training_ranks": t,
+                "wall_seconds": seconds,
+                "offline_train_seconds": offline[t][1],
+                "offline_datagen_seconds": datagen_s,
+                "same_final_checkpoint_as_offline": final_weights_equal(
+                    offline[t][0] / last, save / last
+                ),
+                **_split_figures(done.stdout + done.stderr, save / "metrics.jsonl"),
+            }
+        )
+    result = {
+        "preset": args.preset,
+        "rows": args.rows,
+        "seq_length": args.seq_length,
+        "epochs": args.epochs,
+        "cpus": os.cpu_count(),
+        "layouts": layouts,
+    }
     lines = [
-        f"# online training, extraction ranks apart from training ranks, {args.preset}", "",
+        f"# online training, extraction ranks apart from training ranks, {args.preset}",
+        "",
         f"{args.rows} chat rows, seq-length {args.seq_length}, {args.epochs} epochs, {os.cpu_count()} CPUs "
         "shared by every rank (extraction and training compete for them here: figures for the "
-        "mechanism, not for a GPU node)", "",
+        "mechanism, not for a GPU node)",
+        "",
         "| K:T | wall s | offline: datagen + train s | extraction tok/s | training tok/s | MB moved | MB/s "
         "| trainers waited s | extractors waited for room / requests s | same weights as offline |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",

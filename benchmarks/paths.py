@@ -276,7 +276,9 @@ class HFForwardPath(BenchPath):
         config = AutoConfig.from_pretrained(self.model, trust_remote_code=True)
         num_layers = int(text_config_of(config).num_hidden_layers)
         self.layer_ids = normalize_layer_ids(
-            list(preset.layer_ids) if preset.layer_ids is not None else default_layer_ids(num_layers),
+            list(preset.layer_ids)
+            if preset.layer_ids is not None
+            else default_layer_ids(num_layers),
             num_layers,
         )
         kwargs: dict[str, Any] = {"dtype": _torch_dtype(preset.dtype), "trust_remote_code": True}
@@ -286,7 +288,9 @@ class HFForwardPath(BenchPath):
         self.device = next(self.hf_model.parameters()).device
         self._forward(warmup)
 
-    def _forward(self, sequences: list[list[int]], writer: Any = None, directory: Path | None = None) -> None:
+    def _forward(
+        self, sequences: list[list[int]], writer: Any = None, directory: Path | None = None
+    ) -> None:
         from speculators_vllm016.data_generation.sample_io import sample_path
 
         for index, ids in enumerate(sequences):

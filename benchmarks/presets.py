@@ -58,8 +58,10 @@ class TinyModelSpec:
     @property
     def num_parameters(self) -> int:
         head_dim = self.hidden_size // self.num_attention_heads
-        attention = self.hidden_size * head_dim * (
-            2 * self.num_attention_heads + 2 * self.num_key_value_heads
+        attention = (
+            self.hidden_size
+            * head_dim
+            * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
         )
         mlp = 3 * self.hidden_size * self.intermediate_size
         embeddings = 2 * self.vocab_size * self.hidden_size
@@ -231,9 +233,7 @@ def get_preset(name: str) -> Preset:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(
-            f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}"
-        ) from None
+        raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
 
 
 # Preset fields a command-line flag may change (flag name = field name with dashes).
@@ -292,7 +292,9 @@ def build_settings(
         if getattr(preset, name) < 1:
             raise ValueError(f"{name} must be at least 1, got {getattr(preset, name)}")
     if preset.output_format not in ("pt", "safetensors"):
-        raise ValueError(f"output_format must be 'pt' or 'safetensors', got {preset.output_format!r}")
+        raise ValueError(
+            f"output_format must be 'pt' or 'safetensors', got {preset.output_format!r}"
+        )
     return BenchSettings(
         preset=preset,
         model=model,

@@ -85,7 +85,9 @@ def write_json(result: dict[str, Any], path: Path) -> None:
 def write_markdown(result: dict[str, Any], path: Path) -> None:
     env = result["environment"]
     preset = result["settings"]["preset"]
-    devices = ", ".join(env["gpus"]) if env["gpus"] else f"{env['cpu_model']} ({env['cpus_usable']} CPUs)"
+    devices = (
+        ", ".join(env["gpus"]) if env["gpus"] else f"{env['cpu_model']} ({env['cpus_usable']} CPUs)"
+    )
     lines = [
         f"# Extraction benchmark: `{result['preset']}`",
         "",

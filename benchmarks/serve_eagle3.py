@@ -41,21 +41,35 @@ DEFAULT_PROMPTS = [
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="serve_eagle3.py", description=__doc__.splitlines()[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1],
+        prog="serve_eagle3.py",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
     )
     parser.add_argument("--target", required=True, help="target model folder or hub id")
-    parser.add_argument("--draft", required=True, type=Path, help="EAGLE-3 draft folder (ours or 0.3.0's)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=3, help="draft tokens per step")
-    parser.add_argument("--prompts-file", type=Path, help="one prompt per line (default: 8 built-in prompts)")
-    parser.add_argument("--num-prompts", type=int, default=32, help="prompts used, cycling the list")
+    parser.add_argument(
+        "--draft", required=True, type=Path, help="EAGLE-3 draft folder (ours or 0.3.0's)"
+    )
+    parser.add_argument(
+        "--num-speculative-tokens", type=int, default=3, help="draft tokens per step"
+    )
+    parser.add_argument(
+        "--prompts-file", type=Path, help="one prompt per line (default: 8 built-in prompts)"
+    )
+    parser.add_argument(
+        "--num-prompts", type=int, default=32, help="prompts used, cycling the list"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    parser.add_argument("--trust-remote-code", action="store_true", help="Kimi's tokenizer needs it")
-    parser.add_argument("--no-baseline", action="store_true", help="skip the run without speculation")
+    parser.add_argument(
+        "--trust-remote-code", action="store_true", help="Kimi's tokenizer needs it"
+    )
+    parser.add_argument(
+        "--no-baseline", action="store_true", help="skip the run without speculation"
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--mode", choices=["speculative", "baseline"], help=argparse.SUPPRESS)
     parser.add_argument("--result-file", type=Path, help=argparse.SUPPRESS)
@@ -78,7 +92,11 @@ def check_args(args: argparse.Namespace) -> str | None:
 
 
 def load_prompts(path: Path | None, count: int) -> list[str]:
-    lines = DEFAULT_PROMPTS if path is None else [ln for ln in path.read_text().splitlines() if ln.strip()]
+    lines = (
+        DEFAULT_PROMPTS
+        if path is None
+        else [ln for ln in path.read_text().splitlines() if ln.strip()]
+    )
     return [lines[i % len(lines)] for i in range(count)] if lines else []
 
 
@@ -91,16 +109,24 @@ def run_mode(args: argparse.Namespace) -> dict[str, Any]:
     speculative = args.mode == "speculative"
     k = args.num_speculative_tokens
     llm = LLM(
-        model=args.target, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
-        max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-        trust_remote_code=args.trust_remote_code, disable_log_stats=False, seed=0,
+        model=args.target,
+        tensor_parallel_size=args.tensor_parallel_size,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        trust_remote_code=args.trust_remote_code,
+        disable_log_stats=False,
+        seed=0,
         speculative_config=(
             {"method": "eagle3", "model": str(args.draft), "num_speculative_tokens": k}
-            if speculative else None
+            if speculative
+            else None
         ),
     )
     params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
-    conversations = [[{"role": "user", "content": p}] for p in load_prompts(args.prompts_file, args.num_prompts)]
+    conversations = [
+        [{"role": "user", "content": p}] for p in load_prompts(args.prompts_file, args.num_prompts)
+    ]
     llm.chat(conversations[:2], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
     before = counts_from_metrics(llm.get_metrics(), k)
     start = time.perf_counter()
@@ -109,8 +135,11 @@ def run_mode(args: argparse.Namespace) -> dict[str, Any]:
     counts = counts_difference(counts_from_metrics(llm.get_metrics(), k), before)
     outputs = [list(r.outputs[0].token_ids) for r in results]
     return {
-        "mode": args.mode, "seconds": seconds, "generated_tokens": sum(len(o) for o in outputs),
-        "outputs": outputs, "num_drafts": counts.num_drafts if speculative else 0,
+        "mode": args.mode,
+        "seconds": seconds,
+        "generated_tokens": sum(len(o) for o in outputs),
+        "outputs": outputs,
+        "num_drafts": counts.num_drafts if speculative else 0,
         "per_position": counts.per_position_rates if speculative else [],
         "tau": counts.acceptance_length if speculative else None,
     }
@@ -170,10 +199,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(
-            {"settings": settings, "speculative": speculative, "baseline": baseline, "report": lines},
-            indent=1,
-        ))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "settings": settings,
+                    "speculative": speculative,
+                    "baseline": baseline,
+                    "report": lines,
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

@@ -44,12 +44,22 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="speculative_hf_"))
     path = build_tiny_llama(folder / "llama")
     verifier = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    layer = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                        intermediate_size=512, num_hidden_layers=1, vocab_size=512)
+    layer = LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=512,
+        num_hidden_layers=1,
+        vocab_size=512,
+    )
     config = Eagle3SpeculatorConfig(
-        transformer_layer_config=layer, draft_vocab_size=128, eagle_aux_hidden_state_layer_ids=[1, 2, 3],
+        transformer_layer_config=layer,
+        draft_vocab_size=128,
+        eagle_aux_hidden_state_layer_ids=[1, 2, 3],
         speculators_config=SpeculatorsConfig(
-            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
+            algorithm="eagle3",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
             default_proposal_method="greedy",
             verifier=VerifierConfig(name_or_path=str(path), architectures=["LlamaForCausalLM"]),
         ),
@@ -57,15 +67,18 @@ def main() -> None:
     d2t, t2d = build_vocab_mappings_from_distribution({t: 512 - t for t in range(512)}, 128, 512)
     torch.manual_seed(0)
     draft = Eagle3DraftModel(config, t2d=t2d, d2t=d2t).eval()
-    prompts = [[0] + [(7 * i + j) % 500 + 5 for j in range(40 + 3 * i)] for i in range(args.prompts)]
+    prompts = [
+        [0] + [(7 * i + j) % 500 + 5 for j in range(40 + 3 * i)] for i in range(args.prompts)
+    ]
     n = args.new_tokens
 
     def batched() -> None:
         speculative_generate(verifier, draft, prompts, n, 3, batch_size=args.batch_size)
 
     def uncached_draft() -> None:
-        speculative_generate(verifier, draft, prompts, n, 3, batch_size=args.batch_size,
-                             cached_draft=False)
+        speculative_generate(
+            verifier, draft, prompts, n, 3, batch_size=args.batch_size, cached_draft=False
+        )
 
     def one_by_one() -> None:
         speculative_generate(verifier, draft, prompts, n, 3, batch_size=1)
@@ -80,11 +93,21 @@ def main() -> None:
 
     def greedy() -> None:
         for prompt in prompts:
-            verifier.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                              eos_token_id=None, pad_token_id=1)
+            verifier.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=1,
+            )
 
-    paths = {"a_batched": batched, "a0_uncached_draft": uncached_draft, "b_one_by_one": one_by_one, "c_reference_generate": reference,
-             "d_greedy_no_draft": greedy}
+    paths = {
+        "a_batched": batched,
+        "a0_uncached_draft": uncached_draft,
+        "b_one_by_one": one_by_one,
+        "c_reference_generate": reference,
+        "d_greedy_no_draft": greedy,
+    }
     print(f"load before: {os.getloadavg()}  threads: {torch.get_num_threads()}")
     times: dict[str, list[float]] = {name: [] for name in paths}
     with torch.no_grad():
@@ -96,11 +119,15 @@ def main() -> None:
     medians = {name: statistics.median(values) for name, values in times.items()}
     tokens = n * len(prompts)
     for name, values in times.items():
-        print(f"{name:22s} median {medians[name]:7.2f} s  spread {min(values):.2f}-{max(values):.2f} s  "
-              f"{tokens / medians[name]:7.1f} tok/s  runs {[round(v, 2) for v in values]}")
+        print(
+            f"{name:22s} median {medians[name]:7.2f} s  spread {min(values):.2f}-{max(values):.2f} s  "
+            f"{tokens / medians[name]:7.1f} tok/s  runs {[round(v, 2) for v in values]}"
+        )
     print(f"load after: {os.getloadavg()}")
-    print(f"a0/a = {medians['a0_uncached_draft'] / medians['a_batched']:.2f}  c/a = {medians['c_reference_generate'] / medians['a_batched']:.2f}  "
-          f"d/a = {medians['d_greedy_no_draft'] / medians['a_batched']:.2f}")
+    print(
+        f"a0/a = {medians['a0_uncached_draft'] / medians['a_batched']:.2f}  c/a = {medians['c_reference_generate'] / medians['a_batched']:.2f}  "
+        f"d/a = {medians['d_greedy_no_draft'] / medians['a_batched']:.2f}"
+    )
 
 
 if __name__ == "__main__":

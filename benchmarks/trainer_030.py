@@ -89,18 +89,38 @@ def find_train_script(path: str | os.PathLike) -> Path | None:
 
 
 def command_030(
-    train_script: Path, paths: Mapping[str, Path], save: Path, total_seq_len: int, epochs: int,
-    records: Path | None = None, lr: float | None = None, python: str = sys.executable,
+    train_script: Path,
+    paths: Mapping[str, Path],
+    save: Path,
+    total_seq_len: int,
+    epochs: int,
+    records: Path | None = None,
+    lr: float | None = None,
+    python: str = sys.executable,
     extra: Iterable[str] = (),
 ) -> list[str]:
     """`torchrun --standalone --nproc-per-node 1` of 0.3.0's train.py on `write_synthetic_inputs`'
     paths (verifier, data, d2t, t2d), through this file's launcher when `records` is given."""
     flags = [
-        "--verifier-name-or-path", str(paths["verifier"]), "--data-path", str(paths["data"]),
-        "--save-path", str(save), "--log-dir", str(save.parent / "logs"),
-        "--d2t-path", str(paths["d2t"]), "--t2d-path", str(paths["t2d"]),
-        "--total-seq-len", str(total_seq_len), "--epochs", str(epochs),
-        "--data-format-version", "1", "--no-resume-from-checkpoint",
+        "--verifier-name-or-path",
+        str(paths["verifier"]),
+        "--data-path",
+        str(paths["data"]),
+        "--save-path",
+        str(save),
+        "--log-dir",
+        str(save.parent / "logs"),
+        "--d2t-path",
+        str(paths["d2t"]),
+        "--t2d-path",
+        str(paths["t2d"]),
+        "--total-seq-len",
+        str(total_seq_len),
+        "--epochs",
+        str(epochs),
+        "--data-format-version",
+        "1",
+        "--no-resume-from-checkpoint",
     ]
     if lr is not None:
         flags += ["--lr", str(lr)]
@@ -108,8 +128,14 @@ def command_030(
     torchrun = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
     if records is None:
         return [*torchrun, str(train_script), *flags]
-    return [*torchrun, str(Path(__file__).resolve()), "--records", str(records), str(train_script),
-            *flags]
+    return [
+        *torchrun,
+        str(Path(__file__).resolve()),
+        "--records",
+        str(records),
+        str(train_script),
+        *flags,
+    ]
 
 
 def packing_030(total_seq_len: int, sample_tokens: int, samples: int) -> dict[str, int]:
@@ -163,15 +189,22 @@ def parse_console(text: str) -> list[dict[str, Any]]:
                 epoch = int(event[2]) - 1
             records.append({"time": float(now), "logger": "console", "message": event[0]})
         elif _SAVE.search(line):
-            records.append({"time": float(now), "logger": "console", "message": _SAVE.search(line)[0]})
+            records.append(
+                {"time": float(now), "logger": "console", "message": _SAVE.search(line)[0]}
+            )
         elif re.search(r"INFO\s+train/\S+=", line):
-            records.append({"time": float(now), "logger": "console",
-                            "message": {"train": {}, "epoch": epoch}})
+            records.append(
+                {"time": float(now), "logger": "console", "message": {"train": {}, "epoch": epoch}}
+            )
     return records
 
 
-def summarize_030(records: list[dict[str, Any]], tokens_per_step: float,
-                  epoch_tokens: float | None = None, per_step: bool = True) -> dict[str, Any]:
+def summarize_030(
+    records: list[dict[str, Any]],
+    tokens_per_step: float,
+    epoch_tokens: float | None = None,
+    per_step: bool = True,
+) -> dict[str, Any]:
     """Our runs' shape from 0.3.0's records: per epoch tokens/s (its step intervals, the run's
     first step left out), the first step's seconds, validation seconds; the run's median, min and
     max step rates (`per_step=False`, for whole-second times: epoch figures only) and its
@@ -218,8 +251,11 @@ def summarize_030(records: list[dict[str, Any]], tokens_per_step: float,
             rest = epoch_tokens - tokens_per_step * (len(times) - 1)
             if 0 < rest <= tokens_per_step:
                 tokens[-1] = float(rest)
-        timed = [i for i, spent in enumerate(durations)
-                 if spent is not None and not (epoch == known_epochs[0] and i == 0)]
+        timed = [
+            i
+            for i, spent in enumerate(durations)
+            if spent is not None and not (epoch == known_epochs[0] and i == 0)
+        ]
         epoch_spent = sum(durations[i] for i in timed)  # type: ignore[misc]
         epoch_count = sum(tokens[i] for i in timed)
         total_tokens, total_seconds = total_tokens + epoch_count, total_seconds + epoch_spent
@@ -228,25 +264,39 @@ def summarize_030(records: list[dict[str, Any]], tokens_per_step: float,
                 rates.append(tokens[i] / durations[i])  # type: ignore[operator]
                 step_seconds.append(durations[i])  # type: ignore[arg-type]
         checked = validation.get(epoch, {})
-        epochs.append({
-            "epoch": epoch, "steps": len(times),
-            "tokens_per_second": round(epoch_count / epoch_spent, 1) if epoch_spent > 0 else None,
-            "max_data_wait_seconds": None,
-            "first_step_seconds": None if durations[0] is None else round(durations[0], 4),
-            "seconds": None if start is None else round(times[-1] - start, 3),
-            "validation_seconds": (round(checked["completed"] - checked["started"], 3)
-                                   if {"started", "completed"} <= checked.keys() else None),
-        })
+        epochs.append(
+            {
+                "epoch": epoch,
+                "steps": len(times),
+                "tokens_per_second": round(epoch_count / epoch_spent, 1)
+                if epoch_spent > 0
+                else None,
+                "max_data_wait_seconds": None,
+                "first_step_seconds": None if durations[0] is None else round(durations[0], 4),
+                "seconds": None if start is None else round(times[-1] - start, 3),
+                "validation_seconds": (
+                    round(checked["completed"] - checked["started"], 3)
+                    if {"started", "completed"} <= checked.keys()
+                    else None
+                ),
+            }
+        )
     losses = [train.get("loss") for _, _, train in steps if train.get("loss") is not None]
     summary: dict[str, Any] = {
-        "steps_logged": len(steps), "timed_steps": len(rates) if per_step else 0,
+        "steps_logged": len(steps),
+        "timed_steps": len(rates) if per_step else 0,
         "tokens_per_step": float(tokens_per_step),
-        "median_tokens_per_second": None, "min_tokens_per_second": None,
-        "max_tokens_per_second": None, "spread_percent": None,
-        "aggregate_tokens_per_second": (round(total_tokens / total_seconds, 1)
-                                        if total_seconds > 0 else None),
-        "median_step_seconds": None, "median_step_tokens_per_second": None,
-        "peak_memory_gib": None, "final_loss": losses[-1] if losses else None,
+        "median_tokens_per_second": None,
+        "min_tokens_per_second": None,
+        "max_tokens_per_second": None,
+        "spread_percent": None,
+        "aggregate_tokens_per_second": (
+            round(total_tokens / total_seconds, 1) if total_seconds > 0 else None
+        ),
+        "median_step_seconds": None,
+        "median_step_tokens_per_second": None,
+        "peak_memory_gib": None,
+        "final_loss": losses[-1] if losses else None,
         "checkpoint_save_seconds": saves[-1] if saves else None,
         "checkpoint_save_seconds_each": saves or None,
         "epochs": epochs,
@@ -254,8 +304,10 @@ def summarize_030(records: list[dict[str, Any]], tokens_per_step: float,
     if per_step and rates:
         median = statistics.median(rates)
         summary.update(
-            median_tokens_per_second=round(median, 1), median_step_tokens_per_second=round(median, 1),
-            min_tokens_per_second=round(min(rates), 1), max_tokens_per_second=round(max(rates), 1),
+            median_tokens_per_second=round(median, 1),
+            median_step_tokens_per_second=round(median, 1),
+            min_tokens_per_second=round(min(rates), 1),
+            max_tokens_per_second=round(max(rates), 1),
             spread_percent=round(100 * (max(rates) - min(rates)) / median, 2),
             median_step_seconds=round(statistics.median(step_seconds), 5),
         )
@@ -269,13 +321,16 @@ def markdown_lines(runs: list[dict[str, Any]]) -> list[str]:
     if reference is None:
         return []
     packing = reference.get("packing") or {}
-    lines = ["", f"`{NAME}`: v0.3.0's `scripts/train.py`, unmodified, under `torchrun "
-             "--nproc-per-node 1` (FSDP, bf16) on the same files and flags; tokens/s from the "
-             f"interval between its per-step metric records ({reference.get('timing')}), "
-             f"{packing.get('tokens_per_step', '?')} real tokens per row of "
-             f"{packing.get('samples_per_row', '?')} samples (0.3.0 logs no count); each epoch trains "
-             f"{packing.get('train_files', '?')} files (its fixed 90% split) and ends with its "
-             "validation pass; it has no data-wait figure."]
+    lines = [
+        "",
+        f"`{NAME}`: v0.3.0's `scripts/train.py`, unmodified, under `torchrun "
+        "--nproc-per-node 1` (FSDP, bf16) on the same files and flags; tokens/s from the "
+        f"interval between its per-step metric records ({reference.get('timing')}), "
+        f"{packing.get('tokens_per_step', '?')} real tokens per row of "
+        f"{packing.get('samples_per_row', '?')} samples (0.3.0 logs no count); each epoch trains "
+        f"{packing.get('train_files', '?')} files (its fixed 90% split) and ends with its "
+        "validation pass; it has no data-wait figure.",
+    ]
     if reference.get("error"):
         lines.append(f"0.3.0's run: {reference['error']}")
     ours = next((run for run in runs if run.get("name") != NAME and run.get("epochs")), None)
@@ -287,18 +342,32 @@ def markdown_lines(runs: list[dict[str, Any]]) -> list[str]:
 
     ours_median = ours.get("median_step_tokens_per_second")
     theirs_median = reference.get("median_step_tokens_per_second")
-    theirs = {epoch["epoch"]: epoch.get("tokens_per_second") for epoch in reference.get("epochs") or []}
-    each = ", ".join(f"{epoch['epoch']}: {ratio(epoch.get('tokens_per_second'), theirs.get(epoch['epoch']))}"
-                     for epoch in ours["epochs"])
-    lines += ["", f"Ours (`{ours['name']}`) / 0.3.0: median step {ratio(ours_median, theirs_median)} "
-              f"({ours_median or 0:,.0f} / {theirs_median or 0:,.0f} tokens/s); per epoch: {each}"]
+    theirs = {
+        epoch["epoch"]: epoch.get("tokens_per_second") for epoch in reference.get("epochs") or []
+    }
+    each = ", ".join(
+        f"{epoch['epoch']}: {ratio(epoch.get('tokens_per_second'), theirs.get(epoch['epoch']))}"
+        for epoch in ours["epochs"]
+    )
+    lines += [
+        "",
+        f"Ours (`{ours['name']}`) / 0.3.0: median step {ratio(ours_median, theirs_median)} "
+        f"({ours_median or 0:,.0f} / {theirs_median or 0:,.0f} tokens/s); per epoch: {each}",
+    ]
     return lines
 
 
 # -- the run -------------------------------------------------------------------------------------
 def run_030(
-    train_script: str | os.PathLike | None, paths: Mapping[str, Path], work: Path, *,
-    total_seq_len: int, epochs: int, sample_tokens: int, samples: int, timeout: float,
+    train_script: str | os.PathLike | None,
+    paths: Mapping[str, Path],
+    work: Path,
+    *,
+    total_seq_len: int,
+    epochs: int,
+    sample_tokens: int,
+    samples: int,
+    timeout: float,
     keep_checkpoints: int | None = None,
 ) -> dict[str, Any]:
     """Run 0.3.0's trainer on `paths` (GPU 0 unless CUDA_VISIBLE_DEVICES says otherwise) and
@@ -311,8 +380,16 @@ def run_030(
     save, records, log = folder / "checkpoints", folder / "records.jsonl", work / "run-030.log"
     script = find_train_script(train_script) if train_script else None
     packing = packing_030(total_seq_len, sample_tokens, samples)
-    result: dict[str, Any] = {"name": NAME, "processes": 1, "command": "", "returncode": None,
-                              "seconds": 0.0, "packing": packing, "timing": None, "error": None}
+    result: dict[str, Any] = {
+        "name": NAME,
+        "processes": 1,
+        "command": "",
+        "returncode": None,
+        "seconds": 0.0,
+        "packing": packing,
+        "timing": None,
+        "error": None,
+    }
     if script is None:
         result["error"] = f"0.3.0's train.py not found at {train_script}"
         result.update(summarize_030([], packing["tokens_per_step"]))
@@ -324,8 +401,10 @@ def run_030(
     env = {**os.environ, **SAFE_ENV, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
     # This checkout's `speculators/` is an alias of ours: keep it off 0.3.0's path.
     env["PYTHONPATH"] = os.pathsep.join(
-        entry for entry in env.get("PYTHONPATH", "").split(os.pathsep)
-        if entry and Path(entry).resolve() != ROOT)
+        entry
+        for entry in env.get("PYTHONPATH", "").split(os.pathsep)
+        if entry and Path(entry).resolve() != ROOT
+    )
     env.setdefault("CUDA_VISIBLE_DEVICES", "0")
     print(f"$ {result['command']}", flush=True)
     started = time.perf_counter()
@@ -343,8 +422,9 @@ def run_030(
     if not found:  # not started through the launcher: the console's whole seconds
         found, exact = parse_console(text), False
     result["timing"] = "log record times" if exact else "console times, whole seconds"
-    result.update(summarize_030(found, packing["tokens_per_step"], packing["epoch_tokens"],
-                                per_step=exact))
+    result.update(
+        summarize_030(found, packing["tokens_per_step"], packing["epoch_tokens"], per_step=exact)
+    )
     print(json.dumps(result), flush=True)
     return result
 
@@ -369,10 +449,15 @@ def install_record_capture(path: Path) -> None:
 
     def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
         record = previous(*args, **kwargs)
-        if os.getpid() == owner and (record.name == "speculators"
-                                     or record.name.startswith("speculators.")):
-            handle.write(json.dumps({"time": record.created, "logger": record.name,
-                                     "message": _plain(record)}) + "\n")
+        if os.getpid() == owner and (
+            record.name == "speculators" or record.name.startswith("speculators.")
+        ):
+            handle.write(
+                json.dumps(
+                    {"time": record.created, "logger": record.name, "message": _plain(record)}
+                )
+                + "\n"
+            )
         return record
 
     logging.setLogRecordFactory(factory)
@@ -384,7 +469,8 @@ def launch(argv: list[str]) -> None:
         raise SystemExit("usage: trainer_030.py --records FILE SCRIPT [ARGS...]")
     records, script, rest = Path(argv[1]), Path(argv[2]).resolve(), argv[3:]
     sys.path[:] = [str(script.parent)] + [
-        entry for entry in sys.path[1:] if entry and Path(entry).resolve() != ROOT]
+        entry for entry in sys.path[1:] if entry and Path(entry).resolve() != ROOT
+    ]
     import importlib.metadata
     import importlib.util
     import runpy
@@ -398,10 +484,14 @@ def launch(argv: list[str]) -> None:
     # A checkout of ours (this one, or one installed in editable mode) serves `speculators` as an
     # alias of `speculators_vllm016`, beside it.
     if where is None or version is None or (where.parent / "speculators_vllm016").is_dir():
-        raise SystemExit(f"no speculators 0.3.0 package to run: `speculators` at {where}, "
-                         f"installed version {version} (install its wheel ahead on PYTHONPATH)")
-    print(f"trainer_030 launcher: speculators {version} from {where}; records to {records}",
-          flush=True)
+        raise SystemExit(
+            f"no speculators 0.3.0 package to run: `speculators` at {where}, "
+            f"installed version {version} (install its wheel ahead on PYTHONPATH)"
+        )
+    print(
+        f"trainer_030 launcher: speculators {version} from {where}; records to {records}",
+        flush=True,
+    )
     install_record_capture(records)
     sys.argv = [str(script), *rest]
     runpy.run_path(str(script), run_name="__main__")

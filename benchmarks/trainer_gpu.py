@@ -61,8 +61,11 @@ ROOT = Path(__file__).resolve().parent.parent
 NUM_CAPTURED_LAYERS = 4
 VERIFIER_LAYERS = 32
 # Keep NVLink multicast off everywhere (it can take a shared host's GPUs out of service).
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-            "NVSHMEM_DISABLE_NVLS": "1"}
+SAFE_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 
 @dataclass
@@ -109,13 +112,20 @@ def write_verifier(preset: TrainingPreset, folder: Path, seed: int = 0) -> Path:
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": preset.hidden_size, "intermediate_size": preset.intermediate_size,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": preset.hidden_size,
+        "intermediate_size": preset.intermediate_size,
         "num_attention_heads": preset.num_attention_heads,
-        "num_key_value_heads": preset.num_key_value_heads, "head_dim": preset.head_dim,
-        "num_hidden_layers": VERIFIER_LAYERS, "vocab_size": preset.target_vocab_size,
-        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "num_key_value_heads": preset.num_key_value_heads,
+        "head_dim": preset.head_dim,
+        "num_hidden_layers": VERIFIER_LAYERS,
+        "vocab_size": preset.target_vocab_size,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
     }
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     generator = torch.Generator().manual_seed(seed)
@@ -154,8 +164,15 @@ def write_vocab_maps(preset: TrainingPreset, folder: Path, seed: int = 0) -> tup
 
 
 def write_samples(
-    preset: TrainingPreset, folder: Path, count: int, tokens: int, seed: int = 0,
-    distinct: int = 4, threads: int = 8, loss_mask: str = "answer", unique: int | None = None,
+    preset: TrainingPreset,
+    folder: Path,
+    count: int,
+    tokens: int,
+    seed: int = 0,
+    distinct: int = 4,
+    threads: int = 8,
+    loss_mask: str = "answer",
+    unique: int | None = None,
 ) -> Path:
     """`count` sample files of `tokens` tokens; hidden states come from `distinct` random draws
     (their values do not change the cost), token ids and masks differ per file. `loss_mask`:
@@ -167,11 +184,15 @@ def write_samples(
 
     folder.mkdir(parents=True, exist_ok=True)
     layer_ids = [1, VERIFIER_LAYERS // 2, VERIFIER_LAYERS - 3, VERIFIER_LAYERS - 1]
-    (folder / "data_config.json").write_text(json.dumps({"hidden_states": {"layer_ids": layer_ids}}))
+    (folder / "data_config.json").write_text(
+        json.dumps({"hidden_states": {"layer_ids": layer_ids}})
+    )
     generator = torch.Generator().manual_seed(seed)
     pool = [
-        [torch.randn(tokens, preset.hidden_size, generator=generator).bfloat16()
-         for _ in range(NUM_CAPTURED_LAYERS)]
+        [
+            torch.randn(tokens, preset.hidden_size, generator=generator).bfloat16()
+            for _ in range(NUM_CAPTURED_LAYERS)
+        ]
         for _ in range(distinct)
     ]
 
@@ -189,8 +210,9 @@ def write_samples(
             mask[: tokens // 10] = 0  # a prompt, then the answer
         else:
             mask = synthetic_loss_mask(loss_mask, tokens, local)[0]
-        write_sample(path, {"input_ids": ids, "hidden_states": pool[index % distinct],
-                            "loss_mask": mask})
+        write_sample(
+            path, {"input_ids": ids, "hidden_states": pool[index % distinct], "loss_mask": mask}
+        )
 
     first = range(min(count, unique) if unique else count)
     with ThreadPoolExecutor(max_workers=threads) as pool_executor:
@@ -201,7 +223,11 @@ def write_samples(
 
 
 def write_synthetic_inputs(
-    preset: TrainingPreset, work: Path, samples: int, tokens: int, loss_mask: str = "answer",
+    preset: TrainingPreset,
+    work: Path,
+    samples: int,
+    tokens: int,
+    loss_mask: str = "answer",
     unique: int | None = None,
 ) -> dict[str, Path]:
     started = time.perf_counter()
@@ -214,13 +240,38 @@ def write_synthetic_inputs(
 
 
 # -- runs ----------------------------------------------------------------------------------------
-def train_command(name: str, processes: int, paths: dict[str, Path], save: Path,
-                  args: argparse.Namespace, max_steps: int | None = None, resume: bool = False) -> list[str]:
+def train_command(
+    name: str,
+    processes: int,
+    paths: dict[str, Path],
+    save: Path,
+    args: argparse.Namespace,
+    max_steps: int | None = None,
+    resume: bool = False,
+) -> list[str]:
     train = [
-        "train", "--verifier-name-or-path", str(paths["verifier"]), "--data-path", str(paths["data"]),
-        "--save-path", str(save), "--d2t-path", str(paths["d2t"]), "--t2d-path", str(paths["t2d"]),
-        "--total-seq-len", str(args.total_seq_len), "--max-steps", str(max_steps or args.max_steps),
-        "--epochs", str(getattr(args, "epochs", None) or 1), "--train-ratio", "1.0", "--no-progress", "--log-dir", str(save.parent / "logs"),
+        "train",
+        "--verifier-name-or-path",
+        str(paths["verifier"]),
+        "--data-path",
+        str(paths["data"]),
+        "--save-path",
+        str(save),
+        "--d2t-path",
+        str(paths["d2t"]),
+        "--t2d-path",
+        str(paths["t2d"]),
+        "--total-seq-len",
+        str(args.total_seq_len),
+        "--max-steps",
+        str(max_steps or args.max_steps),
+        "--epochs",
+        str(getattr(args, "epochs", None) or 1),
+        "--train-ratio",
+        "1.0",
+        "--no-progress",
+        "--log-dir",
+        str(save.parent / "logs"),
     ]
     if not resume:  # resuming is the trainer's default
         train.append("--no-resume-from-checkpoint")
@@ -230,8 +281,12 @@ def train_command(name: str, processes: int, paths: dict[str, Path], save: Path,
         # retrace the uninterrupted run.
         from speculators_vllm016.train.lr_schedule import default_warmup_steps
 
-        train += ["--scheduler-total-steps", str(args.max_steps),
-                  "--scheduler-warmup-steps", str(default_warmup_steps(args.max_steps))]
+        train += [
+            "--scheduler-total-steps",
+            str(args.max_steps),
+            "--scheduler-warmup-steps",
+            str(default_warmup_steps(args.max_steps)),
+        ]
     if args.device:
         train += ["--device", args.device]
     if args.num_workers is not None:
@@ -241,9 +296,18 @@ def train_command(name: str, processes: int, paths: dict[str, Path], save: Path,
     train += list(args.train_args)
     if name in ONE_PROCESS_RUNS:
         return [sys.executable, "-m", "speculators_vllm016", *train]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={processes}", "-m", "speculators_vllm016", *train,
-            "--parallel", name]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={processes}",
+        "-m",
+        "speculators_vllm016",
+        *train,
+        "--parallel",
+        name,
+    ]
 
 
 def summarize_metrics(path: Path, warmup_steps: int) -> dict[str, Any]:
@@ -292,32 +356,49 @@ def summarize_epochs(path: Path) -> dict[str, Any]:
         tokens = sum(r.train["tokens"] for r in timed)
         seconds = sum(r.train["step_seconds"] for r in timed)
         waits = [r.train["data_wait_seconds"] for r in timed if "data_wait_seconds" in r.train]
-        epochs.append({
-            "epoch": epoch, "steps": len(steps),
-            "tokens_per_second": round(tokens / seconds, 1) if seconds else None,
-            "max_data_wait_seconds": round(max(waits), 4) if waits else None,
-            "steps_waiting_over_0.2_s": sum(wait > 0.2 for wait in waits),
-            "total_data_wait_seconds": round(sum(waits), 3),
-            "first_step_seconds": round(steps[0].train["step_seconds"], 4),
-            "slowest_steps": [
-                {"step": r.step, "seconds": round(r.train["step_seconds"], 4),
-                 "data_wait_seconds": round(r.train.get("data_wait_seconds", 0.0), 4)}
-                for r in sorted(timed, key=lambda r: -r.train["step_seconds"])[:5]
-            ],
-        })
-    rates = [r.train["tokens"] / r.train["step_seconds"] for r in records[1:] if r.train["step_seconds"]]
-    return {"median_step_tokens_per_second": round(statistics.median(rates), 1) if rates else None,
-            "epochs": epochs}
+        epochs.append(
+            {
+                "epoch": epoch,
+                "steps": len(steps),
+                "tokens_per_second": round(tokens / seconds, 1) if seconds else None,
+                "max_data_wait_seconds": round(max(waits), 4) if waits else None,
+                "steps_waiting_over_0.2_s": sum(wait > 0.2 for wait in waits),
+                "total_data_wait_seconds": round(sum(waits), 3),
+                "first_step_seconds": round(steps[0].train["step_seconds"], 4),
+                "slowest_steps": [
+                    {
+                        "step": r.step,
+                        "seconds": round(r.train["step_seconds"], 4),
+                        "data_wait_seconds": round(r.train.get("data_wait_seconds", 0.0), 4),
+                    }
+                    for r in sorted(timed, key=lambda r: -r.train["step_seconds"])[:5]
+                ],
+            }
+        )
+    rates = [
+        r.train["tokens"] / r.train["step_seconds"] for r in records[1:] if r.train["step_seconds"]
+    ]
+    return {
+        "median_step_tokens_per_second": round(statistics.median(rates), 1) if rates else None,
+        "epochs": epochs,
+    }
 
 
-def run_process_group(command: list[str], env: dict[str, str], log: Path,
-                      timeout: float, cwd: Path | None = None) -> tuple[int | None, str | None]:
+def run_process_group(
+    command: list[str], env: dict[str, str], log: Path, timeout: float, cwd: Path | None = None
+) -> tuple[int | None, str | None]:
     """Run `command` (output to `log`) in its own session: `(returncode, None)`, or
     `(None, "timed out ...")` after killing the whole group. Killing torchrun alone would leave
     its workers holding the GPUs under the next run."""
     with open(log, "w") as handle:
-        process = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT,
-                                   start_new_session=True, cwd=cwd)
+        process = subprocess.Popen(
+            command,
+            env=env,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=cwd,
+        )
         try:
             return process.wait(timeout=timeout), None
         except subprocess.TimeoutExpired:
@@ -330,8 +411,10 @@ def checkpoint_seconds(log: str) -> tuple[float | None, float | None]:
     """`(last checkpoint write, weights + optimizer state load)` seconds from a trainer's log."""
     written = re.findall(r"checkpoint \S+ written in ([0-9.]+) s", log)
     loaded = re.findall(r"(?:weights|optimizer state) of \S+ loaded in ([0-9.]+) s", log)
-    return (float(written[-1]) if written else None,
-            round(sum(map(float, loaded)), 3) if len(loaded) == 2 else None)
+    return (
+        float(written[-1]) if written else None,
+        round(sum(map(float, loaded)), 3) if len(loaded) == 2 else None,
+    )
 
 
 @contextlib.contextmanager
@@ -346,8 +429,11 @@ def checkpoint_pruning(save: Path, keep: int | None) -> Iterator[None]:
 
     def prune() -> None:
         while not stop.wait(1.0):
-            done = [f for f in save.glob("*") if f.is_dir() and not f.is_symlink()
-                    and (f / "model.safetensors").is_file()]
+            done = [
+                f
+                for f in save.glob("*")
+                if f.is_dir() and not f.is_symlink() and (f / "model.safetensors").is_file()
+            ]
             for folder in sorted(done, key=lambda f: f.stat().st_mtime)[:-keep]:
                 shutil.rmtree(folder, ignore_errors=True)
 
@@ -379,11 +465,15 @@ def compare_weights(first: Path, second: Path) -> tuple[bool, float]:
     if left.keys() != right.keys():
         return False, math.inf
     equal = all(torch.equal(left[key], right[key]) for key in left)
-    diff = max((float((left[key].double() - right[key].double()).abs().max()) for key in left), default=0.0)
+    diff = max(
+        (float((left[key].double() - right[key].double()).abs().max()) for key in left), default=0.0
+    )
     return equal, diff
 
 
-def _launch(command: list[str], name: str, log: Path, timeout: float) -> tuple[int | None, str | None, float]:
+def _launch(
+    command: list[str], name: str, log: Path, timeout: float
+) -> tuple[int | None, str | None, float]:
     env = {**os.environ, **SAFE_ENV, "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     if name in ONE_PROCESS_RUNS and "CUDA_VISIBLE_DEVICES" not in os.environ:
@@ -401,38 +491,56 @@ def _launch(command: list[str], name: str, log: Path, timeout: float) -> tuple[i
     return returncode, error, seconds
 
 
-def run_trainer(name: str, processes: int, paths: dict[str, Path], work: Path,
-                args: argparse.Namespace) -> RunResult:
+def run_trainer(
+    name: str, processes: int, paths: dict[str, Path], work: Path, args: argparse.Namespace
+) -> RunResult:
     save = work / f"run-{name}" / "checkpoints"
     command = train_command(name, processes, paths, save, args)
     log = work / f"run-{name}.log"
     with checkpoint_pruning(save, args.keep_checkpoints):
         returncode, error, seconds = _launch(command, name, log, args.run_timeout)
     metrics = save / "metrics.jsonl"
-    summary = summarize_metrics(metrics, args.warmup_steps) if metrics.is_file() else {
-        "steps_logged": 0, "timed_steps": 0}
+    summary = (
+        summarize_metrics(metrics, args.warmup_steps)
+        if metrics.is_file()
+        else {"steps_logged": 0, "timed_steps": 0}
+    )
     text = log.read_text(errors="replace") if log.is_file() else ""
     written, _ = checkpoint_seconds(text)
     each = [float(value) for value in re.findall(r"checkpoint \S+ written in ([0-9.]+) s", text)]
     if args.sustained and metrics.is_file():
         summary.update(summarize_epochs(metrics))
-    result = RunResult(name=name, processes=processes, command=shlex.join(command),
-                       returncode=returncode, seconds=round(seconds, 1), error=error,
-                       checkpoint_save_seconds=written, checkpoint_save_seconds_each=each or None,
-                       **summary)
+    result = RunResult(
+        name=name,
+        processes=processes,
+        command=shlex.join(command),
+        returncode=returncode,
+        seconds=round(seconds, 1),
+        error=error,
+        checkpoint_save_seconds=written,
+        checkpoint_save_seconds_each=each or None,
+        **summary,
+    )
     if args.resume_check and returncode == 0:
         check_resume(result, paths, work, args, last_checkpoint(save))
     print(json.dumps(asdict(result)), flush=True)
     return result
 
 
-def check_resume(result: RunResult, paths: dict[str, Path], work: Path, args: argparse.Namespace,
-                 uninterrupted: Path | None) -> None:
+def check_resume(
+    result: RunResult,
+    paths: dict[str, Path],
+    work: Path,
+    args: argparse.Namespace,
+    uninterrupted: Path | None,
+) -> None:
     """Half the steps, then the same command resumed to the end: load time and final weights.
     The uninterrupted run is repeated too: on a GPU whose kernels are not deterministic, a
     resumed run can only be as close to it as a repeat is."""
     save = work / f"resume-{result.name}" / "checkpoints"
-    for part, (steps, resume) in enumerate(((max(1, args.max_steps // 2), False), (args.max_steps, True))):
+    for part, (steps, resume) in enumerate(
+        ((max(1, args.max_steps // 2), False), (args.max_steps, True))
+    ):
         command = train_command(result.name, result.processes, paths, save, args, steps, resume)
         log = work / f"resume-{result.name}-{part}.log"
         returncode, error, _ = _launch(command, result.name, log, args.run_timeout)
@@ -442,7 +550,9 @@ def check_resume(result: RunResult, paths: dict[str, Path], work: Path, args: ar
     _, result.checkpoint_load_seconds = checkpoint_seconds(log.read_text(errors="replace"))
     repeat = work / f"repeat-{result.name}" / "checkpoints"
     command = train_command(result.name, result.processes, paths, repeat, args)
-    returncode, error, _ = _launch(command, result.name, work / f"repeat-{result.name}.log", args.run_timeout)
+    returncode, error, _ = _launch(
+        command, result.name, work / f"repeat-{result.name}.log", args.run_timeout
+    )
     if returncode != 0:
         result.error = f"resume check, repeat: {error}"
         return
@@ -454,12 +564,27 @@ def check_resume(result: RunResult, paths: dict[str, Path], work: Path, args: ar
     result.repeat_equal, result.repeat_max_abs_diff = compare_weights(uninterrupted, repeated)
 
 
-def run_step_benchmark(preset: TrainingPreset, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+def run_step_benchmark(
+    preset: TrainingPreset, work: Path, args: argparse.Namespace
+) -> dict[str, Any]:
     """benchmarks/training.py on the same shapes and row length, in its own process."""
     out = work / "step-benchmark"
-    command = [sys.executable, str(ROOT / "benchmarks" / "training.py"), "--preset", preset.name,
-               "--packed-tokens", str(args.total_seq_len), "--steps", str(args.step_benchmark_steps),
-               "--warmup", "3", "--output-dir", str(out), "--tag", "trainer-cmp"]
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "training.py"),
+        "--preset",
+        preset.name,
+        "--packed-tokens",
+        str(args.total_seq_len),
+        "--steps",
+        str(args.step_benchmark_steps),
+        "--warmup",
+        "3",
+        "--output-dir",
+        str(out),
+        "--tag",
+        "trainer-cmp",
+    ]
     if args.loss_mask != "answer":
         command += ["--loss-mask", args.loss_mask]
     if args.device:
@@ -469,8 +594,9 @@ def run_step_benchmark(preset: TrainingPreset, work: Path, args: argparse.Namesp
         env["CUDA_VISIBLE_DEVICES"] = "0"
     print(f"$ {shlex.join(command)}", flush=True)
     try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True,
-                              timeout=args.run_timeout, check=False)
+        done = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=args.run_timeout, check=False
+        )
     except subprocess.TimeoutExpired:
         return {"command": shlex.join(command), "error": "timed out"}
     result_file = out / f"training-{preset.name}-trainer-cmp.json"
@@ -488,7 +614,10 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
     env = result["environment"]
     step = result.get("step_benchmark") or {}
     runs = result["runs"]
-    single = next((run for run in runs if run["name"] == "single" and run.get("median_tokens_per_second")), None)
+    single = next(
+        (run for run in runs if run["name"] == "single" and run.get("median_tokens_per_second")),
+        None,
+    )
     lines = [
         f"# Trainer on sample files: `{result['preset']}`",
         "",
@@ -500,8 +629,13 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         f"at most {result['max_steps']} steps per run, the first {result['warmup_steps']} not timed; "
         f"loss masks: {result.get('loss_mask', 'answer')}; files written just before (page cache warm)",
         "- tokens/s: train/tokens (all ranks) over the wall clock between step ends",
-        *([f"- {result['unique_samples']} distinct files; the others are hard links to them (disk)"]
-          if result.get("unique_samples") else []),
+        *(
+            [
+                f"- {result['unique_samples']} distinct files; the others are hard links to them (disk)"
+            ]
+            if result.get("unique_samples")
+            else []
+        ),
         "",
         "| run | GPUs | median tokens/s | min | max | spread % | total tokens / total s | "
         "vs 1 GPU | vs step benchmark | peak GiB | note |",
@@ -511,7 +645,9 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
     for run in runs:
         rate = run.get("median_tokens_per_second")
         if not rate:
-            lines.append(f"| {run['name']} | {run['processes']} | | | | | | | | | {run.get('error') or 'no timed steps'} |")
+            lines.append(
+                f"| {run['name']} | {run['processes']} | | | | | | | | | {run.get('error') or 'no timed steps'} |"
+            )
             continue
         scale = f"{rate / single['median_tokens_per_second']:.2f}x" if single else ""
         versus = f"{rate / step_rate:.2f}x" if step_rate and run["processes"] == 1 else ""
@@ -532,9 +668,12 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         lines.append(f"| step benchmark | 1 | | | | | | | | | {step.get('error')} |")
     checkpointed = [run for run in runs if run.get("checkpoint_save_seconds") is not None]
     if checkpointed:
-        lines += ["", "| run | GPUs | last checkpoint write s | resume: load s (weights + optimizer) | "
-                  "resumed vs uninterrupted: final weights | repeat vs uninterrupted: final weights |",
-                  "|---|---:|---:|---:|---|---|"]
+        lines += [
+            "",
+            "| run | GPUs | last checkpoint write s | resume: load s (weights + optimizer) | "
+            "resumed vs uninterrupted: final weights | repeat vs uninterrupted: final weights |",
+            "|---|---:|---:|---:|---|---|",
+        ]
 
         def same(run: dict[str, Any], kind: str) -> str:
             equal, diff = run.get(f"{kind}_equal"), run.get(f"{kind}_max_abs_diff")
@@ -552,10 +691,15 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         if not run.get("epochs"):
             continue
         median = run.get("median_step_tokens_per_second") or 0
-        lines += ["", f"Per epoch, `{run['name']}` (median step {median:,.0f} tokens/s; the run's first "
-                  "step, compilation, is not in the rates):", "",
-                  "| epoch | steps | tokens/s | vs median step | slowest data wait s | steps waiting > 0.2 s "
-                  "| first step s |", "|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"Per epoch, `{run['name']}` (median step {median:,.0f} tokens/s; the run's first "
+            "step, compilation, is not in the rates):",
+            "",
+            "| epoch | steps | tokens/s | vs median step | slowest data wait s | steps waiting > 0.2 s "
+            "| first step s |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for epoch in run["epochs"]:
             rate = epoch.get("tokens_per_second") or 0
             ratio = f"{rate / median:.2f}x" if median else ""
@@ -566,7 +710,10 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
                 f"{epoch['first_step_seconds']} |"
             )
         if run.get("checkpoint_save_seconds_each"):
-            lines += ["", f"Checkpoint writes, s: {', '.join(map(str, run['checkpoint_save_seconds_each']))}"]
+            lines += [
+                "",
+                f"Checkpoint writes, s: {', '.join(map(str, run['checkpoint_save_seconds_each']))}",
+            ]
     from benchmarks.trainer_030 import markdown_lines as lines_030
 
     lines += lines_030(runs)
@@ -579,50 +726,98 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python benchmarks/trainer_gpu.py", description=__doc__.split("\n\n")[2],
+        prog="python benchmarks/trainer_gpu.py",
+        description=__doc__.split("\n\n")[2],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--preset", default="llama-3.1-8b-draft", choices=sorted(PRESETS))
-    parser.add_argument("--runs", nargs="+", choices=(*ONE_PROCESS_RUNS, "ddp", "fsdp"),
-                        default=["single", "ddp", "fsdp"],
-                        help=f"{SINGLE_NO_ROW_SLOTS}: one GPU with --no-row-slots (the loader's hand-off "
-                        "before the row slots), for an A/B beside `single`")
-    parser.add_argument("--gpus", type=int, default=None, help="processes of ddp/fsdp (default: all GPUs)")
+    parser.add_argument(
+        "--runs",
+        nargs="+",
+        choices=(*ONE_PROCESS_RUNS, "ddp", "fsdp"),
+        default=["single", "ddp", "fsdp"],
+        help=f"{SINGLE_NO_ROW_SLOTS}: one GPU with --no-row-slots (the loader's hand-off "
+        "before the row slots), for an A/B beside `single`",
+    )
+    parser.add_argument(
+        "--gpus", type=int, default=None, help="processes of ddp/fsdp (default: all GPUs)"
+    )
     parser.add_argument("--work-dir", default="/tmp/trainer-gpu", help="inputs and checkpoints")
     parser.add_argument("--sample-tokens", type=int, default=None, help="default: the preset's")
-    parser.add_argument("--samples", type=int, default=None,
-                        help="sample files (default: enough for --max-steps on --gpus ranks)")
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=None,
+        help="sample files (default: enough for --max-steps on --gpus ranks)",
+    )
     parser.add_argument("--total-seq-len", type=int, default=8192)
     parser.add_argument("--max-steps", type=int, default=30)
     parser.add_argument("--warmup-steps", type=int, default=5)
     parser.add_argument("--num-workers", type=int, default=None, help="loader processes per rank")
     parser.add_argument("--device", default=None, help="passed to the trainer (default: its own)")
-    parser.add_argument("--step-benchmark", action="store_true",
-                        help="also run benchmarks/training.py on the same shapes")
+    parser.add_argument(
+        "--step-benchmark",
+        action="store_true",
+        help="also run benchmarks/training.py on the same shapes",
+    )
     parser.add_argument("--step-benchmark-steps", type=int, default=20)
-    parser.add_argument("--loss-mask", choices=("answer", *LOSS_MASKS), default="answer",
-                        help="the samples' loss masks: answer (a 10%% prompt, then the answer) or "
-                        "the step benchmark's kinds (then its run uses the same)")
+    parser.add_argument(
+        "--loss-mask",
+        choices=("answer", *LOSS_MASKS),
+        default="answer",
+        help="the samples' loss masks: answer (a 10%% prompt, then the answer) or "
+        "the step benchmark's kinds (then its run uses the same)",
+    )
     parser.add_argument("--run-timeout", type=int, default=300, help="seconds per run")
-    parser.add_argument("--resume-check", action="store_true",
-                        help="per run kind: half the steps, resume to the end, and a repeat of the "
-                        "whole run; compare their final weights with the run's")
-    parser.add_argument("--train-args", nargs=argparse.REMAINDER, default=[],
-                        help="further `speculators train` flags (last on the line)")
-    parser.add_argument("--sustained", action="store_true",
-                        help="whole epochs on files beyond the prefetch window; per-epoch figures")
+    parser.add_argument(
+        "--resume-check",
+        action="store_true",
+        help="per run kind: half the steps, resume to the end, and a repeat of the "
+        "whole run; compare their final weights with the run's",
+    )
+    parser.add_argument(
+        "--train-args",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="further `speculators train` flags (last on the line)",
+    )
+    parser.add_argument(
+        "--sustained",
+        action="store_true",
+        help="whole epochs on files beyond the prefetch window; per-epoch figures",
+    )
     parser.add_argument("--epochs", type=int, default=None, help="with --sustained (default 3)")
-    parser.add_argument("--steps-per-epoch", type=int, default=40,
-                        help="with --sustained: rows per epoch per rank (sets the sample count)")
-    parser.add_argument("--unique-samples", type=int, default=None,
-                        help="write this many sample files and hard-link the rest to them (disk)")
-    parser.add_argument("--keep-checkpoints", type=int, default=None,
-                        help="delete all but the newest N checkpoints while a run goes (disk)")
-    parser.add_argument("--with-030", default=None, metavar="PATH",
-                        help="with --sustained: then run speculators 0.3.0's scripts/train.py (PATH: "
-                        "it, or the folder holding it as speculators030_train.py) on the same files")
-    parser.add_argument("--with-030-timeout", type=int, default=None,
-                        help="seconds for the 0.3.0 run (default: --run-timeout)")
+    parser.add_argument(
+        "--steps-per-epoch",
+        type=int,
+        default=40,
+        help="with --sustained: rows per epoch per rank (sets the sample count)",
+    )
+    parser.add_argument(
+        "--unique-samples",
+        type=int,
+        default=None,
+        help="write this many sample files and hard-link the rest to them (disk)",
+    )
+    parser.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=None,
+        help="delete all but the newest N checkpoints while a run goes (disk)",
+    )
+    parser.add_argument(
+        "--with-030",
+        default=None,
+        metavar="PATH",
+        help="with --sustained: then run speculators 0.3.0's scripts/train.py (PATH: "
+        "it, or the folder holding it as speculators030_train.py) on the same files",
+    )
+    parser.add_argument(
+        "--with-030-timeout",
+        type=int,
+        default=None,
+        help="seconds for the 0.3.0 run (default: --run-timeout)",
+    )
     parser.add_argument("--output-dir", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--tag", default="")
     return parser
@@ -648,17 +843,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         samples = args.samples or (args.max_steps + 2) * per_row * ranks
     work = Path(args.work_dir)
-    paths = write_synthetic_inputs(preset, work, samples, tokens, args.loss_mask, args.unique_samples)
-    command = "python benchmarks/trainer_gpu.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    paths = write_synthetic_inputs(
+        preset, work, samples, tokens, args.loss_mask, args.unique_samples
+    )
+    command = "python benchmarks/trainer_gpu.py " + shlex.join(
+        argv if argv is not None else sys.argv[1:]
+    )
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"trainer{'-sustained' if args.sustained else ''}-{preset.name}" + (
-        f"-{args.tag}" if args.tag else "")
+        f"-{args.tag}" if args.tag else ""
+    )
     result: dict[str, Any] = {
-        "preset": preset.name, "command": command, "samples": samples, "sample_tokens": tokens,
-        "total_seq_len": args.total_seq_len, "max_steps": args.max_steps,
-        "warmup_steps": args.warmup_steps, "loss_mask": args.loss_mask, "runs": [], "step_benchmark": None,
-        "epochs": args.epochs, "unique_samples": args.unique_samples,
+        "preset": preset.name,
+        "command": command,
+        "samples": samples,
+        "sample_tokens": tokens,
+        "total_seq_len": args.total_seq_len,
+        "max_steps": args.max_steps,
+        "warmup_steps": args.warmup_steps,
+        "loss_mask": args.loss_mask,
+        "runs": [],
+        "step_benchmark": None,
+        "epochs": args.epochs,
+        "unique_samples": args.unique_samples,
     }
 
     def save() -> None:  # after every run: a run killed later loses nothing measured before
@@ -672,15 +880,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["step_benchmark"] = run_step_benchmark(preset, work, args)
         save()
     for name in args.runs:
-        result["runs"].append(asdict(run_trainer(name, 1 if name in ONE_PROCESS_RUNS else gpus, paths, work, args)))
+        result["runs"].append(
+            asdict(run_trainer(name, 1 if name in ONE_PROCESS_RUNS else gpus, paths, work, args))
+        )
         save()
     if args.with_030 and args.sustained:  # 0.3.0's own trainer on the same files (issue #28)
         from benchmarks.trainer_030 import run_030
 
-        result["runs"].append(run_030(
-            args.with_030, paths, work, total_seq_len=args.total_seq_len, epochs=args.epochs,
-            sample_tokens=tokens, samples=samples, timeout=args.with_030_timeout or args.run_timeout,
-            keep_checkpoints=args.keep_checkpoints))
+        result["runs"].append(
+            run_030(
+                args.with_030,
+                paths,
+                work,
+                total_seq_len=args.total_seq_len,
+                epochs=args.epochs,
+                sample_tokens=tokens,
+                samples=samples,
+                timeout=args.with_030_timeout or args.run_timeout,
+                keep_checkpoints=args.keep_checkpoints,
+            )
+        )
         save()
     print((out / f"{stem}.md").read_text(), flush=True)
     return result

@@ -30,7 +30,12 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 __all__ = [
-    "PRESETS", "TrainingPreset", "kernel_category", "main", "own_microseconds", "profile_summary",
+    "PRESETS",
+    "TrainingPreset",
+    "kernel_category",
+    "main",
+    "own_microseconds",
+    "profile_summary",
     "run_length",
 ]
 
@@ -60,23 +65,40 @@ PRESETS: dict[str, TrainingPreset] = {
         TrainingPreset(
             "llama-3.1-8b-draft",
             "EAGLE-3 draft of Llama-3.1-8B (hidden 4096, 32/8 heads, vocab 128256 -> 32000)",
-            hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-            intermediate_size=14336, target_vocab_size=128256, draft_vocab_size=32000,
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=14336,
+            target_vocab_size=128256,
+            draft_vocab_size=32000,
             default_packed_tokens=(2048, 8192, 32768),
         ),
         TrainingPreset(
             "kimi-k2.5-draft",
             "EAGLE-3 draft of Kimi-K2.5 (hidden 7168, 64/64 heads, vocab 163840 -> 32000)",
-            hidden_size=7168, num_attention_heads=64, num_key_value_heads=64, head_dim=112,
-            intermediate_size=18432, target_vocab_size=163840, draft_vocab_size=32000,
+            hidden_size=7168,
+            num_attention_heads=64,
+            num_key_value_heads=64,
+            head_dim=112,
+            intermediate_size=18432,
+            target_vocab_size=163840,
+            draft_vocab_size=32000,
             default_packed_tokens=(2048, 8192),
         ),
         TrainingPreset(
             "cpu-small",
             "a small draft that runs on a CPU in seconds (hidden 256, vocab 2048 -> 512)",
-            hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-            intermediate_size=512, target_vocab_size=2048, draft_vocab_size=512,
-            sample_tokens=128, default_packed_tokens=(256,), requires_gpu=False,
+            hidden_size=256,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            intermediate_size=512,
+            target_vocab_size=2048,
+            draft_vocab_size=512,
+            sample_tokens=128,
+            default_packed_tokens=(256,),
+            requires_gpu=False,
         ),
     )
 }
@@ -104,13 +126,19 @@ def build_model(preset: TrainingPreset, device, frozen_dtype, attention: str, co
     from speculators_vllm016.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
     layer = LlamaConfig(
-        hidden_size=preset.hidden_size, num_attention_heads=preset.num_attention_heads,
-        num_key_value_heads=preset.num_key_value_heads, head_dim=preset.head_dim,
-        intermediate_size=preset.intermediate_size, num_hidden_layers=preset.num_layers,
-        vocab_size=preset.target_vocab_size, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        hidden_size=preset.hidden_size,
+        num_attention_heads=preset.num_attention_heads,
+        num_key_value_heads=preset.num_key_value_heads,
+        head_dim=preset.head_dim,
+        intermediate_size=preset.intermediate_size,
+        num_hidden_layers=preset.num_layers,
+        vocab_size=preset.target_vocab_size,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
     )
     config = Eagle3SpeculatorConfig(
-        transformer_layer_config=layer, draft_vocab_size=preset.draft_vocab_size,
+        transformer_layer_config=layer,
+        draft_vocab_size=preset.draft_vocab_size,
         norm_before_residual=True,
     )
     with torch.device(device):
@@ -141,14 +169,21 @@ def synthetic_loss_mask(kind: str, packed_tokens: int, generator) -> Any:
     if kind == "random":
         return (torch.rand(1, packed_tokens, generator=generator) < 0.7).long()
     if kind == "spans":
-        return ((torch.arange(packed_tokens) % TURN_TOKENS) >= round(0.3 * TURN_TOKENS)).long()[None]
+        return ((torch.arange(packed_tokens) % TURN_TOKENS) >= round(0.3 * TURN_TOKENS)).long()[
+            None
+        ]
     if kind == "all":
         return torch.ones(1, packed_tokens, dtype=torch.long)
     raise ValueError(f"loss mask kind must be one of {LOSS_MASKS}, got {kind!r}")
 
 
 def synthetic_batch(
-    preset: TrainingPreset, packed_tokens: int, device, dtype, seed: int = 0, loss_mask: str = "random"
+    preset: TrainingPreset,
+    packed_tokens: int,
+    device,
+    dtype,
+    seed: int = 0,
+    loss_mask: str = "random",
 ):
     """A packed row of whole samples, shaped as the trainer's shifted batches are."""
     import torch
@@ -160,19 +195,24 @@ def synthetic_batch(
         lengths.append(packed_tokens % sample)
     mask = synthetic_loss_mask(loss_mask, packed_tokens, generator)
     return {
-        "hidden_states": torch.randn(1, packed_tokens, 3 * preset.hidden_size, generator=generator)
-        .to(device, dtype),
-        "input_ids": torch.randint(0, preset.target_vocab_size, (1, packed_tokens), generator=generator)
-        .to(device),
-        "verifier_last_hidden_states": torch.randn(1, packed_tokens, preset.hidden_size,
-                                                   generator=generator).to(device, dtype),
+        "hidden_states": torch.randn(
+            1, packed_tokens, 3 * preset.hidden_size, generator=generator
+        ).to(device, dtype),
+        "input_ids": torch.randint(
+            0, preset.target_vocab_size, (1, packed_tokens), generator=generator
+        ).to(device),
+        "verifier_last_hidden_states": torch.randn(
+            1, packed_tokens, preset.hidden_size, generator=generator
+        ).to(device, dtype),
         "loss_mask": mask.to(device),
         "lengths": torch.tensor(lengths, device=device),
         "position_ids": torch.cat([torch.arange(1, n + 1) for n in lengths])[None].to(device),
     }
 
 
-def run_length(args: argparse.Namespace, preset: TrainingPreset, packed_tokens: int) -> LengthResult:
+def run_length(
+    args: argparse.Namespace, preset: TrainingPreset, packed_tokens: int
+) -> LengthResult:
     """Build a fresh model and optimizer, warm up, then time `args.steps` training steps."""
     import torch
 
@@ -197,7 +237,9 @@ def run_length(args: argparse.Namespace, preset: TrainingPreset, packed_tokens: 
     if param_dtype != torch.float32:
         model.to(param_dtype)
     model.loss_chunk_size = args.loss_chunk_size
-    model.skip_unused_positions = {"auto": None, "on": True, "off": False}[args.skip_unused_positions]
+    model.skip_unused_positions = {"auto": None, "on": True, "off": False}[
+        args.skip_unused_positions
+    ]
     for layer in model.layers:
         layer.recompute_mlp = args.recompute_mlp
     model.train()
@@ -207,9 +249,12 @@ def run_length(args: argparse.Namespace, preset: TrainingPreset, packed_tokens: 
     row = StepRow(batch, has_samples=True)
     # The trainer's own step: forward, backward, clip at 1.0, AdamW, metrics to the host.
     train_step = TrainStep(
-        model=model, optimizer=optimizer,
-        parameters=[p for p in model.parameters() if p.requires_grad], device=device,
-        max_grad_norm=1.0, call_options=DraftCallOptions(ttt_steps=args.ttt_steps),
+        model=model,
+        optimizer=optimizer,
+        parameters=[p for p in model.parameters() if p.requires_grad],
+        device=device,
+        max_grad_norm=1.0,
+        call_options=DraftCallOptions(ttt_steps=args.ttt_steps),
         autocast_dtype=torch.bfloat16 if autocast else None,
     )
 
@@ -260,8 +305,11 @@ OPTIMIZER_MARKERS = ("adam", "fusedoptimizer")
 def kernel_category(name: str) -> str:
     """`matmul`, `attention`, `optimizer` or `other`: where a kernel's (or CPU op's) time goes."""
     lowered = name.lower()
-    for category, markers in (("matmul", MATMUL_MARKERS), ("attention", ATTENTION_MARKERS),
-                              ("optimizer", OPTIMIZER_MARKERS)):
+    for category, markers in (
+        ("matmul", MATMUL_MARKERS),
+        ("attention", ATTENTION_MARKERS),
+        ("optimizer", OPTIMIZER_MARKERS),
+    ):
         if any(marker in lowered for marker in markers):
             return category
     return "other"
@@ -311,8 +359,15 @@ def _gpu_processes() -> list[str]:
     """Other work on the GPUs while this ran (nvidia-smi's compute processes)."""
     try:
         output = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20, check=False,
+            [
+                "nvidia-smi",
+                "--query-compute-apps=pid,process_name,used_memory",
+                "--format=csv,noheader",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=False,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
@@ -352,39 +407,76 @@ def make_parser() -> argparse.ArgumentParser:
         epilog="Presets: " + "; ".join(f"{p.name}: {p.description}" for p in PRESETS.values()),
     )
     parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    parser.add_argument("--packed-tokens", type=int, nargs="+", default=None,
-                        help="packed row lengths to measure, each with a fresh model "
-                        "(default: the preset's)")
+    parser.add_argument(
+        "--packed-tokens",
+        type=int,
+        nargs="+",
+        default=None,
+        help="packed row lengths to measure, each with a fresh model (default: the preset's)",
+    )
     parser.add_argument("--steps", type=int, default=10, help="timed steps per length (default 10)")
-    parser.add_argument("--warmup", type=int, default=3,
-                        help="untimed steps first, compilation included (default 3)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="untimed steps first, compilation included (default 3)",
+    )
     parser.add_argument("--ttt-steps", type=int, default=3)
-    parser.add_argument("--precision", choices=("auto", "bf16-mixed", "bf16", "fp32"), default="auto",
-                        help="bf16-mixed: fp32 parameters and optimizer state, bf16 autocast "
-                        "(the trainer's default on GPUs); bf16: bf16 parameters (0.3.0's FSDP "
-                        "path); fp32; auto: bf16-mixed on CUDA, fp32 on a CPU")
-    parser.add_argument("--frozen-dtype", choices=("bf16", "fp32", "same"), default="bf16",
-                        help="storage of the frozen verifier embeddings/norm/head (default bf16)")
+    parser.add_argument(
+        "--precision",
+        choices=("auto", "bf16-mixed", "bf16", "fp32"),
+        default="auto",
+        help="bf16-mixed: fp32 parameters and optimizer state, bf16 autocast "
+        "(the trainer's default on GPUs); bf16: bf16 parameters (0.3.0's FSDP "
+        "path); fp32; auto: bf16-mixed on CUDA, fp32 on a CPU",
+    )
+    parser.add_argument(
+        "--frozen-dtype",
+        choices=("bf16", "fp32", "same"),
+        default="bf16",
+        help="storage of the frozen verifier embeddings/norm/head (default bf16)",
+    )
     parser.add_argument("--attention", choices=("auto", "flex", "sdpa"), default="auto")
-    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                        help="compile the element-wise blocks (auto: on CUDA)")
-    parser.add_argument("--deterministic", action="store_true",
-                        help="compile as `speculators train --deterministic` does (blocks with "
-                        "symbolic shapes from the first step, no rounding-changing autotuning)")
-    parser.add_argument("--recompute-mlp", action="store_true",
-                        help="recompute the MLP in the backward pass (less memory, more work)")
+    parser.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="compile the element-wise blocks (auto: on CUDA)",
+    )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="compile as `speculators train --deterministic` does (blocks with "
+        "symbolic shapes from the first step, no rounding-changing autotuning)",
+    )
+    parser.add_argument(
+        "--recompute-mlp",
+        action="store_true",
+        help="recompute the MLP in the backward pass (less memory, more work)",
+    )
     parser.add_argument("--loss-chunk-size", type=int, default=4096)
-    parser.add_argument("--loss-mask", choices=LOSS_MASKS, default="random",
-                        help="which positions are scored: 70%% drawn each on its own (random, the "
-                        "default), the answers of 256-token turns with a 30%% prompt (spans), or "
-                        "all of them (all)")
-    parser.add_argument("--skip-unused-positions", choices=("auto", "on", "off"), default="auto",
-                        help="run each TTT step's layer only over the positions the loss reads "
-                        "(auto: on CUDA, as the trainer does)")
-    parser.add_argument("--profile", action="store_true",
-                        help="after timing, profile one more step: the top kernels, and the "
-                        "milliseconds of matrix products, attention, optimizer and the rest "
-                        "(stored as profile_ms)")
+    parser.add_argument(
+        "--loss-mask",
+        choices=LOSS_MASKS,
+        default="random",
+        help="which positions are scored: 70%% drawn each on its own (random, the "
+        "default), the answers of 256-token turns with a 30%% prompt (spans), or "
+        "all of them (all)",
+    )
+    parser.add_argument(
+        "--skip-unused-positions",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="run each TTT step's layer only over the positions the loss reads "
+        "(auto: on CUDA, as the trainer does)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after timing, profile one more step: the top kernels, and the "
+        "milliseconds of matrix products, attention, optimizer and the rest "
+        "(stored as profile_ms)",
+    )
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--output-dir", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--tag", default="", help="suffix of the result file names")
@@ -452,14 +544,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             import traceback
 
             traceback.print_exc()
-            kind = "out of memory" if isinstance(err, torch.OutOfMemoryError) else type(err).__name__
-            row = LengthResult(packed, [], 0.0, 0.0, 0.0, 0.0, None, None, float("nan"),
-                               error=f"{kind}: {str(err).splitlines()[0][:160] if str(err) else ''}")
+            kind = (
+                "out of memory" if isinstance(err, torch.OutOfMemoryError) else type(err).__name__
+            )
+            row = LengthResult(
+                packed,
+                [],
+                0.0,
+                0.0,
+                0.0,
+                0.0,
+                None,
+                None,
+                float("nan"),
+                error=f"{kind}: {str(err).splitlines()[0][:160] if str(err) else ''}",
+            )
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         rows.append(row)
         print(json.dumps(asdict(row)), flush=True)
-    command = "python benchmarks/training.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = "python benchmarks/training.py " + shlex.join(
+        argv if argv is not None else sys.argv[1:]
+    )
     result = {
         "preset": asdict(preset),
         "settings": {key: value for key, value in vars(args).items() if key not in ("output_dir",)},

@@ -20,15 +20,24 @@ TOPICS = {
     "music": ["the guitar", "jazz chords", "piano scales", "rhythm", "songwriting", "choirs"],
 }
 OPENERS = [
-    "Can you explain {x} to me?", "What should a beginner know about {x}?",
-    "I keep getting confused by {x}. Help?", "Give me three tips about {x}.",
-    "Why does {x} matter?", "Write a short note on {x} for a friend.",
-    "How would you teach {x} to a child?", "What is a common mistake with {x}?",
+    "Can you explain {x} to me?",
+    "What should a beginner know about {x}?",
+    "I keep getting confused by {x}. Help?",
+    "Give me three tips about {x}.",
+    "Why does {x} matter?",
+    "Write a short note on {x} for a friend.",
+    "How would you teach {x} to a child?",
+    "What is a common mistake with {x}?",
 ]
 FOLLOWUPS = [
-    "Can you say more about the second point?", "Give me an example.", "Make it shorter, please.",
-    "What would an expert add?", "How long does it take to get good at it?",
-    "Is there anything to avoid?", "Summarize that in one sentence.", "Thanks! One more question: why?",
+    "Can you say more about the second point?",
+    "Give me an example.",
+    "Make it shorter, please.",
+    "What would an expert add?",
+    "How long does it take to get good at it?",
+    "Is there anything to avoid?",
+    "Summarize that in one sentence.",
+    "Thanks! One more question: why?",
 ]
 FACTS = [
     "Start small and repeat the basics until they feel easy.",
@@ -43,7 +52,8 @@ FACTS = [
     "Keep notes of questions you cannot answer yet.",
 ]
 SYSTEMS = [
-    "You are a helpful assistant.", "You are a concise tutor. Answer clearly.",
+    "You are a helpful assistant.",
+    "You are a concise tutor. Answer clearly.",
     "You are a friendly expert who gives practical advice.",
 ]
 
@@ -75,7 +85,9 @@ def conversation(rng: random.Random) -> dict:
 
 def main() -> None:
     rng = random.Random(20261129)
-    out = Path(__file__).resolve().parents[1] / "speculators_vllm016" / "demo" / "conversations.jsonl"
+    out = (
+        Path(__file__).resolve().parents[1] / "speculators_vllm016" / "demo" / "conversations.jsonl"
+    )
     with open(out, "w") as handle:
         for index in range(320):
             row = {"id": f"demo-{index:04d}", **conversation(rng)}

@@ -117,9 +117,7 @@ class SpeculatorsConfig(ReloadableBaseModel):
     proposal_methods: list[TokenProposalConfig] = Field(
         description="Supported token proposal methods."
     )
-    default_proposal_method: str = Field(
-        description="The proposal_type used when none is chosen."
-    )
+    default_proposal_method: str = Field(description="The proposal_type used when none is chosen.")
     verifier: VerifierConfig = Field(description="The verifier the draft was trained for.")
 
 

@@ -26,7 +26,9 @@ __all__ = ["SpeculatorModel", "reload_and_populate_models"]
 AttachmentMode = Literal["detached", "full", "train_only"]
 
 # Set while from_pretrained builds a model: the verifier is attached after the weights load.
-_LOADING: contextvars.ContextVar[bool] = contextvars.ContextVar("speculators_loading", default=False)
+_LOADING: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "speculators_loading", default=False
+)
 
 
 def _check_verifier_argument(verifier: Any) -> None:
@@ -304,7 +306,11 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
         self.verifier_attachment_mode = "detached"
 
     def state_dict(
-        self, *, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
+        self,
+        *,
+        destination: dict[str, Any] | None = None,
+        prefix: str = "",
+        keep_vars: bool = False,
     ) -> dict[str, Any]:
         """The draft's own weights: neither an attached verifier nor `_keys_to_ignore_on_save`."""
         verifier = self._modules.get("verifier")
@@ -386,7 +392,9 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
         proposed = accepted = 0
         output = verifier(tokens, output_hidden_states=True, use_cache=False)
         tokens = torch.cat([tokens, output.logits[:, -1:].argmax(-1)], dim=1)
-        while tokens.shape[1] - prompt_length < max_new_tokens and int(tokens[0, -1]) not in eos_ids:
+        while (
+            tokens.shape[1] - prompt_length < max_new_tokens and int(tokens[0, -1]) not in eos_ids
+        ):
             # The draft sees the verifier's states for every position but the newest token.
             draft = self.propose_tokens(output.hidden_states, tokens, k)
             candidate = torch.cat([tokens, draft.view(1, -1).to(tokens.device)], dim=1)

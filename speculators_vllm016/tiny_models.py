@@ -43,8 +43,13 @@ CHATML_TEMPLATE = (
 )
 
 _SPECIAL_TOKENS = {
-    "llama3": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-               "<|eot_id|>"],
+    "llama3": [
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|eot_id|>",
+    ],
     "chatml": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
 }
 

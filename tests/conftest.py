@@ -85,9 +85,13 @@ def training_data(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 @pytest.fixture(scope="session")
-def finished_run(tiny_llama: Path, training_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def finished_run(
+    tiny_llama: Path, training_data: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
     """The save folder of one finished epoch of training on `training_data` (checkpoint `0`):
     shared, so copy it before a test changes it (`tests.training_fixtures.train_finished_run`)."""
     from tests.training_fixtures import train_finished_run
 
-    return train_finished_run(tiny_llama, training_data, tmp_path_factory.mktemp("finished") / "ckpt")
+    return train_finished_run(
+        tiny_llama, training_data, tmp_path_factory.mktemp("finished") / "ckpt"
+    )

@@ -27,8 +27,12 @@ __all__ = [
 
 REMOTE_CODE_MARKER = "remote_code_ran"
 INT4_IGNORE = [
-    "lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|down)_proj.*",
-    "re:.*vision_tower.*", "re:.*mm_projector.*",
+    "lm_head",
+    "re:.*self_attn.*",
+    "re:.*shared_experts.*",
+    r"re:.*mlp\.(gate|up|down)_proj.*",
+    "re:.*vision_tower.*",
+    "re:.*mm_projector.*",
 ]
 
 
@@ -88,7 +92,9 @@ def _pack(tensors: dict[str, torch.Tensor], name: str) -> None:
     tensors[f"{module}.weight_shape"] = torch.tensor([rows, cols], dtype=torch.int32)
 
 
-def int4_variant(source: Path, dest: Path, *, pack_lm_head: bool = False, ignore_lm_head: bool = True) -> Path:
+def int4_variant(
+    source: Path, dest: Path, *, pack_lm_head: bool = False, ignore_lm_head: bool = True
+) -> Path:
     """The INT4 release's layout: routed experts packed; the LM head packed too with
     `pack_lm_head`; `ignore_lm_head=False` leaves it out of the ignore list (the config then
     claims it is quantized, whatever the tensors say)."""
@@ -111,8 +117,13 @@ def int4_variant(source: Path, dest: Path, *, pack_lm_head: bool = False, ignore
             "config_groups": {
                 "group_0": {
                     "targets": ["Linear"],
-                    "weights": {"num_bits": 4, "type": "int", "symmetric": True,
-                                "strategy": "group", "group_size": 32},
+                    "weights": {
+                        "num_bits": 4,
+                        "type": "int",
+                        "symmetric": True,
+                        "strategy": "group",
+                        "group_size": 32,
+                    },
                     "input_activations": None,
                     "output_activations": None,
                 }
@@ -128,9 +139,13 @@ def int4_variant(source: Path, dest: Path, *, pack_lm_head: bool = False, ignore
 def without_inner_model(source: Path, dest: Path) -> Path:
     """`language_model.model.X` stored as `language_model.X` (an NVFP4 release's names)."""
     out = _copy(source, dest)
-    _rewrite_weights(out, lambda tensors: {
-        name.replace("language_model.model.", "language_model.", 1): tensor for name, tensor in tensors.items()
-    })
+    _rewrite_weights(
+        out,
+        lambda tensors: {
+            name.replace("language_model.model.", "language_model.", 1): tensor
+            for name, tensor in tensors.items()
+        },
+    )
     return out
 
 

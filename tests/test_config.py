@@ -34,7 +34,12 @@ def test_speculators_config_round_trip_dispatches_proposals():
     )
     dumped = config.model_dump()
     assert dumped["proposal_methods"] == [
-        {"proposal_type": "greedy", "speculative_tokens": 4, "verifier_accept_k": 1, "accept_tolerance": 0.0}
+        {
+            "proposal_type": "greedy",
+            "speculative_tokens": 4,
+            "verifier_accept_k": 1,
+            "accept_tolerance": 0.0,
+        }
     ]
     again = SpeculatorsConfig.model_validate(dumped)
     assert isinstance(again.proposal_methods[0], GreedyTokenProposalConfig)
@@ -52,8 +57,11 @@ def test_speculator_config_needs_a_model_type(tmp_path):
 
 def test_from_dict_dispatches_to_the_registered_class():
     config = SpeculatorModelConfig.from_dict(
-        {"speculators_model_type": "eagle3", "draft_vocab_size": 64,
-         "transformer_layer_config": {"model_type": "llama", "hidden_size": 128}}
+        {
+            "speculators_model_type": "eagle3",
+            "draft_vocab_size": 64,
+            "transformer_layer_config": {"model_type": "llama", "hidden_size": 128},
+        }
     )
     assert type(config).__name__ == "Eagle3SpeculatorConfig"
     assert config.transformer_layer_config.hidden_size == 128

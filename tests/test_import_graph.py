@@ -142,7 +142,9 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_cycle_between_package_modules():
     # A package's __init__ re-exporting its children is not a cycle of concepts.
     graph = {
-        module: {t for t in targets if not (t.startswith(module + ".") or module.startswith(t + "."))}
+        module: {
+            t for t in targets if not (t.startswith(module + ".") or module.startswith(t + "."))
+        }
         for module, targets in _graph().items()
     }
     cycles = _cycles(graph)

@@ -48,8 +48,13 @@ SCALED_DOWN = {
     ("--total-seq-len", "8192"): "128",
     ("--max-prompts", "200"): "8",
 }
-STEPS = [["speculators", "datagen"], ["speculators", "vocab-mapping"], ["torchrun", "--nproc-per-node"],
-         ["speculators", "eval"], ["vllm", "serve"]]
+STEPS = [
+    ["speculators", "datagen"],
+    ["speculators", "vocab-mapping"],
+    ["torchrun", "--nproc-per-node"],
+    ["speculators", "eval"],
+    ["vllm", "serve"],
+]
 EPOCHS = ("0", "1", "2")
 
 # `vllm serve ARGS` up to the server: vLLM's own serve parser and engine configuration.
@@ -113,7 +118,9 @@ def run_env() -> dict[str, str]:
 
 
 def run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(command, cwd=cwd, env=run_env(), capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        command, cwd=cwd, env=run_env(), capture_output=True, text=True, timeout=900
+    )
 
 
 def failure(argv: list[str], done: subprocess.CompletedProcess) -> str:
@@ -157,7 +164,9 @@ def run_recipe(target: Path, folder: Path, chats: Path) -> RecipeRun:
     for argv in kimi_block():
         recipe.argv.append(argv)
         if failed:
-            recipe.results.append(subprocess.CompletedProcess(argv, -1, "", "an earlier command failed"))
+            recipe.results.append(
+                subprocess.CompletedProcess(argv, -1, "", "an earlier command failed")
+            )
             continue
         done = run(substituted(argv, target, chats), folder)
         recipe.results.append(done)
@@ -173,7 +182,7 @@ def chats(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("kimi-chats")
     lines = demo_conversations_path().read_text(encoding="utf-8").splitlines()
     for index, name in enumerate(CHAT_DATA):
-        part = lines[index * CONVERSATIONS:(index + 1) * CONVERSATIONS]
+        part = lines[index * CONVERSATIONS : (index + 1) * CONVERSATIONS]
         (folder / name).write_text("\n".join(part) + "\n", encoding="utf-8")
     return folder
 
@@ -191,7 +200,7 @@ def deepseek_run(taught_deepseek_v3, chats, tmp_path_factory) -> RecipeRun:
 def train_options(recipe: RecipeRun) -> list[str]:
     """The README's training flags (substituted), after `-m speculators_vllm016 train`."""
     argv = substituted(recipe.step("torchrun --nproc-per-node")[0], recipe.target, recipe.chats)
-    return argv[argv.index("train") + 1:]
+    return argv[argv.index("train") + 1 :]
 
 
 @pytest.fixture(scope="module")
@@ -250,7 +259,8 @@ def test_the_block_runs_as_written_on_the_tiny_kimi_k25(kimi_run):
     for name in ("speculators datagen", "torchrun --nproc-per-node"):
         _, done = kimi_run.step(name)
         assert "can serve an EAGLE-3 draft for this target with this package's plugin" in (
-            done.stdout + done.stderr), name
+            done.stdout + done.stderr
+        ), name
 
 
 @pytest.mark.engine
@@ -266,8 +276,11 @@ def test_vllm_serve_takes_the_trained_draft_with_the_plugin(kimi_run, deepseek_r
         line = next(x for x in done.stdout.splitlines() if x.startswith("SERVE_CONFIG "))
         served = json.loads(line.removeprefix("SERVE_CONFIG "))
         assert served == {
-            "method": "eagle3", "num_speculative_tokens": 3, "aux_layer_ids": [3, 4, 5],
-            "architecture": architecture, "target_supports_eagle3": True,
+            "method": "eagle3",
+            "num_speculative_tokens": 3,
+            "aux_layer_ids": [3, 4, 5],
+            "architecture": architecture,
+            "target_supports_eagle3": True,
         }
 
 
@@ -278,15 +291,25 @@ def test_the_kimi_draft_is_the_deepseek_v3_draft(kimi_run, deepseek_run):
     sees. So both runs' checkpoints hold the same tensors bit for bit, epoch by epoch, and eval
     measures the same acceptance on the same prompts (same counts, same tau)."""
     for recipe in (kimi_run, deepseek_run):
-        recipe.require("speculators datagen", "speculators vocab-mapping", "torchrun --nproc-per-node",
-                       "speculators eval")
+        recipe.require(
+            "speculators datagen",
+            "speculators vocab-mapping",
+            "torchrun --nproc-per-node",
+            "speculators eval",
+        )
     for name in ("d2t.npy", "t2d.npy"):
         assert (kimi_run.folder / "kimi/vocab" / name).read_bytes() == (
-            deepseek_run.folder / "kimi/vocab" / name).read_bytes()
+            deepseek_run.folder / "kimi/vocab" / name
+        ).read_bytes()
     for epoch in EPOCHS:
         assert_same_weights(kimi_run.save / epoch, deepseek_run.save / epoch)
     kimi, deepseek = kimi_run.eval_report()["drafts"][0], deepseek_run.eval_report()["drafts"][0]
-    for key in ("acceptance_length", "per_position_acceptance_rate", "num_drafts", "num_accepted_tokens"):
+    for key in (
+        "acceptance_length",
+        "per_position_acceptance_rate",
+        "num_drafts",
+        "num_accepted_tokens",
+    ):
         assert kimi[key] == deepseek[key], key
 
 
@@ -309,17 +332,35 @@ def online_argv(recipe: RecipeRun, save: str) -> list[str]:
     datagen's folder (datagen's own flags: the same target, data and sample length)."""
     options = train_options(recipe)
     at = options.index("--data-path")
-    del options[at:at + 2]
+    del options[at : at + 2]
     options[options.index("--save-path") + 1] = save
     datagen = substituted(recipe.step("speculators datagen")[0], recipe.target, recipe.chats)
     seq_length = datagen[datagen.index("--seq-length") + 1]
-    return [*options, "--online", "--trust-remote-code", "--train-data-path", str(recipe.chats / "chat.jsonl"),
-            "--seq-length", seq_length, "--num-preprocessing-workers", "1"]
+    return [
+        *options,
+        "--online",
+        "--trust-remote-code",
+        "--train-data-path",
+        str(recipe.chats / "chat.jsonl"),
+        "--seq-length",
+        seq_length,
+        "--num-preprocessing-workers",
+        "1",
+    ]
 
 
 def torchrun(processes: int, options: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
-            "-m", "speculators_vllm016", "train", *options]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(processes),
+        "-m",
+        "speculators_vllm016",
+        "train",
+        *options,
+    ]
 
 
 @pytest.mark.engine

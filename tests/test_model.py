@@ -23,9 +23,15 @@ def make_draft(verifier_path: str, kept: list[int]) -> Eagle3DraftModel:
     """A draft whose vocabulary is the target ids `kept` (sorted)."""
     config = Eagle3SpeculatorConfig(
         transformer_layer_config=LlamaConfig(
-            hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-            intermediate_size=512, num_hidden_layers=1, vocab_size=VOCAB,
-            max_position_embeddings=1024, rms_norm_eps=1e-6,
+            hidden_size=256,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            intermediate_size=512,
+            num_hidden_layers=1,
+            vocab_size=VOCAB,
+            max_position_embeddings=1024,
+            rms_norm_eps=1e-6,
         ),
         draft_vocab_size=DRAFT_VOCAB,
         eagle_aux_hidden_state_layer_ids=[1, 2, 3],
@@ -52,12 +58,18 @@ def verifier(tiny_llama):
 def greedy(verifier, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
     with torch.no_grad():
         return verifier.generate(
-            prompt, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=1
+            prompt,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=1,
         )
 
 
 def speculate(draft, verifier, prompt: torch.Tensor, max_new_tokens: int, k: int) -> torch.Tensor:
-    if draft.verifier_attachment_mode != "detached":  # a draft built for training holds its verifier
+    if (
+        draft.verifier_attachment_mode != "detached"
+    ):  # a draft built for training holds its verifier
         draft.detach_verifier()
     draft.attach_verifier(verifier, mode="full")
     try:
@@ -70,7 +82,9 @@ def speculate(draft, verifier, prompt: torch.Tensor, max_new_tokens: int, k: int
 # of a round's proposals may be accepted: a right proposal after a wrong one was drafted from a
 # sequence the verifier rejected.
 @pytest.mark.parametrize("pattern", ["RWR", "WRR", "RRW", "RWRR", "RRRR", "WWWW"])
-def test_only_the_matching_prefix_of_the_proposals_is_accepted(tiny_llama, verifier, monkeypatch, pattern):
+def test_only_the_matching_prefix_of_the_proposals_is_accepted(
+    tiny_llama, verifier, monkeypatch, pattern
+):
     prompt = torch.tensor([[0, 5, 6, 7, 8]])
     max_new_tokens = 14
     truth = greedy(verifier, prompt, max_new_tokens + len(pattern) + 1)

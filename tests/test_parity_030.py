@@ -28,14 +28,23 @@ from speculators_vllm016.proposals import GreedyTokenProposalConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
-GREEDY = {"proposal_type": "greedy", "speculative_tokens": 2, "verifier_accept_k": 1,
-          "accept_tolerance": 0.0}
+GREEDY = {
+    "proposal_type": "greedy",
+    "speculative_tokens": 2,
+    "verifier_accept_k": 1,
+    "accept_tolerance": 0.0,
+}
 EAGLE3_DICT = {
     "speculators_model_type": "eagle3",
     "draft_vocab_size": 64,
-    "transformer_layer_config": {"model_type": "llama", "hidden_size": 64,
-                                 "num_attention_heads": 2, "num_hidden_layers": 1,
-                                 "intermediate_size": 128, "vocab_size": 128},
+    "transformer_layer_config": {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_attention_heads": 2,
+        "num_hidden_layers": 1,
+        "intermediate_size": 128,
+        "vocab_size": 128,
+    },
     "speculators_config": {
         "algorithm": "eagle3",
         "proposal_methods": [GREEDY],
@@ -81,7 +90,11 @@ def test_import_fills_registries_and_dicts_become_classes_in_a_fresh_process():
     """Items 1 and 2: registries filled by `import speculators`; proposals are classes, not dicts."""
     result = subprocess.run(
         [sys.executable, "-c", FRESH_PROCESS_CHECKS, json.dumps(EAGLE3_DICT)],
-        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
@@ -99,8 +112,10 @@ def test_loaded_config_file_has_proposal_classes(tmp_path: Path):
     config.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["speculators_config"]["proposal_methods"] == [GREEDY]  # 0.3.0's file layout
-    for loaded in (SpeculatorModelConfig.from_pretrained(tmp_path),
-                   SpeculatorModelConfig.from_dict(saved)):
+    for loaded in (
+        SpeculatorModelConfig.from_pretrained(tmp_path),
+        SpeculatorModelConfig.from_dict(saved),
+    ):
         method = loaded.speculators_config.proposal_methods[0]
         assert isinstance(method, GreedyTokenProposalConfig) and method.speculative_tokens == 2
     reload_and_populate_configs()
@@ -127,7 +142,9 @@ class ParityTestModel(SpeculatorModel):
     config_class: ClassVar[type[ParityTestConfig]] = ParityTestConfig  # type: ignore[misc]
 
     def __init__(self, config, verifier=None, verifier_attachment_mode=None):
-        super().__init__(config, verifier=verifier, verifier_attachment_mode=verifier_attachment_mode)
+        super().__init__(
+            config, verifier=verifier, verifier_attachment_mode=verifier_attachment_mode
+        )
         self.proj = nn.Linear(config.width, config.width)
         self.post_init()
 
@@ -139,7 +156,8 @@ class ParityTestModel(SpeculatorModel):
 
 def _speculators_config() -> SpeculatorsConfig:
     return SpeculatorsConfig(
-        algorithm="test", proposal_methods=[GreedyTokenProposalConfig()],
+        algorithm="test",
+        proposal_methods=[GreedyTokenProposalConfig()],
         default_proposal_method="greedy",
         verifier=VerifierConfig(name_or_path=None, architectures=[]),
     )
@@ -170,15 +188,21 @@ def test_model_registered_under_another_name_loads_by_its_config_class(tmp_path:
 
 @pytest.mark.parametrize(
     "field, value",
-    [("speculative_tokens", 0), ("speculative_tokens", -3), ("verifier_accept_k", 0),
-     ("accept_tolerance", -0.5)],
+    [
+        ("speculative_tokens", 0),
+        ("speculative_tokens", -3),
+        ("verifier_accept_k", 0),
+        ("accept_tolerance", -0.5),
+    ],
 )
 def test_greedy_bounds_as_in_0_3_0(field: str, value: float):
     with pytest.raises(ValidationError, match=field):
         GreedyTokenProposalConfig(**{field: value})
     with pytest.raises(ValidationError):
         TokenProposalConfig.model_validate({"proposal_type": "greedy", field: value})
-    assert GreedyTokenProposalConfig(speculative_tokens=1, verifier_accept_k=1, accept_tolerance=0.0)
+    assert GreedyTokenProposalConfig(
+        speculative_tokens=1, verifier_accept_k=1, accept_tolerance=0.0
+    )
 
 
 # ----------------------------------------------------------- item 9: from_pretrained errors
@@ -210,12 +234,18 @@ def test_eagle_converter_layernorm_mapping_of_0_3_0():
         "lm_head_layernorm.weight": "pre_lm_head_layernorm.weight",
     }
     renamed = EagleConverter.rename_weights(
-        {"embed_layernorm.weight": torch.ones(2), "lm_head_layernorm.weight": torch.ones(2),
-         "fc.weight": torch.ones(2, 4)},
+        {
+            "embed_layernorm.weight": torch.ones(2),
+            "lm_head_layernorm.weight": torch.ones(2),
+            "fc.weight": torch.ones(2, 4),
+        },
         layernorms=True,
     )
-    assert set(renamed) == {"embedding_layernorm.weight", "pre_lm_head_layernorm.weight",
-                            "fusion_fc.weight"}
+    assert set(renamed) == {
+        "embedding_layernorm.weight",
+        "pre_lm_head_layernorm.weight",
+        "fusion_fc.weight",
+    }
 
 
 # ------------------------------------------------ item 5: one verifier at a time (base class)
@@ -228,12 +258,20 @@ def test_a_draft_that_holds_nothing_of_its_verifier_takes_one_for_generate(tmp_p
 
     from speculators_vllm016.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
-    layer = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                        num_key_value_heads=1, num_hidden_layers=1, vocab_size=64)
+    layer = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_hidden_layers=1,
+        vocab_size=64,
+    )
     config = Eagle3SpeculatorConfig(
-        transformer_layer_config=layer, draft_vocab_size=16,
+        transformer_layer_config=layer,
+        draft_vocab_size=16,
         speculators_config=SpeculatorsConfig(
-            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig()],
+            algorithm="eagle3",
+            proposal_methods=[GreedyTokenProposalConfig()],
             default_proposal_method="greedy",
             verifier=VerifierConfig(name_or_path="not/downloaded", architectures=[]),
         ),

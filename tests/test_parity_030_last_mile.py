@@ -57,7 +57,9 @@ def test_pydantic_registry_refuses_a_plain_class_in_0_3_0_words():
         def __pydantic_schema_base_type__(cls) -> type:
             return cls
 
-    with pytest.raises(TypeError, match="Cannot register Plain as it is not a subclass of Pydantic"):
+    with pytest.raises(
+        TypeError, match="Cannot register Plain as it is not a subclass of Pydantic"
+    ):
         Root.register_decorator(type("Plain", (), {}))
 
     class Fine(BaseModel):
@@ -85,8 +87,12 @@ def test_auto_importer_takes_walk_packages_entries_as_plain_tuples():
         auto_ignore_modules = ("pkg.skipped",)
 
     package = mock.MagicMock(__path__=["pkg"], __name__="pkg")
-    entries = [(None, "pkg.a", False), (None, "pkg.sub", True), (None, "pkg.skipped", False),
-               (None, "pkg.b", False)]
+    entries = [
+        (None, "pkg.a", False),
+        (None, "pkg.sub", True),
+        (None, "pkg.skipped", False),
+        (None, "pkg.b", False),
+    ]
     with (
         mock.patch("pkgutil.walk_packages", return_value=entries),
         mock.patch("importlib.import_module", return_value=package) as import_module,
@@ -109,7 +115,9 @@ class _LastMileModel(SpeculatorModel):
     config_class: ClassVar[type[_LastMileConfig]] = _LastMileConfig  # type: ignore[misc]
 
     def __init__(self, config, verifier=None, verifier_attachment_mode=None):
-        super().__init__(config, verifier=verifier, verifier_attachment_mode=verifier_attachment_mode)
+        super().__init__(
+            config, verifier=verifier, verifier_attachment_mode=verifier_attachment_mode
+        )
         self.proj = nn.Linear(2, 2)
         self.post_init()
 
@@ -117,7 +125,8 @@ class _LastMileModel(SpeculatorModel):
 def _config() -> _LastMileConfig:
     return _LastMileConfig(
         speculators_config=SpeculatorsConfig(
-            algorithm="test", proposal_methods=[GreedyTokenProposalConfig()],
+            algorithm="test",
+            proposal_methods=[GreedyTokenProposalConfig()],
             default_proposal_method="greedy",
             verifier=VerifierConfig(name_or_path=None, architectures=[]),
         )
@@ -125,21 +134,30 @@ def _config() -> _LastMileConfig:
 
 
 def test_model_construction_errors_start_with_0_3_0_sentences():
-    with pytest.raises(ValueError, match="^Config must be provided to initialize a SpeculatorModel"):
+    with pytest.raises(
+        ValueError, match="^Config must be provided to initialize a SpeculatorModel"
+    ):
         SpeculatorModel(config=None)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="^Expected config to be an instance of SpeculatorModelConfig"):
+    with pytest.raises(
+        TypeError, match="^Expected config to be an instance of SpeculatorModelConfig"
+    ):
         SpeculatorModel(config="a string")  # type: ignore[arg-type]
     # A wrong verifier or mode is refused by the constructor itself, as in 0.3.0.
-    with pytest.raises(TypeError, match="^Expected verifier to be a PreTrainedModel, a string path,"):
+    with pytest.raises(
+        TypeError, match="^Expected verifier to be a PreTrainedModel, a string path,"
+    ):
         SpeculatorModel(config=_config(), verifier=123)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="^Invalid verifier_attachment_mode: sideways"):
-        SpeculatorModel(config=_config(), verifier="some/verifier",
-                        verifier_attachment_mode="sideways")  # type: ignore[arg-type]
+        SpeculatorModel(
+            config=_config(), verifier="some/verifier", verifier_attachment_mode="sideways"
+        )  # type: ignore[arg-type]
 
 
 def test_model_method_errors_start_with_0_3_0_sentences():
     model = _LastMileModel(_config())
-    with pytest.raises(NotImplementedError, match="^The forward method is only supported on concrete"):
+    with pytest.raises(
+        NotImplementedError, match="^The forward method is only supported on concrete"
+    ):
         SpeculatorModel.forward(model)
     with pytest.raises(ValueError, match="^Invalid verifier_attachment_mode: bad"):
         model.attach_verifier("some/verifier", mode="bad")  # type: ignore[arg-type]
@@ -147,34 +165,46 @@ def test_model_method_errors_start_with_0_3_0_sentences():
         model.detach_verifier()
     # "full" mode refuses a second verifier even when the attribute was cleared by hand.
     model.verifier_attachment_mode = "full"
-    with pytest.raises(RuntimeError, match="^Cannot attach a verifier when the speculator is not in "
-                                           "detached mode.*detach_verifier"):
+    with pytest.raises(
+        RuntimeError,
+        match="^Cannot attach a verifier when the speculator is not in "
+        "detached mode.*detach_verifier",
+    ):
         model.attach_verifier(mock.MagicMock(spec=nn.Module))
-    with pytest.raises(TypeError, match="^Expected config to be an instance of SpeculatorModelConfig"):
+    with pytest.raises(
+        TypeError, match="^Expected config to be an instance of SpeculatorModelConfig"
+    ):
         SpeculatorModel.registered_model_class_from_config("a string")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="^Received a SpeculatorModelConfig instance but expected a "
-                                        "subclass"):
+    with pytest.raises(
+        TypeError, match="^Received a SpeculatorModelConfig instance but expected a subclass"
+    ):
         SpeculatorModel.registered_model_class_from_config(
             SpeculatorModelConfig(speculators_model_type="last_mile_test_config")
         )
 
 
 def test_from_pretrained_errors_start_with_0_3_0_sentences():
-    with pytest.raises(ValueError, match="^Either `config` or `pretrained_model_name_or_path` must"):
+    with pytest.raises(
+        ValueError, match="^Either `config` or `pretrained_model_name_or_path` must"
+    ):
         SpeculatorModel.from_pretrained(None)
     with pytest.raises(ValueError, match="^Either `pretrained_model_name_or_path` or `state_dict`"):
         SpeculatorModel.from_pretrained(None, config=_config())
-    with pytest.raises(TypeError, match="^Expected config to be an instance of SpeculatorModelConfig"):
+    with pytest.raises(
+        TypeError, match="^Expected config to be an instance of SpeculatorModelConfig"
+    ):
         SpeculatorModel.from_pretrained("somewhere", config="not a config")
 
 
 def test_config_loading_errors_start_with_0_3_0_sentences(tmp_path: Path):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
-    with pytest.raises(NotImplementedError,
-                       match="^Loading a non-speculator model config is not supported yet"):
+    with pytest.raises(
+        NotImplementedError, match="^Loading a non-speculator model config is not supported yet"
+    ):
         SpeculatorModelConfig.from_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="^The config dictionary must contain the "
-                                         "'speculators_model_type' field"):
+    with pytest.raises(
+        ValueError, match="^The config dictionary must contain the 'speculators_model_type' field"
+    ):
         SpeculatorModelConfig.from_dict({"model_type": "llama"})
 
 
@@ -213,7 +243,8 @@ def test_hub_download_goes_through_the_patchable_snapshot_download(tmp_path: Pat
     with mock.patch.object(utils, "snapshot_download", return_value=str(tmp_path)) as download:
         assert utils.download_checkpoint_from_hub("org/draft", cache_dir="c") == tmp_path
     download.assert_called_once_with(
-        repo_id="org/draft", allow_patterns=["*.json", "*.safetensors", "*.bin", "*.index.json"],
+        repo_id="org/draft",
+        allow_patterns=["*.json", "*.safetensors", "*.bin", "*.index.json"],
         cache_dir="c",
     )
     with (
@@ -254,8 +285,9 @@ def test_checkpoint_weights_read_through_patchable_safe_open_and_torch_load(tmp_
     (tmp_path / "model.safetensors").unlink()
     with mock.patch.object(utils.torch, "load", return_value={"b": torch.ones(1)}) as load:
         assert list(utils.load_checkpoint_weights(tmp_path)) == ["b"]
-    load.assert_called_once_with(tmp_path / "pytorch_model.bin", map_location="cpu",
-                                 weights_only=True, mmap=True)
+    load.assert_called_once_with(
+        tmp_path / "pytorch_model.bin", map_location="cpu", weights_only=True, mmap=True
+    )
 
 
 def test_fusion_detection_logs_0_3_0_sentences():
@@ -281,9 +313,15 @@ def test_resolve_file_takes_0_3_0_two_arguments(tmp_path: Path):
 
 # ------------------------------------------------- Eagle3Converter: 0.3.0's config builders
 
-RESEARCH_CONFIG = {"target_vocab_size": 1000, "hidden_size": 64, "num_attention_heads": 4,
-                   "num_key_value_heads": 2, "intermediate_size": 128,
-                   "max_position_embeddings": 2048, "rope_theta": 10000.0}
+RESEARCH_CONFIG = {
+    "target_vocab_size": 1000,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "max_position_embeddings": 2048,
+    "rope_theta": 10000.0,
+}
 
 
 def test_eagle3_converter_builds_configs_as_0_3_0_did():
@@ -291,8 +329,13 @@ def test_eagle3_converter_builds_configs_as_0_3_0_did():
 
     converter = Eagle3Converter()
     target = "speculators_vllm016.convert.eagle.eagle3_converter.PretrainedConfig.get_config_dict"
-    with mock.patch(target, return_value=({"max_position_embeddings": 131072,
-                                           "architectures": ["LlamaForCausalLM"]}, {})):
+    with mock.patch(
+        target,
+        return_value=(
+            {"max_position_embeddings": 131072, "architectures": ["LlamaForCausalLM"]},
+            {},
+        ),
+    ):
         layer = converter._create_transformer_config_from_eagle(dict(RESEARCH_CONFIG), "org/v")
         assert layer.max_position_embeddings == 131072  # the larger of draft and verifier
         assert layer.rope_theta == 10000.0 and layer.vocab_size == 1000

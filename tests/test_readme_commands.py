@@ -45,10 +45,10 @@ SCALED_DOWN = {
 # (rule, why): a command skipped by a rule is listed in the test's output.
 SKIPPED = {
     "vllm serve": "serving a speculative draft needs vLLM's GPU build (the CPU build refuses "
-                  "speculative decoding) and runs until stopped; the draft folder it names is "
-                  "checked to exist",
+    "speculative decoding) and runs until stopped; the draft folder it names is "
+    "checked to exist",
     "Kimi-K2.5": "the block needs 8 GPUs (--tensor-parallel-size 8, torchrun --nproc-per-node 8); "
-                 "tests/test_kimi_k25_recipe.py runs it as written on a tiny Kimi-K2.5",
+    "tests/test_kimi_k25_recipe.py runs it as written on a tiny Kimi-K2.5",
 }
 
 
@@ -56,13 +56,15 @@ def section_commands(readme: str) -> list[list[list[str]]]:
     """The argv of each command, block by block, as the README writes them."""
     start = readme.index(SECTION)
     end = readme.find("\n## ", start + len(SECTION))
-    text = readme[start:end if end != -1 else None]
+    text = readme[start : end if end != -1 else None]
     blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
     assert blocks, f"no bash block under {SECTION!r}"
     commands = []
     for block in blocks:
         joined = re.sub(r"\\\n", " ", block)
-        commands.append([argv for line in joined.splitlines() if (argv := shlex.split(line, comments=True))])
+        commands.append(
+            [argv for line in joined.splitlines() if (argv := shlex.split(line, comments=True))]
+        )
     return commands
 
 
@@ -95,8 +97,13 @@ def test_the_section_parses_into_the_expected_commands():
     """Fast guard for the extraction itself: the README's steps are found, in order."""
     blocks = section_commands((REPO / "README.md").read_text(encoding="utf-8"))
     llama = [argv[:2] for argv in blocks[0]]
-    assert llama == [["speculators", "datagen"], ["speculators", "vocab-mapping"], ["speculators", "train"],
-                     ["speculators", "eval"], ["vllm", "serve"]]
+    assert llama == [
+        ["speculators", "datagen"],
+        ["speculators", "vocab-mapping"],
+        ["speculators", "train"],
+        ["speculators", "eval"],
+        ["vllm", "serve"],
+    ]
     assert skip_rule(blocks[1], blocks[1][0]) == "Kimi-K2.5"
 
 
@@ -127,12 +134,21 @@ def test_the_readme_pipeline_runs_as_written(readme_target, tmp_path):
                 continue
             command = substituted(argv, readme_target, demo_conversations_path())
             env = cli_env()
-            env["PYTHONPATH"] = str(REPO) + os.pathsep + env["PYTHONPATH"]  # this checkout's package
-            done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+            env["PYTHONPATH"] = (
+                str(REPO) + os.pathsep + env["PYTHONPATH"]
+            )  # this checkout's package
+            done = subprocess.run(
+                command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
+            )
             assert done.returncode == 0, (
                 f"README command failed: {' '.join(argv)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
             )
             ran.append(" ".join(argv[:2]))
     print("ran:", ran, "\nskipped by rule:", skipped)
-    assert ran == ["speculators datagen", "speculators vocab-mapping", "speculators train", "speculators eval"]
+    assert ran == [
+        "speculators datagen",
+        "speculators vocab-mapping",
+        "speculators train",
+        "speculators eval",
+    ]
     assert {rule for rule, _ in skipped} == set(SKIPPED)

@@ -17,7 +17,10 @@ import torch
 from speculators_vllm016.tiny_models import save_checkpoint, seeded_model
 
 __all__ = [
-    "build_taught_tiny_deepseek_v3", "build_tiny_deepseek_v3", "build_tiny_kimi_k25", "build_tiny_qwen3",
+    "build_taught_tiny_deepseek_v3",
+    "build_tiny_deepseek_v3",
+    "build_tiny_kimi_k25",
+    "build_tiny_qwen3",
 ]
 
 
@@ -146,15 +149,28 @@ def build_taught_tiny_deepseek_v3(path: str | Path, *, steps: int = 40) -> Path:
     initial = out.with_name(f"{out.name}-initial")
     if not (initial / "tokenizer.json").is_file():
         build_tiny_deepseek_v3(initial, num_hidden_layers=7, tokenizer_style=None)
-        corpus = [m["content"] for messages in read_conversations(demo_conversations_path()) for m in messages]
+        corpus = [
+            m["content"]
+            for messages in read_conversations(demo_conversations_path())
+            for m in messages
+        ]
         build_tokenizer(initial, "llama3", corpus, vocab_size=511)
     threads = torch.get_num_threads()
     # One thread: OpenMP's spinning workers make this many times slower on a busy 2-core machine.
     torch.set_num_threads(1)
     try:
-        train_demo_target(initial, out, demo_conversations_path(), TargetTraining(
-            steps=steps, row_tokens=64, rows_per_step=8, lr=3e-3, show_progress=False,
-        ))
+        train_demo_target(
+            initial,
+            out,
+            demo_conversations_path(),
+            TargetTraining(
+                steps=steps,
+                row_tokens=64,
+                rows_per_step=8,
+                lr=3e-3,
+                show_progress=False,
+            ),
+        )
     finally:
         torch.set_num_threads(threads)
     return out
@@ -195,8 +211,10 @@ def build_tiny_kimi_k25(path: str | Path, *, language_model: str | Path | None =
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    source = Path(language_model) if language_model else build_tiny_deepseek_v3(
-        out / "language_model_source"
+    source = (
+        Path(language_model)
+        if language_model
+        else build_tiny_deepseek_v3(out / "language_model_source")
     )
     text_config = json.loads((source / "config.json").read_text())
     weights = load_file(str(source / "model.safetensors"))

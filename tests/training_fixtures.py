@@ -19,7 +19,11 @@ DRAFT_VOCAB = 64
 
 
 def write_dataset(
-    verifier: Path, out: Path, lengths: list[int], seed: int = 0, output_format: str = "pt",
+    verifier: Path,
+    out: Path,
+    lengths: list[int],
+    seed: int = 0,
+    output_format: str = "pt",
     layer_ids: list[int] = LAYER_IDS,
 ) -> Path:
     """Sample files in datagen's layout from the verifier's own (fp32) hidden states of
@@ -57,11 +61,28 @@ def write_vocab_maps(data: Path, target_vocab: int, out: Path) -> tuple[Path, Pa
 def train_args(verifier: Path, data: Path, save: Path, *extra: str) -> list[str]:
     """A small, fast, deterministic training command line."""
     return [
-        "--verifier-name-or-path", str(verifier), "--data-path", str(data),
-        "--save-path", str(save), "--d2t-path", str(data.parent / "d2t.npy"),
-        "--t2d-path", str(data.parent / "t2d.npy"), "--total-seq-len", "256",
-        "--epochs", "2", "--lr", "1e-3", "--num-workers", "0", "--no-progress",
-        "--log-dir", str(save.parent / "logs"), *extra,
+        "--verifier-name-or-path",
+        str(verifier),
+        "--data-path",
+        str(data),
+        "--save-path",
+        str(save),
+        "--d2t-path",
+        str(data.parent / "d2t.npy"),
+        "--t2d-path",
+        str(data.parent / "t2d.npy"),
+        "--total-seq-len",
+        "256",
+        "--epochs",
+        "2",
+        "--lr",
+        "1e-3",
+        "--num-workers",
+        "0",
+        "--no-progress",
+        "--log-dir",
+        str(save.parent / "logs"),
+        *extra,
     ]
 
 
@@ -86,8 +107,12 @@ def cli_env() -> dict[str, str]:
     import os
 
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    env.update(
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+    )
     return env
 
 
@@ -97,8 +122,17 @@ def train_command(args: list[str], processes: int = 1) -> list[str]:
 
     if processes == 1:
         return [sys.executable, "-m", "speculators_vllm016", "train", *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={processes}", "-m", "speculators_vllm016", "train", *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={processes}",
+        "-m",
+        "speculators_vllm016",
+        "train",
+        *args,
+    ]
 
 
 def load_checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -107,7 +141,9 @@ def load_checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
     tensors = {f"model/{k}": v for k, v in load_file(folder / "model.safetensors").items()}
     if (folder / "master_weights.safetensors").exists():
-        tensors.update({f"master/{k}": v for k, v in load_file(folder / "master_weights.safetensors").items()})
+        tensors.update(
+            {f"master/{k}": v for k, v in load_file(folder / "master_weights.safetensors").items()}
+        )
     optimizer = torch.load(folder / "optimizer_state_dict.pt", weights_only=True)
     for name, state in optimizer["state"].items():
         for key, value in state.items():
@@ -120,8 +156,11 @@ def finished_checkpoints(save: Path) -> list[str]:
     save in progress or one that a kill interrupted)."""
     if not save.is_dir():
         return []
-    return sorted(p.parent.name for p in save.glob("*/training_state.json")
-                  if not p.parent.name.startswith("."))
+    return sorted(
+        p.parent.name
+        for p in save.glob("*/training_state.json")
+        if not p.parent.name.startswith(".")
+    )
 
 
 def free_port() -> int:

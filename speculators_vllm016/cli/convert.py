@@ -33,7 +33,7 @@ def convert(
     algorithm_kwargs: str | None = typer.Option(
         None,
         "--algorithm-kwargs",
-        help='JSON object of converter options, e.g. \'{"layernorms": true}\' (eagle) or '
+        help="JSON object of converter options, e.g. '{\"layernorms\": true}' (eagle) or "
         '\'{"norm_before_residual": true, "eagle_aux_hidden_state_layer_ids": [1, 23, 44]}\'.',
     ),
 ) -> None:

@@ -35,8 +35,9 @@ where it stopped when started again with the same command. Token counts go to
 
 def add_target_model_arguments(group, required: bool = True) -> None:
     """The target model and engine flags (shared with `speculators train --online`)."""
-    group.add_argument("--target-model-path", required=required, default=None,
-                       help="HF model id or local folder")
+    group.add_argument(
+        "--target-model-path", required=required, default=None, help="HF model id or local folder"
+    )
     group.add_argument(
         "--tensor-parallel-size",
         type=int,
@@ -47,7 +48,10 @@ def add_target_model_arguments(group, required: bool = True) -> None:
         "--pipeline-parallel-size", type=int, default=1, help="pipeline stages per model copy"
     )
     group.add_argument(
-        "--max-model-len", type=int, default=None, help="engine context length; None: --seq-length + 1"
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="engine context length; None: --seq-length + 1",
     )
     group.add_argument(
         "--gpu-memory-utilization", type=float, default=0.8, help="share of GPU memory vLLM may use"
@@ -88,7 +92,10 @@ def add_preprocessing_arguments(
     )
     group.add_argument("--seq-length", type=int, default=2048, help="truncate samples to this")
     group.add_argument(
-        "--max-samples", type=int, default=None, help="use at most this many conversations; None: all"
+        "--max-samples",
+        type=int,
+        default=None,
+        help="use at most this many conversations; None: all",
     )
     if token_freq:
         group.add_argument(
@@ -106,8 +113,13 @@ def add_preprocessing_arguments(
     group.add_argument(
         "--turn-dropout", action="store_true", help="keep a random prefix of each conversation"
     )
-    group.add_argument(seed_flag, type=int, default=0, dest="seed" if seed_flag == "--seed" else None,
-                       help="shuffle seed of the chat data (datagen's --seed)")
+    group.add_argument(
+        seed_flag,
+        type=int,
+        default=0,
+        dest="seed" if seed_flag == "--seed" else None,
+        help="shuffle seed of the chat data (datagen's --seed)",
+    )
     group.add_argument(
         "--num-preprocessing-workers", type=int, default=8, help="processes for tokenizing"
     )
@@ -168,11 +180,10 @@ def build_parser(prog: str = "speculators datagen") -> argparse.ArgumentParser:
         "each is checked against this run's samples and recomputed if it differs",
     )
     output.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     parser.add_argument(
-        "--debug", action="store_true", help="show the full traceback of an error"
-    )
-    parser.add_argument(
-        "--verbose", action="store_true",
+        "--verbose",
+        action="store_true",
         help="show vLLM's own start-up lines (by default only its warnings and errors show)",
     )
     return parser
@@ -197,7 +208,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "speculators datagen") -
         keep_vllm_quiet()
     from speculators_vllm016.data_generation.offline import run_datagen, summary_json
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
     def run() -> int:
         summary = run_datagen(options_from_args(args))

@@ -12,5 +12,13 @@ from speculators_vllm016.utils.command_errors import (
     report_errors,
 )
 
-__all__ = ["DEBUG_HINT", "EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_STOPPED", "EXPECTED_ERRORS", "describe_error",
-           "error_line", "report_errors"]
+__all__ = [
+    "DEBUG_HINT",
+    "EXIT_ERROR",
+    "EXIT_INTERRUPTED",
+    "EXIT_STOPPED",
+    "EXPECTED_ERRORS",
+    "describe_error",
+    "error_line",
+    "report_errors",
+]

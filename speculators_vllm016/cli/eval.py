@@ -34,10 +34,15 @@ def evaluate(
     verifier: str | None = typer.Option(
         None, "--verifier", help="Target model (default: the verifier named in the draft config)."
     ),
-    max_prompts: int = typer.Option(100, "--max-prompts", min=1, help="Prompts to use, in file order."),
+    max_prompts: int = typer.Option(
+        100, "--max-prompts", min=1, help="Prompts to use, in file order."
+    ),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1),
     num_speculative_tokens: int | None = typer.Option(
-        None, "--num-speculative-tokens", min=1, help="Default: each draft config's speculative_tokens."
+        None,
+        "--num-speculative-tokens",
+        min=1,
+        help="Default: each draft config's speculative_tokens.",
     ),
     engine: str = typer.Option(
         "auto",
@@ -46,13 +51,19 @@ def evaluate(
         "(GPU builds); auto: vllm where vLLM can speculate, else hf.",
     ),
     tensor_parallel_size: int = typer.Option(
-        1, "--tensor-parallel-size", min=1,
+        1,
+        "--tensor-parallel-size",
+        min=1,
         help="vllm: GPUs that hold the verifier (8 for Kimi-K2.5 on 8 GPUs); the hf engine takes 1.",
     ),
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="hf: prompts per verifier pass."),
-    device: str | None = typer.Option(None, "--device", help="hf: default cuda if available, else cpu."),
+    device: str | None = typer.Option(
+        None, "--device", help="hf: default cuda if available, else cpu."
+    ),
     dtype: str = typer.Option(
-        "auto", "--dtype", help="auto (float32 on cpu, the model's own otherwise), float32, bfloat16, float16."
+        "auto",
+        "--dtype",
+        help="auto (float32 on cpu, the model's own otherwise), float32, bfloat16, float16.",
     ),
     ignore_eos: bool = typer.Option(
         False, "--ignore-eos", help="Generate --max-new-tokens for every prompt."
@@ -62,7 +73,8 @@ def evaluate(
     ),
     hf_cache_dir: str | None = typer.Option(None, "--hf-cache-dir", help="datasets cache folder."),
     trust_remote_code: bool = typer.Option(
-        False, "--trust-remote-code",
+        False,
+        "--trust-remote-code",
         help="Run Python code shipped in the verifier folder where vLLM and transformers have no "
         "class of their own for it (e.g. Kimi-K2.5's tokenizer); off by default.",
     ),
@@ -72,7 +84,8 @@ def evaluate(
     ),
     no_progress: bool = typer.Option(False, "--no-progress", help="Hide progress bars."),
     allow_other_verifier: bool = typer.Option(
-        False, "--allow-other-verifier",
+        False,
+        "--allow-other-verifier",
         help="Measure a draft against a verifier whose final norm and LM head differ from those it "
         "was trained against (refused otherwise: usually a wrong --verifier).",
     ),
@@ -82,7 +95,9 @@ def evaluate(
     from speculators_vllm016.evaluate.report import format_table, write_json, write_plot
     from speculators_vllm016.evaluate.runner import EvalOptions, run_evaluation
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if plot is not None:
         try:
             import matplotlib  # noqa: F401

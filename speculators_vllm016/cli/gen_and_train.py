@@ -45,14 +45,26 @@ def build_parser(prog: str = "speculators gen-and-train") -> argparse.ArgumentPa
         add_help=False,
         allow_abbrev=False,
     )
-    parser.add_argument("-h", "--help", action="store_true", help="show this help and the stages' flags")
-    parser.add_argument("--target-model-path", help="the target (verifier) model: hub id or local folder")
+    parser.add_argument(
+        "-h", "--help", action="store_true", help="show this help and the stages' flags"
+    )
+    parser.add_argument(
+        "--target-model-path", help="the target (verifier) model: hub id or local folder"
+    )
     parser.add_argument("--train-data-path", help="chat data, as for datagen")
     parser.add_argument("--output-dir", help="folder for data/, vocab/ and checkpoints/")
-    parser.add_argument("--draft-vocab-size", type=int, default=32000, help="tokens the draft predicts")
-    parser.add_argument("--target-vocab-size", type=int, default=None,
-                        help="target vocabulary size; None: from the target's config")
-    parser.add_argument("--seed", type=int, default=0, help="seed of datagen's shuffle and of training")
+    parser.add_argument(
+        "--draft-vocab-size", type=int, default=32000, help="tokens the draft predicts"
+    )
+    parser.add_argument(
+        "--target-vocab-size",
+        type=int,
+        default=None,
+        help="target vocabulary size; None: from the target's config",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of datagen's shuffle and of training"
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     return parser
@@ -87,29 +99,56 @@ def plan_from_argv(argv: Sequence[str]) -> PipelinePlan:
     from speculators_vllm016.cli import train as train_cli
 
     own, rest = build_parser().parse_known_args(list(argv))
-    missing = [f for f in ("target_model_path", "train_data_path", "output_dir") if not getattr(own, f)]
+    missing = [
+        f for f in ("target_model_path", "train_data_path", "output_dir") if not getattr(own, f)
+    ]
     if missing:
         flags = ", ".join("--" + name.replace("_", "-") for name in missing)
         raise SystemExit(f"error: gen-and-train needs {flags} (see --help)")
     if own.draft_vocab_size < 1:
-        raise SystemExit(f"error: --draft-vocab-size must be at least 1, got {own.draft_vocab_size}")
+        raise SystemExit(
+            f"error: --draft-vocab-size must be at least 1, got {own.draft_vocab_size}"
+        )
     if own.target_vocab_size is not None and own.target_vocab_size < own.draft_vocab_size:
-        raise SystemExit(f"error: {draft_vocab_too_large(own.draft_vocab_size, own.target_vocab_size)}")
+        raise SystemExit(
+            f"error: {draft_vocab_too_large(own.draft_vocab_size, own.target_vocab_size)}"
+        )
     root = Path(own.output_dir)
     shared = ["--seed", str(own.seed)] + (["--no-progress"] if own.no_progress else [])
     shared += ["--debug"] if own.debug else []
-    for flag in ("--output-dir", "--data-path", "--verifier-name-or-path", "--d2t-path", "--t2d-path"):
+    for flag in (
+        "--output-dir",
+        "--data-path",
+        "--verifier-name-or-path",
+        "--d2t-path",
+        "--t2d-path",
+    ):
         if flag in rest:
-            raise SystemExit(f"error: {flag} is set by gen-and-train from --output-dir/--target-model-path")
+            raise SystemExit(
+                f"error: {flag} is set by gen-and-train from --output-dir/--target-model-path"
+            )
     datagen_argv = [
-        "--target-model-path", own.target_model_path, "--train-data-path", own.train_data_path,
-        "--output-dir", str(root / "data"), *shared,
+        "--target-model-path",
+        own.target_model_path,
+        "--train-data-path",
+        own.train_data_path,
+        "--output-dir",
+        str(root / "data"),
+        *shared,
     ]
     datagen_args, rest = _strict(datagen_cli.build_parser()).parse_known_args(datagen_argv + rest)
     train_argv = [
-        "--verifier-name-or-path", own.target_model_path, "--data-path", str(root / "data"),
-        "--d2t-path", str(root / "vocab" / "d2t.npy"), "--t2d-path", str(root / "vocab" / "t2d.npy"),
-        "--save-path", str(root / "checkpoints"), *shared,
+        "--verifier-name-or-path",
+        own.target_model_path,
+        "--data-path",
+        str(root / "data"),
+        "--d2t-path",
+        str(root / "vocab" / "d2t.npy"),
+        "--t2d-path",
+        str(root / "vocab" / "t2d.npy"),
+        "--save-path",
+        str(root / "checkpoints"),
+        *shared,
     ]
     # --save-path may be given to put checkpoints elsewhere; a later value wins in argparse.
     try:
@@ -122,9 +161,13 @@ def plan_from_argv(argv: Sequence[str]) -> PipelinePlan:
             "datagen or train (see --help)"
         )
     return PipelinePlan(
-        root=root, datagen=datagen_args, datagen_argv=sorted(datagen_argv + list(rest)),
-        train=train_config, draft_vocab_size=own.draft_vocab_size,
-        target_vocab_size=own.target_vocab_size, debug=own.debug,
+        root=root,
+        datagen=datagen_args,
+        datagen_argv=sorted(datagen_argv + list(rest)),
+        train=train_config,
+        draft_vocab_size=own.draft_vocab_size,
+        target_vocab_size=own.target_vocab_size,
+        debug=own.debug,
     )
 
 
@@ -197,9 +240,10 @@ def run_vocab_stage(plan: PipelinePlan, data_changed: bool = False) -> None:
         return
     if found is not None:
         why = (
-            "datagen ran again" if found == (plan.draft_vocab_size, size)
+            "datagen ran again"
+            if found == (plan.draft_vocab_size, size)
             else f"they map {found[0]} of {found[1]} tokens, the flags ask "
-                 f"{plan.draft_vocab_size} of {size}"
+            f"{plan.draft_vocab_size} of {size}"
         )
         print(f"[2/3] vocabulary maps in {folder}: building them again ({why})")
     counts = load_token_freq(plan.datagen.output_dir)
@@ -216,7 +260,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "speculators gen-and-tra
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         build_parser(prog).print_help()
-        print("\n--- datagen stage (flags other than --target-model-path/--train-data-path/--output-dir) ---")
+        print(
+            "\n--- datagen stage (flags other than --target-model-path/--train-data-path/--output-dir) ---"
+        )
         datagen_cli.build_parser().print_help()
         print("\n--- training stage (data, maps and --save-path are set from --output-dir) ---")
         train_cli.build_parser().print_help()
@@ -228,7 +274,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "speculators gen-and-tra
             print(error_line(stop.code.removeprefix("error: ")), file=sys.stderr)
             return 2
         return int(stop.code or 0)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
     def stages() -> int:
         check_vocab_sizes(plan)
@@ -241,4 +289,3 @@ def main(argv: Sequence[str] | None = None, prog: str = "speculators gen-and-tra
         return rc
     print(f"[3/3] training -> {plan.train.checkpoint.save_path}")
     return train_cli.run_config(plan.train)
-

@@ -89,9 +89,10 @@ def build_parser(
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument(
-        "--config", default=None,
+        "--config",
+        default=None,
         help="a YAML job file with the same fields by section (model:, data:, training:, ...; "
-             "as the train_config.yaml written beside the checkpoints); flags given here override it",
+        "as the train_config.yaml written beside the checkpoints); flags given here override it",
     )
     for section in dataclasses.fields(TrainJobConfig):
         values = getattr(defaults, section.name)
@@ -102,7 +103,9 @@ def build_parser(
     return parser
 
 
-def config_from_args(args: argparse.Namespace, base: TrainJobConfig | None = None) -> TrainJobConfig:
+def config_from_args(
+    args: argparse.Namespace, base: TrainJobConfig | None = None
+) -> TrainJobConfig:
     """The job config of a parsed command line (`base`: the `--config` file's values)."""
     values = {name: value for name, value in vars(args).items() if name != "config"}
     return (TrainJobConfig() if base is None else base).with_flat(values)
@@ -171,7 +174,9 @@ def _research_draft(folder: Path, verifier: str, norm_before_residual: bool) -> 
 
     recorded = load_checkpoint_config(folder).get("eagle_aux_hidden_state_layer_ids")
     return Eagle3Converter().build(
-        folder, verifier, norm_before_residual=norm_before_residual,
+        folder,
+        verifier,
+        norm_before_residual=norm_before_residual,
         eagle_aux_hidden_state_layer_ids=recorded,
     )
 
@@ -191,7 +196,11 @@ def run_config(config: TrainJobConfig) -> int:
         return 0
 
     expected = (
-        TrainSetupError, SampleFileError, DataSourceError, TrainingError, FileNotFoundError,
+        TrainSetupError,
+        SampleFileError,
+        DataSourceError,
+        TrainingError,
+        FileNotFoundError,
         ImportError,
     )
     return report_errors(run, config.logging.debug, expected, stopped=(TrainingInterrupted,))

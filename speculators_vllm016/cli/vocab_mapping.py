@@ -22,13 +22,20 @@ from speculators_vllm016.train.vocab_maps import (
 from speculators_vllm016.utils.output_paths import check_output_folder
 
 # The library names stay importable from here (their home is `train.vocab_maps`).
-__all__ = ["D2T_FILE", "T2D_FILE", "target_vocab_size_of", "vocab_mapping", "write_vocab_mappings",
-           "write_vocab_mappings_from_counts"]
+__all__ = [
+    "D2T_FILE",
+    "T2D_FILE",
+    "target_vocab_size_of",
+    "vocab_mapping",
+    "write_vocab_mappings",
+    "write_vocab_mappings_from_counts",
+]
 
 
 def vocab_mapping(
     token_freq_path: str = typer.Option(
-        ..., "--token-freq-path",
+        ...,
+        "--token-freq-path",
         help="Datagen's --output-dir (its token_freq/ shard counts are summed) or a token_freq.pt "
         "({token_id: count}, datagen's --token-freq-path).",
     ),
@@ -56,7 +63,9 @@ def vocab_mapping(
         else:
             assert target_model_path is not None
             size = target_vocab_size_of(target_model_path)
-        d2t_path, t2d_path = write_vocab_mappings(token_freq_path, draft_vocab_size, size, output_path)
+        d2t_path, t2d_path = write_vocab_mappings(
+            token_freq_path, draft_vocab_size, size, output_path
+        )
     except (ValueError, FileNotFoundError) as error:
         if debug:
             raise

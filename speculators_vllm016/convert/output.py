@@ -23,7 +23,9 @@ def _related(a: Path, b: Path) -> bool:
     return a == b or a in b.parents or b in a.parents
 
 
-def check_output_path(output_path: str | Path, protected: Iterable[str | Path], overwrite: bool) -> Path:
+def check_output_path(
+    output_path: str | Path, protected: Iterable[str | Path], overwrite: bool
+) -> Path:
     """The resolved destination; refuses protected folders and a non-empty one unless `overwrite`."""
     target = Path(output_path).expanduser().resolve()
     for source in protected:

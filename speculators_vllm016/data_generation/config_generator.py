@@ -185,7 +185,9 @@ class DataGenerationConfig:
         if isinstance(reproducibility, dict):
             reproducibility = {
                 **reproducibility,
-                "package_versions": _section(PackageVersions, reproducibility.get("package_versions")),
+                "package_versions": _section(
+                    PackageVersions, reproducibility.get("package_versions")
+                ),
             }
         top = {item.name: raw.get(item.name) for item in fields(cls)}
         top.update(
@@ -255,7 +257,9 @@ def _fingerprint(model_path: str) -> str | None:
     except Exception as error:  # noqa: BLE001 - any failure: record none, keep the data
         logging.getLogger(__name__).warning(
             "no fingerprint of %s's final norm and LM head recorded (%s): training cannot check "
-            "that it is given this verifier", model_path, error,
+            "that it is given this verifier",
+            model_path,
+            error,
         )
         return None
 

@@ -15,8 +15,16 @@ from typing import Any
 
 __all__ = ["MalformedRowError", "conversation_of", "normalize_conversation", "skip_reason"]
 
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-         "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
+ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "system": "system",
+}
 
 
 class MalformedRowError(ValueError):

@@ -99,7 +99,9 @@ def native_mla_rope(model: torch.nn.Module) -> int:
                 rope._forward_method = rope.forward_native
                 switched.add(id(rope))
     if switched:
-        logger.info("MLA with plain RoPE on CPU: %d rotary modules use the native path", len(switched))
+        logger.info(
+            "MLA with plain RoPE on CPU: %d rotary modules use the native path", len(switched)
+        )
     return len(switched)
 
 

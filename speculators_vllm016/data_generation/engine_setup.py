@@ -199,7 +199,9 @@ def _build(engine_args: Any, settings: EngineSettings) -> HiddenStatesEngine:
         # Bytes of transfer files in flight at once: half the room there is, unless told.
         max_transfer_bytes = settings.max_transfer_bytes or max(1, transfer.free_bytes() // 2)
         executor = _make_executor(vllm_config)
-        scheduler, block_hasher, num_kv_blocks, kv_block_size = _init_scheduler(vllm_config, executor)
+        scheduler, block_hasher, num_kv_blocks, kv_block_size = _init_scheduler(
+            vllm_config, executor
+        )
         setup = _setup_capture(executor, layer_ids, num_hidden_layers, hidden_size, dtype, transfer)
     except BaseException:
         shutdown_engine(executor, transfer)

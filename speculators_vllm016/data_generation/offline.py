@@ -42,7 +42,11 @@ from speculators_vllm016.data_generation.output_folder import (
     DatagenFolder,
     ShardLock,
 )
-from speculators_vllm016.data_generation.preflight import ModelFacts, inspect_model, remote_code_hint
+from speculators_vllm016.data_generation.preflight import (
+    ModelFacts,
+    inspect_model,
+    remote_code_hint,
+)
 from speculators_vllm016.data_generation.resume import (
     RunIdentity,
     has_sample_files,
@@ -259,15 +263,21 @@ class ShardExtraction:
         candidates = (
             (
                 output.start_idx + position,
-                sample_path(self.folder.path, output.start_idx + position, output.output_format).name,
+                sample_path(
+                    self.folder.path, output.start_idx + position, output.output_format
+                ).name,
                 torch.as_tensor(dataset[position]["input_ids"], dtype=torch.long),
             )
             for position in self.positions
             if output.start_idx + position in on_disk
         )
         return verify_present(
-            self.folder.path, candidates, read_manifest(self.folder.path),
-            len(self.facts.layer_ids), self.folder.manifest, self.kept_signatures,
+            self.folder.path,
+            candidates,
+            read_manifest(self.folder.path),
+            len(self.facts.layer_ids),
+            self.folder.manifest,
+            self.kept_signatures,
         )
 
     def run(self) -> DatagenSummary:
@@ -277,11 +287,17 @@ class ShardExtraction:
         # Only the missing samples reach the engine, batched anew: a sample's hidden states do
         # not depend on the others in its batch (the test compares a resumed folder bit for bit).
         missing = [position for position in positions if start + position not in present]
-        todo = [missing[i : i + output.batch_size] for i in range(0, len(missing), output.batch_size)]
+        todo = [
+            missing[i : i + output.batch_size] for i in range(0, len(missing), output.batch_size)
+        ]
         already = len(positions) - len(missing)
         logger.info(
             "shard %d/%d: %d samples, %d already on disk, %d to compute",
-            output.shard_index, output.num_shards, len(positions), already, len(missing),
+            output.shard_index,
+            output.num_shards,
+            len(positions),
+            already,
+            len(missing),
         )
 
         written = 0

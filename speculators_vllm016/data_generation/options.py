@@ -118,9 +118,7 @@ _PARTS: dict[str, type] = {
     "output": OutputOptions,
 }
 # flag name (argparse dest) -> the part that holds it
-_PART_OF: dict[str, str] = {
-    item.name: part for part, cls in _PARTS.items() for item in fields(cls)
-}
+_PART_OF: dict[str, str] = {item.name: part for part, cls in _PARTS.items() for item in fields(cls)}
 
 
 class _FlagView:

@@ -154,7 +154,9 @@ class DatagenFolder:
         self.slot = WriterSlot(self.path)
         removed = remove_partial_files(self.path)
         if removed:
-            logger.info("removed %d partial files left by an interrupted run in %s", removed, self.path)
+            logger.info(
+                "removed %d partial files left by an interrupted run in %s", removed, self.path
+            )
         return self.slot
 
     def open_manifest(self) -> ManifestWriter:

@@ -12,7 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from speculators_vllm016.utils.text_config import text_config_of
-from speculators_vllm016.utils.verifier_config import REMOTE_CODE_FLAG, looks_local, remote_code_hint
+from speculators_vllm016.utils.verifier_config import (
+    REMOTE_CODE_FLAG,
+    looks_local,
+    remote_code_hint,
+)
 
 __all__ = ["ModelFacts", "inspect_model", "remote_code_hint"]
 

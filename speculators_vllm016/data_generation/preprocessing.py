@@ -142,7 +142,8 @@ def tokenize_conversation(
     mask = tokens_in_spans(list(encoding["offset_mapping"]), spans)[:max_length]
     if not any(mask):
         raise MalformedRowError(
-            "no assistant token left" + (" after truncation" if spans else " (pattern matched nothing)")
+            "no assistant token left"
+            + (" after truncation" if spans else " (pattern matched nothing)")
         )
     return input_ids, mask
 
@@ -190,8 +191,7 @@ def _ensure_conversations(dataset: HFDataset) -> HFDataset:
     if "messages" in columns:
         return dataset.rename_column("messages", "conversations")
     raise ValueError(
-        f"the dataset has no 'conversations' or 'messages' column (columns: "
-        f"{dataset.column_names})"
+        f"the dataset has no 'conversations' or 'messages' column (columns: {dataset.column_names})"
     )
 
 
@@ -250,14 +250,22 @@ def preprocess_conversations(
         },
         desc="Tokenizing conversations",
     )
-    errors = [(row, error) for row, error in zip(processed[ROW_COLUMN], processed["error"]) if error]
+    errors = [
+        (row, error) for row, error in zip(processed[ROW_COLUMN], processed["error"]) if error
+    ]
     if errors:
         reasons = Counter(skip_reason(error) for _, error in errors)
         named = "; ".join(f"row {row}: {error}" for row, error in errors[:_MAX_NAMED_ROWS])
-        more = f" (and {len(errors) - _MAX_NAMED_ROWS} more)" if len(errors) > _MAX_NAMED_ROWS else ""
+        more = (
+            f" (and {len(errors) - _MAX_NAMED_ROWS} more)" if len(errors) > _MAX_NAMED_ROWS else ""
+        )
         logger.warning(
             "skipped %d of %d conversations as malformed: %s%s. Reasons: %s",
-            len(errors), len(processed), named, more, dict(reasons),
+            len(errors),
+            len(processed),
+            named,
+            more,
+            dict(reasons),
         )
     if len(errors) == len(processed):
         raise ValueError(
@@ -309,12 +317,14 @@ def check_utf8(path: str) -> None:
             except UnicodeDecodeError as error:
                 raise ValueError(
                     f"{path} is not UTF-8 text (line {number}, byte {error.start + 1} of the line: "
-                    f"{line[error.start:error.start + 1]!r}); save the file as UTF-8"
+                    f"{line[error.start : error.start + 1]!r}); save the file as UTF-8"
                 ) from None
 
 
 def load_raw_dataset(
-    train_data_path: str, num_proc: int = 8, cache_dir: str | None = None,
+    train_data_path: str,
+    num_proc: int = 8,
+    cache_dir: str | None = None,
     flag: str = "--train-data-path",
 ) -> HFDataset:
     """A local .json/.jsonl file, or a named dataset from `DATASET_CONFIGS` (needs the hub).
@@ -332,7 +342,8 @@ def load_raw_dataset(
         except Exception as exc:  # noqa: BLE001 - Arrow refuses rows of mixed shapes
             logger.warning(
                 "%s does not load as one Arrow table (%s); reading it row by row",
-                train_data_path, type(exc).__name__,
+                train_data_path,
+                type(exc).__name__,
             )
             return _load_json_rows(train_data_path)
     config = DATASET_CONFIGS.get(train_data_path)
@@ -343,7 +354,9 @@ def load_raw_dataset(
         )
     dataset = load_dataset(config.hf_path, split=config.split, cache_dir=cache_dir)
     if config.normalize_fn is not None:
-        dataset = dataset.map(config.normalize_fn, num_proc=max(1, min(num_proc, os.cpu_count() or 1)))
+        dataset = dataset.map(
+            config.normalize_fn, num_proc=max(1, min(num_proc, os.cpu_count() or 1))
+        )
         if "conversations" in dataset.column_names and "messages" in dataset.column_names:
             dataset = dataset.remove_columns("messages")  # now copied into "conversations"
     return dataset
@@ -400,7 +413,10 @@ def load_and_preprocess(
     from transformers import AutoTokenizer
 
     from speculators_vllm016.data_generation.preflight import remote_code_hint
-    from speculators_vllm016.data_generation.token_counts import count_trained_tokens, save_token_counts
+    from speculators_vllm016.data_generation.token_counts import (
+        count_trained_tokens,
+        save_token_counts,
+    )
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(
@@ -419,7 +435,9 @@ def load_and_preprocess(
         raise ValueError(
             f"the tokenizer of {target_model_path} has no chat template; a chat model is needed"
         )
-    raw = _ensure_conversations(load_raw_dataset(train_data_path, build_dataset_num_proc, cache_dir))
+    raw = _ensure_conversations(
+        load_raw_dataset(train_data_path, build_dataset_num_proc, cache_dir)
+    )
     if len(raw) == 0:
         raise ValueError(f"{train_data_path} holds no conversations; check --train-data-path")
     raw = raw.add_column(ROW_COLUMN, list(range(len(raw))))
@@ -438,4 +456,3 @@ def load_and_preprocess(
     if token_freq_path is not None:
         save_token_counts(count_trained_tokens(result.dataset), token_freq_path)
     return PreprocessResult(result.dataset, result.skipped_rows, tokenizer)
-

@@ -219,9 +219,7 @@ def record_identity(
     if not exclusive:
         atomic_write_json(state, identity.to_json(), indent=2, sort_keys=True)
         return
-    temp = atomic_write_json(
-        temporary_path(state), identity.to_json(), indent=2, sort_keys=True
-    )
+    temp = atomic_write_json(temporary_path(state), identity.to_json(), indent=2, sort_keys=True)
     try:
         os.link(temp, state)  # fails when a record is there: never replaces another's
     except FileExistsError:
@@ -247,9 +245,7 @@ def _signature(sample: dict) -> Signature:
     return str(first.dtype), int(first.shape[-1])
 
 
-def _sample_matches(
-    path: Path, expected_ids: torch.Tensor, num_layers: int
-) -> Signature | None:
+def _sample_matches(path: Path, expected_ids: torch.Tensor, num_layers: int) -> Signature | None:
     """Open the file (memory-mapped) and compare what is cheap to compare; the file's
     `Signature` when it holds the expected sample, else None."""
     from speculators_vllm016.data_generation.sample_io import load_sample
@@ -353,6 +349,7 @@ def verify_present(
             bad.append(name)
     if bad:
         shown = ", ".join(bad[:10]) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
-        logger.warning("%d present files are damaged or belong to other data; recomputing: %s",
-                       len(bad), shown)
+        logger.warning(
+            "%d present files are damaged or belong to other data; recomputing: %s", len(bad), shown
+        )
     return good

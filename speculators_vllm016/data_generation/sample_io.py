@@ -57,7 +57,9 @@ SAMPLE_FILE = re.compile(r"^data_(\d+)\.(pt|safetensors)$")  # group 1: index, g
 _SAMPLE_NAME = SAMPLE_FILE  # the private name resume.py and earlier callers used
 _TEMP_PREFIX = ".tmp-"  # temporary files of earlier versions, beside the samples
 # `utils.atomic_files`' temporary of a sample written without a writer folder (`write_sample`).
-_LOOSE_TEMP = re.compile(r"^\.data_\d+\.(pt|safetensors)\.[0-9a-f]{8}" + re.escape(TEMP_SUFFIX) + "$")
+_LOOSE_TEMP = re.compile(
+    r"^\.data_\d+\.(pt|safetensors)\.[0-9a-f]{8}" + re.escape(TEMP_SUFFIX) + "$"
+)
 TEMP_DIR = ".tmp"
 _LOCK_NAME = ".lock"
 _PART_SUFFIX = ".part"  # never ends in "pt": 0.3.0's trainer reads every file ending in "pt"
@@ -136,7 +138,9 @@ def _write_hashed(path: Path, write, fsync: bool, slot: WriterSlot | None = None
         write(hashing)
 
     try:
-        atomic_write(path, through_hash, fsync=fsync, temp=None if slot is None else slot.temp_for(path))
+        atomic_write(
+            path, through_hash, fsync=fsync, temp=None if slot is None else slot.temp_for(path)
+        )
     except BaseException:
         with real_write_errors(hashing):
             raise

@@ -266,7 +266,9 @@ class TransferDir:
         """
         path = self.file_for(request_id)
         with open(path, "r+b") as handle:
-            mapping = mmap.mmap(handle.fileno(), layout.file_bytes(seq_len), access=mmap.ACCESS_COPY)
+            mapping = mmap.mmap(
+                handle.fileno(), layout.file_bytes(seq_len), access=mmap.ACCESS_COPY
+            )
         path.unlink()
         parts = []
         for slot in range(layout.num_layers):
@@ -278,7 +280,10 @@ class TransferDir:
             )
             parts.append(flat.view(seq_len, layout.hidden_size))
         counts = torch.frombuffer(
-            mapping, dtype=_COUNT_DTYPE, count=layout.num_layers, offset=layout.counts_offset(seq_len)
+            mapping,
+            dtype=_COUNT_DTYPE,
+            count=layout.num_layers,
+            offset=layout.counts_offset(seq_len),
         )
         return TakenRequest(hidden_states=parts, rows_written=counts.tolist())
 

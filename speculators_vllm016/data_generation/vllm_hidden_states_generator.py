@@ -72,7 +72,9 @@ def check_rows(request_id: str, num_tokens: int, layer_ids: list[int], taken: Ta
     """Every layer slot got exactly one row per token, as the capturing worker counted them."""
     if taken.rows_written == [num_tokens] * len(layer_ids):
         return
-    wrong = [layer_ids[slot] for slot, count in enumerate(taken.rows_written) if count != num_tokens]
+    wrong = [
+        layer_ids[slot] for slot, count in enumerate(taken.rows_written) if count != num_tokens
+    ]
     raise RuntimeError(
         f"request {request_id}: captured {sum(taken.rows_written)} rows, expected "
         f"{num_tokens * len(layer_ids)} ({num_tokens} tokens x {len(layer_ids)} layers); rows "
@@ -405,7 +407,11 @@ class VllmHiddenStatesGenerator:
         idle_steps = 0
         while pending or self._has_work():
             step = self._step_fn()
-            if step.num_scheduled_tokens == 0 and not step.finished and not step.num_tokens_in_flight:
+            if (
+                step.num_scheduled_tokens == 0
+                and not step.finished
+                and not step.num_tokens_in_flight
+            ):
                 idle_steps += 1
                 if idle_steps > 2 and pending:
                     raise RuntimeError(
@@ -473,4 +479,3 @@ class VllmHiddenStatesGenerator:
             self.close()
         except Exception:  # noqa: BLE001 - never raise from a destructor
             pass
-

@@ -38,8 +38,13 @@ if TYPE_CHECKING:
     from speculators_vllm016.train.jobs.job_config import TrainJobConfig
 
 __all__ = [
-    "DemoOptions", "DemoResult", "StageRecord", "plot_training_curves", "run_demo",
-    "stage_options", "training_throughput",
+    "DemoOptions",
+    "DemoResult",
+    "StageRecord",
+    "plot_training_curves",
+    "run_demo",
+    "stage_options",
+    "training_throughput",
 ]
 
 STATE_FILE = "demo_state.json"
@@ -98,15 +103,26 @@ def stage_options(options: DemoOptions) -> dict[str, dict[str, Any]]:
     """Per stage, in order, the options its result depends on: its own and every earlier stage's
     (a changed target invalidates the hidden states, the maps, the drafts and the evaluation)."""
     own = {
-        "target": {"seed": options.seed, "target_steps": options.target_steps,
-                   "target_row_tokens": options.target_row_tokens,
-                   "target_rows_per_step": options.target_rows_per_step},
-        "datagen": {"max_samples": options.max_samples, "seq_length": options.seq_length,
-                    "batch_size": options.batch_size, "output_format": options.output_format,
-                    "dtype": options.dtype},
+        "target": {
+            "seed": options.seed,
+            "target_steps": options.target_steps,
+            "target_row_tokens": options.target_row_tokens,
+            "target_rows_per_step": options.target_rows_per_step,
+        },
+        "datagen": {
+            "max_samples": options.max_samples,
+            "seq_length": options.seq_length,
+            "batch_size": options.batch_size,
+            "output_format": options.output_format,
+            "dtype": options.dtype,
+        },
         "vocab": {"draft_vocab_size": options.draft_vocab_size},
         "initial draft": {},
-        "train": {"epochs": options.epochs, "lr": options.lr, "total_seq_len": options.total_seq_len},
+        "train": {
+            "epochs": options.epochs,
+            "lr": options.lr,
+            "total_seq_len": options.total_seq_len,
+        },
         "eval": {"eval_prompts": options.eval_prompts, "max_new_tokens": options.max_new_tokens},
     }
     cumulative: dict[str, Any] = {}
@@ -122,12 +138,18 @@ def _changed(before: dict | None, now: dict) -> str:
     if before is None:
         return "its options were not recorded"
     keys = sorted(set(before) | set(now), key=str)
-    return ", ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in keys if before.get(k) != now.get(k))
+    return ", ".join(
+        f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in keys if before.get(k) != now.get(k)
+    )
 
 
 def _run_stage(
-    root: Path, state: dict[str, dict], name: str, work: Callable[[], tuple[dict, dict]],
-    options: dict[str, Any] | None = None, outputs: Sequence[Path] = (),
+    root: Path,
+    state: dict[str, dict],
+    name: str,
+    work: Callable[[], tuple[dict, dict]],
+    options: dict[str, Any] | None = None,
+    outputs: Sequence[Path] = (),
 ) -> StageRecord:
     """Run `work` unless the state records it finished with the same `options`.
 
@@ -138,8 +160,13 @@ def _run_stage(
     options = json.loads(json.dumps(options or {}))
     saved = state.get(name)
     if saved is not None and saved.get("options") == options and "outputs" in saved:
-        return StageRecord(name=name, seconds=saved["seconds"], outputs=saved["outputs"],
-                           figures=saved["figures"], reused=True)
+        return StageRecord(
+            name=name,
+            seconds=saved["seconds"],
+            outputs=saved["outputs"],
+            figures=saved["figures"],
+            reused=True,
+        )
     if saved is not None and saved.get("options") != options:
         print(f"[demo] {name}: running it again ({_changed(saved.get('options'), options)})")
         for path in outputs:
@@ -151,9 +178,15 @@ def _run_stage(
     _save_state(root, state)
     started = time.perf_counter()
     result, figures = work()
-    record = StageRecord(name=name, seconds=time.perf_counter() - started, outputs=result,
-                         figures=figures)
-    state[name] = {"options": options, "seconds": record.seconds, "outputs": result, "figures": figures}
+    record = StageRecord(
+        name=name, seconds=time.perf_counter() - started, outputs=result, figures=figures
+    )
+    state[name] = {
+        "options": options,
+        "seconds": record.seconds,
+        "outputs": result,
+        "figures": figures,
+    }
     _save_state(root, state)
     return record
 
@@ -175,10 +208,16 @@ def _train_config(options: DemoOptions, root: Path, target: Path) -> TrainJobCon
     return TrainJobConfig(
         model=ModelConfig(verifier_name_or_path=str(target)),
         data=DataConfig(data_path=str(root / "data")),
-        vocab=VocabConfig(d2t_path=str(root / "vocab" / D2T_FILE), t2d_path=str(root / "vocab" / T2D_FILE)),
+        vocab=VocabConfig(
+            d2t_path=str(root / "vocab" / D2T_FILE), t2d_path=str(root / "vocab" / T2D_FILE)
+        ),
         checkpoint=CheckpointConfig(save_path=str(root / "checkpoints")),
-        training=TrainingConfig(epochs=options.epochs, lr=options.lr,
-                                total_seq_len=options.total_seq_len, seed=options.seed),
+        training=TrainingConfig(
+            epochs=options.epochs,
+            lr=options.lr,
+            total_seq_len=options.total_seq_len,
+            seed=options.seed,
+        ),
         runtime=RuntimeConfig(num_workers=0, device="cpu"),
         logging=LoggingConfig(log_dir=str(root / "logs"), no_progress=not options.show_progress),
     )
@@ -195,8 +234,9 @@ def _save_initial_draft(config: TrainJobConfig, output: Path) -> None:
     temporary = output.with_name(f".{output.name}.partial")
     shutil.rmtree(temporary, ignore_errors=True)
     weights = {k: v.detach() for k, v in model.state_dict().items()}
-    model.save_pretrained(temporary, state_dict=convert_float_dtype(weights, torch.bfloat16),
-                          safe_serialization=True)
+    model.save_pretrained(
+        temporary, state_dict=convert_float_dtype(weights, torch.bfloat16), safe_serialization=True
+    )
     give_usual_modes(temporary)
     replace_folder(temporary, output)
 
@@ -271,14 +311,23 @@ def run_demo(options: DemoOptions) -> DemoResult:
         from speculators_vllm016.demo.target import TargetTraining, train_demo_target
 
         initial = build_demo_model(root / "model-init")
-        result = train_demo_target(initial, target, conversations, TargetTraining(
-            steps=options.target_steps, row_tokens=options.target_row_tokens,
-            rows_per_step=options.target_rows_per_step, seed=options.seed,
-            show_progress=options.show_progress,
-        ))
+        result = train_demo_target(
+            initial,
+            target,
+            conversations,
+            TargetTraining(
+                steps=options.target_steps,
+                row_tokens=options.target_row_tokens,
+                rows_per_step=options.target_rows_per_step,
+                seed=options.seed,
+                show_progress=options.show_progress,
+            ),
+        )
         return {"target": str(target)}, {
-            "tokens": result.tokens, "tokens_per_second": result.tokens_per_second,
-            "first_loss": result.first_loss, "last_loss": result.last_loss,
+            "tokens": result.tokens,
+            "tokens_per_second": result.tokens_per_second,
+            "first_loss": result.first_loss,
+            "last_loss": result.last_loss,
         }
 
     depends = stage_options(options)
@@ -293,24 +342,34 @@ def run_demo(options: DemoOptions) -> DemoResult:
             PreprocessingOptions,
         )
 
-        summary = run_datagen(DatagenOptions(
-            engine=EngineOptions(target_model_path=str(target), dtype=options.dtype),
-            preprocessing=PreprocessingOptions(
-                train_data_path=str(conversations), seq_length=options.seq_length,
-                max_samples=options.max_samples, hf_cache_dir=str(root / "hf-datasets-cache"),
-                seed=options.seed, num_preprocessing_workers=min(2, os.cpu_count() or 1),
-            ),
-            output=OutputOptions(
-                output_dir=str(root / "data"), output_format=options.output_format,
-                batch_size=options.batch_size, show_progress=options.show_progress,
-            ),
-        ))
+        summary = run_datagen(
+            DatagenOptions(
+                engine=EngineOptions(target_model_path=str(target), dtype=options.dtype),
+                preprocessing=PreprocessingOptions(
+                    train_data_path=str(conversations),
+                    seq_length=options.seq_length,
+                    max_samples=options.max_samples,
+                    hf_cache_dir=str(root / "hf-datasets-cache"),
+                    seed=options.seed,
+                    num_preprocessing_workers=min(2, os.cpu_count() or 1),
+                ),
+                output=OutputOptions(
+                    output_dir=str(root / "data"),
+                    output_format=options.output_format,
+                    batch_size=options.batch_size,
+                    show_progress=options.show_progress,
+                ),
+            )
+        )
         return {"data": summary.output_dir}, {
-            "samples": summary.samples_total, "tokens": summary.tokens_extracted,
+            "samples": summary.samples_total,
+            "tokens": summary.tokens_extracted,
             "tokens_per_second": summary.tokens_per_second,
         }
 
-    stages.append(_run_stage(root, state, "datagen", datagen_stage, depends["datagen"], [root / "data"]))
+    stages.append(
+        _run_stage(root, state, "datagen", datagen_stage, depends["datagen"], [root / "data"])
+    )
 
     def vocab_stage() -> tuple[dict, dict]:
         from transformers import AutoConfig
@@ -324,7 +383,8 @@ def run_demo(options: DemoOptions) -> DemoResult:
             counts, options.draft_vocab_size, target_vocab, root / "vocab"
         )
         return {"d2t": str(d2t), "t2d": str(t2d)}, {
-            "draft_vocab_size": options.draft_vocab_size, "target_vocab_size": target_vocab,
+            "draft_vocab_size": options.draft_vocab_size,
+            "target_vocab_size": target_vocab,
             "distinct_tokens_seen": len(counts),
         }
 
@@ -336,9 +396,9 @@ def run_demo(options: DemoOptions) -> DemoResult:
         _save_initial_draft(train_config, untrained)
         return {"untrained_draft": str(untrained)}, {}
 
-    stages.append(_run_stage(
-        root, state, "initial draft", draft_stage, depends["initial draft"], [untrained]
-    ))
+    stages.append(
+        _run_stage(root, state, "initial draft", draft_stage, depends["initial draft"], [untrained])
+    )
     save = root / "checkpoints"
     trained = save / str(options.epochs - 1)
 
@@ -356,29 +416,48 @@ def run_demo(options: DemoOptions) -> DemoResult:
             plot_training_curves(metrics, curves)
         except ImportError:
             curves = Path("(no PNG: pip install matplotlib)")
-        return {"checkpoints": str(save), "trained_draft": str(trained), "curves": str(curves),
-                "metrics": str(save / METRICS_FILE)}, {
-            "steps": len(metrics), "tokens": tokens, "tokens_per_second": rate,
+        return {
+            "checkpoints": str(save),
+            "trained_draft": str(trained),
+            "curves": str(curves),
+            "metrics": str(save / METRICS_FILE),
+        }, {
+            "steps": len(metrics),
+            "tokens": tokens,
+            "tokens_per_second": rate,
             "first_loss": metrics[0].get("loss") if metrics else None,
             "last_loss": metrics[-1].get("loss") if metrics else None,
         }
 
-    stages.append(_run_stage(
-        root, state, "train", train_stage, depends["train"],
-        [save, root / "logs", root / "training_curves.png"],
-    ))
+    stages.append(
+        _run_stage(
+            root,
+            state,
+            "train",
+            train_stage,
+            depends["train"],
+            [save, root / "logs", root / "training_curves.png"],
+        )
+    )
 
     def eval_stage() -> tuple[dict, dict]:
         from speculators_vllm016.evaluate.report import format_table, write_json, write_plot
         from speculators_vllm016.evaluate.runner import EvalOptions, run_evaluation
 
-        report = run_evaluation(EvalOptions(
-            drafts=[str(untrained), str(trained)], data_path=str(conversations),
-            verifier=str(target), max_prompts=options.eval_prompts,
-            max_new_tokens=options.max_new_tokens, engine="hf", device="cpu",
-            hf_cache_dir=str(root / "hf-datasets-cache"), show_progress=options.show_progress,
-            labels=["untrained", "trained"],
-        ))
+        report = run_evaluation(
+            EvalOptions(
+                drafts=[str(untrained), str(trained)],
+                data_path=str(conversations),
+                verifier=str(target),
+                max_prompts=options.eval_prompts,
+                max_new_tokens=options.max_new_tokens,
+                engine="hf",
+                device="cpu",
+                hf_cache_dir=str(root / "hf-datasets-cache"),
+                show_progress=options.show_progress,
+                labels=["untrained", "trained"],
+            )
+        )
         folder = root / "eval"
         write_json(report, folder / "eval.json")
         plot = folder / "acceptance.png"

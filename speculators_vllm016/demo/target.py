@@ -87,7 +87,10 @@ def train_demo_target(
     model = AutoModelForCausalLM.from_pretrained(initial, dtype=torch.float32)
     model.train()
     rows = torch.tensor(
-        _rows(render_conversations(tokenizer, data_path, options.max_conversations), options.row_tokens)
+        _rows(
+            render_conversations(tokenizer, data_path, options.max_conversations),
+            options.row_tokens,
+        )
     )
     if len(rows) < options.rows_per_step:
         raise ValueError(
@@ -98,15 +101,19 @@ def train_demo_target(
     warmup = max(1, options.steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda step: min(1.0, (step + 1) / warmup)
-        * 0.5 * (1 + math.cos(math.pi * min(step, options.steps) / options.steps)),
+        lambda step: (
+            min(1.0, (step + 1) / warmup)
+            * 0.5
+            * (1 + math.cos(math.pi * min(step, options.steps) / options.steps))
+        ),
     )
     generator = torch.Generator().manual_seed(options.seed)
     order = torch.randperm(len(rows), generator=generator)
     cursor, losses = 0, []
     started = time.perf_counter()
-    bar = tqdm(total=options.steps, desc="target: training", unit="step",
-               disable=not options.show_progress)
+    bar = tqdm(
+        total=options.steps, desc="target: training", unit="step", disable=not options.show_progress
+    )
     for _ in range(options.steps):
         if cursor + options.rows_per_step > len(order):
             order, cursor = torch.randperm(len(rows), generator=generator), 0

@@ -62,7 +62,9 @@ def load_eval_prompts(
         raise ValueError("the verifier's tokenizer has no chat template; prompts need one")
     if max_prompts is not None and max_prompts < 1:
         raise ValueError(f"max_prompts must be at least 1, got {max_prompts}")
-    dataset = _ensure_conversations(load_raw_dataset(data_path, num_proc=1, cache_dir=cache_dir, flag="--data-path"))
+    dataset = _ensure_conversations(
+        load_raw_dataset(data_path, num_proc=1, cache_dir=cache_dir, flag="--data-path")
+    )
     token_ids: list[list[int]] = []
     texts: list[str] = []
     skipped: dict[str, int] = {}

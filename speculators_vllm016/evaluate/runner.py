@@ -70,13 +70,17 @@ def draft_settings(draft: str) -> DraftSettings:
         raise ValueError(f"cannot read the draft config of {draft}: {error}") from error
     speculators = getattr(config, "speculators_config", None)
     recorded = speculators.verifier if speculators else None
-    return DraftSettings(verifier=recorded.name_or_path if recorded else None,
-                         speculative_tokens=default_speculative_tokens(config),
-                         expects=expected_verifier(config),
-                         verifier_fingerprint=getattr(recorded, "weights_fingerprint", None))
+    return DraftSettings(
+        verifier=recorded.name_or_path if recorded else None,
+        speculative_tokens=default_speculative_tokens(config),
+        expects=expected_verifier(config),
+        verifier_fingerprint=getattr(recorded, "weights_fingerprint", None),
+    )
 
 
-def _check_trained_for(options: EvalOptions, settings: list[DraftSettings], verifier_path: str) -> None:
+def _check_trained_for(
+    options: EvalOptions, settings: list[DraftSettings], verifier_path: str
+) -> None:
     """Refuse a draft whose recorded verifier weights (final norm and LM head) differ from the
     verifier's: same shapes, other model; it would be measured against targets it never saw."""
     if options.allow_other_verifier or not any(s.verifier_fingerprint for s in settings):

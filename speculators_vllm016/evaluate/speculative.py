@@ -78,10 +78,14 @@ class _RowByRowProposals:
             self.filled[row] = start + count
             views = tuple(layer[: self.filled[row]].unsqueeze(0) for layer in self.buffers[row])
             device = states[0].device
-            proposed = self.draft.propose_tokens(views, torch.tensor([history], device=device), self.k)
+            proposed = self.draft.propose_tokens(
+                views, torch.tensor([history], device=device), self.k
+            )
             proposed = torch.as_tensor(proposed, device=device).reshape(-1).long()
             if proposed.numel() != self.k:
-                raise ValueError(f"the draft proposed {proposed.numel()} tokens, {self.k} were asked for")
+                raise ValueError(
+                    f"the draft proposed {proposed.numel()} tokens, {self.k} were asked for"
+                )
             proposals.append(proposed)
         return torch.stack(proposals)
 
@@ -111,7 +115,9 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 def _finished(row: _Row, new_tokens: Iterable[int], max_new_tokens: int, eos: set[int]) -> bool:
-    return len(row.tokens) - row.prompt_length >= max_new_tokens or any(t in eos for t in new_tokens)
+    return len(row.tokens) - row.prompt_length >= max_new_tokens or any(
+        t in eos for t in new_tokens
+    )
 
 
 def _cut(tokens: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
@@ -182,11 +188,17 @@ def _run_batch(
         proposer = _RowByRowProposals(draft, k, capacities)
     # What the draft has not seen yet: verifier states of the newest accepted positions, the
     # token after each, and which columns hold them (left padding in the prefill, right later).
-    pending = (out.hidden_states, torch.cat([input_ids[:, 1:], first[:, None]], dim=1), slot_mask.bool())
+    pending = (
+        out.hidden_states,
+        torch.cat([input_ids[:, 1:], first[:, None]], dim=1),
+        slot_mask.bool(),
+    )
     rows: list[_Row] = []
     results: dict[int, list[int]] = {}
     for position, (index, prompt) in enumerate(prompts):
-        row = _Row(index=index, prompt_length=len(prompt), tokens=list(prompt) + [int(first[position])])
+        row = _Row(
+            index=index, prompt_length=len(prompt), tokens=list(prompt) + [int(first[position])]
+        )
         row.done = _finished(row, row.tokens[-1:], max_new_tokens, eos)
         rows.append(row)
 
@@ -204,7 +216,11 @@ def _run_batch(
             slot_mask = slot_mask[selected]
             proposer.select(active)
             states, tokens, valid = pending
-            pending = (tuple(layer[selected] for layer in states), tokens[selected], valid[selected])
+            pending = (
+                tuple(layer[selected] for layer in states),
+                tokens[selected],
+                valid[selected],
+            )
             rows = [rows[position] for position in active]
 
         drafted = proposer.propose(*pending, [row.tokens for row in rows])  # [rows, k]
@@ -300,7 +316,14 @@ def speculative_generate(
                 for index in order[first : first + batch_size]
             ]
             done, batch_passes = _run_batch(
-                verifier, draft, chunk, max_new_tokens, num_speculative_tokens, eos, counts, on_done,
+                verifier,
+                draft,
+                chunk,
+                max_new_tokens,
+                num_speculative_tokens,
+                eos,
+                counts,
+                on_done,
                 cached_draft,
             )
             outputs.update(done)

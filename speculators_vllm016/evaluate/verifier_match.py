@@ -33,7 +33,9 @@ def _int(value: Any) -> int | None:
 def expected_verifier(draft_config: Any) -> VerifierShape:
     """The verifier a draft's config describes (an EAGLE-3 config; other drafts say less)."""
     layer = getattr(draft_config, "transformer_layer_config", None)
-    hidden = getattr(draft_config, "target_hidden_size", None) or getattr(layer, "hidden_size", None)
+    hidden = getattr(draft_config, "target_hidden_size", None) or getattr(
+        layer, "hidden_size", None
+    )
     ids = getattr(draft_config, "eagle_aux_hidden_state_layer_ids", None)
     return VerifierShape(
         aux_layer_ids=tuple(int(i) for i in ids) if ids else None,
@@ -47,18 +49,22 @@ def check_verifier_matches(
 ) -> None:
     """Raise `ValueError` (one line) when `verifier`'s config differs from what `draft` needs."""
     text = text_config_of(verifier_config)
-    layers, hidden, vocab = (_int(text.get(key)) for key in
-                             ("num_hidden_layers", "hidden_size", "vocab_size"))
+    layers, hidden, vocab = (
+        _int(text.get(key)) for key in ("num_hidden_layers", "hidden_size", "vocab_size")
+    )
     problems = []
     if expected.aux_layer_ids and layers is not None and max(expected.aux_layer_ids) >= layers:
-        problems.append(f"it fuses layers {list(expected.aux_layer_ids)}, the verifier has "
-                        f"{layers} layers")
+        problems.append(
+            f"it fuses layers {list(expected.aux_layer_ids)}, the verifier has {layers} layers"
+        )
     if expected.hidden_size is not None and hidden is not None and expected.hidden_size != hidden:
-        problems.append(f"it reads hidden states {expected.hidden_size} wide, the verifier's are "
-                        f"{hidden} wide")
+        problems.append(
+            f"it reads hidden states {expected.hidden_size} wide, the verifier's are {hidden} wide"
+        )
     if expected.vocab_size is not None and vocab is not None and expected.vocab_size != vocab:
-        problems.append(f"it embeds a vocabulary of {expected.vocab_size} tokens, the verifier's "
-                        f"has {vocab}")
+        problems.append(
+            f"it embeds a vocabulary of {expected.vocab_size} tokens, the verifier's has {vocab}"
+        )
     if problems:
         raise ValueError(
             f"the draft {draft} does not match the verifier {verifier} ({'; '.join(problems)}); "

@@ -133,4 +133,6 @@ def evaluate_with_vllm(
     finally:
         del llm
         gc.collect()
-    return GenerationResult(outputs=outputs, counts=counts_difference(after, before), seconds=seconds)
+    return GenerationResult(
+        outputs=outputs, counts=counts_difference(after, before), seconds=seconds
+    )

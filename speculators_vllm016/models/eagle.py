@@ -292,7 +292,10 @@ class EagleSpeculator(SpeculatorModel):
                 "expected input_ids [batch, seq] and hidden_states [batch, seq, hidden], got "
                 f"{list(input_ids.shape)} and {list(hidden_states.shape)}"
             )
-        if hidden_states.shape[:2] != input_ids.shape or hidden_states.shape[-1] != self.hidden_size:
+        if (
+            hidden_states.shape[:2] != input_ids.shape
+            or hidden_states.shape[-1] != self.hidden_size
+        ):
             raise ValueError(
                 f"hidden_states {list(hidden_states.shape)} does not match input_ids "
                 f"{list(input_ids.shape)} and hidden size {self.hidden_size}"

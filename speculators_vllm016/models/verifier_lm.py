@@ -41,7 +41,9 @@ def load_verifier_lm(
     if text_config is config:
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        return AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, trust_remote_code=trust_remote_code
+        )
     return _load_wrapped_language_model(path, config, text_config, dtype)
 
 
@@ -55,7 +57,9 @@ def _language_model_state(path: str, architecture: str) -> dict[str, Any]:
             "(language_model.model., language_model., model.language_model.)"
         )
     wanted = {name: causal for name in names if (causal := layout.causal_name(name)) is not None}
-    quantized = sorted(name for name in wanted if name.rsplit(".", 1)[-1] in QUANTIZATION_TENSOR_SUFFIXES)
+    quantized = sorted(
+        name for name in wanted if name.rsplit(".", 1)[-1] in QUANTIZATION_TENSOR_SUFFIXES
+    )
     if quantized:
         raise ValueError(
             f"{path} stores its language model quantized (e.g. {quantized[0]}); the hf engine reads "

@@ -48,7 +48,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers.modeling_utils import PreTrainedModel
 
-from speculators_vllm016.train.checkpointing.checkpoint_files import is_disk_full, reading, torch_save
+from speculators_vllm016.train.checkpointing.checkpoint_files import (
+    is_disk_full,
+    reading,
+    torch_save,
+)
 from speculators_vllm016.train.errors import CheckpointReadError, CheckpointWriteError
 from speculators_vllm016.train.checkpointing.rng_state import (
     RngStateUnsafe,
@@ -182,7 +186,10 @@ def find_checkpoints(save_path: str | os.PathLike) -> list[CheckpointRef]:
             except (ValueError, TypeError, UnicodeDecodeError) as error:
                 logger.warning(
                     "%s of checkpoint %s cannot be read (%s): that checkpoint is left out "
-                    "(resume takes the one before it)", STATE_FILE, folder, type_and_first_line(error),
+                    "(resume takes the one before it)",
+                    STATE_FILE,
+                    folder,
+                    type_and_first_line(error),
                 )
                 continue
             found.append(CheckpointRef(folder, state, legacy=False))
@@ -202,7 +209,7 @@ def remove_temporary_folders(save_path: Path) -> None:
     if save_path.is_dir():
         for entry in save_path.iterdir():
             if entry.name.startswith(_OLD_PREFIX) and entry.is_dir():
-                restore_replaced_folder(save_path / entry.name[len(_OLD_PREFIX):], entry)
+                restore_replaced_folder(save_path / entry.name[len(_OLD_PREFIX) :], entry)
         for entry in save_path.iterdir():
             if entry.name.startswith(_TEMP_PREFIX) and entry.is_dir():
                 shutil.rmtree(entry, ignore_errors=True)
@@ -354,7 +361,9 @@ class BaseCheckpointer:
             {k: v.to(device) for k, v in state.items()}, strict=False
         )
         if incompatible.unexpected_keys:
-            raise ValueError(f"checkpoint weights the model lacks: {incompatible.unexpected_keys[:5]}")
+            raise ValueError(
+                f"checkpoint weights the model lacks: {incompatible.unexpected_keys[:5]}"
+            )
 
     def _set_optimizer_state(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict
@@ -461,8 +470,18 @@ class BaseCheckpointer:
         if distributed:
             dist.barrier()
         try:
-            self._write_files(temporary, rank, model, weights, optimizer_state, scheduler, state,
-                              float_dtype, optimizer_dtype, rng_state)
+            self._write_files(
+                temporary,
+                rank,
+                model,
+                weights,
+                optimizer_state,
+                scheduler,
+                state,
+                float_dtype,
+                optimizer_dtype,
+                rng_state,
+            )
         except Exception as error:
             if not is_disk_full(error):
                 raise
@@ -575,10 +594,12 @@ class BaseCheckpointer:
         if self.keep_mid_epoch is None:
             return
         newest_epoch = max(
-            (ref.sort_key() for ref in self.checkpoints if ref.state.epoch_complete), default=(-1, 0)
+            (ref.sort_key() for ref in self.checkpoints if ref.state.epoch_complete),
+            default=(-1, 0),
         )
         recent = [
-            ref.name for ref in self.checkpoints
+            ref.name
+            for ref in self.checkpoints
             if not ref.state.epoch_complete and ref.sort_key() > newest_epoch
         ]
         count = self.keep_mid_epoch

@@ -139,9 +139,7 @@ def list_files(path: str | os.PathLike, check_complete: bool = True) -> list[Pat
     return [entry[3] for entry in found]
 
 
-def split_files(
-    datapath: str, ratio: float = 0.9, seed: int = 0
-) -> tuple[list[Path], list[Path]]:
+def split_files(datapath: str, ratio: float = 0.9, seed: int = 0) -> tuple[list[Path], list[Path]]:
     """Shuffle the sample files with `seed` and split them `ratio : 1 - ratio` (train, validation)."""
     return split_items(list_files(datapath), ratio, seed)
 
@@ -195,9 +193,7 @@ def standardize_data_v1(data: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def check_sample_shapes(
-    data: dict[str, Any], widths: tuple[int, int] | None = None
-) -> None:
+def check_sample_shapes(data: dict[str, Any], widths: tuple[int, int] | None = None) -> None:
     """Refuse a standardized sample whose tensors disagree (`SampleFileError`); shapes only.
 
     Every tensor needs one row per token, and at least one token: a sample with extra rows of
@@ -206,7 +202,9 @@ def check_sample_shapes(
     """
     ids = data["input_ids"]
     if ids.dim() != 1 or ids.shape[0] == 0:
-        raise SampleFileError(f"input_ids has shape {tuple(ids.shape)}; a sample needs 1 token or more")
+        raise SampleFileError(
+            f"input_ids has shape {tuple(ids.shape)}; a sample needs 1 token or more"
+        )
     tokens = int(ids.shape[0])
     for key, dims in (("hidden_states", 2), ("verifier_last_hidden_states", 2), ("loss_mask", 1)):
         shape = tuple(data[key].shape)
@@ -375,10 +373,11 @@ def prepare_sample(
     for key in ("hidden_states", "verifier_last_hidden_states"):
         if not _all_finite(data[key]):
             raise SampleFileError(f"{name}: {key} holds NaN or inf values")
-    working = hidden_states_dtype if transform is not None else (output_dtype or hidden_states_dtype)
+    working = (
+        hidden_states_dtype if transform is not None else (output_dtype or hidden_states_dtype)
+    )
     data = {
-        key: value.to(working) if "hidden_states" in key else value
-        for key, value in data.items()
+        key: value.to(working) if "hidden_states" in key else value for key, value in data.items()
     }
     length = int(data["input_ids"].shape[0])
     data["lengths"] = torch.tensor([length], dtype=torch.long)
@@ -510,11 +509,17 @@ class Eagle3SampleFileDataset(Dataset):
         """`prepare_sample` with this dataset's settings (epoch, seed, transform, dtype)."""
         deferred = self.device_noise and self.transform is not None
         sample = prepare_sample(
-            raw, index, name=name, standardize_fn=self.standardize_fn,
+            raw,
+            index,
+            name=name,
+            standardize_fn=self.standardize_fn,
             hidden_states_dtype=self.hidden_states_dtype,
-            transform=None if deferred else self.transform, seed=self.seed,
-            epoch=self.epoch, legacy_loss_mask_shift=self.legacy_loss_mask_shift,
-            output_dtype=self.output_dtype, widths=self.widths,
+            transform=None if deferred else self.transform,
+            seed=self.seed,
+            epoch=self.epoch,
+            legacy_loss_mask_shift=self.legacy_loss_mask_shift,
+            output_dtype=self.output_dtype,
+            widths=self.widths,
         )
         if deferred:
             sample["sample_index"] = int(index)
@@ -527,7 +532,9 @@ class Eagle3SampleFileDataset(Dataset):
         """Sample `index` prepared from `raw` (given: online extraction) or from its file;
         None when unusable and `strict` is off."""
         try:
-            return self.load(index) if raw is None else self.prepare(raw, index, str(self.data[index]))
+            return (
+                self.load(index) if raw is None else self.prepare(raw, index, str(self.data[index]))
+            )
         except SampleFileError as error:
             if self.strict:
                 raise
@@ -565,7 +572,7 @@ def _pack(key: str, parts: list[torch.Tensor], max_len: int, buffer: RowBuffer) 
         take = min(int(part.shape[0]), max_len - used)
         if take <= 0:
             break
-        row[used:used + take].copy_(part[:take])
+        row[used : used + take].copy_(part[:take])
         used += take
     if used < max_len:
         row[used:].zero_()

@@ -115,7 +115,10 @@ class MultipackDistributedBatchSamplerV2(Sampler):
             if self.rank == 0:
                 logger.warning(
                     "%d of %d samples are longer than the packed length %d: %s",
-                    count, len(self.lengths), self.batch_max_length, action,
+                    count,
+                    len(self.lengths),
+                    self.batch_max_length,
+                    action,
                 )
         # The last two epochs' plans: the loader reads one epoch ahead while the trainer asks
         # for the current one's length.

@@ -54,12 +54,17 @@ class DraftCallOptions(Mapping[str, Any]):
         known = {item.name for item in fields(cls)}
         unknown = sorted(set(given) - known)
         if unknown:
-            raise TypeError(f"unknown draft call options {unknown}; the trainer passes {sorted(known)}")
+            raise TypeError(
+                f"unknown draft call options {unknown}; the trainer passes {sorted(known)}"
+            )
         return cls(**given)
 
     def _set(self) -> dict[str, Any]:
-        return {item.name: getattr(self, item.name) for item in fields(self)
-                if getattr(self, item.name) is not None}
+        return {
+            item.name: getattr(self, item.name)
+            for item in fields(self)
+            if getattr(self, item.name) is not None
+        }
 
     def __getitem__(self, key: str) -> Any:
         return self._set()[key]

@@ -112,7 +112,11 @@ class FormatDictFilter(logging.Filter):
     @staticmethod
     def _format(value: Any) -> str:
         if isinstance(value, float):
-            return f"{value:.2e}" if value and (abs(value) < 1e-3 or abs(value) > 999) else f"{value:.3f}"
+            return (
+                f"{value:.2e}"
+                if value and (abs(value) < 1e-3 or abs(value) > 999)
+                else f"{value:.3f}"
+            )
         return str(value)
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -147,7 +151,9 @@ def _import_backend(module: str, package: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as error:
-        raise ImportError(f"--logger asks for {package}, which is not installed: pip install {package}") from error
+        raise ImportError(
+            f"--logger asks for {package}, which is not installed: pip install {package}"
+        ) from error
 
 
 class TensorBoardHandler(logging.Handler):
@@ -164,7 +170,9 @@ class TensorBoardHandler(logging.Handler):
         _import_backend("tensorboard", "tensorboard")
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(Path(log_dir) / _run_name(run_name)), **tboard_init_kwargs)
+        self.writer = SummaryWriter(
+            log_dir=str(Path(log_dir) / _run_name(run_name)), **tboard_init_kwargs
+        )
 
     def emit(self, record: logging.LogRecord) -> None:
         if not isinstance(record.msg, Mapping):

@@ -33,5 +33,7 @@ def build_lr_scheduler(
     if kind == "linear":
         return get_linear_schedule_with_warmup(optimizer, warmup, total)
     if kind == "cosine":
-        return get_cosine_schedule_with_warmup(optimizer, warmup, total, num_cycles=num_cosine_cycles)
+        return get_cosine_schedule_with_warmup(
+            optimizer, warmup, total, num_cycles=num_cosine_cycles
+        )
     raise ValueError(f"unknown scheduler_type {kind!r}")

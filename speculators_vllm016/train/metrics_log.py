@@ -133,8 +133,11 @@ def read_metrics(path: str | os.PathLike) -> list[MetricsRecord]:
 
 def read_train_steps(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The optimizer steps of a metrics log as flat rows, `{"step": g, **train}`, in file order."""
-    return [{"step": record.step, **record.train} for record in read_metrics(path)
-            if record.train is not None]
+    return [
+        {"step": record.step, **record.train}
+        for record in read_metrics(path)
+        if record.train is not None
+    ]
 
 
 def log_train_step(step: int, epoch: int, lr: float, metrics: Mapping[str, float]) -> None:
@@ -177,7 +180,9 @@ class MetricsLog:
             "an earlier run from scratch in %s ended before its first checkpoint, without "
             "cleaning up (killed?): the metrics of the run whose checkpoints are there are "
             "back in %s, its own lines are in %s.prev",
-            self.folder, METRICS_FILE, METRICS_FILE,
+            self.folder,
+            METRICS_FILE,
+            METRICS_FILE,
         )
         return True
 

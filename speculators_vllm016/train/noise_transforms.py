@@ -106,6 +106,6 @@ class RowNoise:
             generator = torch.Generator(device=device)
             generator.manual_seed(noise_seed(self.seed, self.epoch, int(index)))
             for name in names:
-                span = inputs[name][0, start:start + int(length)]
+                span = inputs[name][0, start : start + int(length)]
                 span.copy_(self.transform.noised(span, generator))
             start += int(length)

@@ -39,7 +39,9 @@ def build_optimizer(
     # Fused AdamW also takes FSDP2's sharded (DTensor) parameters: one kernel per group
     # of tensors instead of foreach's several, about 3 ms a step at 8B-draft shapes.
     return torch.optim.AdamW(
-        list(model.named_parameters()), lr=lr, weight_decay=weight_decay,
+        list(model.named_parameters()),
+        lr=lr,
+        weight_decay=weight_decay,
         fused=(device.type == "cuda") or None,
     )
 
@@ -96,9 +98,15 @@ class TrainStep:
         trained = tokens if mask is None else mask.sum().to(torch.float32) * row.has_samples
         skipped = row.skipped_samples.to(self.device, torch.float32)
         reduced = reduce_metrics(
-            {**metrics, "grad_norm": grad_norm.to(self.device).float(), "tokens": tokens,
-             "trained_tokens": trained, "skipped_samples": skipped},
-            self.distributed, self.world_size,
+            {
+                **metrics,
+                "grad_norm": grad_norm.to(self.device).float(),
+                "tokens": tokens,
+                "trained_tokens": trained,
+                "skipped_samples": skipped,
+            },
+            self.distributed,
+            self.world_size,
         )
         reduced["tokens"] *= self.world_size
         reduced["trained_tokens"] *= self.world_size

@@ -51,7 +51,12 @@ from speculators_vllm016.train.draft_contract import StoresFrozenWeights, loss_a
 from speculators_vllm016.train.errors import NothingTrained, SavePathInUse
 from speculators_vllm016.train.graceful_shutdown import GracefulShutdown
 from speculators_vllm016.train.lr_schedule import build_lr_scheduler, default_warmup_steps
-from speculators_vllm016.train.metrics_log import MetricsLog, log_train_step, log_validation, tau_sim
+from speculators_vllm016.train.metrics_log import (
+    MetricsLog,
+    log_train_step,
+    log_validation,
+    tau_sim,
+)
 from speculators_vllm016.train.jobs.resume import (
     apply_resumed_settings,
     optimizer_settings,
@@ -114,8 +119,12 @@ class Trainer:
         self.metrics_log = MetricsLog(config.save_path, self.rank)
         self.shutdown = GracefulShutdown()
         self.data_digest = training_data_digest(self.train_loader)
-        self.state = TrainingState(seed=config.seed, world_size=self.world_size,
-                                   data_digest=self.data_digest, deterministic=config.deterministic)
+        self.state = TrainingState(
+            seed=config.seed,
+            world_size=self.world_size,
+            data_digest=self.data_digest,
+            deterministic=config.deterministic,
+        )
         self.resume_ref: CheckpointRef | None = None
         self.already_complete = False  # resumed at (or past) its last epoch or --max-steps
         self._pending_rng: dict[str, Any] | None = None
@@ -142,8 +151,9 @@ class Trainer:
             except SavePathInUse as error:
                 refused = error
         if self.is_distributed:
-            flag = torch.tensor([0.0 if refused is None else 1.0],
-                                device=collective_device(self.device))
+            flag = torch.tensor(
+                [0.0 if refused is None else 1.0], device=collective_device(self.device)
+            )
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             if refused is None and flag.item() > 0:
                 refused = SavePathInUse(
@@ -172,25 +182,37 @@ class Trainer:
                 "are deleted when this run finishes its first epoch (or its last step, if sooner); "
                 "until then it writes no checkpoint, and stopped before that it leaves the earlier "
                 "run as it was (%s moves to %s.prev when training starts)",
-                len(self.checkpointer.earlier_run), self.config.save_path,
-                self.metrics_log.path.name, self.metrics_log.path.name,
+                len(self.checkpointer.earlier_run),
+                self.config.save_path,
+                self.metrics_log.path.name,
+                self.metrics_log.path.name,
             )
             return
         self.resume_ref = latest
         self.state = reconcile_resumed_state(
-            latest, steps_per_epoch=len(self.train_loader), world_size=self.world_size,
-            seed=self.config.seed, data_digest=self.data_digest,
+            latest,
+            steps_per_epoch=len(self.train_loader),
+            world_size=self.world_size,
+            seed=self.config.seed,
+            data_digest=self.data_digest,
             deterministic=self.config.deterministic,
         )
         epoch, step = self.state.resume_position()
         self.already_complete = epoch >= self.config.num_epochs or self._reached_max_steps()
         if self.already_complete:
-            limit = ("--max-steps" if self._reached_max_steps() and epoch < self.config.num_epochs
-                     else "--epochs")
+            limit = (
+                "--max-steps"
+                if self._reached_max_steps() and epoch < self.config.num_epochs
+                else "--epochs"
+            )
             root_logger.info(
                 "the run in %s is already complete (%d steps, %s; newest checkpoint %s): nothing "
-                "to train; to train more, raise %s and run the same command", self.config.save_path,
-                self.state.global_step, self._epoch_range(), latest.name, limit,
+                "to train; to train more, raise %s and run the same command",
+                self.config.save_path,
+                self.state.global_step,
+                self._epoch_range(),
+                latest.name,
+                limit,
             )
             return
         root_logger.info("resuming from %s at epoch %d, step %d", latest.path, epoch, step)
@@ -209,8 +231,11 @@ class Trainer:
         if self.resume_ref is not None:
             started = time.perf_counter()
             self.checkpointer.load_model_state_dict(model, checkpoint=self.resume_ref.path)
-            root_logger.info("weights of %s loaded in %.2f s", self.resume_ref.path,
-                             time.perf_counter() - started)
+            root_logger.info(
+                "weights of %s loaded in %.2f s",
+                self.resume_ref.path,
+                time.perf_counter() - started,
+            )
         if self.is_distributed and not sharded:
             self.wrapped = apply_data_parallel(model, self.device)
         else:
@@ -226,24 +251,40 @@ class Trainer:
         config = self.config
         self.opt = build_optimizer(self.model, config.lr, config.weight_decay, self.device)
         run_steps = self._total_steps()
-        warmup = default_warmup_steps(run_steps) if config.scheduler_warmup_steps is None else config.scheduler_warmup_steps
+        warmup = (
+            default_warmup_steps(run_steps)
+            if config.scheduler_warmup_steps is None
+            else config.scheduler_warmup_steps
+        )
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = build_lr_scheduler(
-            self.opt, config.scheduler_type, run_steps=run_steps, warmup_steps=warmup,
+            self.opt,
+            config.scheduler_type,
+            run_steps=run_steps,
+            warmup_steps=warmup,
             total_steps=config.scheduler_total_steps,
             num_cosine_cycles=config.scheduler_num_cosine_cycles,
         )
         settings = optimizer_settings(
-            lr=config.lr, weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm,
-            scheduler_type=config.scheduler_type, warmup_steps=warmup,
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            max_grad_norm=config.max_grad_norm,
+            scheduler_type=config.scheduler_type,
+            warmup_steps=warmup,
             total_steps=config.scheduler_total_steps or run_steps,
             num_cosine_cycles=config.scheduler_num_cosine_cycles,
         )
         recorded, self.state.optimizer = self.state.optimizer, settings
         self.step_runner = TrainStep(
-            model=self.wrapped, optimizer=self.opt, parameters=self.trainable_parameters(),
-            device=self.device, max_grad_norm=self.config.max_grad_norm,
-            call_options=self.config.train_call_kwargs, autocast_dtype=self.autocast_dtype,
-            scheduler=self.scheduler, distributed=self.is_distributed, world_size=self.world_size,
+            model=self.wrapped,
+            optimizer=self.opt,
+            parameters=self.trainable_parameters(),
+            device=self.device,
+            max_grad_norm=self.config.max_grad_norm,
+            call_options=self.config.train_call_kwargs,
+            autocast_dtype=self.autocast_dtype,
+            scheduler=self.scheduler,
+            distributed=self.is_distributed,
+            world_size=self.world_size,
         )
         if self.resume_ref is None:
             return
@@ -258,9 +299,14 @@ class Trainer:
                 self.scheduler, checkpoint=self.resume_ref.path
             )
         if not self.already_complete:  # this run's settings, from the resumed step on
-            apply_resumed_settings(self.opt, self.scheduler, recorded, settings, self.state.global_step)
-        root_logger.info("optimizer state of %s loaded in %.2f s", self.resume_ref.path,
-                         time.perf_counter() - started)
+            apply_resumed_settings(
+                self.opt, self.scheduler, recorded, settings, self.state.global_step
+            )
+        root_logger.info(
+            "optimizer state of %s loaded in %.2f s",
+            self.resume_ref.path,
+            time.perf_counter() - started,
+        )
 
     def _total_steps(self) -> int:
         total = self.config.num_epochs * len(self.train_loader)
@@ -280,7 +326,8 @@ class Trainer:
         if not math.isfinite(metrics["grad_norm"]):
             root_logger.warning(
                 "step %d: NaN or inf in the loss or its gradients; this update was skipped "
-                "(weights and optimizer state unchanged)", self.state.global_step,
+                "(weights and optimizer state unchanged)",
+                self.state.global_step,
             )
         return metrics
 
@@ -309,8 +356,10 @@ class Trainer:
         return bool(self.checkpointer.earlier_run)
 
     def _kept_earlier_run(self) -> str:
-        return (f"this run had not finished its first epoch: nothing of it was saved, and the "
-                f"earlier run in {self.config.save_path} is left as it was")
+        return (
+            f"this run had not finished its first epoch: nothing of it was saved, and the "
+            f"earlier run in {self.config.save_path} is left as it was"
+        )
 
     def _data_source_failed(self, error: DataSourceError) -> RuntimeError:
         """Checkpoint where the run stands; the error that tells the user to rerun."""
@@ -338,8 +387,11 @@ class Trainer:
         if self.config.checkpoint_freq:
             every = max(1, round(self.config.checkpoint_freq * steps))
         progress = tqdm(
-            total=steps, initial=start_step, desc=f"epoch {epoch} ({self._epoch_range()})",
-            disable=not self.config.show_progress or self.rank != 0, dynamic_ncols=True,
+            total=steps,
+            initial=start_step,
+            desc=f"epoch {epoch} ({self._epoch_range()})",
+            disable=not self.config.show_progress or self.rank != 0,
+            dynamic_ncols=True,
         )
         started, tokens, trained = time.perf_counter(), 0.0, 0.0
         last_end = started
@@ -355,7 +407,9 @@ class Trainer:
                 data_wait = time.perf_counter() - waiting  # the loader's share of step_seconds
                 metrics = self.train_step(row)
                 metrics["data_wait_seconds"] = data_wait
-                from_loader = getattr(self.train_loader, "step_metrics", None)  # split online: bytes moved
+                from_loader = getattr(
+                    self.train_loader, "step_metrics", None
+                )  # split online: bytes moved
                 if callable(from_loader):
                     metrics.update(from_loader())
                 # A float averaged over ranks and multiplied back: 5 on 3 ranks is 4.9999998.
@@ -371,7 +425,9 @@ class Trainer:
                 now = time.perf_counter()
                 metrics["step_seconds"], last_end = now - last_end, now
                 if self.device.type == "cuda":
-                    metrics["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+                    metrics["peak_memory_gib"] = (
+                        torch.cuda.max_memory_allocated(self.device) / 2**30
+                    )
                 lr = metrics.pop("lr")
                 log_train_step(self.state.global_step, epoch, lr, metrics)  # step counts from 0
                 self.state.step_in_epoch = step + 1
@@ -399,7 +455,10 @@ class Trainer:
                         f"stopped by {self.shutdown.reason} at step {self.state.global_step}; "
                         f"checkpoint {path}; run the same command again to resume"
                     )
-                if self.config.max_steps is not None and self.state.global_step >= self.config.max_steps:
+                if (
+                    self.config.max_steps is not None
+                    and self.state.global_step >= self.config.max_steps
+                ):
                     if not last:
                         self._check_trained(epoch, start_step, step + 1, trained)
                         self._save_mid_epoch()
@@ -431,19 +490,25 @@ class Trainer:
         self.wrapped.eval()
         totals: dict[str, float] = {}
         for batch in tqdm(
-            self._epoch_batches(self.val_loader, epoch, 0), total=len(self.val_loader),
-            desc="validation", disable=not self.config.show_progress or self.rank != 0,
+            self._epoch_batches(self.val_loader, epoch, 0),
+            total=len(self.val_loader),
+            desc="validation",
+            disable=not self.config.show_progress or self.rank != 0,
             dynamic_ncols=True,
         ):
             row = to_step_row(batch, self.device, self.model)
             with autocast(self.device, self.autocast_dtype):
-                _, metrics = loss_and_metrics(self.wrapped(**row.inputs, **self.config.val_call_kwargs))
+                _, metrics = loss_and_metrics(
+                    self.wrapped(**row.inputs, **self.config.val_call_kwargs)
+                )
             # An empty row (all its samples unusable) runs to keep the ranks in step but weighs 0.
             weight = 1.0 if row.has_samples else 0.0
             weighted = {name: value * weight for name, value in metrics.items()}
             weighted["__rows__"] = torch.tensor(weight, device=self.device)
             weighted["__skipped__"] = row.skipped_samples.to(self.device, torch.float32)
-            for name, value in reduce_metrics(weighted, self.is_distributed, self.world_size).items():
+            for name, value in reduce_metrics(
+                weighted, self.is_distributed, self.world_size
+            ).items():
                 totals[name] = totals.get(name, 0.0) + value
         rows = totals.pop("__rows__", 0.0)
         skipped = round(totals.pop("__skipped__", 0.0) * self.world_size)  # a mean over ranks
@@ -463,7 +528,11 @@ class Trainer:
         self._wrote_checkpoint = True  # from here on the earlier run is gone
         started = time.perf_counter()
         path = self.checkpointer.save(
-            name, self.wrapped, self.opt, self.scheduler, self.state,
+            name,
+            self.wrapped,
+            self.opt,
+            self.scheduler,
+            self.state,
             float_dtype=self.config.checkpoint_dtype,
             optimizer_dtype=self.config.optimizer_state_dtype,
         )
@@ -493,7 +562,9 @@ class Trainer:
     def _unreadable_files(self) -> int:
         """Sample files the loaders' datasets left out when listing the data (named in the log)."""
         loaders = (self.train_loader, self.val_loader)
-        return sum(len(getattr(getattr(loader, "dataset", None), "unreadable", ())) for loader in loaders)
+        return sum(
+            len(getattr(getattr(loader, "dataset", None), "unreadable", ())) for loader in loaders
+        )
 
     def _run(self) -> TrainingState:
         self._pending_rng = None

@@ -88,7 +88,11 @@ def apply_fully_sharded(
     its gradient as soon as the loss has handed it over, at the start of the backward pass,
     instead of with the root's at its end.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import (
+        MixedPrecisionPolicy,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
 
     from speculators_vllm016.models.eagle3.core import DraftLMHead
 
@@ -108,7 +112,9 @@ def apply_fully_sharded(
         # Each layer runs once per TTT step, forward and backward: resharding after every call
         # would gather its weights 2 x ttt_steps times a step. A draft has one or a few layers,
         # so keeping them gathered until the backward pass costs little memory.
-        fully_shard(layer, reshard_after_forward=False, ignored_params=frozen or None, mp_policy=policy)
+        fully_shard(
+            layer, reshard_after_forward=False, ignored_params=frozen or None, mp_policy=policy
+        )
         units.append(layer)
     fully_shard(model, ignored_params=frozen or None, mp_policy=policy)
     model.set_modules_to_forward_prefetch(units)
@@ -160,7 +166,9 @@ def _reduce_once_per_backward(root: torch.nn.Module, layer: torch.nn.Module) -> 
         nonlocal calls_this_forward
         first_call = calls_this_forward == 0
         calls_this_forward += 1
-        if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
+        if not (
+            torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad
+        ):
             return output
         return _OnBackward.apply(output, lambda: sync_on_this_backward(first_call))
 
@@ -187,5 +195,7 @@ def _average_while_reducing(process_group, bucket):
 
     Not annotated: DDP checks a hook's annotations against the classes themselves, and this
     module's annotations are strings (`from __future__ import annotations`)."""
-    work = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.AVG, group=process_group, async_op=True)
+    work = dist.all_reduce(
+        bucket.buffer(), op=dist.ReduceOp.AVG, group=process_group, async_op=True
+    )
     return work.get_future().then(lambda done: done.value()[0])

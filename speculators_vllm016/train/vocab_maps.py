@@ -56,19 +56,23 @@ class VocabMaps:
     """The token counts they were built from (then training saves them), or None when read."""
 
 
-
 def target_vocab_size_of(target_model_path: str) -> int:
     """`vocab_size` of the target's config (top level or nested, e.g. a multimodal text_config)."""
     from speculators_vllm016.utils.verifier_config import find_vocab_size, load_verifier_config_dict
 
     size = find_vocab_size(load_verifier_config_dict(target_model_path))
     if not isinstance(size, int) or size < 1:
-        raise ValueError(f"the config of {target_model_path} has no vocab_size; pass --target-vocab-size")
+        raise ValueError(
+            f"the config of {target_model_path} has no vocab_size; pass --target-vocab-size"
+        )
     return size
 
 
 def write_vocab_mappings(
-    token_freq_path: str | Path, draft_vocab_size: int, target_vocab_size: int, output_path: str | Path
+    token_freq_path: str | Path,
+    draft_vocab_size: int,
+    target_vocab_size: int,
+    output_path: str | Path,
 ) -> tuple[Path, Path]:
     """Build the maps from a `token_freq.pt`, or from a datagen folder (its `token_freq/` shards,
     summed), and write `d2t.npy`, `t2d.npy` (each whole or not at all)."""
@@ -84,7 +88,9 @@ def write_vocab_mappings(
             f"no token frequency file at {token_freq_path}; give datagen's --output-dir (it counts "
             "tokens in token_freq/) or the token_freq.pt of datagen's --token-freq-path"
         )
-    return write_vocab_mappings_from_counts(counts, draft_vocab_size, target_vocab_size, output_path)
+    return write_vocab_mappings_from_counts(
+        counts, draft_vocab_size, target_vocab_size, output_path
+    )
 
 
 def read_folder_token_counts(folder: Path) -> dict[int, int]:
@@ -116,7 +122,9 @@ def write_vocab_mappings_from_counts(
     from speculators_vllm016.train.vocab_mapping import build_vocab_mappings_from_distribution
 
     d2t, t2d = build_vocab_mappings_from_distribution(
-        token_freq_dict=counts, draft_vocab_size=draft_vocab_size, target_vocab_size=target_vocab_size
+        token_freq_dict=counts,
+        draft_vocab_size=draft_vocab_size,
+        target_vocab_size=target_vocab_size,
     )
     folder = Path(output_path)
     if folder.exists() and not folder.is_dir():
@@ -139,7 +147,9 @@ def write_vocab_mappings_from_counts(
     return paths
 
 
-def token_counts_for_training(token_freq_path: str | None, data_path: Path) -> tuple[dict[int, int], str]:
+def token_counts_for_training(
+    token_freq_path: str | None, data_path: Path
+) -> tuple[dict[int, int], str]:
     """Token counts from `token_freq_path`, else datagen's per-shard counts beside the data;
     with where they came from."""
     from speculators_vllm016.data_generation.token_counts import (
@@ -186,7 +196,8 @@ def resolve_vocab_paths(
     if all(path.is_file() for path in here):
         logger.warning(
             "reading %s and %s from the working directory (0.3.0's default place); name them "
-            "with --d2t-path/--t2d-path", *here,
+            "with --d2t-path/--t2d-path",
+            *here,
         )
         return here
     return beside
@@ -230,7 +241,9 @@ def load_vocab_maps(
         else:
             counts, built_from = token_counts_for_training(token_freq_path, Path(data_path or "."))
         try:
-            d2t, t2d = build_vocab_mappings_from_distribution(counts, draft_vocab_size, target_vocab)
+            d2t, t2d = build_vocab_mappings_from_distribution(
+                counts, draft_vocab_size, target_vocab
+            )
         except ValueError as error:
             raise TrainSetupError(str(error)) from None  # names --draft-vocab-size itself
     else:

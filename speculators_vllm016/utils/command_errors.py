@@ -15,7 +15,10 @@ from speculators_vllm016.utils.errors import first_line
 __all__ = ["DEBUG_HINT", "EXPECTED_ERRORS", "describe_error", "error_line", "report_errors"]
 
 EXPECTED_ERRORS: tuple[type[BaseException], ...] = (
-    ValueError, OSError, NotImplementedError, RuntimeError,
+    ValueError,
+    OSError,
+    NotImplementedError,
+    RuntimeError,
 )
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130  # Ctrl-C

@@ -136,9 +136,8 @@ def serving_line(verdict: ServingVerdict, facts: VllmEagle3Facts) -> str:
         )
     if verdict.servable:
         return f"vLLM {facts.version} can serve an EAGLE-3 draft for this target"
-    return (
-        f"vLLM {facts.version} cannot serve an EAGLE-3 draft for this target: "
-        + "; ".join(verdict.causes)
+    return f"vLLM {facts.version} cannot serve an EAGLE-3 draft for this target: " + "; ".join(
+        verdict.causes
     )
 
 

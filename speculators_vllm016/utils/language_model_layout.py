@@ -45,10 +45,18 @@ class LanguageModelLayout:
 # In the order tried; the embeddings' module tells them apart.
 LANGUAGE_MODEL_LAYOUTS: tuple[LanguageModelLayout, ...] = (
     LanguageModelLayout("causal LM", "model.", "lm_head."),
-    LanguageModelLayout("multimodal wrapper (Llama-4 / Qwen-VL style)", "model.language_model.", "lm_head."),
-    LanguageModelLayout("Kimi-K2.5 style wrapper", "language_model.model.", "language_model.lm_head."),
+    LanguageModelLayout(
+        "multimodal wrapper (Llama-4 / Qwen-VL style)", "model.language_model.", "lm_head."
+    ),
+    LanguageModelLayout(
+        "Kimi-K2.5 style wrapper", "language_model.model.", "language_model.lm_head."
+    ),
     # Some re-quantized Kimi-K2.5 releases (an NVFP4 one) drop the inner `model.`.
-    LanguageModelLayout("Kimi-K2.5 style wrapper without the inner model.", "language_model.", "language_model.lm_head."),
+    LanguageModelLayout(
+        "Kimi-K2.5 style wrapper without the inner model.",
+        "language_model.",
+        "language_model.lm_head.",
+    ),
     LanguageModelLayout("bare language model", "", "lm_head."),
 )
 

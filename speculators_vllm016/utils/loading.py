@@ -18,7 +18,12 @@ import torch
 
 from speculators_vllm016.utils.errors import first_line
 
-__all__ = ["checkpoint_tensor_names", "load_model_layers", "read_checkpoint_tensors", "read_weights_file"]
+__all__ = [
+    "checkpoint_tensor_names",
+    "load_model_layers",
+    "read_checkpoint_tensors",
+    "read_weights_file",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -129,17 +134,23 @@ def read_checkpoint_tensors(
     location, weight_map = _weights_location(model_path, cache_dir)
     if weight_map is None:
         return read_weights_file(location, wanted)
-    files = sorted({shard for name, shard in weight_map.items() if wanted is None or name in wanted})
+    files = sorted(
+        {shard for name, shard in weight_map.items() if wanted is None or name in wanted}
+    )
     found: dict[str, torch.Tensor] = {}
     for shard in files:
         shard_path = _resolve_file(model_path, shard, cache_dir)
         if shard_path is None:
-            raise FileNotFoundError(f"{model_path}: {location.name} names {shard}, which is missing")
+            raise FileNotFoundError(
+                f"{model_path}: {location.name} names {shard}, which is missing"
+            )
         found.update(read_weights_file(shard_path, wanted))
     return found
 
 
-def checkpoint_tensor_names(model_path: str | Path, *, cache_dir: str | Path | None = None) -> list[str]:
+def checkpoint_tensor_names(
+    model_path: str | Path, *, cache_dir: str | Path | None = None
+) -> list[str]:
     """The names of every tensor the checkpoint holds, read from its index or safetensors header
     (no tensor data is read; a single PyTorch .bin is memory-mapped)."""
     location, weight_map = _weights_location(model_path, cache_dir)

@@ -27,7 +27,9 @@ def check_output_folder(path: str | os.PathLike, flag: str) -> None:
         raise ValueError(f"{flag} {path} is a file; give a folder")
     probe = _existing_ancestor(path)
     if not probe.is_dir():
-        raise ValueError(f"{flag} {path} cannot be created: {probe} is a file; choose another folder")
+        raise ValueError(
+            f"{flag} {path} cannot be created: {probe} is a file; choose another folder"
+        )
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ValueError(f"{flag} {path} is not writable ({probe}); choose another folder")
 

@@ -75,7 +75,9 @@ class PydanticClassRegistryMixin(ReloadableBaseModel, ABC, ClassRegistryMixin):
                 _CONSTRUCTING.reset(constructing)
 
     @classmethod
-    def __get_pydantic_core_schema__(cls, source_type: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+    def __get_pydantic_core_schema__(
+        cls, source_type: Any, handler: GetCoreSchemaHandler
+    ) -> CoreSchema:
         if source_type is not cls.__pydantic_schema_base_type__():
             return handler(cls)
         root = source_type
@@ -115,7 +117,9 @@ class PydanticClassRegistryMixin(ReloadableBaseModel, ABC, ClassRegistryMixin):
         )
 
     @classmethod
-    def _validate_as_registered(cls, value: Any, validate_unregistered: Callable[[Any], Any]) -> Any:
+    def _validate_as_registered(
+        cls, value: Any, validate_unregistered: Callable[[Any], Any]
+    ) -> Any:
         """The registered subclass named by `value`'s tag, validated from `value`."""
         if isinstance(value, cls):
             return value

@@ -25,8 +25,16 @@ __all__ = [
 
 # What quantizers store beside (or instead of) a module's `weight`.
 QUANTIZATION_TENSOR_SUFFIXES = (
-    "weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_global_scale",
-    "weight_scale_inv", "weight_g_idx", "qweight", "qzeros", "scales",
+    "weight_packed",
+    "weight_scale",
+    "weight_shape",
+    "weight_zero_point",
+    "weight_global_scale",
+    "weight_scale_inv",
+    "weight_g_idx",
+    "qweight",
+    "qzeros",
+    "scales",
 )
 FULL_PRECISION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -35,7 +43,9 @@ def quantization_config_of(config: Mapping[str, Any]) -> Mapping[str, Any] | Non
     """The `quantization_config` of a config.json dict, at the top or in its text config
     (Kimi-K2.5 may keep it in `text_config`)."""
     for candidate in (config, config.get("text_config")):
-        if isinstance(candidate, Mapping) and isinstance(candidate.get("quantization_config"), Mapping):
+        if isinstance(candidate, Mapping) and isinstance(
+            candidate.get("quantization_config"), Mapping
+        ):
             return candidate["quantization_config"]
     return None
 

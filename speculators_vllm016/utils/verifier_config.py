@@ -32,7 +32,8 @@ def looks_local(model: str) -> bool:
         os.path.isabs(model)
         or model.startswith((".", "~"))
         or model.count("/") > 1
-        or os.sep != "/" and os.sep in model
+        or os.sep != "/"
+        and os.sep in model
     )
 
 
@@ -68,8 +69,12 @@ def load_verifier_config(path: str, trust_remote_code: bool = False) -> Pretrain
         hint = remote_code_hint(error, path)
         if hint is not None:
             raise hint from None
-        cause = error.__cause__ if "Invalid repository ID" in str(error) and error.__cause__ else error
-        raise ValueError(f"cannot read the model config of {path!r} ({first_line(cause)})") from None
+        cause = (
+            error.__cause__ if "Invalid repository ID" in str(error) and error.__cause__ else error
+        )
+        raise ValueError(
+            f"cannot read the model config of {path!r} ({first_line(cause)})"
+        ) from None
 
 
 def load_verifier_config_dict(base_model: str) -> dict:

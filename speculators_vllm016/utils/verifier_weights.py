@@ -113,7 +113,10 @@ def locate_verifier_weights(path: str, config_dict: dict | None = None) -> Verif
             raise _refuse_quantized(path, stored, _ROLE[module], "stored as " + ", ".join(extra))
         if f"{stored}.weight" in present and config_quantizes(quantization, stored, module_class):
             raise _refuse_quantized(
-                path, stored, _ROLE[module], "its quantization_config quantizes it and does not ignore it"
+                path,
+                stored,
+                _ROLE[module],
+                "its quantization_config quantizes it and does not ignore it",
             )
     return VerifierWeightNames(*(layout.stored_name(f"{module}.weight") for module, _ in _COPIED))
 
@@ -143,7 +146,11 @@ def read_verifier_weights(path: str) -> VerifierWeights:
 def verifier_rms_norm_eps(path: str) -> float | None:
     """The verifier's `rms_norm_eps`, at the top of its config or in its text config."""
     config_dict = load_verifier_config_dict(path)
-    for candidate in (config_dict, config_dict.get("text_config"), config_dict.get("language_config")):
+    for candidate in (
+        config_dict,
+        config_dict.get("text_config"),
+        config_dict.get("language_config"),
+    ):
         if isinstance(candidate, dict) and candidate.get("rms_norm_eps") is not None:
             return float(candidate["rms_norm_eps"])
     return None

@@ -55,7 +55,9 @@ def eagle3_target_types(root: Path) -> tuple[str, ...] | None:
     for node in ast.walk(tree) if tree else ():
         if (
             isinstance(node, ast.Assign)
-            and any(isinstance(t, ast.Name) and t.id == "eagle3_target_supported" for t in node.targets)
+            and any(
+                isinstance(t, ast.Name) and t.id == "eagle3_target_supported" for t in node.targets
+            )
             and isinstance(node.value, (ast.List, ast.Tuple))
         ):
             return tuple(e.value for e in node.value.elts if isinstance(e, ast.Constant))
@@ -70,8 +72,10 @@ def registered_model_class(root: Path, arch: str) -> tuple[str, str] | None:
             continue
         for key, value in zip(node.keys, node.values):
             if (
-                isinstance(key, ast.Constant) and key.value == arch
-                and isinstance(value, ast.Tuple) and len(value.elts) == 2
+                isinstance(key, ast.Constant)
+                and key.value == arch
+                and isinstance(value, ast.Tuple)
+                and len(value.elts) == 2
                 and all(isinstance(e, ast.Constant) for e in value.elts)
             ):
                 return value.elts[0].value, value.elts[1].value
@@ -96,7 +100,8 @@ def class_implements(root: Path, module: str, class_name: str, interface: str) -
         imported = {
             alias.asname or alias.name: (node.module.rsplit(".", 1)[-1], alias.name)
             for node in tree.body
-            if isinstance(node, ast.ImportFrom) and node.module
+            if isinstance(node, ast.ImportFrom)
+            and node.module
             and (node.level == 1 or node.module.startswith("vllm.model_executor.models."))
             for alias in node.names
         }

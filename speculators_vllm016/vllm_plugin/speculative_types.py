@@ -33,7 +33,9 @@ def eagle3_model_types_in(code: CodeType) -> tuple[str, ...] | None:
     found = [
         value
         for value in code.co_consts
-        if isinstance(value, tuple) and value and value[0] == "llama"
+        if isinstance(value, tuple)
+        and value
+        and value[0] == "llama"
         and all(isinstance(item, str) for item in value)
     ]
     return found[0] if len(found) == 1 else None

@@ -21,10 +21,20 @@ def test_smoke_preset_end_to_end(tmp_path: Path) -> None:
     output = tmp_path / "results"
     completed = subprocess.run(
         [
-            sys.executable, str(REPO / "benchmarks" / "extraction.py"),
-            "--preset", "smoke", "--repeats", "1", "--output-dir", str(output), "--plot",
+            sys.executable,
+            str(REPO / "benchmarks" / "extraction.py"),
+            "--preset",
+            "smoke",
+            "--repeats",
+            "1",
+            "--output-dir",
+            str(output),
+            "--plot",
         ],
-        cwd=REPO, capture_output=True, text=True, timeout=240,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
 

@@ -51,7 +51,18 @@ def test_interleaved_runs_alternate_after_every_engine_is_up(recorded, tmp_path)
     runs = [(event[1], event[2]) for event in recorded if event[0] == "run"]
     a, b, c = "extraction", "vllm_prefill", "hf_forward"
     assert runs == [
-        (a, 0), (b, 0), (c, 0), (b, 1), (a, 1), (c, 1), (a, 2), (b, 2), (c, 2), (b, 3), (a, 3), (c, 3)
+        (a, 0),
+        (b, 0),
+        (c, 0),
+        (b, 1),
+        (a, 1),
+        (c, 1),
+        (a, 2),
+        (b, 2),
+        (c, 2),
+        (b, 3),
+        (a, 3),
+        (c, 3),
     ]
     first_run = next(i for i, event in enumerate(recorded) if event[0] == "run")
     # Start-up and warm-up (on the first sequences) happen before any timed run.
@@ -82,7 +93,9 @@ class Stop(Exception):
     pass
 
 
-def test_extraction_and_vllm_prefill_get_the_same_engine_settings(monkeypatch, tmp_path, tiny_llama):
+def test_extraction_and_vllm_prefill_get_the_same_engine_settings(
+    monkeypatch, tmp_path, tiny_llama
+):
     import vllm
 
     from speculators_vllm016.data_generation import vllm_hidden_states_generator as module
@@ -108,8 +121,15 @@ def test_extraction_and_vllm_prefill_get_the_same_engine_settings(monkeypatch, t
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    shared = ("dtype", "tensor_parallel_size", "pipeline_parallel_size", "max_num_seqs",
-              "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization")
+    shared = (
+        "dtype",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_model_len",
+        "gpu_memory_utilization",
+    )
     assert {k: seen["a"][k] for k in shared} == {k: seen["b"][k] for k in shared}
     # What the generator always runs with (eager, chunked prefill, no prefix caching by default).
     assert seen["b"]["enforce_eager"] is True and seen["b"]["enable_chunked_prefill"] is True

@@ -12,7 +12,9 @@ GPU_PRESETS = [name for name, preset in PRESETS.items() if preset.requires_gpu]
 
 def test_expected_presets_exist() -> None:
     assert {"smoke", "cpu-small", "kimi-k2.5-8xrtxpro6000"} <= set(PRESETS)
-    assert {name for name in GPU_PRESETS if "llama" in name} and any("qwen3" in n for n in GPU_PRESETS)
+    assert {name for name in GPU_PRESETS if "llama" in name} and any(
+        "qwen3" in n for n in GPU_PRESETS
+    )
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

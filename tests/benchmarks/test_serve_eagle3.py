@@ -47,7 +47,10 @@ def test_a_folder_without_config_is_refused(tmp_path, capsys):
 def test_an_empty_prompts_file_is_refused(tmp_path, draft, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n  \n")
-    assert serve_eagle3.main(["--target", "t", "--draft", str(draft), "--prompts-file", str(prompts)]) == 2
+    assert (
+        serve_eagle3.main(["--target", "t", "--draft", str(draft), "--prompts-file", str(prompts)])
+        == 2
+    )
     assert "holds no prompt" in capsys.readouterr().err
 
 
@@ -68,8 +71,12 @@ def test_prompts_cycle_through_the_file(tmp_path):
 
 def test_report_of_both_runs():
     speculative = {
-        "generated_tokens": 300, "seconds": 1.5, "num_drafts": 100, "tau": 2.5,
-        "per_position": [0.8, 0.5, 0.2], "outputs": [[1, 2], [3, 4], [5]],
+        "generated_tokens": 300,
+        "seconds": 1.5,
+        "num_drafts": 100,
+        "tau": 2.5,
+        "per_position": [0.8, 0.5, 0.2],
+        "outputs": [[1, 2], [3, 4], [5]],
     }
     baseline = {"generated_tokens": 300, "seconds": 3.0, "outputs": [[1, 2], [3, 9], [5]]}
     assert serve_eagle3.report(speculative, baseline) == [

@@ -20,13 +20,31 @@ from benchmarks.trainer_030 import (
 )
 from benchmarks.trainer_gpu import make_parser, write_markdown
 
-PATHS = {"verifier": Path("/w/verifier"), "data": Path("/w/data"), "d2t": Path("/w/d2t.npy"),
-         "t2d": Path("/w/t2d.npy")}
+PATHS = {
+    "verifier": Path("/w/verifier"),
+    "data": Path("/w/data"),
+    "d2t": Path("/w/d2t.npy"),
+    "t2d": Path("/w/t2d.npy"),
+}
 # Every flag of v0.3.0's scripts/train.py (its parse_args).
-FLAGS_030 = {"--verifier-name-or-path", "--data-path", "--save-path", "--epochs", "--lr",
-             "--no-resume-from-checkpoint", "--logger", "--total-seq-len", "--data-format-version",
-             "--log-dir", "--run-name", "--num-layers", "--d2t-path", "--t2d-path", "--ttt-steps",
-             "--ttt-step-loss-decay"}
+FLAGS_030 = {
+    "--verifier-name-or-path",
+    "--data-path",
+    "--save-path",
+    "--epochs",
+    "--lr",
+    "--no-resume-from-checkpoint",
+    "--logger",
+    "--total-seq-len",
+    "--data-format-version",
+    "--log-dir",
+    "--run-name",
+    "--num-layers",
+    "--d2t-path",
+    "--t2d-path",
+    "--ttt-steps",
+    "--ttt-step-loss-decay",
+}
 
 
 def _flag_values(command: list[str], start: int) -> dict[str, str | None]:
@@ -41,18 +59,31 @@ def _flag_values(command: list[str], start: int) -> dict[str, str | None]:
 
 def test_the_command_runs_train_py_under_torchrun_through_the_launcher(tmp_path) -> None:
     save = tmp_path / "run-030" / "checkpoints"
-    command = command_030(Path("/w/train.py"), PATHS, save, 8192, 3, records=tmp_path / "r.jsonl",
-                          python="python3")
-    assert command[:6] == ["python3", "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "1"]
+    command = command_030(
+        Path("/w/train.py"), PATHS, save, 8192, 3, records=tmp_path / "r.jsonl", python="python3"
+    )
+    assert command[:6] == [
+        "python3",
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+    ]
     assert command[6].endswith("benchmarks/trainer_030.py")
     assert command[7:10] == ["--records", str(tmp_path / "r.jsonl"), "/w/train.py"]
     flags = _flag_values(command, 10)
     assert set(flags) <= FLAGS_030
     assert flags == {
-        "--verifier-name-or-path": "/w/verifier", "--data-path": "/w/data", "--save-path": str(save),
-        "--log-dir": str(save.parent / "logs"), "--d2t-path": "/w/d2t.npy", "--t2d-path": "/w/t2d.npy",
-        "--total-seq-len": "8192", "--epochs": "3", "--data-format-version": "1",
+        "--verifier-name-or-path": "/w/verifier",
+        "--data-path": "/w/data",
+        "--save-path": str(save),
+        "--log-dir": str(save.parent / "logs"),
+        "--d2t-path": "/w/d2t.npy",
+        "--t2d-path": "/w/t2d.npy",
+        "--total-seq-len": "8192",
+        "--epochs": "3",
+        "--data-format-version": "1",
         "--no-resume-from-checkpoint": None,
     }
     plain = command_030(Path("/w/train.py"), PATHS, save, 4096, 1, lr=3e-4, python="python3")
@@ -73,15 +104,22 @@ def test_the_script_is_found_in_its_folder(tmp_path, monkeypatch) -> None:
 def test_rows_follow_0_3_0s_split_shift_and_packing() -> None:
     # 144 files of 2048 tokens: 129 train (90%), 2047 tokens each after the shift, 4 per row.
     assert packing_030(8192, 2048, 144) == {
-        "samples_per_row": 4, "tokens_per_step": 8188, "train_files": 129,
-        "epoch_tokens": 129 * 2047, "steps_per_epoch": 33}
+        "samples_per_row": 4,
+        "tokens_per_step": 8188,
+        "train_files": 129,
+        "epoch_tokens": 129 * 2047,
+        "steps_per_epoch": 33,
+    }
     assert packing_030(1024, 4096, 10)["tokens_per_step"] == 1024  # one truncated sample a row
 
 
 def _records() -> list[dict]:
     def step(moment: float, epoch: int, loss: float) -> dict:
-        return {"time": moment, "logger": "speculators.metrics",
-                "message": {"train": {"loss_0": loss, "loss": loss}, "epoch": epoch, "lr": 1e-4}}
+        return {
+            "time": moment,
+            "logger": "speculators.metrics",
+            "message": {"train": {"loss_0": loss, "loss": loss}, "epoch": epoch, "lr": 1e-4},
+        }
 
     def said(moment: float, text: str) -> dict:
         return {"time": moment, "logger": "speculators", "message": text}
@@ -90,16 +128,26 @@ def _records() -> list[dict]:
         said(100.0, "No previous checkpoint found. Starting from scratch."),
         said(100.0, "Training epoch 1/2 started"),
         step(130.0, 0, 3.0),  # compiles: left out of the rates
-        step(130.5, 0, 2.9), step(131.0, 0, 2.8), step(131.25, 0, 2.7),  # last: half a row
+        step(130.5, 0, 2.9),
+        step(131.0, 0, 2.8),
+        step(131.25, 0, 2.7),  # last: half a row
         said(131.3, "Training epoch 1/2 completed"),
         said(131.3, "Validation epoch 1/2 started"),
-        {"time": 131.8, "logger": "speculators.metrics", "message": {"val": {"loss_epoch": 2.0}, "epoch": 0}},
+        {
+            "time": 131.8,
+            "logger": "speculators.metrics",
+            "message": {"val": {"loss_epoch": 2.0}, "epoch": 0},
+        },
         said(131.9, "Validation epoch 1/2 completed"),
         said(132.0, "Started saving checkpoint to /w/run-030/checkpoints/0"),
         said(142.0, "Finished saving checkpoint to /w/run-030/checkpoints/0"),
         said(142.0, "Training epoch 2/2 started"),
-        step(144.0, 1, 2.6),  # the epoch's first step: from the epoch's start, data loading included
-        step(145.0, 1, 2.5), step(146.0, 1, 2.4), step(146.5, 1, 2.3),
+        step(
+            144.0, 1, 2.6
+        ),  # the epoch's first step: from the epoch's start, data loading included
+        step(145.0, 1, 2.5),
+        step(146.0, 1, 2.4),
+        step(146.5, 1, 2.3),
         said(146.6, "Training epoch 2/2 completed"),
         said(147.0, "Started saving checkpoint to /w/run-030/checkpoints/1"),
         said(154.5, "Finished saving checkpoint to /w/run-030/checkpoints/1"),
@@ -109,9 +157,15 @@ def _records() -> list[dict]:
 def test_step_intervals_give_per_epoch_and_median_rates() -> None:
     summary = summarize_030(_records(), tokens_per_step=1000, epoch_tokens=3500)
     first, second = summary["epochs"]
-    assert first == {"epoch": 0, "steps": 4, "tokens_per_second": 2000.0,  # 2500 tokens / 1.25 s
-                     "max_data_wait_seconds": None, "first_step_seconds": 30.0, "seconds": 31.25,
-                     "validation_seconds": 0.6}
+    assert first == {
+        "epoch": 0,
+        "steps": 4,
+        "tokens_per_second": 2000.0,  # 2500 tokens / 1.25 s
+        "max_data_wait_seconds": None,
+        "first_step_seconds": 30.0,
+        "seconds": 31.25,
+        "validation_seconds": 0.6,
+    }
     # 3500 tokens over 4.5 s: the first step of a later epoch counts, from the epoch's start.
     assert second["tokens_per_second"] == round(3500 / 4.5, 1)
     assert second["first_step_seconds"] == 2.0 and second["validation_seconds"] is None
@@ -157,11 +211,24 @@ CONSOLE = textwrap.dedent("""\
 def test_the_console_gives_epoch_figures_to_the_second() -> None:
     records = parse_console(CONSOLE)
     assert [record["time"] for record in records if isinstance(record["message"], dict)] == [
-        86399.0, 86401.0, 86403.0, 86411.0, 86412.0]  # past midnight the clock goes on
+        86399.0,
+        86401.0,
+        86403.0,
+        86411.0,
+        86412.0,
+    ]  # past midnight the clock goes on
     summary = summarize_030(records, tokens_per_step=1000, per_step=False)
     first, second = summary["epochs"]
-    assert (first["steps"], first["tokens_per_second"], first["first_step_seconds"]) == (3, 500.0, 1.0)
-    assert (second["steps"], second["tokens_per_second"], second["first_step_seconds"]) == (2, 666.7, 2.0)
+    assert (first["steps"], first["tokens_per_second"], first["first_step_seconds"]) == (
+        3,
+        500.0,
+        1.0,
+    )
+    assert (second["steps"], second["tokens_per_second"], second["first_step_seconds"]) == (
+        2,
+        666.7,
+        2.0,
+    )
     assert first["validation_seconds"] == 1.0 and summary["checkpoint_save_seconds_each"] == [5.0]
     assert summary["median_step_tokens_per_second"] is None and summary["timed_steps"] == 0
 
@@ -175,9 +242,11 @@ def test_the_launcher_records_0_3_0s_log_records_with_their_times(tmp_path) -> N
     (site / "speculators" / "__init__.py").write_text("")
     (site / "speculators-0.3.0.dist-info").mkdir()
     (site / "speculators-0.3.0.dist-info" / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: speculators\nVersion: 0.3.0\n")
+        "Metadata-Version: 2.1\nName: speculators\nVersion: 0.3.0\n"
+    )
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent("""\
+    script.write_text(
+        textwrap.dedent("""\
         import logging, sys
         logging.basicConfig(level="INFO")
         logging.getLogger("speculators").info("Training epoch %d/%d started", 1, 1)
@@ -185,40 +254,82 @@ def test_the_launcher_records_0_3_0s_log_records_with_their_times(tmp_path) -> N
                                                       extra={"step": 0})
         logging.getLogger("other").info("not recorded")
         print("args", sys.argv[1:])
-    """))
+    """)
+    )
     records = tmp_path / "records.jsonl"
     launcher = Path(__file__).resolve().parents[2] / "benchmarks" / "trainer_030.py"
-    done = subprocess.run([sys.executable, str(launcher), "--records", str(records), str(script), "--x", "1"],
-                          env={**os.environ, "PYTHONPATH": str(site)}, capture_output=True, text=True,
-                          timeout=60, check=False)
+    done = subprocess.run(
+        [sys.executable, str(launcher), "--records", str(records), str(script), "--x", "1"],
+        env={**os.environ, "PYTHONPATH": str(site)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert "args ['--x', '1']" in done.stdout
     assert f"speculators 0.3.0 from {site / 'speculators'}" in done.stdout
     found = read_records(records)
     assert [record["message"] for record in found] == [
-        "Training epoch 1/1 started", {"train": {"loss": 0.5}, "epoch": 0, "lr": 1e-4}]
+        "Training epoch 1/1 started",
+        {"train": {"loss": 0.5}, "epoch": 0, "lr": 1e-4},
+    ]
     assert [record["logger"] for record in found] == ["speculators", "speculators.metrics"]
     assert 0 <= found[1]["time"] - found[0]["time"] < 5
 
 
 def test_the_report_puts_0_3_0_beside_ours(tmp_path) -> None:
     assert make_parser().parse_args(["--sustained", "--with-030", ".whl"]).with_030 == ".whl"
-    ours = {"name": "single", "processes": 1, "command": "ours", "median_tokens_per_second": None,
-            "median_step_tokens_per_second": 60000.0,
-            "epochs": [{"epoch": 0, "steps": 36, "tokens_per_second": 50000.0, "max_data_wait_seconds": 0.01,
-                        "first_step_seconds": 90.0},
-                       {"epoch": 1, "steps": 36, "tokens_per_second": 60000.0, "max_data_wait_seconds": 0.01,
-                        "first_step_seconds": 0.1}]}
-    theirs = {"name": NAME, "processes": 1, "command": "theirs", "error": None,
-              "timing": "log record times",
-              "packing": packing_030(8192, 2048, 144), **summarize_030(_records(), 1000, 3500)}
+    ours = {
+        "name": "single",
+        "processes": 1,
+        "command": "ours",
+        "median_tokens_per_second": None,
+        "median_step_tokens_per_second": 60000.0,
+        "epochs": [
+            {
+                "epoch": 0,
+                "steps": 36,
+                "tokens_per_second": 50000.0,
+                "max_data_wait_seconds": 0.01,
+                "first_step_seconds": 90.0,
+            },
+            {
+                "epoch": 1,
+                "steps": 36,
+                "tokens_per_second": 60000.0,
+                "max_data_wait_seconds": 0.01,
+                "first_step_seconds": 0.1,
+            },
+        ],
+    }
+    theirs = {
+        "name": NAME,
+        "processes": 1,
+        "command": "theirs",
+        "error": None,
+        "timing": "log record times",
+        "packing": packing_030(8192, 2048, 144),
+        **summarize_030(_records(), 1000, 3500),
+    }
     assert markdown_lines([ours]) == []  # nothing to say without a 0.3.0 run
     lines = markdown_lines([ours, theirs])
-    assert lines[-1] == ("Ours (`single`) / 0.3.0: median step 60.00x (60,000 / 1,000 tokens/s); "
-                         "per epoch: 0: 25.00x, 1: 77.14x")
+    assert lines[-1] == (
+        "Ours (`single`) / 0.3.0: median step 60.00x (60,000 / 1,000 tokens/s); "
+        "per epoch: 0: 25.00x, 1: 77.14x"
+    )
     assert "8188 real tokens per row of 4 samples" in lines[1] and "129 files" in lines[1]
-    result = {"preset": "p", "command": "c", "environment": {}, "samples": 144, "sample_tokens": 2048,
-              "total_seq_len": 8192, "max_steps": 1, "warmup_steps": 1, "runs": [ours, theirs]}
+    result = {
+        "preset": "p",
+        "command": "c",
+        "environment": {},
+        "samples": 144,
+        "sample_tokens": 2048,
+        "total_seq_len": 8192,
+        "max_steps": 1,
+        "warmup_steps": 1,
+        "runs": [ours, theirs],
+    }
     write_markdown(result, tmp_path / "report.md")
     report = (tmp_path / "report.md").read_text()
     assert f"Per epoch, `{NAME}`" in report and lines[-1] in report
@@ -233,8 +344,13 @@ def test_the_launcher_refuses_our_own_speculators_alias(tmp_path) -> None:
     script = tmp_path / "train.py"
     script.write_text("print('trained')\n")
     launcher = Path(__file__).resolve().parents[2] / "benchmarks" / "trainer_030.py"
-    done = subprocess.run([sys.executable, str(launcher), "--records", str(tmp_path / "r.jsonl"), str(script)],
-                          env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True,
-                          timeout=60, check=False)
+    done = subprocess.run(
+        [sys.executable, str(launcher), "--records", str(tmp_path / "r.jsonl"), str(script)],
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode != 0 and "trained" not in done.stdout
     assert "no speculators 0.3.0 package to run" in done.stderr

@@ -31,8 +31,9 @@ def _alive(pid: int) -> bool:
 
 def test_a_timed_out_run_leaves_no_worker_behind(tmp_path) -> None:
     log = tmp_path / "run.log"
-    returncode, error = run_process_group([sys.executable, "-c", PARENT], dict(os.environ), log,
-                                          timeout=3)
+    returncode, error = run_process_group(
+        [sys.executable, "-c", PARENT], dict(os.environ), log, timeout=3
+    )
     assert returncode is None and error == "timed out after 3 s"
     child = int(log.read_text().split()[0])
     deadline = time.monotonic() + 5
@@ -43,8 +44,12 @@ def test_a_timed_out_run_leaves_no_worker_behind(tmp_path) -> None:
 
 def test_a_finished_run_gives_its_exit_status(tmp_path) -> None:
     log = tmp_path / "run.log"
-    assert run_process_group([sys.executable, "-c", "print('done'); raise SystemExit(3)"],
-                             dict(os.environ), log, timeout=30) == (3, None)
+    assert run_process_group(
+        [sys.executable, "-c", "print('done'); raise SystemExit(3)"],
+        dict(os.environ),
+        log,
+        timeout=30,
+    ) == (3, None)
     assert log.read_text().strip() == "done"
 
 
@@ -55,8 +60,9 @@ def test_runs_start_in_the_benchmarked_checkout(tmp_path, monkeypatch) -> None:
 
     monkeypatch.chdir(tmp_path)
     log = tmp_path / "run.log"
-    returncode, _, _ = trainer_gpu._launch([sys.executable, "-c", "import os; print(os.getcwd())"],
-                                           "ddp", log, 30)
+    returncode, _, _ = trainer_gpu._launch(
+        [sys.executable, "-c", "import os; print(os.getcwd())"], "ddp", log, 30
+    )
     assert returncode == 0
     assert log.read_text().strip() == str(trainer_gpu.ROOT)
 
@@ -67,10 +73,31 @@ def test_resume_check_times_checkpoints_and_finds_the_resumed_run_equal(tmp_path
     # repeat; on the CPU all three end with the same weights, bit for bit.
     from benchmarks.trainer_gpu import main
 
-    result = main(["--preset", "cpu-small", "--runs", "single", "--max-steps", "2", "--warmup-steps", "0",
-                   "--total-seq-len", "512", "--samples", "8", "--device", "cpu", "--run-timeout", "300",
-                   "--work-dir", str(tmp_path / "work"), "--output-dir", str(tmp_path / "out"),
-                   "--resume-check"])
+    result = main(
+        [
+            "--preset",
+            "cpu-small",
+            "--runs",
+            "single",
+            "--max-steps",
+            "2",
+            "--warmup-steps",
+            "0",
+            "--total-seq-len",
+            "512",
+            "--samples",
+            "8",
+            "--device",
+            "cpu",
+            "--run-timeout",
+            "300",
+            "--work-dir",
+            str(tmp_path / "work"),
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--resume-check",
+        ]
+    )
     run = result["runs"][0]
     assert run["error"] is None and run["returncode"] == 0
     assert run["checkpoint_save_seconds"] > 0 and run["checkpoint_load_seconds"] > 0

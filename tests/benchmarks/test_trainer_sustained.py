@@ -16,8 +16,19 @@ def test_per_epoch_rates_waits_and_first_steps(tmp_path) -> None:
     for epoch, seconds in ((0, [30.0, 0.1, 0.1]), (1, [2.0, 0.1, 0.1])):
         for position, spent in enumerate(seconds):
             wait = spent - 0.1 if step else 0.01  # the first step compiles, it does not wait
-            lines.append({"step": step, "epoch": epoch, "lr": 1e-3, "train": {
-                "tokens": 8000.0, "step_seconds": spent, "data_wait_seconds": wait, "loss": 1.0}})
+            lines.append(
+                {
+                    "step": step,
+                    "epoch": epoch,
+                    "lr": 1e-3,
+                    "train": {
+                        "tokens": 8000.0,
+                        "step_seconds": spent,
+                        "data_wait_seconds": wait,
+                        "loss": 1.0,
+                    },
+                }
+            )
             step += 1
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -26,9 +37,15 @@ def test_per_epoch_rates_waits_and_first_steps(tmp_path) -> None:
     slowest = first.pop("slowest_steps")
     assert [entry["step"] for entry in slowest] == [1, 2]  # the compiling first step is not timed
     assert second["slowest_steps"][0] == {"step": 3, "seconds": 2.0, "data_wait_seconds": 1.9}
-    assert first == {"epoch": 0, "steps": 3, "tokens_per_second": 80000.0,
-                     "max_data_wait_seconds": 0.0, "steps_waiting_over_0.2_s": 0,
-                     "total_data_wait_seconds": 0.0, "first_step_seconds": 30.0}
+    assert first == {
+        "epoch": 0,
+        "steps": 3,
+        "tokens_per_second": 80000.0,
+        "max_data_wait_seconds": 0.0,
+        "steps_waiting_over_0.2_s": 0,
+        "total_data_wait_seconds": 0.0,
+        "first_step_seconds": 30.0,
+    }
     assert second["tokens_per_second"] == round(24000 / 2.2, 1)
     assert second["max_data_wait_seconds"] == 1.9 and second["first_step_seconds"] == 2.0
     assert second["steps_waiting_over_0.2_s"] == 1

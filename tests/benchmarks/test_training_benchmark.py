@@ -11,10 +11,22 @@ from benchmarks.training import PRESETS, kernel_category, main, own_microseconds
 
 
 def test_cpu_small_preset_runs_and_writes_its_records(tmp_path) -> None:
-    result = main([
-        "--preset", "cpu-small", "--packed-tokens", "256", "--steps", "2", "--warmup", "1",
-        "--output-dir", str(tmp_path), "--tag", "test",
-    ])
+    result = main(
+        [
+            "--preset",
+            "cpu-small",
+            "--packed-tokens",
+            "256",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--output-dir",
+            str(tmp_path),
+            "--tag",
+            "test",
+        ]
+    )
     row = result["lengths"][0]
     assert row["error"] is None
     assert row["packed_tokens"] == 256 and len(row["step_seconds"]) == 2
@@ -29,9 +41,15 @@ def test_cpu_small_preset_runs_and_writes_its_records(tmp_path) -> None:
 def test_gpu_presets_refuse_a_cpu(tmp_path) -> None:
     assert {"llama-3.1-8b-draft", "kimi-k2.5-draft", "cpu-small"} <= set(PRESETS)
     llama = PRESETS["llama-3.1-8b-draft"]
-    assert (llama.hidden_size, llama.num_attention_heads, llama.num_key_value_heads,
-            llama.head_dim, llama.intermediate_size, llama.target_vocab_size,
-            llama.draft_vocab_size) == (4096, 32, 8, 128, 14336, 128256, 32000)
+    assert (
+        llama.hidden_size,
+        llama.num_attention_heads,
+        llama.num_key_value_heads,
+        llama.head_dim,
+        llama.intermediate_size,
+        llama.target_vocab_size,
+        llama.draft_vocab_size,
+    ) == (4096, 32, 8, 128, 14336, 128256, 32000)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         main(["--preset", "llama-3.1-8b-draft", "--device", "cpu", "--output-dir", str(tmp_path)])
 
@@ -40,16 +58,30 @@ def test_profile_sorts_time_into_matmul_attention_optimizer_and_other(tmp_path) 
     # Kernel names as an H200 profile of the llama preset shows them.
     assert kernel_category("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "matmul"
     assert kernel_category("triton_tem_fused_flex_attention_backward_1") == "attention"
-    assert kernel_category(
-        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::"
-        "(anonymous namespace)::FusedOptimizerTensorListMetadata<4>, ...>"
-    ) == "optimizer"
+    assert (
+        kernel_category(
+            "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::"
+            "(anonymous namespace)::FusedOptimizerTensorListMetadata<4>, ...>"
+        )
+        == "optimizer"
+    )
     assert kernel_category("triton_red_fused__log_softmax__to_copy_argmax_exp_mul_0") == "other"
     assert kernel_category("aten::addmm") == "matmul"
-    result = main([
-        "--preset", "cpu-small", "--packed-tokens", "256", "--steps", "1", "--warmup", "1",
-        "--output-dir", str(tmp_path), "--profile",
-    ])
+    result = main(
+        [
+            "--preset",
+            "cpu-small",
+            "--packed-tokens",
+            "256",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--output-dir",
+            str(tmp_path),
+            "--profile",
+        ]
+    )
     profile = result["lengths"][0]["profile_ms"]
     assert set(profile) == {"matmul", "attention", "optimizer", "other", "total", "wall"}
     assert profile["matmul"] > 0 and profile["total"] > 0 and profile["wall"] > 0
@@ -63,14 +95,34 @@ def test_profile_counts_each_kernel_once():
     kernels inside it: only the kernels themselves are counted."""
     from types import SimpleNamespace
 
-    kernel = SimpleNamespace(device_type="cuda", is_user_annotation=False,
-                             self_device_time_total=4000.0, self_cpu_time_total=0.0)
-    annotation = SimpleNamespace(device_type="cuda", is_user_annotation=True,
-                                 self_device_time_total=4000.0, self_cpu_time_total=10.0)
-    cpu_op = SimpleNamespace(device_type="cpu", is_user_annotation=False,
-                             self_device_time_total=4000.0, self_cpu_time_total=25.0)
-    assert [own_microseconds(e, True, "cuda") for e in (kernel, annotation, cpu_op)] == [4000.0, 0, 0]
-    assert [own_microseconds(e, False, "cuda") for e in (kernel, annotation, cpu_op)] == [0.0, 10.0, 25.0]
+    kernel = SimpleNamespace(
+        device_type="cuda",
+        is_user_annotation=False,
+        self_device_time_total=4000.0,
+        self_cpu_time_total=0.0,
+    )
+    annotation = SimpleNamespace(
+        device_type="cuda",
+        is_user_annotation=True,
+        self_device_time_total=4000.0,
+        self_cpu_time_total=10.0,
+    )
+    cpu_op = SimpleNamespace(
+        device_type="cpu",
+        is_user_annotation=False,
+        self_device_time_total=4000.0,
+        self_cpu_time_total=25.0,
+    )
+    assert [own_microseconds(e, True, "cuda") for e in (kernel, annotation, cpu_op)] == [
+        4000.0,
+        0,
+        0,
+    ]
+    assert [own_microseconds(e, False, "cuda") for e in (kernel, annotation, cpu_op)] == [
+        0.0,
+        10.0,
+        25.0,
+    ]
 
 
 @pytest.mark.parametrize("kind", ["random", "spans", "all"])

@@ -26,12 +26,18 @@ def chats(tmp_path_factory) -> Path:
 
 def run(capsys, tiny_llama, chats, output: Path, *extra: str, model: str | None = None):
     argv = [
-        "--target-model-path", model or str(tiny_llama),
-        "--train-data-path", str(chats),
-        "--output-dir", str(output),
-        "--seq-length", "128",
-        "--num-preprocessing-workers", "1",
-        "--hf-cache-dir", str(output.parent / "datasets-cache"),
+        "--target-model-path",
+        model or str(tiny_llama),
+        "--train-data-path",
+        str(chats),
+        "--output-dir",
+        str(output),
+        "--seq-length",
+        "128",
+        "--num-preprocessing-workers",
+        "1",
+        "--hf-cache-dir",
+        str(output.parent / "datasets-cache"),
         "--no-progress",
         *extra,
     ]
@@ -60,7 +66,10 @@ def assert_refused(code, lines, err, pattern: str, output: Path) -> None:
         (["--num-writer-threads", "0"], "--num-writer-threads must be at least 1"),
         (["--layer-ids", "2", "9"], "--layer-ids: layer id 9 is out of range"),
         # The tiny Llama has 4 layers: 4 is one past the last, -5 one before the first.
-        (["--layer-ids", "0", "1", "2", "4"], "--layer-ids: layer id 4 is out of range .* 4 decoder"),
+        (
+            ["--layer-ids", "0", "1", "2", "4"],
+            "--layer-ids: layer id 4 is out of range .* 4 decoder",
+        ),
         (["--layer-ids", "-5", "1"], "--layer-ids: layer id -5 is out of range"),
         (["--assistant-pattern", "(unclosed"], "--assistant-pattern is not a valid regular"),
         (["--transfer-root", "/no/such/folder"], "transfer root /no/such/folder is not a writable"),
@@ -73,9 +82,7 @@ def test_bad_flags_are_refused_before_any_work(capsys, tiny_llama, chats, tmp_pa
 
 def test_missing_model_folder_is_named(capsys, tiny_llama, chats, tmp_path):
     output = tmp_path / "out"
-    code, lines, err = run(
-        capsys, tiny_llama, chats, output, model=str(tmp_path / "no-such-model")
-    )
+    code, lines, err = run(capsys, tiny_llama, chats, output, model=str(tmp_path / "no-such-model"))
     assert_refused(code, lines, err, "no model folder at .*--target-model-path", output)
 
 
@@ -88,7 +95,9 @@ def test_data_file_problems_are_named(capsys, tiny_llama, tmp_path):
     assert_refused(*run(capsys, tiny_llama, empty, output), "holds no conversations", output)
     broken = tmp_path / "broken.json"
     broken.write_text('[{"conversations": [}')
-    assert_refused(*run(capsys, tiny_llama, broken, output), "broken.json is not valid JSON", output)
+    assert_refused(
+        *run(capsys, tiny_llama, broken, output), "broken.json is not valid JSON", output
+    )
 
 
 def test_output_that_is_a_file_or_read_only_is_refused(capsys, tiny_llama, chats, tmp_path):
@@ -117,7 +126,7 @@ def test_every_flag_has_help_and_shows_its_default():
     assert "--trust-remote-code" in text and "--adopt-existing" in text
 
 
-REMOTE_CONFIG = '''
+REMOTE_CONFIG = """
 from pathlib import Path
 from transformers import LlamaConfig
 
@@ -126,7 +135,7 @@ Path(MARKER).write_text("yes")
 
 class TinyCustomConfig(LlamaConfig):
     model_type = "tiny_custom_llama"
-'''
+"""
 
 
 def test_model_code_runs_only_when_asked(capsys, tiny_llama, chats, tmp_path):
@@ -194,8 +203,14 @@ def test_vllms_start_up_lines_are_kept_out_of_the_way_unless_verbose(tmp_path, m
         raise ValueError("stopped before the engine")
 
     monkeypatch.setattr(offline, "run_datagen", fake_run)
-    argv = ["--target-model-path", str(tmp_path), "--train-data-path", "x.jsonl",
-            "--output-dir", str(tmp_path / "out")]
+    argv = [
+        "--target-model-path",
+        str(tmp_path),
+        "--train-data-path",
+        "x.jsonl",
+        "--output-dir",
+        str(tmp_path / "out"),
+    ]
     for extra, preset in (([], None), (["--verbose"], None), ([], "DEBUG")):
         monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
         if preset:

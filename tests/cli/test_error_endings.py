@@ -46,8 +46,17 @@ def files(tmp_path_factory, tiny_llama):
     import torch
 
     torch.save({1: 5, 2: 3}, counts)
-    (root / "chat.jsonl").write_text(json.dumps({"conversations": [
-        {"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]}) + "\n")
+    (root / "chat.jsonl").write_text(
+        json.dumps(
+            {
+                "conversations": [
+                    {"from": "human", "value": "Hi?"},
+                    {"from": "gpt", "value": "Hello."},
+                ]
+            }
+        )
+        + "\n"
+    )
     build_draft(str(tiny_llama), seed=0).save_pretrained(root / "draft")
     (root / "a-file").write_text("")
     return root
@@ -57,15 +66,47 @@ def test_a_draft_vocabulary_larger_than_the_targets_has_one_wording(files, tiny_
     from speculators_vllm016.train.vocab_mapping import build_vocab_mappings_from_distribution
 
     lines = [
-        _error_line(["vocab-mapping", "--token-freq-path", str(files / "token_freq.pt"),
-                     "--draft-vocab-size", "600", "--target-vocab-size", "512",
-                     "--output-path", str(tmp_path / "maps")]),
-        _error_line(["gen-and-train", "--target-model-path", str(tiny_llama), "--train-data-path",
-                     str(files / "chat.jsonl"), "--output-dir", str(tmp_path / "run"),
-                     "--draft-vocab-size", "600", "--target-vocab-size", "512"]),
-        _error_line(["gen-and-train", "--target-model-path", str(tiny_llama), "--train-data-path",
-                     str(files / "chat.jsonl"), "--output-dir", str(tmp_path / "run"),
-                     "--draft-vocab-size", "600"]),
+        _error_line(
+            [
+                "vocab-mapping",
+                "--token-freq-path",
+                str(files / "token_freq.pt"),
+                "--draft-vocab-size",
+                "600",
+                "--target-vocab-size",
+                "512",
+                "--output-path",
+                str(tmp_path / "maps"),
+            ]
+        ),
+        _error_line(
+            [
+                "gen-and-train",
+                "--target-model-path",
+                str(tiny_llama),
+                "--train-data-path",
+                str(files / "chat.jsonl"),
+                "--output-dir",
+                str(tmp_path / "run"),
+                "--draft-vocab-size",
+                "600",
+                "--target-vocab-size",
+                "512",
+            ]
+        ),
+        _error_line(
+            [
+                "gen-and-train",
+                "--target-model-path",
+                str(tiny_llama),
+                "--train-data-path",
+                str(files / "chat.jsonl"),
+                "--output-dir",
+                str(tmp_path / "run"),
+                "--draft-vocab-size",
+                "600",
+            ]
+        ),
     ]
     assert lines == [f"error: {TOO_LARGE} {DEBUG_HINT}"] * 3, lines
     with pytest.raises(ValueError) as raised:  # the library function says it the same way
@@ -75,21 +116,58 @@ def test_a_draft_vocabulary_larger_than_the_targets_has_one_wording(files, tiny_
 
 
 def test_eval_names_its_own_data_flag(files):
-    line = _error_line(["eval", "--draft", str(files / "draft"), "--data-path",
-                        str(files / "missing.jsonl"), "--engine", "hf"])
+    line = _error_line(
+        [
+            "eval",
+            "--draft",
+            str(files / "draft"),
+            "--data-path",
+            str(files / "missing.jsonl"),
+            "--engine",
+            "hf",
+        ]
+    )
     assert "--data-path" in line and "--train-data-path" not in line, line
 
 
 def test_every_command_ends_its_error_line_the_same_way(files, tmp_path):
     mistakes = {
         "train": ["train", "--config", str(tmp_path / "missing.yaml")],
-        "datagen": ["datagen", "--target-model-path", str(tmp_path / "no-model"), "--train-data-path",
-                    str(files / "chat.jsonl"), "--output-dir", str(tmp_path / "data")],
-        "eval": ["eval", "--draft", str(tmp_path / "no-draft"), "--data-path", str(files / "chat.jsonl")],
-        "convert": ["convert", str(tmp_path / "no-checkpoint"), "--algorithm", "eagle3",
-                    "--verifier", str(tmp_path / "no-verifier"), "--output-path", str(tmp_path / "out")],
-        "vocab-mapping": ["vocab-mapping", "--token-freq-path", str(tmp_path / "none.pt"),
-                          "--draft-vocab-size", "8", "--output-path", str(tmp_path / "maps")],
+        "datagen": [
+            "datagen",
+            "--target-model-path",
+            str(tmp_path / "no-model"),
+            "--train-data-path",
+            str(files / "chat.jsonl"),
+            "--output-dir",
+            str(tmp_path / "data"),
+        ],
+        "eval": [
+            "eval",
+            "--draft",
+            str(tmp_path / "no-draft"),
+            "--data-path",
+            str(files / "chat.jsonl"),
+        ],
+        "convert": [
+            "convert",
+            str(tmp_path / "no-checkpoint"),
+            "--algorithm",
+            "eagle3",
+            "--verifier",
+            str(tmp_path / "no-verifier"),
+            "--output-path",
+            str(tmp_path / "out"),
+        ],
+        "vocab-mapping": [
+            "vocab-mapping",
+            "--token-freq-path",
+            str(tmp_path / "none.pt"),
+            "--draft-vocab-size",
+            "8",
+            "--output-path",
+            str(tmp_path / "maps"),
+        ],
         "gen-and-train": ["gen-and-train", "--target-model-path", str(tmp_path / "no-model")],
         "demo": ["demo", "--output-dir", str(files / "a-file" / "demo"), "--no-progress"],
     }

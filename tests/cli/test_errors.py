@@ -37,6 +37,7 @@ def test_exit_statuses_and_one_line(capsys):
     def fail(error):
         def run():
             raise error
+
         return run
 
     assert report_errors(lambda: 0, debug=False) == 0
@@ -44,9 +45,14 @@ def test_exit_statuses_and_one_line(capsys):
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: bad flag (--debug shows the traceback)"
     ]
-    stopped = report_errors(fail(TrainingInterrupted("SIGTERM; checkpoint saved")), False,
-                            stopped=(TrainingInterrupted,))
-    assert stopped == 143 and capsys.readouterr().err.strip() == "stopped: SIGTERM; checkpoint saved"
+    stopped = report_errors(
+        fail(TrainingInterrupted("SIGTERM; checkpoint saved")),
+        False,
+        stopped=(TrainingInterrupted,),
+    )
+    assert (
+        stopped == 143 and capsys.readouterr().err.strip() == "stopped: SIGTERM; checkpoint saved"
+    )
     assert report_errors(fail(KeyboardInterrupt()), debug=False) == 130
     with pytest.raises(ValueError):
         report_errors(fail(ValueError("x")), debug=True)

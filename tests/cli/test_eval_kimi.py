@@ -16,11 +16,24 @@ from tests.evaluate.drafts import build_draft
 from tests.kimi_variants import with_remote_code, with_vision_tower
 
 CONVERSATIONS = [
-    {"conversations": [{"from": "human", "value": "What is the capital of France?"},
-                       {"from": "gpt", "value": "Paris."}]},
-    {"conversations": [{"from": "human", "value": "Count: 1 2 3 4"}, {"from": "gpt", "value": "5 6"}]},
-    {"conversations": [{"from": "human", "value": "Say something about the sea."},
-                       {"from": "gpt", "value": "It is wide."}]},
+    {
+        "conversations": [
+            {"from": "human", "value": "What is the capital of France?"},
+            {"from": "gpt", "value": "Paris."},
+        ]
+    },
+    {
+        "conversations": [
+            {"from": "human", "value": "Count: 1 2 3 4"},
+            {"from": "gpt", "value": "5 6"},
+        ]
+    },
+    {
+        "conversations": [
+            {"from": "human", "value": "Say something about the sea."},
+            {"from": "gpt", "value": "It is wide."},
+        ]
+    },
 ]
 
 
@@ -28,12 +41,16 @@ def logit_lens_draft(verifier: Path) -> Eagle3DraftModel:
     """A draft that proposes what the verifier's final norm and LM head make of its second-to-last
     layer's output (its decoder layer reduced to the residual): right often enough that tau shows
     which hidden states the verifier computed."""
-    draft = build_draft(str(verifier), aux_layer_ids=(1, 2, 2),
-                        architectures=("KimiK25ForConditionalGeneration",), draft_vocab=512)
+    draft = build_draft(
+        str(verifier),
+        aux_layer_ids=(1, 2, 2),
+        architectures=("KimiK25ForConditionalGeneration",),
+        draft_vocab=512,
+    )
     hidden = draft.hidden_size
     with torch.no_grad():
         draft.fc.weight.zero_()
-        draft.fc.weight[:, 2 * hidden:] = torch.eye(hidden)  # the output of layer 1 (aux id 2)
+        draft.fc.weight[:, 2 * hidden :] = torch.eye(hidden)  # the output of layer 1 (aux id 2)
         for layer in draft.layers:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
@@ -52,23 +69,49 @@ def test_a_draft_measures_the_same_on_the_kimi_wrapper_as_on_its_language_model(
     reports = {}
     for name, verifier in (("kimi", kimi), ("deepseek", tiny_deepseek_v3)):
         out = tmp_path / f"{name}.json"
-        result = CliRunner().invoke(app, [
-            "eval", "--draft", str(draft), "--verifier", str(verifier), "--data-path", str(data),
-            "--max-new-tokens", "12", "--ignore-eos", "--engine", "hf", "--output-json", str(out),
-            "--no-progress",
-        ])
+        result = CliRunner().invoke(
+            app,
+            [
+                "eval",
+                "--draft",
+                str(draft),
+                "--verifier",
+                str(verifier),
+                "--data-path",
+                str(data),
+                "--max-new-tokens",
+                "12",
+                "--ignore-eos",
+                "--engine",
+                "hf",
+                "--output-json",
+                str(out),
+                "--no-progress",
+            ],
+        )
         assert result.exit_code == 0, result.output
         reports[name] = json.loads(out.read_text())["drafts"][0]
     kimi_row, plain_row = reports["kimi"], reports["deepseek"]
     assert kimi_row["generated_tokens"] == 3 * 12 and kimi_row["acceptance_length"] > 1.0
-    for key in ("acceptance_length", "num_drafts", "num_accepted_tokens", "per_position_acceptance_rate"):
+    for key in (
+        "acceptance_length",
+        "num_drafts",
+        "num_accepted_tokens",
+        "per_position_acceptance_rate",
+    ):
         assert kimi_row[key] == plain_row[key], key
 
     # The real folder's tokenizer is its own code (tiktoken): refused in one line, naming the flag.
     tokenizer_config = json.loads((kimi / "tokenizer_config.json").read_text())
-    tokenizer_config.update(tokenizer_class="TikTokenTokenizer",
-                            auto_map={"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]})
+    tokenizer_config.update(
+        tokenizer_class="TikTokenTokenizer",
+        auto_map={"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+    )
     (kimi / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    result = CliRunner().invoke(app, ["eval", "--draft", str(draft), "--data-path", str(data), "--engine", "hf"])
+    result = CliRunner().invoke(
+        app, ["eval", "--draft", str(draft), "--data-path", str(data), "--engine", "hf"]
+    )
     assert result.exit_code == 2
-    assert "needs the Python code shipped in its folder; pass --trust-remote-code" in result.output, result.output
+    assert (
+        "needs the Python code shipped in its folder; pass --trust-remote-code" in result.output
+    ), result.output

@@ -22,8 +22,25 @@ BASE = ["--target-model-path", "model", "--train-data-path", "chat.jsonl", "--ou
 
 
 def test_flags_go_to_their_stage_and_the_layout_comes_from_output_dir():
-    plan = plan_from_argv(BASE + ["--layer-ids", "0", "1", "2", "3", "--epochs", "2",
-                                  "--max-samples", "5", "--lr", "0.01", "--seed", "7", "--no-progress"])
+    plan = plan_from_argv(
+        BASE
+        + [
+            "--layer-ids",
+            "0",
+            "1",
+            "2",
+            "3",
+            "--epochs",
+            "2",
+            "--max-samples",
+            "5",
+            "--lr",
+            "0.01",
+            "--seed",
+            "7",
+            "--no-progress",
+        ]
+    )
     assert plan.datagen.layer_ids == [0, 1, 2, 3] and plan.datagen.max_samples == 5
     assert plan.datagen.output_dir == str(Path("out") / "data") and plan.datagen.seed == 7
     train = plan.train.flat()  # the training job's config, by flag name
@@ -44,8 +61,10 @@ def test_flags_go_to_their_stage_and_the_layout_comes_from_output_dir():
         (BASE + ["--epoch", "2"], "unknown flag(s) --epoch 2"),  # no prefix matching
         (BASE + ["--draft-vocab-size", "0"], "--draft-vocab-size must be at least 1, got 0"),
         (BASE + ["--draft-vocab-size", "-3"], "--draft-vocab-size must be at least 1, got -3"),
-        (BASE + ["--draft-vocab-size", "64", "--target-vocab-size", "32"],
-         "--draft-vocab-size 64 is larger than the target's vocabulary of 32 tokens"),
+        (
+            BASE + ["--draft-vocab-size", "64", "--target-vocab-size", "32"],
+            "--draft-vocab-size 64 is larger than the target's vocabulary of 32 tokens",
+        ),
     ],
 )
 def test_bad_flags_are_one_line_errors(argv, message, capsys):
@@ -66,11 +85,20 @@ def test_a_draft_vocabulary_larger_than_the_targets_is_refused_before_datagen(
     monkeypatch.setattr(offline, "run_datagen", datagen)
 
     size = AutoConfig.from_pretrained(tiny_llama).vocab_size
-    argv = ["--target-model-path", str(tiny_llama), "--train-data-path", str(demo_conversations_path()),
-            "--output-dir", str(tmp_path / "out"), "--draft-vocab-size", str(size + 1)]
+    argv = [
+        "--target-model-path",
+        str(tiny_llama),
+        "--train-data-path",
+        str(demo_conversations_path()),
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--draft-vocab-size",
+        str(size + 1),
+    ]
     assert main(argv) == 2
-    assert f"--draft-vocab-size {size + 1} is larger than the target's vocabulary of {size} tokens" in (
-        capsys.readouterr().err
+    assert (
+        f"--draft-vocab-size {size + 1} is larger than the target's vocabulary of {size} tokens"
+        in (capsys.readouterr().err)
     )
     assert not (tmp_path / "out" / "data").exists()  # datagen never started
 
@@ -81,8 +109,15 @@ def _vocab_plan(root: Path, draft: int, target: int = 64):
     from speculators_vllm016.cli.gen_and_train import PipelinePlan
 
     datagen = SimpleNamespace(output_dir=str(root / "data"), target_model_path="unused")
-    return PipelinePlan(root=root, datagen=datagen, datagen_argv=[], train=None,
-                        draft_vocab_size=draft, target_vocab_size=target, debug=False)
+    return PipelinePlan(
+        root=root,
+        datagen=datagen,
+        datagen_argv=[],
+        train=None,
+        draft_vocab_size=draft,
+        target_vocab_size=target,
+        debug=False,
+    )
 
 
 def test_vocabulary_maps_are_reused_only_while_their_sizes_match_the_flags(tmp_path, capsys):
@@ -91,7 +126,9 @@ def test_vocabulary_maps_are_reused_only_while_their_sizes_match_the_flags(tmp_p
     from speculators_vllm016.cli.gen_and_train import run_vocab_stage
     from speculators_vllm016.data_generation.token_counts import save_token_counts
 
-    save_token_counts({i: 100 - i for i in range(50)}, tmp_path / "data/token_freq/shard-0-of-1.pth")
+    save_token_counts(
+        {i: 100 - i for i in range(50)}, tmp_path / "data/token_freq/shard-0-of-1.pth"
+    )
     d2t = tmp_path / "vocab" / "d2t.npy"
     run_vocab_stage(_vocab_plan(tmp_path, 32))
     assert len(np.load(d2t)) == 32
@@ -111,22 +148,56 @@ def test_vocabulary_maps_are_reused_only_while_their_sizes_match_the_flags(tmp_p
 
 def _pipeline(root: Path, target: Path) -> list[str]:
     return [
-        sys.executable, "-m", "speculators_vllm016", "gen-and-train",
-        "--target-model-path", str(target), "--train-data-path", str(demo_conversations_path()),
-        "--output-dir", str(root), "--max-samples", "16", "--seq-length", "64",
-        "--draft-vocab-size", "64", "--layer-ids", "0", "1", "2", "3", "--batch-size", "8",
-        "--num-preprocessing-workers", "1", "--total-seq-len", "256", "--epochs", "3",
-        "--lr", "1e-3", "--num-workers", "0", "--checkpoint-freq", "0.25", "--no-progress",
-        "--log-dir", str(root / "logs"),
+        sys.executable,
+        "-m",
+        "speculators_vllm016",
+        "gen-and-train",
+        "--target-model-path",
+        str(target),
+        "--train-data-path",
+        str(demo_conversations_path()),
+        "--output-dir",
+        str(root),
+        "--max-samples",
+        "16",
+        "--seq-length",
+        "64",
+        "--draft-vocab-size",
+        "64",
+        "--layer-ids",
+        "0",
+        "1",
+        "2",
+        "3",
+        "--batch-size",
+        "8",
+        "--num-preprocessing-workers",
+        "1",
+        "--total-seq-len",
+        "256",
+        "--epochs",
+        "3",
+        "--lr",
+        "1e-3",
+        "--num-workers",
+        "0",
+        "--checkpoint-freq",
+        "0.25",
+        "--no-progress",
+        "--log-dir",
+        str(root / "logs"),
     ]
 
 
 @pytest.mark.engine
 @pytest.mark.slow
-def test_killed_in_training_and_run_again_ends_with_the_uninterrupted_checkpoint(tiny_llama, tmp_path):
+def test_killed_in_training_and_run_again_ends_with_the_uninterrupted_checkpoint(
+    tiny_llama, tmp_path
+):
     straight = tmp_path / "straight"
-    done = subprocess.run(_pipeline(straight, tiny_llama), env=cli_env(), capture_output=True,
-                          text=True, timeout=900)
+    done = subprocess.run(
+        _pipeline(straight, tiny_llama), env=cli_env(), capture_output=True, text=True, timeout=900
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     last = straight / "checkpoints" / "2"
     total = json.loads((last / "training_state.json").read_text())["global_step"]
@@ -138,8 +209,13 @@ def test_killed_in_training_and_run_again_ends_with_the_uninterrupted_checkpoint
     resumed.mkdir()
     shutil.copytree(straight / "data", resumed / "data")
     command = _pipeline(resumed, tiny_llama)
-    process = subprocess.Popen(command, env=cli_env(), start_new_session=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        command,
+        env=cli_env(),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         while process.poll() is None and not finished_checkpoints(resumed / "checkpoints"):
             time.sleep(0.02)

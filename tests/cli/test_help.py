@@ -30,8 +30,13 @@ print(json.dumps({"code": code, "heavy": [m for m in %r if m in sys.modules]}), 
 
 def _help(*argv: str) -> tuple[dict, str]:
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    done = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(list(argv))],
-                          capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE, json.dumps(list(argv))],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     return json.loads(done.stderr.strip().splitlines()[-1]), done.stdout
 
 

@@ -49,21 +49,33 @@ def test_yaml_sets_fields_and_flags_override_them(tmp_path):
     assert again.model.verifier_name_or_path == "other"
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("training:\n  epoch: 3\n", "unknown key 'training.epoch'"),
-    ("optim:\n  lr: 1.0\n", "unknown key 'optim'"),
-    ("training:\n  epochs: three\n", "'training.epochs' must be an integer, got 'three'"),
-    ("training:\n  scheduler_type: step\n", "'training.scheduler_type' must be one of linear, cosine, none"),
-    ("model: [1, 2]\n", "'model' must be a mapping of its fields"),
-    ("model:\n  num_layers: [1\n", "is not valid YAML"),
-    # Never truncated: 2.5 epochs is not 2, true is not 1 layer, layer 1.5 is not layer 1.
-    ("training:\n  epochs: 2.5\n", "'training.epochs' must be an integer, got 2.5"),
-    ("training:\n  max_steps: 7.9\n", "'training.max_steps' must be an integer, got 7.9"),
-    ("model:\n  num_layers: true\n", "'model.num_layers' must be an integer, got True"),
-    ("online:\n  layer_ids: [0, 1.5]\n", "'online.layer_ids' must be a list of integers, got [0, 1.5]"),
-    ("online:\n  layer_ids: [0, true]\n", "'online.layer_ids' must be a list of integers, got [0, True]"),
-    ("online:\n  layer_ids: 3\n", "'online.layer_ids' must be a list of integers, got 3"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("training:\n  epoch: 3\n", "unknown key 'training.epoch'"),
+        ("optim:\n  lr: 1.0\n", "unknown key 'optim'"),
+        ("training:\n  epochs: three\n", "'training.epochs' must be an integer, got 'three'"),
+        (
+            "training:\n  scheduler_type: step\n",
+            "'training.scheduler_type' must be one of linear, cosine, none",
+        ),
+        ("model: [1, 2]\n", "'model' must be a mapping of its fields"),
+        ("model:\n  num_layers: [1\n", "is not valid YAML"),
+        # Never truncated: 2.5 epochs is not 2, true is not 1 layer, layer 1.5 is not layer 1.
+        ("training:\n  epochs: 2.5\n", "'training.epochs' must be an integer, got 2.5"),
+        ("training:\n  max_steps: 7.9\n", "'training.max_steps' must be an integer, got 7.9"),
+        ("model:\n  num_layers: true\n", "'model.num_layers' must be an integer, got True"),
+        (
+            "online:\n  layer_ids: [0, 1.5]\n",
+            "'online.layer_ids' must be a list of integers, got [0, 1.5]",
+        ),
+        (
+            "online:\n  layer_ids: [0, true]\n",
+            "'online.layer_ids' must be a list of integers, got [0, True]",
+        ),
+        ("online:\n  layer_ids: 3\n", "'online.layer_ids' must be a list of integers, got 3"),
+    ],
+)
 def test_a_bad_job_file_is_a_one_line_error_naming_the_key(tmp_path, capsys, text, message):
     job = tmp_path / "job.yaml"
     job.write_text(text)
@@ -79,12 +91,25 @@ def test_whole_floats_are_integers_in_a_job_file(tmp_path):
     job.write_text("training:\n  epochs: 3.0\nonline:\n  layer_ids: [0, 2.0]\n")
     config = load_job_config(job)
     assert config.training.epochs == 3 and type(config.training.epochs) is int
-    assert config.online.layer_ids == [0, 2] and all(type(v) is int for v in config.online.layer_ids)
+    assert config.online.layer_ids == [0, 2] and all(
+        type(v) is int for v in config.online.layer_ids
+    )
 
 
 def test_the_resolved_config_round_trips(tmp_path):
-    config, _ = config_from_argv(["--verifier-name-or-path", "m", "--layer-ids", "1", "2",
-                                  "--no-teacher-forcing", "--online", "--lr", "0.002"])
+    config, _ = config_from_argv(
+        [
+            "--verifier-name-or-path",
+            "m",
+            "--layer-ids",
+            "1",
+            "2",
+            "--no-teacher-forcing",
+            "--online",
+            "--lr",
+            "0.002",
+        ]
+    )
     path = save_job_config(config, tmp_path / CONFIG_FILE)
     assert load_job_config(path) == config
     assert [p.name for p in tmp_path.iterdir()] == [CONFIG_FILE]  # no temporary left behind
@@ -92,7 +117,9 @@ def test_the_resolved_config_round_trips(tmp_path):
     assert from_file == config
 
 
-def test_training_writes_the_resolved_config_beside_the_checkpoints(tiny_llama, training_data, tmp_path):
+def test_training_writes_the_resolved_config_beside_the_checkpoints(
+    tiny_llama, training_data, tmp_path
+):
     save = tmp_path / "save"
     job = tmp_path / "job.yaml"
     job.write_text("training:\n  max_steps: 1\n  weight_decay: 0.5\n")
@@ -138,8 +165,15 @@ def test_the_online_flags_are_datagens_flags():
 
     def shape(action: argparse.Action) -> tuple:
         choices = list(action.choices) if action.choices is not None else None
-        return (action.option_strings, action.default, action.type, choices, action.nargs,
-                action.required, type(action).__name__)
+        return (
+            action.option_strings,
+            action.default,
+            action.type,
+            choices,
+            action.nargs,
+            action.required,
+            type(action).__name__,
+        )
 
     shared = [action for action in datagen._actions if action.dest != "help"]
     assert len(shared) == 23
@@ -154,6 +188,10 @@ def test_the_cli_and_the_library_build_the_same_config():
     config = config_from_args(args)
     assert config.training.epochs == 2 and config.online.enabled
     assert config == TrainJobConfig.from_dict(
-        {"model": {"verifier_name_or_path": "m"}, "training": {"epochs": 2}, "online": {"enabled": True}}
+        {
+            "model": {"verifier_name_or_path": "m"},
+            "training": {"epochs": 2},
+            "online": {"enabled": True},
+        }
     )
     assert Path(config.checkpoint.save_path) == Path("./checkpoints")

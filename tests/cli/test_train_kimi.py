@@ -10,7 +10,9 @@ from tests.kimi_variants import int4_variant, with_remote_code
 from tests.training_fixtures import train_args, write_dataset, write_vocab_maps
 
 
-def test_train_on_the_kimi_wrapper_and_refuse_a_quantized_head(tiny_kimi_k25, tiny_deepseek_v3, tmp_path, capsys):
+def test_train_on_the_kimi_wrapper_and_refuse_a_quantized_head(
+    tiny_kimi_k25, tiny_deepseek_v3, tmp_path, capsys
+):
     data = write_dataset(tiny_deepseek_v3, tmp_path / "data", [30, 45, 52], layer_ids=[0, 1, 1, 2])
     write_vocab_maps(data, 512, tmp_path)
     kimi = with_remote_code(tiny_kimi_k25, tmp_path / "kimi")
@@ -28,5 +30,7 @@ def test_train_on_the_kimi_wrapper_and_refuse_a_quantized_head(tiny_kimi_k25, ti
     refused = tmp_path / "refused"
     assert main(train_args(int4, data, refused)) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "LM head language_model.lm_head" in err[0] and "weight_packed" in err[0], err
+    assert (
+        len(err) == 1 and "LM head language_model.lm_head" in err[0] and "weight_packed" in err[0]
+    ), err
     assert not refused.exists()

@@ -13,7 +13,9 @@ from tests.convert.test_converters import H, eagle3_checkpoint
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
 
 
 def no_leftovers(parent: Path) -> None:
@@ -30,7 +32,9 @@ def test_input_and_verifier_folders_are_never_written(tmp_path, verifier):
     before = snapshot(verifier), snapshot(source)
     for target in (verifier, source, tmp_path, verifier / "sub"):
         with pytest.raises(ValueError, match="would overwrite"):
-            convert_model(str(source), str(verifier), "eagle3", output_path=str(target), overwrite=True)
+            convert_model(
+                str(source), str(verifier), "eagle3", output_path=str(target), overwrite=True
+            )
     assert (snapshot(verifier), snapshot(source)) == before
 
 
@@ -99,8 +103,16 @@ def test_cli_errors_are_one_line_with_exit_2(tmp_path, verifier):
     runner = CliRunner()
     result = runner.invoke(
         app,
-        ["convert", str(source), "--verifier", str(verifier), "--algorithm", "eagle3",
-         "--output-path", str(tmp_path / "out")],
+        [
+            "convert",
+            str(source),
+            "--verifier",
+            str(verifier),
+            "--algorithm",
+            "eagle3",
+            "--output-path",
+            str(tmp_path / "out"),
+        ],
     )
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
@@ -108,8 +120,16 @@ def test_cli_errors_are_one_line_with_exit_2(tmp_path, verifier):
     assert "Traceback" not in result.output and not (tmp_path / "out").exists()
     result = runner.invoke(
         app,
-        ["convert", str(source), "--verifier", str(verifier), "--algorithm", "eagle3",
-         "--output-path", str(verifier)],
+        [
+            "convert",
+            str(source),
+            "--verifier",
+            str(verifier),
+            "--algorithm",
+            "eagle3",
+            "--output-path",
+            str(verifier),
+        ],
     )
     assert result.exit_code == 2 and "would overwrite" in result.output
 
@@ -129,8 +149,17 @@ def test_a_folder_already_converted_is_named_as_such_in_one_line(tmp_path, verif
     app.command()(convert)
     app.command("noop")(lambda: None)
     result = CliRunner().invoke(
-        app, ["convert", str(done), "--verifier", str(verifier), "--algorithm", algorithm,
-              "--output-path", str(tmp_path / "again")],
+        app,
+        [
+            "convert",
+            str(done),
+            "--verifier",
+            str(verifier),
+            "--algorithm",
+            algorithm,
+            "--output-path",
+            str(tmp_path / "again"),
+        ],
     )
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert result.exit_code == 2 and len(lines) == 1, result.output

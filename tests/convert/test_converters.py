@@ -78,7 +78,10 @@ def _write(folder: Path, config: dict, weights: dict, as_bin: bool) -> Path:
 
 def eagle1_checkpoint(folder: Path, hass: bool = False) -> tuple[Path, dict]:
     """EAGLE-1 release layout (pytorch_model.bin); HASS adds fc.bias and three norms."""
-    weights = {"fc.weight": torch.randn(H, 2 * H) * 0.02, "embed_tokens.weight": torch.randn(VOCAB, H)}
+    weights = {
+        "fc.weight": torch.randn(H, 2 * H) * 0.02,
+        "embed_tokens.weight": torch.randn(VOCAB, H),
+    }
     weights.update(_layer("layers.0.", H, input_norm=False))
     if hass:
         weights["fc.bias"] = torch.randn(H) * 0.02
@@ -250,7 +253,9 @@ def test_eagle_malformed_checkpoints(tmp_path: Path, verifier: Path) -> None:
     with pytest.raises(ValueError, match="unsupported algorithm"):
         convert_model(str(source), str(verifier), "medusa", output_path=str(tmp_path / "o5"))
     with pytest.raises(ValueError, match="verifier config"):
-        convert_model(str(source), str(tmp_path / "no_verifier"), "eagle", output_path=str(tmp_path / "o6"))
+        convert_model(
+            str(source), str(tmp_path / "no_verifier"), "eagle", output_path=str(tmp_path / "o6")
+        )
 
 
 # ---------------------------------------------------------------- EAGLE-3
@@ -285,7 +290,7 @@ def test_eagle3_conversion(tmp_path: Path, verifier: Path, reduced_vocab: bool) 
 
     saved = load_file(str(out / "model.safetensors"))
     expected = {
-        (("layers.0." + k[len("midlayer."):]) if k.startswith("midlayer.") else k): v
+        (("layers.0." + k[len("midlayer.") :]) if k.startswith("midlayer.") else k): v
         for k, v in research.items()
     }
     if not reduced_vocab:  # identity maps and the verifier's embeddings are filled in
@@ -382,8 +387,18 @@ def test_cli_convert(tmp_path: Path, verifier: Path) -> None:
     runner = CliRunner()
     result = runner.invoke(
         app,
-        ["convert", str(source), "--verifier", str(verifier), "--algorithm", "eagle",
-         "--output-path", str(out), "--algorithm-kwargs", '{"fusion_bias": true}'],
+        [
+            "convert",
+            str(source),
+            "--verifier",
+            str(verifier),
+            "--algorithm",
+            "eagle",
+            "--output-path",
+            str(out),
+            "--algorithm-kwargs",
+            '{"fusion_bias": true}',
+        ],
     )
     assert result.exit_code == 0, result.output
     assert json.loads((out / "config.json").read_text())["fusion_bias"] is True
@@ -393,7 +408,15 @@ def test_cli_convert(tmp_path: Path, verifier: Path) -> None:
     assert bad.exit_code != 0 and "medusa" in bad.output
     bad = runner.invoke(
         app,
-        ["convert", str(source), "--verifier", str(verifier), "--algorithm", "eagle",
-         "--algorithm-kwargs", "[1]"],
+        [
+            "convert",
+            str(source),
+            "--verifier",
+            str(verifier),
+            "--algorithm",
+            "eagle",
+            "--algorithm-kwargs",
+            "[1]",
+        ],
     )
     assert bad.exit_code != 0

@@ -25,8 +25,13 @@ H, VOCAB, DRAFT_VOCAB = 64, 96, 32
 
 def layer_config() -> LlamaConfig:
     config = LlamaConfig(
-        hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        num_hidden_layers=1, vocab_size=VOCAB, max_position_embeddings=128,
+        hidden_size=H,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=1,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
     )
     config._attn_implementation = "eager"
     return config
@@ -51,7 +56,10 @@ def test_import_paths_of_0_3_0():
 
     assert legacy.__all__ == ["Eagle3Speculator"]
     assert legacy.Eagle3Speculator is Eagle3Speculator
-    assert legacy.Eagle3DecoderLayer is Eagle3DecoderLayer and legacy.Eagle3Attention is Eagle3Attention
+    assert (
+        legacy.Eagle3DecoderLayer is Eagle3DecoderLayer
+        and legacy.Eagle3Attention is Eagle3Attention
+    )
     # Not registered: EAGLE-3 folders load as Eagle3DraftModel.
     assert Eagle3Speculator not in SpeculatorModel.registered_classes()
 
@@ -88,7 +96,9 @@ def test_speculator_weights_load_into_eagle3_draft_model(tmp_path: Path):
         assert torch.equal(state[name], tensor), name
     again = Eagle3Speculator.from_pretrained(tmp_path)
     assert all(torch.equal(again.state_dict()[k], v) for k, v in legacy.state_dict().items())
-    without_maps = Eagle3Speculator(make_config(), reduce_vocab_size=False, has_drafter_embedding=False)
+    without_maps = Eagle3Speculator(
+        make_config(), reduce_vocab_size=False, has_drafter_embedding=False
+    )
     assert not {"d2t", "t2d", "embed_tokens.weight"} & set(without_maps.state_dict())
 
 
@@ -103,7 +113,9 @@ def test_forward_is_causal_and_caches():
         prefix = model(ids[:, :4], hidden[:, :4]).logits
         assert torch.allclose(prefix, full[:, :4], atol=1e-5)
         first = model(ids[:, :4], hidden[:, :4], use_cache=True)
-        rest = model(ids[:, 4:], hidden[:, 4:], past_key_values=first.past_key_values, use_cache=True)
+        rest = model(
+            ids[:, 4:], hidden[:, 4:], past_key_values=first.past_key_values, use_cache=True
+        )
         assert torch.allclose(rest.logits, full[:, 4:], atol=1e-5)
     with pytest.raises(ValueError, match="do not pair"):
         model(ids, hidden[:, :3])

@@ -8,7 +8,10 @@ import pytest
 import torch
 
 from speculators_vllm016.data_generation import cpu_defaults
-from speculators_vllm016.data_generation.cpu_defaults import cpu_vector_flags, slow_cpu_dtype_warning
+from speculators_vllm016.data_generation.cpu_defaults import (
+    cpu_vector_flags,
+    slow_cpu_dtype_warning,
+)
 
 
 NAMES = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_MLA_DISABLE")

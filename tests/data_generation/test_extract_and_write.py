@@ -45,8 +45,11 @@ class ReversedGenerator:
                     raise RuntimeError("engine worker died")
                 self.fail_after -= 1
             ids = sequences[offset]
-            yield offset, HiddenStatesResult(
-                input_ids=torch.tensor(ids, dtype=torch.long), hidden_states=states_of(ids)
+            yield (
+                offset,
+                HiddenStatesResult(
+                    input_ids=torch.tensor(ids, dtype=torch.long), hidden_states=states_of(ids)
+                ),
             )
 
 
@@ -66,7 +69,12 @@ def test_each_result_is_written_under_its_requests_index_with_its_mask(tmp_path,
     generator = ReversedGenerator()
 
     totals = extract_and_write(
-        generator, batches, tmp_path, output_format, batch_size=3, num_writer_threads=2,
+        generator,
+        batches,
+        tmp_path,
+        output_format,
+        batch_size=3,
+        num_writer_threads=2,
         show_progress=False,
     )
 
@@ -91,8 +99,12 @@ def test_a_dying_engine_raises_and_leaves_only_whole_files(tmp_path):
     all_requests = requests(6)
     with pytest.raises(RuntimeError, match="engine worker died"):
         extract_and_write(
-            ReversedGenerator(fail_after=4), [all_requests[:3], all_requests[3:]], tmp_path, "pt",
-            batch_size=3, show_progress=False,
+            ReversedGenerator(fail_after=4),
+            [all_requests[:3], all_requests[3:]],
+            tmp_path,
+            "pt",
+            batch_size=3,
+            show_progress=False,
         )
     written = existing_sample_indices(tmp_path, "pt")
     assert written == {100, 101, 102, 105}  # batch 1, then the first result of batch 2

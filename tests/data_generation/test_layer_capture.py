@@ -57,7 +57,10 @@ def test_pipeline_placeholders_are_not_owned():
 
 def test_error_names_the_model_class_and_what_is_missing():
     model = causal_lm(2)
-    with pytest.raises(UnsupportedModelError, match=r"Module.*no module list.*6 decoder layers.*model\.layers \(2\)"):
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"Module.*no module list.*6 decoder layers.*model\.layers \(2\)",
+    ):
         find_decoder_layers(model, 6)
 
 

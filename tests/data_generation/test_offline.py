@@ -56,15 +56,24 @@ def options_for(tiny_llama, chat_file, output_dir, **overrides) -> DatagenOption
 
 def cli_args(options: DatagenOptions) -> list[str]:
     return [
-        "--target-model-path", options.target_model_path,
-        "--train-data-path", options.train_data_path,
-        "--output-dir", options.output_dir,
-        "--seq-length", str(options.seq_length),
-        "--batch-size", str(options.batch_size),
-        "--dtype", options.dtype,
-        "--token-freq-path", options.token_freq_path,
-        "--hf-cache-dir", options.hf_cache_dir,
-        "--num-preprocessing-workers", "1",
+        "--target-model-path",
+        options.target_model_path,
+        "--train-data-path",
+        options.train_data_path,
+        "--output-dir",
+        options.output_dir,
+        "--seq-length",
+        str(options.seq_length),
+        "--batch-size",
+        str(options.batch_size),
+        "--dtype",
+        options.dtype,
+        "--token-freq-path",
+        options.token_freq_path,
+        "--hf-cache-dir",
+        options.hf_cache_dir,
+        "--num-preprocessing-workers",
+        "1",
         "--no-progress",
     ]
 
@@ -123,7 +132,9 @@ def test_an_unsharded_run_writes_its_counts_exactly_at_token_freq_path(reference
 
     output, _ = reference_run
     wanted = output.parent / f"{output.name}_token_freq.pt"  # what `options_for` passes
-    written = sorted(p.name for p in output.parent.iterdir() if p.name.startswith(output.name + "_"))
+    written = sorted(
+        p.name for p in output.parent.iterdir() if p.name.startswith(output.name + "_")
+    )
     assert written == [wanted.name]
     counts = read_token_counts(wanted)
     assert counts and counts == load_token_freq(output)  # the run's own counts
@@ -158,8 +169,11 @@ def test_sample_ids_and_masks_are_the_preprocessing_output_row_by_row(
     output, _ = reference_run
     options = options_for(tiny_llama, chat_file, output)
     dataset, _ = load_and_preprocess_dataset(
-        options.target_model_path, options.train_data_path, seq_length=options.seq_length,
-        build_dataset_num_proc=1, token_freq_path=str(tmp_path / "token_freq.pt"),
+        options.target_model_path,
+        options.train_data_path,
+        seq_length=options.seq_length,
+        build_dataset_num_proc=1,
+        token_freq_path=str(tmp_path / "token_freq.pt"),
         cache_dir=options.hf_cache_dir,
     )
     assert len(dataset) == len(sample_files(output))
@@ -180,7 +194,9 @@ def test_sample_ids_and_masks_are_the_preprocessing_output_row_by_row(
         truncated = len(ids) == options.seq_length
         assert decoded[:-1] == expected[: len(decoded) - 1], f"row {index}"
         if truncated:
-            assert expected[len(decoded) - 1].startswith(decoded[-1].rstrip("\ufffd")), f"row {index}"
+            assert expected[len(decoded) - 1].startswith(decoded[-1].rstrip("\ufffd")), (
+                f"row {index}"
+            )
         else:
             assert decoded == expected, f"row {index}"
 
@@ -198,10 +214,14 @@ def test_shards_together_equal_the_unsharded_run(reference_run, tiny_llama, chat
     assert_same_dataset(sharded, reference)
 
 
-def partly_written_batches(directory: Path, batch_size: int, total: int, missing: int = 1) -> list[int]:
+def partly_written_batches(
+    directory: Path, batch_size: int, total: int, missing: int = 1
+) -> list[int]:
     """Batches (by number) of which some files exist and at least `missing` do not."""
-    present = {int(name[len("data_"):-len(".pt")]) for name in sample_files(directory)}
-    batches = [range(start, min(start + batch_size, total)) for start in range(0, total, batch_size)]
+    present = {int(name[len("data_") : -len(".pt")]) for name in sample_files(directory)}
+    batches = [
+        range(start, min(start + batch_size, total)) for start in range(0, total, batch_size)
+    ]
     return [
         number
         for number, batch in enumerate(batches)
@@ -235,7 +255,9 @@ runpy.run_module("speculators_vllm016", run_name="__main__", alter_sys=True)
 """
 
 
-def test_killed_runs_resume_to_the_uninterrupted_result(reference_run, tiny_llama, chat_file, tmp_path):
+def test_killed_runs_resume_to_the_uninterrupted_result(
+    reference_run, tiny_llama, chat_file, tmp_path
+):
     """Killed (SIGKILL) twice part-way through a batch, then resumed: the same files as one run.
 
     Each kill waits for files on disk, not for a timer: the first comes once some batch is partly
@@ -246,7 +268,15 @@ def test_killed_runs_resume_to_the_uninterrupted_result(reference_run, tiny_llam
     options = options_for(tiny_llama, chat_file, tmp_path / "killed")
     output = Path(options.output_dir)
     command = [sys.executable, "-m", "speculators_vllm016", "datagen", *cli_args(options)]
-    slow = [sys.executable, "-c", _SLOW_RENAMES, "datagen", *cli_args(options), "--num-writer-threads", "1"]
+    slow = [
+        sys.executable,
+        "-c",
+        _SLOW_RENAMES,
+        "datagen",
+        *cli_args(options),
+        "--num-writer-threads",
+        "1",
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     partial_at_kill = []
     for minimum in (1, total // 2):
@@ -257,7 +287,9 @@ def test_killed_runs_resume_to_the_uninterrupted_result(reference_run, tiny_llam
             # Two files short: one more rename before the kill lands cannot complete the batch.
             return bool(partly_written_batches(output, options.batch_size, total, missing=2))
 
-        process = subprocess.Popen(slow, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        process = subprocess.Popen(
+            slow, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         kill_when(process, ready)
         files = sample_files(output)
         assert minimum <= len(files) < total, f"{len(files)} files at the kill"
@@ -270,9 +302,11 @@ def test_killed_runs_resume_to_the_uninterrupted_result(reference_run, tiny_llam
 
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
-    summary = json.loads(next(
-        line for line in completed.stdout.splitlines() if line.startswith("SUMMARY ")
-    )[len("SUMMARY "):])
+    summary = json.loads(
+        next(line for line in completed.stdout.splitlines() if line.startswith("SUMMARY "))[
+            len("SUMMARY ") :
+        ]
+    )
     assert summary["samples_already_present"] == present_before_resume > 0
     assert summary["samples_written"] == total - present_before_resume
     assert_same_dataset(output, reference)
@@ -286,6 +320,8 @@ def test_resume_of_a_finished_run_does_nothing_and_a_different_run_is_refused(
     summary = run_datagen(options_for(tiny_llama, chat_file, reference))
     assert summary.samples_written == 0
     assert summary.samples_already_present == NUM_ROWS - len(MALFORMED)
-    assert {name: (reference / name).stat().st_mtime_ns for name in sample_files(reference)} == before
+    assert {
+        name: (reference / name).stat().st_mtime_ns for name in sample_files(reference)
+    } == before
     with pytest.raises(ValueError, match="different run.*seq_length"):
         run_datagen(options_for(tiny_llama, chat_file, reference, seq_length=128))

@@ -101,7 +101,7 @@ def test_manifest_lists_every_whole_sample_with_its_length_size_and_hash(referen
 
 # -- item 1: shards sharing one folder (the README's recipe) -----------------------------------
 
-GATE_HOOK = '''
+GATE_HOOK = """
 import os, time
 _gate = os.environ.get("TEST_RENAME_GATE")
 if _gate:
@@ -114,7 +114,7 @@ if _gate:
                 time.sleep(0.05)
         return _replace(src, dst, *args, **kwargs)
     os.replace = _gated
-'''
+"""
 
 
 def _wait_for(condition, processes, what: str, timeout: float = 900) -> None:
@@ -154,15 +154,39 @@ def test_two_shards_in_one_folder_both_finish_and_equal_the_unsharded_run(
 
     def shard(index: int) -> subprocess.Popen:
         command = [
-            sys.executable, "-m", "speculators_vllm016", "datagen",
-            "--target-model-path", str(tiny_llama), "--train-data-path", str(chats),
-            "--output-dir", str(output), "--num-shards", "2", "--shard-index", str(index),
+            sys.executable,
+            "-m",
+            "speculators_vllm016",
+            "datagen",
+            "--target-model-path",
+            str(tiny_llama),
+            "--train-data-path",
+            str(chats),
+            "--output-dir",
+            str(output),
+            "--num-shards",
+            "2",
+            "--shard-index",
+            str(index),
             # the tiny model's settings:
-            "--seq-length", "255", "--batch-size", "4", "--dtype", "float32",
-            "--max-samples", str(NUM_ROWS), "--num-preprocessing-workers", "1", "--no-progress",
+            "--seq-length",
+            "255",
+            "--batch-size",
+            "4",
+            "--dtype",
+            "float32",
+            "--max-samples",
+            str(NUM_ROWS),
+            "--num-preprocessing-workers",
+            "1",
+            "--no-progress",
         ]
         return subprocess.Popen(
-            command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            command,
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             text=True,
         )
 
@@ -205,7 +229,9 @@ def test_damaged_files_are_recomputed_on_resume(reference, tiny_llama, chats, tm
     assert records["data_5.pt"].bytes == (folder / "data_5.pt").stat().st_size
 
 
-def test_a_resume_computes_only_the_missing_sample(reference, tiny_llama, chats, tmp_path, monkeypatch):
+def test_a_resume_computes_only_the_missing_sample(
+    reference, tiny_llama, chats, tmp_path, monkeypatch
+):
     """#37 item 19: one file of a finished run deleted; the rerun sends exactly that sample to
     the engine (not its whole batch of 4) and the folder equals the uninterrupted run, bit for bit."""
     from speculators_vllm016.data_generation.vllm_hidden_states_generator import (

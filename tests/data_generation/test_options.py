@@ -18,15 +18,31 @@ REQUIRED = ["--target-model-path", "m", "--train-data-path", "d", "--output-dir"
 
 
 def test_every_datagen_flag_lands_in_exactly_one_part():
-    args = build_parser().parse_args([*REQUIRED, "--seq-length", "300", "--dtype", "float32",
-                                      "--batch-size", "4", "--no-progress", "--layer-ids", "1", "2"])
+    args = build_parser().parse_args(
+        [
+            *REQUIRED,
+            "--seq-length",
+            "300",
+            "--dtype",
+            "float32",
+            "--batch-size",
+            "4",
+            "--no-progress",
+            "--layer-ids",
+            "1",
+            "2",
+        ]
+    )
     options = DatagenOptions.from_args(args)
     assert options.engine.dtype == "float32" and options.engine.target_model_path == "m"
     assert options.preprocessing.seq_length == 300
     assert options.output.batch_size == 4 and options.output.layer_ids == [1, 2]
     assert options.output.show_progress is False
-    names = [item.name for part in (EngineOptions, PreprocessingOptions, OutputOptions)
-             for item in fields(part)]
+    names = [
+        item.name
+        for part in (EngineOptions, PreprocessingOptions, OutputOptions)
+        for item in fields(part)
+    ]
     assert len(names) == len(set(names))
     flags = set(vars(args)) - {"debug", "no_progress", "verbose"}  # console-only flags
     assert flags == set(names) - {"show_progress"}
@@ -43,12 +59,15 @@ def test_overrides_win_and_unknown_names_are_refused():
 
 
 def test_flat_names_read_and_write_the_parts():
-    options = DatagenOptions(target_model_path="m", train_data_path="d", output_dir="o", seq_length=9)
+    options = DatagenOptions(
+        target_model_path="m", train_data_path="d", output_dir="o", seq_length=9
+    )
     assert options.seq_length == 9 and options.resolved_max_model_len == 10
     options.transfer_root = "/x"
     assert options.engine.transfer_root == "/x"
     parts = DatagenOptions(
-        engine=EngineOptions("m"), preprocessing=PreprocessingOptions("d", seq_length=9),
+        engine=EngineOptions("m"),
+        preprocessing=PreprocessingOptions("d", seq_length=9),
         output=OutputOptions("o"),
     )
     parts.transfer_root = "/x"

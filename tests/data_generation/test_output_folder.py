@@ -19,7 +19,10 @@ from speculators_vllm016.data_generation.resume import RunIdentity
 def test_a_held_shard_is_refused_in_the_words_of_the_flag(tmp_path):
     with DatagenFolder(tmp_path, flag="--cache-dir") as first:
         first.lock()
-        with pytest.raises(FolderInUse, match=rf"another process is using --cache-dir {tmp_path}; .* another --cache-dir"):
+        with pytest.raises(
+            FolderInUse,
+            match=rf"another process is using --cache-dir {tmp_path}; .* another --cache-dir",
+        ):
             DatagenFolder(tmp_path, flag="--cache-dir").lock()
     with DatagenFolder(tmp_path, shard_index=1, num_shards=2) as first:
         first.lock()
@@ -35,11 +38,16 @@ def test_another_runs_folder_is_named_by_its_flag(tmp_path):
     folder.record_identity(identity)
     assert folder.check_identity(identity) is False
     other = RunIdentity(compared={"samples_sha256": "b"}, informational={})
-    with pytest.raises(ValueError, match=rf"^--cache-dir {tmp_path} holds samples of a different run .*another --cache-dir"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^--cache-dir {tmp_path} holds samples of a different run .*another --cache-dir",
+    ):
         folder.check_identity(other)
     (tmp_path / ".datagen_state.json").unlink()
     (tmp_path / "data_0.pt").write_bytes(b"")
-    with pytest.raises(ValueError, match="no record of the run that wrote them; use an empty --cache-dir"):
+    with pytest.raises(
+        ValueError, match="no record of the run that wrote them; use an empty --cache-dir"
+    ):
         folder.check_identity(identity)
     with pytest.raises(ValueError, match="no record of the run .*pass --adopt-existing"):
         DatagenFolder(tmp_path).check_identity(identity, adopt_existing=False)
@@ -55,7 +63,8 @@ def test_prepare_refuses_a_file_in_the_words_of_the_flag(tmp_path):
 def test_data_config_is_read_back_typed(tmp_path):
     assert read_data_config(tmp_path) is None
     written = DataGenerationConfig(
-        version="2.0", hidden_states=HiddenStatesConfig(layer_ids=[2, 2, 1, 3]),
+        version="2.0",
+        hidden_states=HiddenStatesConfig(layer_ids=[2, 2, 1, 3]),
         format=FormatConfig.create_default(4, 8),
     )
     (tmp_path / "data_config.json").write_text(json.dumps(written.to_dict()))
@@ -65,9 +74,15 @@ def test_data_config_is_read_back_typed(tmp_path):
 
 
 def test_older_and_partial_data_configs_stay_readable(tmp_path):
-    (tmp_path / "data_config.json").write_text(json.dumps(
-        {"version": "2.0", "hidden_states": {"layer_ids": [1, 2], "description": "x"}, "model": 3}
-    ))
+    (tmp_path / "data_config.json").write_text(
+        json.dumps(
+            {
+                "version": "2.0",
+                "hidden_states": {"layer_ids": [1, 2], "description": "x"},
+                "model": 3,
+            }
+        )
+    )
     config = read_data_config(tmp_path)
     assert config.hidden_states.layer_ids == [1, 2]
     assert config.hidden_states.before_final_norm is True  # every datagen stored pre-norm states

@@ -56,7 +56,9 @@ def runs_of_ones(mask: list[int]) -> list[tuple[int, int]]:
 
 
 def test_loss_mask_is_exactly_the_assistant_tokens(tokenizer):
-    dataset = build_eagle3_dataset(Dataset.from_list([{"conversations": SHAREGPT}]), tokenizer, num_proc=1)
+    dataset = build_eagle3_dataset(
+        Dataset.from_list([{"conversations": SHAREGPT}]), tokenizer, num_proc=1
+    )
     ids = dataset[0]["input_ids"].tolist()
     mask = dataset[0]["loss_mask"].tolist()
     assert len(ids) == len(mask)
@@ -89,7 +91,9 @@ def test_assistant_pattern_overrides_the_template(tokenizer):
 
 
 def test_truncation_to_seq_length(tokenizer):
-    full = build_eagle3_dataset(Dataset.from_list([{"conversations": SHAREGPT}]), tokenizer, num_proc=1)
+    full = build_eagle3_dataset(
+        Dataset.from_list([{"conversations": SHAREGPT}]), tokenizer, num_proc=1
+    )
     cut = full[0]["loss_mask"].tolist().index(1) + 3  # keeps a few assistant tokens
     short = build_eagle3_dataset(
         Dataset.from_list([{"conversations": SHAREGPT}]), tokenizer, max_length=cut, num_proc=1
@@ -138,15 +142,23 @@ def test_rows_emptied_by_truncation_are_counted_in_the_result(tiny_llama, tmp_pa
     data = tmp_path / "chats.jsonl"
     data.write_text("\n".join(json.dumps({"conversations": turns}) for turns in rows))
     result = load_and_preprocess(
-        str(tiny_llama), str(data), seq_length=128, build_dataset_num_proc=1,
-        token_freq_path=None, cache_dir=str(tmp_path / "cache"),
+        str(tiny_llama),
+        str(data),
+        seq_length=128,
+        build_dataset_num_proc=1,
+        token_freq_path=None,
+        cache_dir=str(tmp_path / "cache"),
     )
     assert len(result.dataset) == 2 and result.skipped_rows == 2
     assert result.tokenizer is not None and result.tokenizer.chat_template is not None
     # 0.3.0's entry point gives the same samples as (dataset, tokenizer).
     dataset, tokenizer = load_and_preprocess_dataset(
-        str(tiny_llama), str(data), seq_length=128, build_dataset_num_proc=1,
-        token_freq_path=None, cache_dir=str(tmp_path / "cache"),
+        str(tiny_llama),
+        str(data),
+        seq_length=128,
+        build_dataset_num_proc=1,
+        token_freq_path=None,
+        cache_dir=str(tmp_path / "cache"),
     )
     assert dataset["source_row"] == result.dataset["source_row"]
     assert tokenizer.name_or_path == result.tokenizer.name_or_path
@@ -163,7 +175,10 @@ def test_local_files_in_both_shapes(tmp_path):
     sharegpt.write_text(json.dumps({"conversations": SHAREGPT}) + "\n")
     messages = tmp_path / "messages.json"
     as_messages = [
-        {"role": {"human": "user", "gpt": "assistant"}.get(t["from"], t["from"]), "content": t["value"]}
+        {
+            "role": {"human": "user", "gpt": "assistant"}.get(t["from"], t["from"]),
+            "content": t["value"],
+        }
         for t in SHAREGPT
     ]
     messages.write_text(json.dumps([{"messages": as_messages}]))
@@ -191,8 +206,12 @@ def test_load_and_preprocess_and_token_frequencies(tiny_llama, tmp_path):
     data.write_text("\n".join(json.dumps({"conversations": SHAREGPT}) for _ in range(4)))
     freq_path = tmp_path / "token_freq.pt"
     dataset, tok = load_and_preprocess_dataset(
-        str(tiny_llama), str(data), seq_length=512, build_dataset_num_proc=1,
-        token_freq_path=str(freq_path), cache_dir=str(tmp_path / "cache"),
+        str(tiny_llama),
+        str(data),
+        seq_length=512,
+        build_dataset_num_proc=1,
+        token_freq_path=str(freq_path),
+        cache_dir=str(tmp_path / "cache"),
     )
     assert len(dataset) == 4
     frequencies = torch.load(freq_path, weights_only=True)
@@ -203,8 +222,12 @@ def test_load_and_preprocess_and_token_frequencies(tiny_llama, tmp_path):
     # A stale file is replaced, not reused (0.3.0 kept whatever was there): the same call again.
     torch.save({0: 1}, freq_path)
     load_and_preprocess_dataset(
-        str(tiny_llama), str(data), seq_length=512, build_dataset_num_proc=1,
-        token_freq_path=str(freq_path), cache_dir=str(tmp_path / "cache"),
+        str(tiny_llama),
+        str(data),
+        seq_length=512,
+        build_dataset_num_proc=1,
+        token_freq_path=str(freq_path),
+        cache_dir=str(tmp_path / "cache"),
     )
     assert torch.load(freq_path, weights_only=True) == frequencies
     # The saver on its own also replaces a stale file.
@@ -221,7 +244,12 @@ def test_a_file_mixing_both_row_shapes_keeps_every_row(tokenizer, tmp_path):
         for t in SHAREGPT[1:]
     ]
     path = tmp_path / "mixed.jsonl"
-    path.write_text(json.dumps({"conversations": SHAREGPT}) + "\n" + json.dumps({"messages": as_messages}) + "\n")
+    path.write_text(
+        json.dumps({"conversations": SHAREGPT})
+        + "\n"
+        + json.dumps({"messages": as_messages})
+        + "\n"
+    )
     raw = load_raw_dataset(str(path), cache_dir=str(tmp_path / "cache"))
     assert {"conversations", "messages"} <= set(raw.column_names)
     result = preprocess_conversations(raw, tokenizer, num_proc=1)

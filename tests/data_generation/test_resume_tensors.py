@@ -31,8 +31,11 @@ class StandIn:
         for k, ids in enumerate(sequences):
             seed = torch.Generator().manual_seed(sum(ids))
             states = torch.randn(self.layers, len(ids), self.hidden_size, generator=seed)
-            yield k, HiddenStatesResult(
-                input_ids=torch.tensor(ids), hidden_states=list(states.to(self.dtype).unbind(0))
+            yield (
+                k,
+                HiddenStatesResult(
+                    input_ids=torch.tensor(ids), hidden_states=list(states.to(self.dtype).unbind(0))
+                ),
             )
 
     def close(self) -> None:
@@ -57,12 +60,20 @@ def run(tiny_llama, tmp_path, monkeypatch):
 
     def go(makes: torch.dtype, **flags):
         engines_dtype[0] = makes
-        return run_datagen(DatagenOptions(
-            target_model_path=str(tiny_llama), train_data_path=str(chats),
-            output_dir=str(tmp_path / "out"), seq_length=64, batch_size=4, max_samples=ROWS,
-            hf_cache_dir=str(tmp_path / "hf"), num_preprocessing_workers=1, show_progress=False,
-            **flags,
-        ))
+        return run_datagen(
+            DatagenOptions(
+                target_model_path=str(tiny_llama),
+                train_data_path=str(chats),
+                output_dir=str(tmp_path / "out"),
+                seq_length=64,
+                batch_size=4,
+                max_samples=ROWS,
+                hf_cache_dir=str(tmp_path / "hf"),
+                num_preprocessing_workers=1,
+                show_progress=False,
+                **flags,
+            )
+        )
 
     go.folder = tmp_path / "out"
     go.engines = engines
@@ -80,11 +91,14 @@ def test_a_resume_whose_engine_makes_another_dtype_is_refused_before_it_writes(r
     for index in (5, 6):  # a run stopped before its last batch
         (folder / f"data_{index}.pt").unlink()
     # The same command, but `auto` now resolves to bfloat16 (config edited, another device).
-    with pytest.raises(ValueError, match=(
-        rf"^--output-dir {folder} holds samples of a different run \(data_0.pt holds "
-        r"torch.float32 hidden states \d+ wide; this run's engine makes torch.bfloat16, \d+ wide: "
-        r"another --dtype, model or device\); use another --output-dir or remove it$"
-    )):
+    with pytest.raises(
+        ValueError,
+        match=(
+            rf"^--output-dir {folder} holds samples of a different run \(data_0.pt holds "
+            r"torch.float32 hidden states \d+ wide; this run's engine makes torch.bfloat16, \d+ wide: "
+            r"another --dtype, model or device\); use another --output-dir or remove it$"
+        ),
+    ):
         run(torch.bfloat16)
     assert not (folder / "data_5.pt").exists() and dtypes(folder) == {torch.float32}
     # The engine that makes what the folder holds finishes it.
@@ -121,6 +135,8 @@ def test_a_complete_folder_starts_no_engine_and_a_folder_of_before_resumes(run):
 def test_another_dtype_flag_is_refused_before_the_engine_starts(run):
     run(torch.float32, dtype="float32")
     (run.folder / "data_1.pt").unlink()
-    with pytest.raises(ValueError, match="different run \\(dtype: was 'float32', now 'bfloat16'\\)"):
+    with pytest.raises(
+        ValueError, match="different run \\(dtype: was 'float32', now 'bfloat16'\\)"
+    ):
         run(torch.bfloat16, dtype="bfloat16")
     assert len(run.engines) == 1

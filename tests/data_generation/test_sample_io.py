@@ -137,7 +137,10 @@ def test_a_process_killed_mid_write_leaves_nothing_under_the_final_name(tmp_path
     """The bytes go to another file first: a kill half-way leaves no `data_0.*` at all."""
     completed = subprocess.run(
         [sys.executable, "-c", _KILLED_MID_WRITE, str(tmp_path), output_format],
-        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
     )
     assert completed.returncode == 9, completed.stderr[-2000:]
     # While half the bytes were on disk: nothing under the final name, one other (temporary) file.

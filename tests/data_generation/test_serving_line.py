@@ -21,8 +21,12 @@ def refused_run(model, tmp_path, caplog) -> str:
     output.mkdir()
     (output / "data_0.pt").write_bytes(b"not ours")
     options = DatagenOptions(
-        target_model_path=str(model), train_data_path=str(chats), output_dir=str(output),
-        seq_length=64, num_preprocessing_workers=1, show_progress=False,
+        target_model_path=str(model),
+        train_data_path=str(chats),
+        output_dir=str(output),
+        seq_length=64,
+        num_preprocessing_workers=1,
+        show_progress=False,
     )
     with caplog.at_level(logging.INFO), pytest.raises(ValueError, match="no record of the run"):
         run_datagen(options)
@@ -40,7 +44,9 @@ def test_kimi_k25_with_and_without_the_plugin(tiny_kimi_k25, tmp_path, caplog, m
     caplog.clear()
     monkeypatch.setenv("SPECULATORS_VLLM_PLUGIN", "0")
     line = refused_run(tiny_kimi_k25, tmp_path / "off", caplog)
-    assert line.startswith("vLLM 0.16.0 cannot serve an EAGLE-3 draft for this target: text model "
-                           "type 'deepseek_v3' is not in vLLM 0.16.0's EAGLE-3 list")
+    assert line.startswith(
+        "vLLM 0.16.0 cannot serve an EAGLE-3 draft for this target: text model "
+        "type 'deepseek_v3' is not in vLLM 0.16.0's EAGLE-3 list"
+    )
     assert "KimiK25ForConditionalGeneration lacks SupportsEagle3" in line
     assert "switched off" in line

@@ -18,7 +18,9 @@ def test_shards_are_summed_and_an_empty_shard_counts_nothing(tmp_path) -> None:
     assert load_token_freq(tmp_path) == {1: 2, 5: 5}
 
 
-@pytest.mark.parametrize("damage", [b"", b"not a checkpoint", None], ids=["empty file", "garbage", "a list"])
+@pytest.mark.parametrize(
+    "damage", [b"", b"not a checkpoint", None], ids=["empty file", "garbage", "a list"]
+)
 def test_a_damaged_shard_is_named(tmp_path, damage) -> None:
     save_token_counts({1: 2}, shard_token_freq_path(tmp_path, 0, 2))
     bad = shard_token_freq_path(tmp_path, 1, 2)

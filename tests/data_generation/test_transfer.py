@@ -61,5 +61,10 @@ def test_row_counts_that_match_pass():
 @pytest.mark.parametrize("counts", [[5, 4], [0, 5], [5, 10], [0, 10]])  # [0, 10]: right total
 def test_a_row_count_mismatch_names_the_request_and_the_layer(counts):
     wrong = [layer for layer, count in zip([1, 3], counts) if count != 5]
-    with pytest.raises(RuntimeError, match=rf"request c0-1: captured {sum(counts)} rows, expected 10 .*wrong for layers {wrong}".replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(
+        RuntimeError,
+        match=rf"request c0-1: captured {sum(counts)} rows, expected 10 .*wrong for layers {wrong}".replace(
+            "[", r"\["
+        ).replace("]", r"\]"),
+    ):
         check_rows("c0-1", 5, [1, 3], _taken(counts))

@@ -140,7 +140,9 @@ class TestLlama:
             llama_generator.generate(batch), batch, llama_reference, LLAMA_LAYERS
         )
 
-    def test_stream_yields_every_input_once_and_can_stop_early(self, llama_generator, llama_reference):
+    def test_stream_yields_every_input_once_and_can_stop_early(
+        self, llama_generator, llama_reference
+    ):
         batch = mixed_batch(VOCAB, [300, 5, 77, 1, 150, 40, 260, 9, 120, 33], seed=12)
         seen = {}
         for index, result in llama_generator.generate_stream(batch):
@@ -148,14 +150,18 @@ class TestLlama:
             assert isinstance(result, HiddenStatesResult)
             seen[index] = result.to_dict()
         assert sorted(seen) == list(range(len(batch)))
-        assert_matches_reference([seen[i] for i in range(len(batch))], batch, llama_reference, LLAMA_LAYERS)
+        assert_matches_reference(
+            [seen[i] for i in range(len(batch))], batch, llama_reference, LLAMA_LAYERS
+        )
         stream = llama_generator.generate_stream(batch)
         next(stream)
         stream.close()  # abandon the rest: they are aborted, nothing leaks
         assert not llama_generator._scheduler.has_requests()
         assert llama_generator._transfer.request_files() == []
         small = [[3, 4, 5]]
-        assert_matches_reference(llama_generator.generate(small), small, llama_reference, LLAMA_LAYERS)
+        assert_matches_reference(
+            llama_generator.generate(small), small, llama_reference, LLAMA_LAYERS
+        )
 
     def test_transfer_files_are_removed(self, llama_generator):
         llama_generator.generate([[1, 2, 3], [4, 5]])
@@ -196,12 +202,16 @@ class TestQwen3PrefixCaching:
     def test_transfer_files_go_under_transfer_root(self, qwen_generator, transfer_root):
         assert qwen_generator._transfer.path.parent == transfer_root
         seen = []
-        for index, _ in qwen_generator.generate_stream(mixed_batch(VOCAB, [300, 200, 100, 50], seed=15)):
+        for index, _ in qwen_generator.generate_stream(
+            mixed_batch(VOCAB, [300, 200, 100, 50], seed=15)
+        ):
             seen.extend(p.name for p in qwen_generator._transfer.request_files())
         assert seen, "no transfer file was ever under transfer_root"
         assert qwen_generator._transfer.request_files() == []
 
-    def test_heavy_batch_with_cached_prefixes_matches_transformers(self, qwen_generator, tiny_qwen3):
+    def test_heavy_batch_with_cached_prefixes_matches_transformers(
+        self, qwen_generator, tiny_qwen3
+    ):
         reference = HFReference(tiny_qwen3)
         system = mixed_batch(VOCAB, [160], seed=5)[0]
         tails = mixed_batch(VOCAB, [3 + (29 * i) % 200 for i in range(36)], seed=6)
@@ -331,7 +341,9 @@ def deepseek_reference(tiny_deepseek_v3):
     return HFReference(tiny_deepseek_v3)
 
 
-DEEPSEEK_BATCH_LENGTHS = [1, 511, 2, 300, 17, 129, 128, 64] + [3 + (41 * i) % 240 for i in range(34)]
+DEEPSEEK_BATCH_LENGTHS = [1, 511, 2, 300, 17, 129, 128, 64] + [
+    3 + (41 * i) % 240 for i in range(34)
+]
 
 
 class TestDeepseekV3:
@@ -400,7 +412,8 @@ class TestKimiK25:
         ) as generator:
             # vLLM's class, or its EAGLE-3 subclass when this package's vLLM plugin is on.
             assert generator.model_class in {
-                "KimiK25ForConditionalGeneration", "Eagle3KimiK25ForConditionalGeneration"
+                "KimiK25ForConditionalGeneration",
+                "Eagle3KimiK25ForConditionalGeneration",
             }
             assert generator.layer_path == "language_model.model.layers"
             batch = mixed_batch(VOCAB, [1, 200, 31, 90, 5, 140], seed=11)
@@ -483,7 +496,11 @@ def test_needs_no_environment_and_workers_do_not_outlive_the_interpreter(tiny_ll
     repo = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([repo, *filter(None, [env.get("PYTHONPATH")])])
     completed = subprocess.run(
-        [sys.executable, str(path)], capture_output=True, text=True, timeout=300, check=False,
+        [sys.executable, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
         env=env,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
@@ -493,7 +510,9 @@ def test_needs_no_environment_and_workers_do_not_outlive_the_interpreter(tiny_ll
     gib = int(chosen[0].split("VLLM_CPU_KVCACHE_SPACE=")[1].split()[0])
     # Bounded (vLLM's own default would take half the RAM), and what vLLM sized the cache by.
     assert 1 <= gib <= 8 and gib * 1024**3 <= psutil.virtual_memory().total / 4
-    kv_bytes = int(next(x for x in completed.stdout.splitlines() if x.startswith("KVBYTES")).split()[1])
+    kv_bytes = int(
+        next(x for x in completed.stdout.splitlines() if x.startswith("KVBYTES")).split()[1]
+    )
     assert abs(kv_bytes - gib * 1024**3) <= 0.05 * gib * 1024**3, (kv_bytes, gib)
     line = next(x for x in completed.stdout.splitlines() if x.startswith("PIDS"))
     pids = [int(pid) for pid in line.split()[1:]]

@@ -17,9 +17,25 @@ from speculators_vllm016.data_generation.sample_io import load_sample
 pytestmark = pytest.mark.engine
 
 SMALL = [
-    "--max-samples", "64", "--seq-length", "256", "--batch-size", "16", "--output-format",
-    "safetensors", "--target-steps", "24", "--epochs", "4", "--lr", "2e-3", "--eval-prompts", "8",
-    "--max-new-tokens", "16", "--no-progress",
+    "--max-samples",
+    "64",
+    "--seq-length",
+    "256",
+    "--batch-size",
+    "16",
+    "--output-format",
+    "safetensors",
+    "--target-steps",
+    "24",
+    "--epochs",
+    "4",
+    "--lr",
+    "2e-3",
+    "--eval-prompts",
+    "8",
+    "--max-new-tokens",
+    "16",
+    "--no-progress",
 ]
 
 
@@ -73,14 +89,18 @@ def test_every_stage_reports_where_it_wrote_and_its_throughput(demo_run):
         assert Path(state["train"]["outputs"][name]).exists()
     assert (root / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (root / "eval" / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (root / "vocab" / "d2t.npy").is_file() and (root / "draft-untrained" / "config.json").is_file()
+    assert (root / "vocab" / "d2t.npy").is_file() and (
+        root / "draft-untrained" / "config.json"
+    ).is_file()
 
 
 def test_datagen_wrote_safetensors_samples_with_the_default_max_model_len(demo_run):
     root, started, _ = demo_run
     assert started[0]["max_model_len"] == 257  # --seq-length + 1
     data = root / "data"
-    names = sorted(p.name for p in data.iterdir() if p.name.startswith("data_") and p.suffix == ".safetensors")
+    names = sorted(
+        p.name for p in data.iterdir() if p.name.startswith("data_") and p.suffix == ".safetensors"
+    )
     assert names == sorted(f"data_{i}.safetensors" for i in range(64))
     hidden = json.loads((data / "data_config.json").read_text())["model"]["hidden_size"]
     for name in names[:8]:
@@ -104,7 +124,10 @@ def test_the_summary_prints_stage_times_throughputs_and_tau(demo_run):
     _, _, (state, _) = demo_run
     printed = state["printed"]
     figures = state["eval"]["figures"]
-    assert f"tau: untrained {figures['tau_untrained']:.3f} -> trained {figures['tau_trained']:.3f}" in printed
+    assert (
+        f"tau: untrained {figures['tau_untrained']:.3f} -> trained {figures['tau_trained']:.3f}"
+        in printed
+    )
     for text in ("extraction:", "draft training:", "tokens/s", "pos1", "training_curves.png"):
         assert text in printed
 

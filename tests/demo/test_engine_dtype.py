@@ -38,8 +38,9 @@ def test_the_demo_hands_the_chosen_dtype_to_datagen_and_records_it(tmp_path, mon
     from speculators_vllm016.data_generation import offline
     from speculators_vllm016.demo import engine_dtype, pipeline, target
 
-    monkeypatch.setattr("speculators_vllm016.data_generation.cpu_defaults.cpu_vector_flags",
-                        lambda: AVX2_ONLY)
+    monkeypatch.setattr(
+        "speculators_vllm016.data_generation.cpu_defaults.cpu_vector_flags", lambda: AVX2_ONLY
+    )
     seen = {}
 
     class Stop(Exception):
@@ -50,8 +51,13 @@ def test_the_demo_hands_the_chosen_dtype_to_datagen_and_records_it(tmp_path, mon
         raise Stop
 
     monkeypatch.setattr(offline, "run_datagen", fake_datagen)
-    monkeypatch.setattr(target, "train_demo_target", lambda *a, **k: type("R", (), dict(
-        tokens=1, tokens_per_second=1.0, first_loss=1.0, last_loss=1.0))())
+    monkeypatch.setattr(
+        target,
+        "train_demo_target",
+        lambda *a, **k: type(
+            "R", (), dict(tokens=1, tokens_per_second=1.0, first_loss=1.0, last_loss=1.0)
+        )(),
+    )
     monkeypatch.setattr("speculators_vllm016.demo.build_demo_model", lambda path: path)
     with pytest.raises(Stop):
         pipeline.run_demo(pipeline.DemoOptions(output_dir=str(tmp_path)))

@@ -12,8 +12,12 @@ from speculators_vllm016.demo.pipeline import read_training_metrics, training_th
 def _write_metrics(path, tokens_per_step: list[int]) -> None:
     """metrics.jsonl as the trainer writes it: one train line per step, a validation line."""
     lines = [
-        {"step": step, "train": {"loss": 1.0, "full_acc_0": 0.5, "tokens": tokens,
-                                 "step_seconds": 0.5}, "epoch": 0, "lr": 1e-3}
+        {
+            "step": step,
+            "train": {"loss": 1.0, "full_acc_0": 0.5, "tokens": tokens, "step_seconds": 0.5},
+            "epoch": 0,
+            "lr": 1e-3,
+        }
         for step, tokens in enumerate(tokens_per_step)
     ]
     lines.append({"step": len(tokens_per_step), "val": {"loss_epoch": 1.0}, "epoch": 0})
@@ -84,7 +88,9 @@ def _stages(root, options, ran: list[str], fail: str | None = None):
     return records
 
 
-def test_a_stage_whose_options_changed_runs_again_from_scratch_with_every_later_stage(tmp_path, capsys):
+def test_a_stage_whose_options_changed_runs_again_from_scratch_with_every_later_stage(
+    tmp_path, capsys
+):
     from dataclasses import replace
 
     from speculators_vllm016.demo.pipeline import DemoOptions

@@ -18,14 +18,24 @@ DRAFT_VOCAB = 128
 
 
 def build_draft(
-    verifier_path: str, speculative_tokens: int = 3, seed: int = 0, layers: int = 1,
-    aux_layer_ids: Sequence[int] = (1, 2, 3), architectures: Sequence[str] = ("LlamaForCausalLM",),
+    verifier_path: str,
+    speculative_tokens: int = 3,
+    seed: int = 0,
+    layers: int = 1,
+    aux_layer_ids: Sequence[int] = (1, 2, 3),
+    architectures: Sequence[str] = ("LlamaForCausalLM",),
     draft_vocab: int = DRAFT_VOCAB,
 ) -> Eagle3DraftModel:
     layer = LlamaConfig(
-        hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        intermediate_size=512, num_hidden_layers=layers, vocab_size=VOCAB,
-        max_position_embeddings=1024, rms_norm_eps=1e-6,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=512,
+        num_hidden_layers=layers,
+        vocab_size=VOCAB,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
     )
     config = Eagle3SpeculatorConfig(
         transformer_layer_config=layer,

@@ -27,7 +27,11 @@ def test_merge_adds_and_empty_counts_are_neutral():
     second.observe(2, 0)
     second.observe(2, 1)
     first.merge(second)
-    assert (first.num_drafts, first.num_accepted_tokens, first.accepted_per_position) == (3, 3, [2, 1])
+    assert (first.num_drafts, first.num_accepted_tokens, first.accepted_per_position) == (
+        3,
+        3,
+        [2, 1],
+    )
     empty = AcceptanceCounts(2)
     assert empty.acceptance_length == 1.0 and empty.per_position_rates == [0.0, 0.0]
     with pytest.raises(ValueError, match="cannot merge"):

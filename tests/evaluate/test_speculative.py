@@ -26,8 +26,13 @@ def draft(tiny_llama):
 
 def greedy(verifier, prompt, max_new_tokens, eos=None):
     with torch.no_grad():
-        out = verifier.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
-                                do_sample=False, eos_token_id=eos, pad_token_id=1)
+        out = verifier.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=1,
+        )
     return out[0].tolist()
 
 
@@ -50,8 +55,9 @@ def test_outputs_are_the_verifiers_greedy_outputs(verifier, draft, batch_size):
 def test_generation_stops_at_eos_like_generate(verifier, draft, continuations):
     # An EOS the verifier emits mid-way through the second prompt's output.
     eos = int(continuations[1][len(PROMPTS[1]) + 4])
-    result = speculative_generate(verifier, draft, PROMPTS, MAX_NEW, 3, eos_token_ids=[eos],
-                                  batch_size=4)
+    result = speculative_generate(
+        verifier, draft, PROMPTS, MAX_NEW, 3, eos_token_ids=[eos], batch_size=4
+    )
     for prompt, output in zip(PROMPTS, result.outputs):
         expected = greedy(verifier, prompt, MAX_NEW, eos=eos)
         assert prompt + output == expected

@@ -40,8 +40,17 @@ def test_the_trainers_nested_validation_lines(tmp_path):
     """The shape `Trainer.val_epoch` logs through the JSONL handler; train lines do not count."""
     records = [
         {"step": 4, "train": {"loss": 2.0, "full_acc_0": 0.9, "full_acc_1": 0.9}},
-        {"step": 5, "val": {"loss_epoch": 1.5, "full_acc_0_epoch": 0.5, "full_acc_1_epoch": 0.25,
-                            "cond_acc_1_epoch": 0.5, "tau_sim": 1.75}, "epoch": 0},
+        {
+            "step": 5,
+            "val": {
+                "loss_epoch": 1.5,
+                "full_acc_0_epoch": 0.5,
+                "full_acc_1_epoch": 0.25,
+                "cond_acc_1_epoch": 0.5,
+                "tau_sim": 1.75,
+            },
+            "epoch": 0,
+        },
         {"step": 9, "train": {"loss": 1.0, "full_acc_0": 0.95, "full_acc_1": 0.95}},
     ]
     write_lines(tmp_path / "metrics.jsonl", records)
@@ -52,8 +61,10 @@ def test_the_trainers_nested_validation_lines(tmp_path):
 
 
 def test_metrics_inside_the_draft_folder_and_plain_keys(tmp_path):
-    write_lines(tmp_path / "draft" / "metrics.jsonl",
-                [{"full_acc_0": 0.2, "full_acc_1": 0.1}, {"full_acc_0": 0.5, "full_acc_1": 0.2}])
+    write_lines(
+        tmp_path / "draft" / "metrics.jsonl",
+        [{"full_acc_0": 0.2, "full_acc_1": 0.1}, {"full_acc_0": 0.5, "full_acc_1": 0.2}],
+    )
     estimate = find_training_estimate(tmp_path / "draft")
     assert estimate is not None and estimate.tau_sim == pytest.approx(1.7)
     assert estimate.full_acc == [0.5, 0.2]

@@ -11,8 +11,12 @@ import pytest
 from speculators_vllm016.evaluate.runner import EvalOptions, run_evaluation
 from tests.evaluate.drafts import build_draft
 
-CHAT = {"conversations": [{"from": "human", "value": "What is the capital of France?"},
-                          {"from": "gpt", "value": "Paris."}]}
+CHAT = {
+    "conversations": [
+        {"from": "human", "value": "What is the capital of France?"},
+        {"from": "gpt", "value": "Paris."},
+    ]
+}
 
 
 @pytest.fixture(scope="module")
@@ -23,11 +27,17 @@ def draft_and_data(tmp_path_factory, tiny_llama):
     return root
 
 
-@pytest.mark.parametrize(("change", "named"), [
-    ({"num_hidden_layers": 3}, "it fuses layers [1, 2, 3], the verifier has 3 layers"),
-    ({"hidden_size": 128, "intermediate_size": 256}, "hidden states 256 wide, the verifier's are 128 wide"),
-    ({"vocab_size": 384}, "a vocabulary of 512 tokens, the verifier's has 384"),
-])
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"num_hidden_layers": 3}, "it fuses layers [1, 2, 3], the verifier has 3 layers"),
+        (
+            {"hidden_size": 128, "intermediate_size": 256},
+            "hidden states 256 wide, the verifier's are 128 wide",
+        ),
+        ({"vocab_size": 384}, "a vocabulary of 512 tokens, the verifier's has 384"),
+    ],
+)
 def test_a_verifier_the_draft_was_not_trained_for_is_named_in_one_line(
     draft_and_data, models_dir, change, named
 ):
@@ -35,10 +45,16 @@ def test_a_verifier_the_draft_was_not_trained_for_is_named_in_one_line(
 
     name = "-".join(f"{key}{value}" for key, value in change.items())
     verifier = build_tiny_llama(models_dir / f"llama-{name}", **change)
-    options = EvalOptions(drafts=[str(draft_and_data / "draft")],
-                          data_path=str(draft_and_data / "chat.jsonl"), verifier=str(verifier),
-                          max_prompts=1, max_new_tokens=4, engine="hf", device="cpu",
-                          show_progress=False)
+    options = EvalOptions(
+        drafts=[str(draft_and_data / "draft")],
+        data_path=str(draft_and_data / "chat.jsonl"),
+        verifier=str(verifier),
+        max_prompts=1,
+        max_new_tokens=4,
+        engine="hf",
+        device="cpu",
+        show_progress=False,
+    )
     with pytest.raises(ValueError, match="does not match the verifier") as raised:
         run_evaluation(options)
     message = str(raised.value)
@@ -53,8 +69,9 @@ def test_the_draft_s_own_verifier_passes_the_check(draft_and_data, tiny_llama):
 
     settings = draft_settings(str(draft_and_data / "draft"))
     assert settings.expects.aux_layer_ids == (1, 2, 3)
-    check_verifier_matches("draft", settings.expects, str(tiny_llama),
-                           load_verifier_config_dict(str(tiny_llama)))
+    check_verifier_matches(
+        "draft", settings.expects, str(tiny_llama), load_verifier_config_dict(str(tiny_llama))
+    )
 
 
 def test_the_check_reads_the_verifiers_width_not_the_draft_layers(tmp_path, tiny_llama, models_dir):
@@ -71,8 +88,15 @@ def test_the_check_reads_the_verifiers_width_not_the_draft_layers(tmp_path, tiny
     config.save_pretrained(tmp_path / "narrow-draft")
     expects = draft_settings(str(tmp_path / "narrow-draft")).expects
     assert expects.hidden_size == 256
-    check_verifier_matches("draft", expects, str(tiny_llama), load_verifier_config_dict(str(tiny_llama)))
-    narrow = build_tiny_llama(models_dir / "llama-hidden_size128-intermediate_size256",
-                              hidden_size=128, intermediate_size=256)
+    check_verifier_matches(
+        "draft", expects, str(tiny_llama), load_verifier_config_dict(str(tiny_llama))
+    )
+    narrow = build_tiny_llama(
+        models_dir / "llama-hidden_size128-intermediate_size256",
+        hidden_size=128,
+        intermediate_size=256,
+    )
     with pytest.raises(ValueError, match="hidden states 256 wide, the verifier's are 128 wide"):
-        check_verifier_matches("draft", expects, str(narrow), load_verifier_config_dict(str(narrow)))
+        check_verifier_matches(
+            "draft", expects, str(narrow), load_verifier_config_dict(str(narrow))
+        )

@@ -20,10 +20,21 @@ def snapshot(drafts, draft_tokens, accepted, per_position):
         labels = {"engine": engine, "model_name": "m"}
         metrics += [
             Counter(name="vllm:spec_decode_num_drafts", labels=labels, value=int(drafts * share)),
-            Counter(name="vllm:spec_decode_num_draft_tokens", labels=labels, value=int(draft_tokens * share)),
-            Counter(name="vllm:spec_decode_num_accepted_tokens", labels=labels, value=int(accepted * share)),
-            Vector(name="vllm:spec_decode_num_accepted_tokens_per_pos", labels=labels,
-                   values=[int(v * share) for v in per_position]),
+            Counter(
+                name="vllm:spec_decode_num_draft_tokens",
+                labels=labels,
+                value=int(draft_tokens * share),
+            ),
+            Counter(
+                name="vllm:spec_decode_num_accepted_tokens",
+                labels=labels,
+                value=int(accepted * share),
+            ),
+            Vector(
+                name="vllm:spec_decode_num_accepted_tokens_per_pos",
+                labels=labels,
+                values=[int(v * share) for v in per_position],
+            ),
         ]
     return metrics
 
@@ -73,7 +84,9 @@ def test_counters_written_by_vllms_own_logger_are_read_back(vllm_registry):
                 stats.observe_draft(num_draft_tokens=k, num_accepted_tokens=accepted)
             prom.observe(stats, engine_idx=engine)
     run = counts_difference(counts_from_metrics(get_metrics_snapshot(), k), before)
-    drafts = [accepted for engine_steps in steps.values() for step in engine_steps for accepted in step]
+    drafts = [
+        accepted for engine_steps in steps.values() for step in engine_steps for accepted in step
+    ]
     assert run.num_drafts == len(drafts) == 9
     assert run.num_draft_tokens == k * len(drafts)
     assert run.num_accepted_tokens == sum(drafts) == 15

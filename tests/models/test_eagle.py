@@ -20,8 +20,13 @@ H, VOCAB = 256, 512
 
 def layer_config() -> LlamaConfig:
     return LlamaConfig(
-        hidden_size=H, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-        num_hidden_layers=1, vocab_size=VOCAB, max_position_embeddings=1024,
+        hidden_size=H,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=1,
+        vocab_size=VOCAB,
+        max_position_embeddings=1024,
     )
 
 
@@ -57,9 +62,9 @@ def test_config_defaults_and_roundtrip(tmp_path: Path) -> None:
     assert config.transformer_layer_architecture == "auto"
     assert isinstance(config.transformer_layer_config, LlamaConfig)
     assert (config.layernorms, config.fusion_bias) == (False, False)
-    assert EagleSpeculatorConfig(transformer_layer_architecture="LlamaDecoderLayer").architectures == [
-        "EagleSpeculator", "LlamaDecoderLayer"
-    ]
+    assert EagleSpeculatorConfig(
+        transformer_layer_architecture="LlamaDecoderLayer"
+    ).architectures == ["EagleSpeculator", "LlamaDecoderLayer"]
 
     config = make_config(layernorms=True, fusion_bias=True)
     config.save_pretrained(tmp_path)
@@ -83,11 +88,29 @@ def test_config_defaults_and_roundtrip(tmp_path: Path) -> None:
 def test_weights_layout(hass: bool) -> None:
     model = EagleSpeculator(make_config(layernorms=hass, fusion_bias=hass))
     names = set(model.state_dict())
-    layer = {f"transformer.{n}.weight" for n in (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-        "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
-    extra = {"fusion_fc.bias", "embedding_layernorm.weight", "transformer.input_layernorm.weight",
-             "pre_lm_head_layernorm.weight"} if hass else set()
+    layer = {
+        f"transformer.{n}.weight"
+        for n in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "post_attention_layernorm",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    }
+    extra = (
+        {
+            "fusion_fc.bias",
+            "embedding_layernorm.weight",
+            "transformer.input_layernorm.weight",
+            "pre_lm_head_layernorm.weight",
+        }
+        if hass
+        else set()
+    )
     assert names == {"fusion_fc.weight"} | layer | extra  # 0.3.0's names
     assert model.config.transformer_layer_architecture == "LlamaDecoderLayer"
 
@@ -112,8 +135,9 @@ def test_forward_shapes(verifier: LlamaForCausalLM, hass: bool) -> None:
         assert torch.allclose(prefix, out.logits[:, :4], atol=1e-5)
         # Cached decoding gives the same logits as one full pass.
         first = model(ids[:, :4], hidden[:, :4], use_cache=True)
-        rest = model(ids[:, 4:], hidden[:, 4:], past_key_values=first.past_key_values,
-                     use_cache=True)
+        rest = model(
+            ids[:, 4:], hidden[:, 4:], past_key_values=first.past_key_values, use_cache=True
+        )
         assert torch.allclose(rest.logits, out.logits[:, 4:], atol=1e-5)
         # Left padding: masked positions do not change the others.
         mask = torch.ones(2, 7, dtype=torch.long)
@@ -202,7 +226,10 @@ def test_vllm_eagle1_draft_loads_weights(tmp_path: Path, verifier_path: Path) ->
     vllm_config = EngineArgs(
         model=str(verifier_path),
         speculative_config={"model": str(draft), "method": "eagle", "num_speculative_tokens": 3},
-        dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=256,
+        seed=0,
     ).create_engine_config()
     draft_config = vllm_config.speculative_config.draft_model_config
     try:

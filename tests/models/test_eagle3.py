@@ -11,7 +11,10 @@ from transformers import LlamaConfig
 from speculators_vllm016.config import SpeculatorModelConfig, SpeculatorsConfig, VerifierConfig
 from speculators_vllm016.model import SpeculatorModel
 from speculators_vllm016.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-from speculators_vllm016.models.eagle3.attention import build_step_zero_mask, extend_mask_for_draft_tokens
+from speculators_vllm016.models.eagle3.attention import (
+    build_step_zero_mask,
+    extend_mask_for_draft_tokens,
+)
 from speculators_vllm016.models.eagle3.core import compute_accuracy, loss_function
 from speculators_vllm016.proposals import GreedyTokenProposalConfig
 from speculators_vllm016.train.vocab_mapping import build_vocab_mappings_from_distribution
@@ -21,9 +24,15 @@ DRAFT_VOCAB = 128
 
 def eagle3_config(verifier_path: str) -> Eagle3SpeculatorConfig:
     layer = LlamaConfig(
-        hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        intermediate_size=512, num_hidden_layers=1, vocab_size=512,
-        max_position_embeddings=1024, rms_norm_eps=1e-6,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=512,
+        num_hidden_layers=1,
+        vocab_size=512,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
     )
     return Eagle3SpeculatorConfig(
         transformer_layer_config=layer,
@@ -66,17 +75,31 @@ def test_config_json_layout_and_round_trip(tmp_path, tiny_llama):
     config = eagle3_config(str(tiny_llama))
     config.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
-    for key in ("speculators_model_type", "architectures", "speculators_version",
-                "transformer_layer_config", "draft_vocab_size", "norm_before_residual",
-                "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "speculators_config"):
+    for key in (
+        "speculators_model_type",
+        "architectures",
+        "speculators_version",
+        "transformer_layer_config",
+        "draft_vocab_size",
+        "norm_before_residual",
+        "target_hidden_size",
+        "eagle_aux_hidden_state_layer_ids",
+        "speculators_config",
+    ):
         assert key in saved, key
     assert saved["speculators_model_type"] == "eagle3"
     assert isinstance(saved["transformer_layer_config"], dict)
     assert saved["transformer_layer_config"]["model_type"] == "llama"
     assert saved["speculators_config"] == {
         "algorithm": "eagle3",
-        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3,
-                              "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+        "proposal_methods": [
+            {
+                "proposal_type": "greedy",
+                "speculative_tokens": 3,
+                "verifier_accept_k": 1,
+                "accept_tolerance": 0.0,
+            }
+        ],
         "default_proposal_method": "greedy",
         "verifier": {"name_or_path": str(tiny_llama), "architectures": ["LlamaForCausalLM"]},
     }
@@ -88,7 +111,9 @@ def test_config_json_layout_and_round_trip(tmp_path, tiny_llama):
 
 
 def test_vllm_reads_the_config(tmp_path, tiny_llama):
-    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig as VllmSpeculators
+    from vllm.transformers_utils.configs.speculators.base import (
+        SpeculatorsConfig as VllmSpeculators,
+    )
 
     eagle3_config(str(tiny_llama)).save_pretrained(tmp_path)
     parsed = VllmSpeculators.from_pretrained(str(tmp_path))
@@ -144,8 +169,12 @@ def test_forward_shapes_losses_and_step_accuracies(draft):
         assert 0.0 <= float(metrics[f"full_acc_{step}"]) <= 1.0
         assert 0.0 <= float(metrics[f"cond_acc_{step}"]) <= 1.0
     assert torch.isclose(metrics["loss"], sum(metrics[f"loss_{s}"] for s in range(3)))
-    assert draft(**{k: v for k, v in batch().items() if k in ("hidden_states", "input_ids")},
-                 ttt_steps=2).__len__() == 2
+    assert (
+        draft(
+            **{k: v for k, v in batch().items() if k in ("hidden_states", "input_ids")}, ttt_steps=2
+        ).__len__()
+        == 2
+    )
 
 
 def test_the_head_gradient_is_complete_when_the_last_steps_head_input_gets_its_own(tiny_llama):
@@ -174,9 +203,12 @@ def test_packed_samples_do_not_see_each_other(draft):
         for key in ("hidden_states", "input_ids", "verifier_last_hidden_states")
     }
     with torch.no_grad():
-        together = draft(**packed, lengths=torch.tensor([10, 14]),
-                         position_ids=torch.cat([torch.arange(1, 11), torch.arange(1, 15)])[None],
-                         ttt_steps=2)
+        together = draft(
+            **packed,
+            lengths=torch.tensor([10, 14]),
+            position_ids=torch.cat([torch.arange(1, 11), torch.arange(1, 15)])[None],
+            ttt_steps=2,
+        )
         alone = draft(**{k: first[k] for k in packed}, ttt_steps=2)
     for step in range(2):
         assert torch.equal(together[0][step][:, :10], alone[0][step])
@@ -198,7 +230,9 @@ def test_metrics_functions():
 
 def test_a_few_optimizer_steps_lower_the_loss(tiny_llama):
     torch.manual_seed(1)
-    d2t, t2d = build_vocab_mappings_from_distribution({t: 1 for t in range(DRAFT_VOCAB)}, DRAFT_VOCAB, 512)
+    d2t, t2d = build_vocab_mappings_from_distribution(
+        {t: 1 for t in range(DRAFT_VOCAB)}, DRAFT_VOCAB, 512
+    )
     model = Eagle3DraftModel(eagle3_config(str(tiny_llama)), t2d=t2d, d2t=d2t)
     data = batch(32, seed=3)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
@@ -215,19 +249,28 @@ def test_a_few_optimizer_steps_lower_the_loss(tiny_llama):
 def test_bad_vocab_maps_are_refused(tiny_llama):
     config = eagle3_config(str(tiny_llama))
     with pytest.raises(ValueError, match="t2d marks"):
-        Eagle3DraftModel(config, t2d=torch.zeros(512, dtype=torch.bool), d2t=torch.zeros(DRAFT_VOCAB, dtype=torch.long))
+        Eagle3DraftModel(
+            config,
+            t2d=torch.zeros(512, dtype=torch.bool),
+            d2t=torch.zeros(DRAFT_VOCAB, dtype=torch.long),
+        )
     with pytest.raises(ValueError, match="d2t has shape"):
-        Eagle3DraftModel(config, t2d=torch.zeros(512, dtype=torch.bool), d2t=torch.zeros(5, dtype=torch.long))
+        Eagle3DraftModel(
+            config, t2d=torch.zeros(512, dtype=torch.bool), d2t=torch.zeros(5, dtype=torch.long)
+        )
 
 
 def test_speculative_generate_reproduces_the_verifiers_greedy_output(draft, tiny_llama):
     from transformers import AutoModelForCausalLM
 
-    verifier = AutoModelForCausalLM.from_pretrained(str(tiny_llama), torch_dtype=torch.float32).eval()
+    verifier = AutoModelForCausalLM.from_pretrained(
+        str(tiny_llama), torch_dtype=torch.float32
+    ).eval()
     prompt = torch.tensor([[0, 17, 250, 3, 99, 41, 7]])
     with torch.no_grad():
-        greedy = verifier.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None,
-                                   pad_token_id=1)
+        greedy = verifier.generate(
+            prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=1
+        )
     if draft.verifier_attachment_mode != "detached":
         draft.detach_verifier()  # built "train_only"; one verifier at a time, as in 0.3.0
     draft.attach_verifier(verifier, mode="full")
@@ -242,15 +285,20 @@ def test_speculative_generate_reproduces_the_verifiers_greedy_output(draft, tiny
 
 
 @pytest.mark.parametrize("oracle", [True, False])
-def test_verification_accepts_right_and_rejects_wrong_proposals(draft, tiny_llama, monkeypatch, oracle):
+def test_verification_accepts_right_and_rejects_wrong_proposals(
+    draft, tiny_llama, monkeypatch, oracle
+):
     """Proposals from an oracle (the verifier's own continuation) or always wrong ones."""
     from transformers import AutoModelForCausalLM
 
-    verifier = AutoModelForCausalLM.from_pretrained(str(tiny_llama), torch_dtype=torch.float32).eval()
+    verifier = AutoModelForCausalLM.from_pretrained(
+        str(tiny_llama), torch_dtype=torch.float32
+    ).eval()
     prompt = torch.tensor([[0, 5, 6, 7, 8]])
     with torch.no_grad():
-        greedy = verifier.generate(prompt, max_new_tokens=13, do_sample=False, eos_token_id=None,
-                                   pad_token_id=1)
+        greedy = verifier.generate(
+            prompt, max_new_tokens=13, do_sample=False, eos_token_id=None, pad_token_id=1
+        )
 
     def propose(hidden_states, tokens, count):
         start = tokens.shape[1]

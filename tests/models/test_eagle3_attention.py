@@ -71,8 +71,10 @@ def test_block_mask_matches_the_written_out_mask_at_every_step():
 
 
 BLOCK_MASK_PARTS = (
-    ("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
-    ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices"),
+    ("kv_num_blocks", "kv_indices"),
+    ("full_kv_num_blocks", "full_kv_indices"),
+    ("q_num_blocks", "q_indices"),
+    ("full_q_num_blocks", "full_q_indices"),
 )
 
 
@@ -93,8 +95,13 @@ def test_block_mask_read_off_the_sample_ids_lists_the_blocks_flex_finds(lengths,
     lengths = torch.tensor(lengths, dtype=torch.long)
     documents = document_ids(lengths, total)
     expected = create_block_mask(
-        create_combined_mask_mod(lengths, total, documents), None, None, total, total,
-        device="cpu", BLOCK_SIZE=128,
+        create_combined_mask_mod(lengths, total, documents),
+        None,
+        None,
+        total,
+        total,
+        device="cpu",
+        BLOCK_SIZE=128,
     )
 
     def never(*_):
@@ -106,7 +113,9 @@ def test_block_mask_read_off_the_sample_ids_lists_the_blocks_flex_finds(lengths,
         assert torch.equal(getattr(mine, counts), getattr(expected, counts)), counts
         for row, count in enumerate(getattr(expected, counts)[0, 0].tolist()):
             listed = getattr(mine, indices)[0, 0, row, :count]
-            assert listed.tolist() == getattr(expected, indices)[0, 0, row, :count].tolist(), indices
+            assert listed.tolist() == getattr(expected, indices)[0, 0, row, :count].tolist(), (
+                indices
+            )
 
 
 def test_extended_block_mask_has_the_new_blocks_where_flex_reads_them():
@@ -185,8 +194,11 @@ def test_every_packed_sample_equals_its_run_alone(draft, backend):
         with torch.no_grad():
             together = draft(**_packed(samples), ttt_steps=steps, output_logits=True)
             alone = [
-                draft(**{**s, "loss_mask": torch.ones_like(s["loss_mask"])}, ttt_steps=steps,
-                      output_logits=True)
+                draft(
+                    **{**s, "loss_mask": torch.ones_like(s["loss_mask"])},
+                    ttt_steps=steps,
+                    output_logits=True,
+                )
                 for s in samples
             ]
     finally:
@@ -195,16 +207,22 @@ def test_every_packed_sample_equals_its_run_alone(draft, backend):
     for index, (n, single) in enumerate(zip(SAMPLES, alone, strict=True)):
         for step in range(steps):
             torch.testing.assert_close(
-                together.logits[step][:, start : start + n], single.logits[step],
-                rtol=1e-4, atol=1e-4, msg=f"sample {index} step {step}",
+                together.logits[step][:, start : start + n],
+                single.logits[step],
+                rtol=1e-4,
+                atol=1e-4,
+                msg=f"sample {index} step {step}",
             )
-            assert torch.equal(together.draft_tokens[step][:, start : start + n],
-                               single.draft_tokens[step]), (index, step)
+            assert torch.equal(
+                together.draft_tokens[step][:, start : start + n], single.draft_tokens[step]
+            ), (index, step)
         start += n
     for step in range(steps):
         # sample j contributes n_j - step scored positions at step `step`
         counts = [n - step for n in SAMPLES]
-        combined = sum(float(s.metrics[f"loss_{step}"]) * c for s, c in zip(alone, counts, strict=True))
+        combined = sum(
+            float(s.metrics[f"loss_{step}"]) * c for s, c in zip(alone, counts, strict=True)
+        )
         expected = combined / sum(counts)
         assert float(together.metrics[f"loss_{step}"]) == pytest.approx(expected, rel=1e-4), step
 

@@ -21,8 +21,14 @@ VOCAB = 512
 DRAFT_VOCAB = 128
 # Names of the 0.3.0 checkpoint (what vLLM's Eagle3LlamaForCausalLM loads).
 REQUIRED_NAMES = {
-    "d2t", "t2d", "fc.weight", "norm.weight", "lm_head.weight", "embed_tokens.weight",
-    "layers.0.hidden_norm.weight", "layers.0.input_layernorm.weight",
+    "d2t",
+    "t2d",
+    "fc.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "embed_tokens.weight",
+    "layers.0.hidden_norm.weight",
+    "layers.0.input_layernorm.weight",
     "layers.0.post_attention_layernorm.weight",
 }
 # Frozen copies of the verifier's own tensors, rebuilt from the verifier, not saved.
@@ -41,9 +47,15 @@ def persistent_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def perturbed_draft(tiny_llama) -> Eagle3DraftModel:
     config = Eagle3SpeculatorConfig(
         transformer_layer_config=LlamaConfig(
-            hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-            intermediate_size=512, num_hidden_layers=1, vocab_size=VOCAB,
-            max_position_embeddings=1024, rms_norm_eps=1e-6,
+            hidden_size=256,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            intermediate_size=512,
+            num_hidden_layers=1,
+            vocab_size=VOCAB,
+            max_position_embeddings=1024,
+            rms_norm_eps=1e-6,
         ),
         draft_vocab_size=DRAFT_VOCAB,
         norm_before_residual=True,
@@ -52,7 +64,9 @@ def perturbed_draft(tiny_llama) -> Eagle3DraftModel:
             algorithm="eagle3",
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
             default_proposal_method="greedy",
-            verifier=VerifierConfig(name_or_path=str(tiny_llama), architectures=["LlamaForCausalLM"]),
+            verifier=VerifierConfig(
+                name_or_path=str(tiny_llama), architectures=["LlamaForCausalLM"]
+            ),
         ),
     )
     kept = torch.tensor(sorted(range(3, VOCAB, 4)))[:DRAFT_VOCAB]  # a non-trivial d2t

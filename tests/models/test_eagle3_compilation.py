@@ -14,12 +14,17 @@ import pytest
 import torch
 
 from speculators_vllm016.models.eagle3 import model_definitions
-from speculators_vllm016.models.eagle3.model_definitions import maybe_compiled, use_reproducible_compilation
+from speculators_vllm016.models.eagle3.model_definitions import (
+    maybe_compiled,
+    use_reproducible_compilation,
+)
 
 pytestmark = pytest.mark.slow
 
 
-def _column_statistics(states: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _column_statistics(
+    states: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A block that sums over the rows, the dimension whose length changes from row to row."""
     wide = states.float()
     return (wide * weight).sum(0).softmax(-1), (wide * wide).sum(0)
@@ -32,7 +37,9 @@ def _after(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     block = maybe_compiled(_column_statistics, True)
     weight = torch.randn(256, generator=torch.Generator().manual_seed(0))
     for length in lengths:
-        states = torch.randn(length, 256, generator=torch.Generator().manual_seed(length)).bfloat16()
+        states = torch.randn(
+            length, 256, generator=torch.Generator().manual_seed(length)
+        ).bfloat16()
         output = block(states, weight)
     return output
 

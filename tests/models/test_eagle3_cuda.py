@@ -49,7 +49,11 @@ def test_gpu_paths_match_the_plain_computation():
     again_loss, again_grads, _ = _step(model, batch, skip=False)
     assert torch.equal(again_loss, full_loss)
     assert _worst_relative_difference(again_grads, full_grads) == 0.0  # repeatable to the bit
-    variants = ({"skip": True}, {"skip": False, "embeddings_need_grad": True}, {"skip": True, "unused": True})
+    variants = (
+        {"skip": True},
+        {"skip": False, "embeddings_need_grad": True},
+        {"skip": True, "unused": True},
+    )
     for variant in variants:
         loss, grads, tokens = _step(model, batch, **variant)
         torch.testing.assert_close(loss, full_loss, rtol=1e-3, atol=1e-4, msg=str(variant))
@@ -58,4 +62,6 @@ def test_gpu_paths_match_the_plain_computation():
         for mine, theirs in zip(tokens, full_tokens, strict=True):
             computed = mine != -1  # skipped positions: -1 (the last step skips about 30%)
             assert torch.equal(mine[computed], theirs[computed]), variant
-        assert 0 < int((tokens[-1] == -1).sum()) < tokens[-1].numel() // 2 or not variant.get("unused")
+        assert 0 < int((tokens[-1] == -1).sum()) < tokens[-1].numel() // 2 or not variant.get(
+            "unused"
+        )

@@ -17,8 +17,13 @@ H = 32
 
 def make_layer(norm_before_residual: bool, attention_bias: bool) -> LlamaDecoderEagle3FirstLayer:
     config = LlamaConfig(
-        hidden_size=H, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-        num_hidden_layers=1, vocab_size=64, max_position_embeddings=64,
+        hidden_size=H,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=1,
+        vocab_size=64,
+        max_position_embeddings=64,
         attention_bias=attention_bias,
     )
     config._attn_implementation = ATTENTION_INTERFACE_NAME
@@ -35,7 +40,9 @@ def plain_step(layer, embeds, hidden, mask, position_embeddings, cache):
     residual = normed_hidden if layer.norm_before_residual else hidden
     attention_input = torch.cat([layer.input_layernorm(embeds), normed_hidden], dim=-1)
     attended, _ = layer.self_attn(
-        attention_input, position_embeddings=position_embeddings, attention_mask=mask,
+        attention_input,
+        position_embeddings=position_embeddings,
+        attention_mask=mask,
         past_key_values=cache,
     )
     mixed = residual + attended
@@ -60,13 +67,18 @@ def two_ttt_steps(layer, step, embeds, hidden):
 
 def ours_step(layer, embeds, hidden, mask, position_embeddings, cache):
     return layer.ttt_step(
-        embeds, hidden, attention_mask=mask, position_embeddings=position_embeddings,
+        embeds,
+        hidden,
+        attention_mask=mask,
+        position_embeddings=position_embeddings,
         past_key_values=cache,
     )
 
 
 @pytest.mark.parametrize(("norm_before_residual", "attention_bias"), [(True, False), (False, True)])
-def test_forward_and_every_gradient_equal_the_plain_composition(norm_before_residual, attention_bias):
+def test_forward_and_every_gradient_equal_the_plain_composition(
+    norm_before_residual, attention_bias
+):
     layer = make_layer(norm_before_residual, attention_bias)
     generator = torch.Generator().manual_seed(1)
     embeds = torch.randn(2, 1, 6, H, generator=generator)
@@ -118,8 +130,12 @@ def test_mlp_and_output_gradients_are_complete_before_the_first_steps_attention_
 
         def shared_step(layer, embeds, hidden, mask, position_embeddings, cache):
             return layer.ttt_step(
-                embeds, hidden, attention_mask=mask, position_embeddings=position_embeddings,
-                past_key_values=cache, weights=weights,
+                embeds,
+                hidden,
+                attention_mask=mask,
+                position_embeddings=position_embeddings,
+                past_key_values=cache,
+                weights=weights,
             )
 
         out = two_ttt_steps(layer, shared_step, embeds, start)
@@ -141,8 +157,14 @@ def test_shared_head_gradient_equals_separate_gradients_and_survives_a_second_ba
 
     def total(sink: WeightGradSink | None) -> torch.Tensor:
         losses = [
-            linear_kl_loss(h, weight if sink is None or index == 2 else weight.detach(), t, w,
-                           chunk_size=3, weight_grad_sink=sink)[0]
+            linear_kl_loss(
+                h,
+                weight if sink is None or index == 2 else weight.detach(),
+                t,
+                w,
+                chunk_size=3,
+                weight_grad_sink=sink,
+            )[0]
             for index, (h, t, w) in enumerate(zip(hiddens, targets, row_weights, strict=True))
         ]
         return 1.5 * (losses[0] + losses[1] + losses[2])
@@ -164,6 +186,10 @@ def test_shared_head_gradient_equals_separate_gradients_and_survives_a_second_ba
 def test_a_shared_head_gradient_has_one_owner():
     weight = torch.randn(11, 5, requires_grad=True)
     sink = WeightGradSink()
-    linear_kl_loss(torch.randn(7, 5), weight, torch.randn(7, 11), torch.rand(7), weight_grad_sink=sink)
+    linear_kl_loss(
+        torch.randn(7, 5), weight, torch.randn(7, 11), torch.rand(7), weight_grad_sink=sink
+    )
     with pytest.raises(ValueError, match="one linear_kl_loss call"):
-        linear_kl_loss(torch.randn(7, 5), weight, torch.randn(7, 11), torch.rand(7), weight_grad_sink=sink)
+        linear_kl_loss(
+            torch.randn(7, 5), weight, torch.randn(7, 11), torch.rand(7), weight_grad_sink=sink
+        )

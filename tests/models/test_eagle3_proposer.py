@@ -40,7 +40,9 @@ def test_proposals_match_the_uncached_draft_round_by_round(verifier, draft):
     for round_index in range(8):
         width = max(new[row] for row in rows)
         left_padded = round_index == 0  # the prefill is left-padded, verifications right-padded
-        batch_states = [torch.zeros(len(rows), width, s.shape[-1], dtype=s.dtype) for s in states[0]]
+        batch_states = [
+            torch.zeros(len(rows), width, s.shape[-1], dtype=s.dtype) for s in states[0]
+        ]
         tokens = torch.zeros(len(rows), width, dtype=torch.long)
         valid = torch.zeros(len(rows), width, dtype=torch.bool)
         for slot, row in enumerate(rows):
@@ -68,8 +70,12 @@ def test_bad_input_is_refused(draft):
     proposer = Eagle3Proposer(draft, K)
     states = tuple(torch.zeros(1, 2, 256, dtype=torch.float64) for _ in range(5))
     with pytest.raises(ValueError, match="at least one new position"):
-        proposer.propose(states, torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.bool))
+        proposer.propose(
+            states, torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.bool)
+        )
     with pytest.raises(ValueError, match="tokens must be"):
-        proposer.propose(states, torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool))
+        proposer.propose(
+            states, torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool)
+        )
     with pytest.raises(ValueError, match="at least 1 token"):
         Eagle3Proposer(draft, 0)

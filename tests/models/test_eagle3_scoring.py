@@ -35,8 +35,14 @@ def test_one_ttt_step_by_hand():
     prev_correct = torch.tensor([True, True, True, False])
     score = score_ttt_step(
         TTTStepInput(
-            hidden, torch.eye(2), targets, scored, prev_correct, ttt_step=1,
-            ttt_step_loss_decay=0.5, valid_rows=4,
+            hidden,
+            torch.eye(2),
+            targets,
+            scored,
+            prev_correct,
+            ttt_step=1,
+            ttt_step_loss_decay=0.5,
+            valid_rows=4,
         )
     )
     # pairs (0, 1) and (2, 3) are scored; (1, 2) is masked; position 3 has no target
@@ -61,9 +67,12 @@ def test_fused_loss_and_gradients_equal_the_plain_computation():
     fused_grads = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
     logits = hidden @ weight.T
-    plain = (torch.nn.functional.kl_div(
-        logits.log_softmax(-1), targets.softmax(-1), reduction="none"
-    ).sum(-1) * row_weights).sum()
+    plain = (
+        torch.nn.functional.kl_div(
+            logits.log_softmax(-1), targets.softmax(-1), reduction="none"
+        ).sum(-1)
+        * row_weights
+    ).sum()
     (plain * 2.5).backward()
     torch.testing.assert_close(fused, plain)
     torch.testing.assert_close(fused_grads[0], hidden.grad)
@@ -87,7 +96,12 @@ def test_skipping_unscored_rows_changes_nothing(sink):
         hidden.grad = weight.grad = None
         shared = WeightGradSink() if sink else None
         loss, predicted = linear_kl_loss(
-            hidden, weight, targets, row_weights, chunk_size=2, weight_grad_sink=shared,
+            hidden,
+            weight,
+            targets,
+            row_weights,
+            chunk_size=2,
+            weight_grad_sink=shared,
             scored_rows=scored_rows,
         )
         (loss * 1.5).backward()
@@ -103,7 +117,10 @@ def test_skipping_unscored_rows_changes_nothing(sink):
 
 
 def test_scored_position_counts_count_what_each_step_scores():
-    scored = [torch.tensor([1, 1, 0, 1, 0], dtype=torch.bool), torch.tensor([1, 1, 1, 1, 0], dtype=torch.bool)]
+    scored = [
+        torch.tensor([1, 1, 0, 1, 0], dtype=torch.bool),
+        torch.tensor([1, 1, 1, 1, 0], dtype=torch.bool),
+    ]
     # step 0 reads positions 0..3 (valid rows 4), step 1 positions 1..3
     assert scored_position_counts(scored, valid_rows=4) == [3, 3]
     assert scored_position_counts(scored, valid_rows=1) == [1, 0]
@@ -112,7 +129,9 @@ def test_scored_position_counts_count_what_each_step_scores():
 def test_forward_metrics_equal_the_030_functions(tiny_llama):
     """The forward's fused scoring gives what 0.3.0's compute_metrics gives on its logits."""
     torch.manual_seed(0)
-    d2t, t2d = build_vocab_mappings_from_distribution({t: 1 for t in range(DRAFT_VOCAB)}, DRAFT_VOCAB, 512)
+    d2t, t2d = build_vocab_mappings_from_distribution(
+        {t: 1 for t in range(DRAFT_VOCAB)}, DRAFT_VOCAB, 512
+    )
     model = Eagle3DraftModel(eagle3_config(str(tiny_llama)), t2d=t2d, d2t=d2t)
     data = batch(20, seed=6)
     out = model(**data, ttt_steps=3, ttt_step_loss_decay=0.8, output_logits=True)
@@ -125,8 +144,9 @@ def test_forward_metrics_equal_the_030_functions(tiny_llama):
         )
         total = total + loss
         for name in ("loss", "full_acc", "cond_acc"):
-            torch.testing.assert_close(out.metrics[f"{name}_{step}"], metrics[f"{name}_{step}"],
-                                       rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(
+                out.metrics[f"{name}_{step}"], metrics[f"{name}_{step}"], rtol=1e-5, atol=1e-6
+            )
     torch.testing.assert_close(out.loss, total, rtol=1e-5, atol=1e-6)
     # gradients too: the fused loss against 0.3.0's loss_function on the returned logits
     out.loss.backward()
@@ -144,7 +164,9 @@ def test_forward_metrics_equal_the_030_functions(tiny_llama):
 def test_skipping_unscored_rows_in_the_forward_changes_nothing(tiny_llama):
     """`skip_unscored_rows` (on by default on accelerators) against the full-row loss, on a CPU:
     same loss, metrics, draft tokens and gradients."""
-    d2t, t2d = build_vocab_mappings_from_distribution({t: 1 for t in range(DRAFT_VOCAB)}, DRAFT_VOCAB, 512)
+    d2t, t2d = build_vocab_mappings_from_distribution(
+        {t: 1 for t in range(DRAFT_VOCAB)}, DRAFT_VOCAB, 512
+    )
     model = Eagle3DraftModel(eagle3_config(str(tiny_llama)), t2d=t2d, d2t=d2t)
     assert not model._skipping_unscored_rows(torch.device("cpu"))
     assert model._skipping_unscored_rows(torch.device("cuda"))
@@ -204,7 +226,9 @@ def test_skipping_unused_positions_changes_no_loss_metric_or_gradient(
     the others. Three samples, prompts masked in spans as chat data is."""
     from speculators_vllm016.models.eagle3.core import used_positions
 
-    d2t, t2d = build_vocab_mappings_from_distribution({t: 1 for t in range(DRAFT_VOCAB)}, DRAFT_VOCAB, 512)
+    d2t, t2d = build_vocab_mappings_from_distribution(
+        {t: 1 for t in range(DRAFT_VOCAB)}, DRAFT_VOCAB, 512
+    )
     config = eagle3_config(str(tiny_llama))
     config.norm_before_residual = norm_before_residual
     model = Eagle3DraftModel(config, t2d=t2d, d2t=d2t)
@@ -224,7 +248,9 @@ def test_skipping_unused_positions_changes_no_loss_metric_or_gradient(
     full, full_grads = _one_step(model, data)
     model.skip_unused_positions = True
     layer_outputs = []
-    hook = model.layers[0].register_forward_hook(lambda module, args, out: layer_outputs.append(out.detach()))
+    hook = model.layers[0].register_forward_hook(
+        lambda module, args, out: layer_outputs.append(out.detach())
+    )
     try:
         skipped, skipped_grads = _one_step(model, data)
     finally:
@@ -242,10 +268,14 @@ def test_skipping_unused_positions_changes_no_loss_metric_or_gradient(
         same[step:40] = documents[step:] == documents[: 40 - step]
         scored.append(torch.cat([spans[0].bool(), torch.zeros(3, dtype=torch.bool)]) & same)
     used = used_positions(scored, spans[0].bool(), valid_rows=40)
-    for step, (mine, theirs) in enumerate(zip(skipped.draft_tokens, full.draft_tokens, strict=True)):
+    for step, (mine, theirs) in enumerate(
+        zip(skipped.draft_tokens, full.draft_tokens, strict=True)
+    ):
         assert 0 < int(used[step].sum()) < 40
         output = layer_outputs[step][0, :40]  # the layer ran over the used positions alone
-        assert bool((output[~used[step]] == 0).all()) and bool(output[used[step]].abs().sum(-1).gt(0).all())
+        assert bool((output[~used[step]] == 0).all()) and bool(
+            output[used[step]].abs().sum(-1).gt(0).all()
+        )
         assert torch.equal(mine[0, used[step]], theirs[0, used[step]]), step
         assert bool((mine[0, ~used[step]] == -1).all()), step
 
@@ -255,7 +285,9 @@ def test_skipping_unused_positions_keeps_accuracies_when_the_draft_is_right(tiny
     step does not score: with a draft that is right at about half the positions (all its logits
     zero, so it always picks draft id 0, against targets whose argmax is 0 where chosen), the
     metrics of the skipping forward equal the full one's."""
-    d2t, t2d = build_vocab_mappings_from_distribution({t: 1 for t in range(DRAFT_VOCAB)}, DRAFT_VOCAB, 512)
+    d2t, t2d = build_vocab_mappings_from_distribution(
+        {t: 1 for t in range(DRAFT_VOCAB)}, DRAFT_VOCAB, 512
+    )
     model = Eagle3DraftModel(eagle3_config(str(tiny_llama)), t2d=t2d, d2t=d2t)
     model.compile_blocks = False
     with torch.no_grad():
@@ -268,9 +300,13 @@ def test_skipping_unused_positions_keeps_accuracies_when_the_draft_is_right(tiny
     towards_zero = model.verifier_lm_head.weight[0] / model.verifier_norm.weight
     hits = torch.rand(40, generator=torch.Generator().manual_seed(3)) < 0.6
     data["verifier_last_hidden_states"] = torch.where(
-        hits[None, :, None], towards_zero.detach().expand(1, 40, -1), data["verifier_last_hidden_states"]
+        hits[None, :, None],
+        towards_zero.detach().expand(1, 40, -1),
+        data["verifier_last_hidden_states"],
     )
-    assert bool((model.target_logits(data["verifier_last_hidden_states"][0]).argmax(-1)[hits] == 0).all())
+    assert bool(
+        (model.target_logits(data["verifier_last_hidden_states"][0]).argmax(-1)[hits] == 0).all()
+    )
     outputs = []
     for skip in (False, True):
         model.skip_unused_positions = skip

@@ -48,7 +48,9 @@ def test_output_is_typed_and_unpacks_like_030(draft):
     tokens, loss, metrics = out  # 0.3.0: (draft_tokens, loss, metrics)
     assert tokens is out.draft_tokens and loss is out.loss and metrics is out.metrics
     assert len(tokens) == 2 and out.logits is None
-    unscored = draft(hidden_states=batch()["hidden_states"], input_ids=batch()["input_ids"], ttt_steps=2)
+    unscored = draft(
+        hidden_states=batch()["hidden_states"], input_ids=batch()["input_ids"], ttt_steps=2
+    )
     assert unscored.loss is None and unscored.metrics is None
     # 0.3.0 returned the bare list of draft tokens when not scored.
     assert len(unscored) == 2 and torch.equal(unscored[1], unscored.draft_tokens[1])
@@ -59,7 +61,9 @@ def test_targets_are_the_verifiers_own_logits(draft, verifier_path):
     """D1: verifier_lm_head(verifier_norm(pre-norm last state)) == transformers logits[t2d]."""
     from transformers import AutoModelForCausalLM
 
-    verifier = AutoModelForCausalLM.from_pretrained(str(verifier_path), torch_dtype=torch.float32).eval()
+    verifier = AutoModelForCausalLM.from_pretrained(
+        str(verifier_path), torch_dtype=torch.float32
+    ).eval()
     captured = {}
     hook = verifier.model.layers[-1].register_forward_hook(
         lambda module, args, output: captured.setdefault(
@@ -80,7 +84,9 @@ def test_targets_are_the_verifiers_own_logits(draft, verifier_path):
 
 def test_without_the_norm_targets_are_030s(tiny_llama):
     d2t, t2d = vocab_maps()
-    plain = Eagle3DraftModel(eagle3_config(str(tiny_llama)), t2d=t2d, d2t=d2t, use_verifier_norm=False)
+    plain = Eagle3DraftModel(
+        eagle3_config(str(tiny_llama)), t2d=t2d, d2t=d2t, use_verifier_norm=False
+    )
     assert plain.verifier_norm is None
     state = torch.randn(1, 5, 256)
     torch.testing.assert_close(plain.target_logits(state), state @ plain.verifier_lm_head.weight.T)
@@ -111,17 +117,34 @@ def _wrapped_verifier(folder, prefix_layout: tuple[str, str, str], eps: float):
     }
     folder.mkdir()
     save_file(tensors, str(folder / "model.safetensors"))
-    config = {"model_type": "kimi_k25", "text_config": {"model_type": "deepseek_v3",
-              "rms_norm_eps": eps, "vocab_size": 512, "hidden_size": 256}}
+    config = {
+        "model_type": "kimi_k25",
+        "text_config": {
+            "model_type": "deepseek_v3",
+            "rms_norm_eps": eps,
+            "vocab_size": 512,
+            "hidden_size": 256,
+        },
+    }
     (folder / "config.json").write_text(json.dumps(config))
     return tensors
 
 
-@pytest.mark.parametrize("layout", [
-    ("language_model.model.embed_tokens.weight", "language_model.model.norm.weight",
-     "language_model.lm_head.weight"),
-    ("model.language_model.embed_tokens.weight", "model.language_model.norm.weight", "lm_head.weight"),
-])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        (
+            "language_model.model.embed_tokens.weight",
+            "language_model.model.norm.weight",
+            "language_model.lm_head.weight",
+        ),
+        (
+            "model.language_model.embed_tokens.weight",
+            "model.language_model.norm.weight",
+            "lm_head.weight",
+        ),
+    ],
+)
 def test_multimodal_verifier_layouts(tmp_path, layout):
     tensors = _wrapped_verifier(tmp_path / "verifier", layout, eps=1e-3)
     d2t, t2d = vocab_maps()
@@ -134,7 +157,9 @@ def test_multimodal_verifier_layouts(tmp_path, layout):
 
 def _recorded_step_inputs(model, **kwargs) -> tuple[list[torch.Tensor], Eagle3DraftOutput]:
     seen: list[torch.Tensor] = []
-    hook = model.embed_tokens.register_forward_hook(lambda m, args, out: seen.append(args[0].clone()))
+    hook = model.embed_tokens.register_forward_hook(
+        lambda m, args, out: seen.append(args[0].clone())
+    )
     try:
         with torch.no_grad():
             out = model(**kwargs)
@@ -182,4 +207,3 @@ def test_two_layers_under_bf16_autocast_give_finite_loss_and_grads(tiny_llama):
         assert parameter.grad is not None, name
         assert torch.isfinite(parameter.grad).all(), name
     assert any(float(p.grad.abs().sum()) > 0 for n, p in trained if n.startswith("layers.1."))
-

@@ -25,8 +25,13 @@ H, VOCAB = 64, 128
 
 def layer_config() -> LlamaConfig:
     return LlamaConfig(
-        hidden_size=H, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
-        num_hidden_layers=1, vocab_size=VOCAB, max_position_embeddings=256,
+        hidden_size=H,
+        intermediate_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_hidden_layers=1,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
     )
 
 
@@ -47,8 +52,13 @@ def make_config(verifier: str | None = None, **kwargs) -> EagleSpeculatorConfig:
 def verifier_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
     config = LlamaConfig(
-        hidden_size=H, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
-        num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=256,
+        hidden_size=H,
+        intermediate_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_hidden_layers=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
         architectures=["LlamaForCausalLM"],
     )
     path = tmp_path_factory.mktemp("eagle_parity") / "verifier"
@@ -97,8 +107,14 @@ def write_030_folder(path: Path, hass: bool, drop: str | None = None) -> dict[st
         "fusion_bias": hass,
         "speculators_config": {
             "algorithm": "eagle",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": 3,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": None, "architectures": ["LlamaForCausalLM"]},
         },
@@ -172,7 +188,12 @@ def test_real_0_3_0_loads_ours_and_we_load_its(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.environ["SPECULATORS_030_PATH"]}
     result = subprocess.run(
         [sys.executable, "-c", CROSS_CHECK, str(tmp_path / "ours"), str(tmp_path / "theirs")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     theirs_state = torch.load(tmp_path / "theirs.pt", weights_only=True)
@@ -222,7 +243,9 @@ def test_verifier_parts_are_child_modules(verifier: LlamaForCausalLM) -> None:
     assert children["verifier"] is verifier
     assert children["embed_tokens"] is verifier.model.embed_tokens
     assert children["lm_head"] is verifier.lm_head
-    assert not any(k.startswith(("verifier.", "embed_tokens", "lm_head")) for k in model.state_dict())
+    assert not any(
+        k.startswith(("verifier.", "embed_tokens", "lm_head")) for k in model.state_dict()
+    )
     model.to(torch.float64)
     assert verifier.model.embed_tokens.weight.dtype == torch.float64
     parameters = {id(p) for p in model.parameters()}
@@ -246,7 +269,10 @@ def test_the_config_names_the_verifier_to_attach(tmp_path: Path, verifier_path: 
     assert torch.equal(loaded.embed_tokens.weight, reference.model.embed_tokens.weight)
     trained = SpeculatorModel.from_pretrained(tmp_path, verifier_attachment_mode="train_only")
     assert trained.verifier is None and trained.lm_head is not None
-    assert SpeculatorModel.from_pretrained(tmp_path, verifier_attachment_mode="detached").lm_head is None
+    assert (
+        SpeculatorModel.from_pretrained(tmp_path, verifier_attachment_mode="detached").lm_head
+        is None
+    )
 
 
 # ---------------------------------------------------------- item 7: the caller's config

@@ -27,8 +27,11 @@ def test_both_configs_read_the_layer_config_alike(config_class) -> None:
 @pytest.mark.parametrize("config_class", CONFIG_CLASSES, ids=lambda c: c.__name__)
 @pytest.mark.parametrize(
     "value, message",
-    [({"model_type": "no-such-model"}, "unknown model_type 'no-such-model'"),
-     (3, "PretrainedConfig or a dict"), ("llama", "PretrainedConfig or a dict")],
+    [
+        ({"model_type": "no-such-model"}, "unknown model_type 'no-such-model'"),
+        (3, "PretrainedConfig or a dict"),
+        ("llama", "PretrainedConfig or a dict"),
+    ],
 )
 def test_both_configs_refuse_alike(config_class, value, message: str) -> None:
     with pytest.raises(ValidationError, match=message):

@@ -36,7 +36,10 @@ def test_mlp_defaults() -> None:
 
 def test_mlp_roundtrip(tmp_path: Path) -> None:
     config = MLPSpeculatorConfig(
-        num_layers=3, hidden_size=256, torch_dtype="float16", speculators_config=speculators_config("mlp")
+        num_layers=3,
+        hidden_size=256,
+        torch_dtype="float16",
+        speculators_config=speculators_config("mlp"),
     )
     config.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
@@ -66,4 +69,6 @@ def test_independent_keeps_model_fields(tmp_path: Path) -> None:
     assert type(loaded) is IndependentSpeculatorConfig
     assert loaded.to_dict()["model_type"] == "llama" and loaded.hidden_size == 128
     with pytest.raises(TypeError):
-        IndependentSpeculatorConfig.from_pretrained_config({"hidden_size": 1}, speculators_config("x"))
+        IndependentSpeculatorConfig.from_pretrained_config(
+            {"hidden_size": 1}, speculators_config("x")
+        )

@@ -33,8 +33,12 @@ def _logits(model) -> torch.Tensor:
         return model(IDS).logits
 
 
-def test_the_kimi_wrapper_loads_its_language_model_only(tiny_kimi_k25, tmp_path, reference_logits, monkeypatch):
-    folder = with_vision_tower(with_remote_code(tiny_kimi_k25, tmp_path / "code"), tmp_path / "kimi")
+def test_the_kimi_wrapper_loads_its_language_model_only(
+    tiny_kimi_k25, tmp_path, reference_logits, monkeypatch
+):
+    folder = with_vision_tower(
+        with_remote_code(tiny_kimi_k25, tmp_path / "code"), tmp_path / "kimi"
+    )
     requested: list[str] = []
     read = verifier_lm.read_checkpoint_tensors
 
@@ -51,13 +55,19 @@ def test_the_kimi_wrapper_loads_its_language_model_only(tiny_kimi_k25, tmp_path,
     assert model.generation_config.eos_token_id == 4  # the text config's end of sequence
 
 
-def test_the_layout_without_the_inner_model_loads_the_same(tiny_kimi_k25, tmp_path, reference_logits):
-    model = load_verifier_lm(str(without_inner_model(tiny_kimi_k25, tmp_path / "nvfp4")), torch.float32)
+def test_the_layout_without_the_inner_model_loads_the_same(
+    tiny_kimi_k25, tmp_path, reference_logits
+):
+    model = load_verifier_lm(
+        str(without_inner_model(tiny_kimi_k25, tmp_path / "nvfp4")), torch.float32
+    )
     assert torch.equal(_logits(model), reference_logits)
 
 
 def test_a_plain_model_loads_as_transformers_loads_it(tiny_deepseek_v3, reference_logits):
-    assert torch.equal(_logits(load_verifier_lm(str(tiny_deepseek_v3), torch.float32)), reference_logits)
+    assert torch.equal(
+        _logits(load_verifier_lm(str(tiny_deepseek_v3), torch.float32)), reference_logits
+    )
 
 
 def test_a_quantized_language_model_is_one_line(tiny_kimi_k25, tmp_path):

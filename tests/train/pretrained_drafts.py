@@ -74,10 +74,20 @@ def write_research_draft(ours: Path, out: Path) -> Path:
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
-        **{key: layer[key] for key in (
-            "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta", "vocab_size",
-        )},
+        **{
+            key: layer[key]
+            for key in (
+                "hidden_size",
+                "intermediate_size",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "max_position_embeddings",
+                "rms_norm_eps",
+                "rope_theta",
+                "vocab_size",
+            )
+        },
         "num_hidden_layers": 1,
         "draft_vocab_size": 64,
         "torch_dtype": "bfloat16",
@@ -85,15 +95,19 @@ def write_research_draft(ours: Path, out: Path) -> Path:
     (out / "config.json").write_text(json.dumps(config, indent=2))
     weights = _perturbed(load_file(ours / SERVED_FILE), seed=7)
     research = {
-        ("midlayer." + name[len("layers.0."):] if name.startswith("layers.0.") else name): tensor
-        for name, tensor in weights.items() if name != "embed_tokens.weight"
+        ("midlayer." + name[len("layers.0.") :] if name.startswith("layers.0.") else name): tensor
+        for name, tensor in weights.items()
+        if name != "embed_tokens.weight"
     }
     save_file(research, str(out / SERVED_FILE), metadata={"format": "pt"})
     return out
 
 
 def draft_variant(
-    ours: Path, out: Path, *, config: Callable[[dict], None] | None = None,
+    ours: Path,
+    out: Path,
+    *,
+    config: Callable[[dict], None] | None = None,
     weights: Callable[[dict[str, torch.Tensor]], None] | None = None,
 ) -> Path:
     """A copy of `ours` with its config.json and/or tensors changed in place by the callables."""

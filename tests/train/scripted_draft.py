@@ -58,7 +58,9 @@ class ScriptedDraft(nn.Module):
 
     def save_pretrained(self, folder: str | Path, state_dict: dict, **_: Any) -> None:
         folder = Path(folder)
-        save_file({k: v.contiguous() for k, v in state_dict.items()}, str(folder / "model.safetensors"))
+        save_file(
+            {k: v.contiguous() for k, v in state_dict.items()}, str(folder / "model.safetensors")
+        )
         (folder / "config.json").write_text(json.dumps({"scripted": True}))
 
 
@@ -95,9 +97,17 @@ def scripted_trainer(
     **config: Any,
 ) -> Trainer:
     """A CPU `Trainer` of a `ScriptedDraft` (`config`: more `TrainerConfig` fields)."""
-    settings = {"lr": 1e-3, "num_epochs": 1, "save_path": str(save), "device": "cpu",
-                "show_progress": False, "handle_sigterm": False, "scheduler_type": "none",
-                "resume_from_checkpoint": True, **config}
+    settings = {
+        "lr": 1e-3,
+        "num_epochs": 1,
+        "save_path": str(save),
+        "device": "cpu",
+        "show_progress": False,
+        "handle_sigterm": False,
+        "scheduler_type": "none",
+        "resume_from_checkpoint": True,
+        **config,
+    }
     torch.manual_seed(0)
     model = ScriptedDraft(script)
     validation = rows_loader(val_rows) if val_rows else None

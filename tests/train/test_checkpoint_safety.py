@@ -38,8 +38,14 @@ def test_an_rng_state_of_the_earlier_layout_still_resumes(tmp_path):
     random.seed(4), np.random.seed(5), torch.manual_seed(6)  # noqa: B018
     folder = tmp_path / "0"
     folder.mkdir()
-    torch.save({"python": random.getstate(), "numpy": np.random.get_state(),
-                "torch": torch.get_rng_state()}, folder / "rng_state_rank0.pt")
+    torch.save(
+        {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+        },
+        folder / "rng_state_rank0.pt",
+    )
     expected = _draws()
     restore_rng_state(SingleGPUCheckpointer(tmp_path).load_rng_state(folder))
     assert _draws() == expected
@@ -62,7 +68,9 @@ def _two_epochs(save: Path, **config) -> None:
 def test_a_planted_pickle_in_an_rng_state_is_refused_and_never_runs(tmp_path):
     save, marker = tmp_path / "ckpt", tmp_path / "code-ran"
     _two_epochs(save)
-    torch.save({"python": _Planted(marker), "numpy": 0, "torch": 0}, save / "1" / "rng_state_rank0.pt")
+    torch.save(
+        {"python": _Planted(marker), "numpy": 0, "torch": 0}, save / "1" / "rng_state_rank0.pt"
+    )
     trainer = scripted_trainer(save, [packed_row(), packed_row()], num_epochs=3)
     with pytest.raises(CheckpointReadError, match="would run code") as raised:
         trainer.run_training()
@@ -71,8 +79,9 @@ def test_a_planted_pickle_in_an_rng_state_is_refused_and_never_runs(tmp_path):
     assert "\n" not in message and f"rng_state_rank0.pt of checkpoint {save / '1'}" in message
 
 
-@pytest.mark.parametrize("name", ["optimizer_state_dict.pt", "scheduler_state_dict.pt",
-                                  "rng_state_rank0.pt"])
+@pytest.mark.parametrize(
+    "name", ["optimizer_state_dict.pt", "scheduler_state_dict.pt", "rng_state_rank0.pt"]
+)
 def test_a_planted_pickle_in_any_state_file_runs_nothing_and_is_refused_in_one_line(tmp_path, name):
     # Each .pt file of a checkpoint is read on resume; none may be unpickled with code execution.
     save, marker = tmp_path / "ckpt", tmp_path / "code-ran"
@@ -82,8 +91,9 @@ def test_a_planted_pickle_in_any_state_file_runs_nothing_and_is_refused_in_one_l
     torch.save({"state": _Planted(marker), "param_groups": []}, path)
     trainer = None
     with pytest.raises(CheckpointReadError) as raised:
-        trainer = scripted_trainer(save, [packed_row(), packed_row()], num_epochs=3,
-                                   scheduler_type="linear")
+        trainer = scripted_trainer(
+            save, [packed_row(), packed_row()], num_epochs=3, scheduler_type="linear"
+        )
         trainer.run_training()
     assert not marker.exists(), f"loading {name} ran code from it"
     message = str(raised.value)
@@ -91,9 +101,16 @@ def test_a_planted_pickle_in_any_state_file_runs_nothing_and_is_refused_in_one_l
     assert "would run code" in message, message
 
 
-@pytest.mark.parametrize("name", ["rng_state_rank0.pt", "master_weights.safetensors",
-                                  "model.safetensors", "optimizer_state_dict.pt",
-                                  "scheduler_state_dict.pt"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "rng_state_rank0.pt",
+        "master_weights.safetensors",
+        "model.safetensors",
+        "optimizer_state_dict.pt",
+        "scheduler_state_dict.pt",
+    ],
+)
 def test_a_cut_checkpoint_file_is_named_with_the_checkpoint_to_resume_from(tmp_path, name):
     # Weights saved in fp32 have no master copy: resuming reads model.safetensors then.
     config = {"scheduler_type": "linear"}
@@ -127,7 +144,9 @@ def test_a_full_disk_while_saving_says_so_and_leaves_no_partial_checkpoint(tmp_p
     monkeypatch.setattr(SingleGPUCheckpointer, "_write_files", onto_a_full_disk)
     save = tmp_path / "ckpt"
     trainer = scripted_trainer(save, [packed_row(), packed_row()])
-    with pytest.raises(CheckpointWriteError, match="the disk is full writing checkpoint 0") as raised:
+    with pytest.raises(
+        CheckpointWriteError, match="the disk is full writing checkpoint 0"
+    ) as raised:
         trainer.run_training()
     assert "\n" not in str(raised.value)
     left = [p.name for p in save.iterdir() if p.name[0].isdigit() or p.name.startswith(".tmp-")]
@@ -135,8 +154,12 @@ def test_a_full_disk_while_saving_says_so_and_leaves_no_partial_checkpoint(tmp_p
 
 
 def test_safetensors_words_for_a_full_disk_count_as_one():
-    assert is_disk_full(RuntimeError("Error while serializing: IoError(Os { code: 28, kind: "
-                                     "StorageFull, message: \"No space left on device\" })"))
+    assert is_disk_full(
+        RuntimeError(
+            "Error while serializing: IoError(Os { code: 28, kind: "
+            'StorageFull, message: "No space left on device" })'
+        )
+    )
     assert not is_disk_full(RuntimeError("unexpected pos 64 vs 0"))
 
 

@@ -31,14 +31,18 @@ def test_a_complete_looking_temporary_folder_is_not_a_checkpoint(tmp_path):
     # Found by tests/cli/test_gen_and_train.py: SIGKILL after the state file of `.tmp-0-step2`
     # was written made the rerun resume from a folder the trainer then deleted.
     _complete_folder(tmp_path / "0-step1", TrainingState(epoch=0, step_in_epoch=1, global_step=1))
-    _complete_folder(tmp_path / ".tmp-0-step2", TrainingState(epoch=0, step_in_epoch=2, global_step=2))
+    _complete_folder(
+        tmp_path / ".tmp-0-step2", TrainingState(epoch=0, step_in_epoch=2, global_step=2)
+    )
     assert [ref.name for ref in find_checkpoints(tmp_path)] == ["0-step1"]
 
 
 def test_the_sweep_removes_temporary_folders_and_files_old_and_new(tmp_path):
     from speculators_vllm016.train.checkpointer import remove_temporary_folders
 
-    _complete_folder(tmp_path / ".tmp-0-step2", TrainingState(epoch=0, step_in_epoch=2, global_step=2))
+    _complete_folder(
+        tmp_path / ".tmp-0-step2", TrainingState(epoch=0, step_in_epoch=2, global_step=2)
+    )
     _complete_folder(tmp_path / "0-step1", TrainingState(epoch=0, step_in_epoch=1, global_step=1))
     for name in (".metrics.jsonl.0123abcd.tmp", ".metrics.jsonl.tmp", "metrics.jsonl"):
         (tmp_path / name).write_text("")
@@ -62,8 +66,9 @@ def test_a_saved_checkpoint_loads_back_exactly(tiny_llama, tmp_path):
     checkpointer = SingleGPUCheckpointer(tmp_path)
     checkpointer.load_model_state_dict(fresh)
     checkpointer.load_optimizer_state_dict(fresh, fresh_optimizer)
-    for (name, saved), loaded in zip(model.state_dict().items(), fresh.state_dict().values(),
-                                     strict=True):
+    for (name, saved), loaded in zip(
+        model.state_dict().items(), fresh.state_dict().values(), strict=True
+    ):
         assert torch.equal(saved, loaded), name
     for saved, loaded in zip(optimizer.state.values(), fresh_optimizer.state.values(), strict=True):
         for key in ("exp_avg", "exp_avg_sq", "step"):
@@ -78,8 +83,10 @@ def test_0_3_0_index_keyed_optimizer_state_loads(tiny_llama, tmp_path):
     torch.save(optimizer.state_dict(), checkpointer.optimizer_path(0))
     fresh_optimizer = torch.optim.AdamW(list(model.named_parameters()), lr=1e-3)
     checkpointer.load_optimizer_state_dict(model, fresh_optimizer)
-    assert torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"],
-                       optimizer.state_dict()["state"][0]["exp_avg"])
+    assert torch.equal(
+        fresh_optimizer.state_dict()["state"][0]["exp_avg"],
+        optimizer.state_dict()["state"][0]["exp_avg"],
+    )
 
 
 def test_optimizer_state_for_a_parameter_the_model_lacks_is_refused(tiny_llama, tmp_path):
@@ -173,8 +180,13 @@ def test_a_checkpoint_replaced_under_a_kill_at_any_step_resumes_whole(tmp_path, 
 
     save = tmp_path / "ckpt"
     save_scripted(save, global_step=2)
-    died = subprocess.run([sys.executable, "-c", _REPLACE_AND_DIE, str(save), str(kill_at)],
-                          env=cli_env(), capture_output=True, text=True, timeout=300)
+    died = subprocess.run(
+        [sys.executable, "-c", _REPLACE_AND_DIE, str(save), str(kill_at)],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert died.returncode == -signal.SIGKILL, died.stderr
     trainer = scripted_trainer(save, [packed_row()] * 8, num_epochs=2)  # what a resume does
     try:

@@ -9,7 +9,10 @@ from typing import Any
 import pytest
 import torch
 
-from speculators_vllm016.data_generation.preprocessing import normalize_conversation, tokenize_conversation
+from speculators_vllm016.data_generation.preprocessing import (
+    normalize_conversation,
+    tokenize_conversation,
+)
 from speculators_vllm016.data_generation.sample_io import write_sample
 from speculators_vllm016.tiny_models import build_tokenizer
 from speculators_vllm016.train.data import (
@@ -36,8 +39,16 @@ def sample(length: int, seed: int = 0, layers: int = 4) -> dict:
 
 
 def test_only_sample_files_are_listed_in_index_order(tmp_path):
-    for name in ["data_10.pt", "data_2.pt", "data_1.safetensors", "token_freq.pt", "other.pt",
-                 "data_config.json", "data_x.pt", ".tmp-ab12-data_5.pt"]:
+    for name in [
+        "data_10.pt",
+        "data_2.pt",
+        "data_1.safetensors",
+        "token_freq.pt",
+        "other.pt",
+        "data_config.json",
+        "data_x.pt",
+        ".tmp-ab12-data_5.pt",
+    ]:
         (tmp_path / name).write_bytes(b"")
     (tmp_path / "shard").mkdir()
     (tmp_path / "shard" / "data_0.pt").write_bytes(b"")
@@ -110,7 +121,9 @@ def test_d9_every_assistant_token_is_trained_and_nothing_after_the_turn(tmp_path
     The prediction must be trained exactly when token j + 2 belongs to an assistant turn: the first
     token of each assistant turn is trained, the token after its end-of-turn marker is not.
     """
-    tokenizer = build_tokenizer(tmp_path, style, corpus=[t["value"] for t in CHAT] * 3, vocab_size=300)
+    tokenizer = build_tokenizer(
+        tmp_path, style, corpus=[t["value"] for t in CHAT] * 3, vocab_size=300
+    )
     ids, mask = tokenize_conversation(tokenizer, normalize_conversation(CHAT), 4096)
     length = len(ids)
     data = {
@@ -127,11 +140,17 @@ def test_d9_every_assistant_token_is_trained_and_nothing_after_the_turn(tmp_path
     for legacy in (False, True):
         shifted = shift_batch(data, legacy_loss_mask_shift=legacy)
         # predicted token (index into ids) -> trained?
-        trained = {j + 2: bool(flag) for j, flag in enumerate(shifted["loss_mask"].tolist()) if j + 2 < length}
+        trained = {
+            j + 2: bool(flag)
+            for j, flag in enumerate(shifted["loss_mask"].tolist())
+            if j + 2 < length
+        }
         if not legacy:
             assert trained == {t: bool(mask[t]) for t in range(2, length)}
             assert all(trained[t] for t in starts), "first assistant token of a turn not trained"
-            assert not any(trained.get(t + 1, False) for t in ends), "token after end-of-turn trained"
+            assert not any(trained.get(t + 1, False) for t in ends), (
+                "token after end-of-turn trained"
+            )
         else:  # 0.3.0: off by one, the defect D9 is real
             assert not any(trained[t] for t in starts)
             assert all(trained[t + 1] for t in ends if t + 1 < length)
@@ -171,7 +190,9 @@ def test_unusable_samples_are_skipped_counted_and_named(tmp_path, caplog):
     assert items[1] is None and "data_1.pt" in caplog.text and "NaN" in caplog.text
     row = create_collate_fn(64)(items)
     assert int(row["skipped_samples"]) == 1 and row["lengths"].tolist() == [11, 11]
-    strict = Eagle3SampleFileDataset(64, file_list=[str(tmp_path / f"data_{i}.pt") for i in range(3)], strict=True)
+    strict = Eagle3SampleFileDataset(
+        64, file_list=[str(tmp_path / f"data_{i}.pt") for i in range(3)], strict=True
+    )
     with pytest.raises(SampleFileError, match="data_1.pt"):
         strict[1]
     with pytest.raises(SampleFileError, match="cannot be read"):
@@ -181,7 +202,9 @@ def test_unusable_samples_are_skipped_counted_and_named(tmp_path, caplog):
 def test_noise_is_on_inputs_only_and_the_same_for_every_reader(tmp_path):
     write_sample(tmp_path / "data_0.pt", sample(30, 0))
     clean = Eagle3SampleFileDataset(64, datapath=str(tmp_path))[0]
-    noisy = Eagle3SampleFileDataset(64, datapath=str(tmp_path), transform=AddUniformNoise(0.05), seed=5)
+    noisy = Eagle3SampleFileDataset(
+        64, datapath=str(tmp_path), transform=AddUniformNoise(0.05), seed=5
+    )
     first = noisy[0]
     torch.manual_seed(123)  # global RNG state must not matter
     again = noisy[0]
@@ -219,7 +242,9 @@ def test_split_items_over_indices_is_split_files_over_datagens_files(tmp_path):
     for seed in (0, 3):
         files = split_files(str(tmp_path), 0.75, seed)
         items = split_items(list(range(13)), 0.75, seed)
-        assert [[int(f.stem.split("_")[1]) for f in part] for part in files] == [list(p) for p in items]
+        assert [[int(f.stem.split("_")[1]) for f in part] for part in files] == [
+            list(p) for p in items
+        ]
 
 
 # -- unusable rows and malformed samples: the data -> trainer contract when samples are bad -------
@@ -305,13 +330,17 @@ def poisoned_copy(data: Path, folder: Path) -> tuple[Path, list[Path]]:
     return copy, [train[0], val[0]]
 
 
-def test_training_steps_over_rows_whose_samples_are_all_unusable(tiny_llama, training_data, tmp_path, capsys):
+def test_training_steps_over_rows_whose_samples_are_all_unusable(
+    tiny_llama, training_data, tmp_path, capsys
+):
     """Every sample is longer than a row, so the NaN samples' rows hold nothing usable: in
     training and in validation. The run finishes, counts the skip, and keeps the plan's steps."""
     import json
 
     from speculators_vllm016.cli.train import main
-    from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+    from speculators_vllm016.train.distributed_batch_sampler import (
+        MultipackDistributedBatchSamplerV2,
+    )
     from tests.training_fixtures import train_args
 
     data, poisoned = poisoned_copy(training_data, tmp_path)
@@ -322,7 +351,9 @@ def test_training_steps_over_rows_whose_samples_are_all_unusable(tiny_llama, tra
     train, _ = split_files(str(data), 0.9, 0)
     lengths = Eagle3SampleFileDataset(16, file_list=[str(f) for f in train]).lengths
     plan = MultipackDistributedBatchSamplerV2(16, lengths, 1, 0, seed=0).batches(0)
-    assert [len(step) for step in plan if train.index(poisoned[0]) in step] == [1]  # alone in its row
+    assert [len(step) for step in plan if train.index(poisoned[0]) in step] == [
+        1
+    ]  # alone in its row
     assert state["global_step"] == len(plan) and state["skipped_samples"] == 1
     lines = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     assert sum("train" in line for line in lines) == len(plan)
@@ -370,7 +401,9 @@ def test_skipped_and_unreadable_samples_are_counted_in_the_state_the_metrics_and
     assert f"best checkpoint {save / '0'} (tau_sim {tau:.3f})" in last, last
 
 
-def tiny_trainer(verifier: Path, training_data: Path, save: Path, rows: list, val_rows: list, **config: Any):
+def tiny_trainer(
+    verifier: Path, training_data: Path, save: Path, rows: list, val_rows: list, **config: Any
+):
     """A CPU `Trainer` of the tiny verifier's draft over ready-made rows (`config`: more
     `TrainerConfig` fields)."""
     from torch.utils.data import DataLoader
@@ -382,8 +415,15 @@ def tiny_trainer(verifier: Path, training_data: Path, save: Path, rows: list, va
     args = build_parser().parse_args(train_args(verifier, training_data, save))
     model = build_model(args, prepare(args))
     config = TrainerConfig(
-        lr=1e-3, num_epochs=1, save_path=str(save), device="cpu", show_progress=False,
-        handle_sigterm=False, scheduler_type="none", val_call_kwargs={"ttt_steps": 3}, **config,
+        lr=1e-3,
+        num_epochs=1,
+        save_path=str(save),
+        device="cpu",
+        show_progress=False,
+        handle_sigterm=False,
+        scheduler_type="none",
+        val_call_kwargs={"ttt_steps": 3},
+        **config,
     )
     loader = lambda items: DataLoader(items, batch_size=None)  # noqa: E731 - rows as they are
     return Trainer(model, config, loader(rows), loader(val_rows))
@@ -402,13 +442,22 @@ def test_validation_weighs_a_row_of_unusable_samples_zero(tiny_llama, training_d
     assert means == pytest.approx(clean, rel=1e-6)
 
 
-def test_skipped_samples_averaged_over_three_ranks_count_exactly(tiny_llama, training_data, tmp_path):
+def test_skipped_samples_averaged_over_three_ranks_count_exactly(
+    tiny_llama, training_data, tmp_path
+):
     """5 skipped on 3 ranks: each rank's mean (float32) times 3 is 4.9999998, which is 5 skips."""
     files = sorted(training_data.glob("data_*.pt"))[:1]
-    row = create_collate_fn(128)([Eagle3SampleFileDataset(128, file_list=[str(f) for f in files])[0]])
+    row = create_collate_fn(128)(
+        [Eagle3SampleFileDataset(128, file_list=[str(f) for f in files])[0]]
+    )
     trainer = tiny_trainer(tiny_llama, training_data, tmp_path, [row], [])
     mean = (torch.tensor([5.0]) / 3).tolist()[0]  # what the all-reduce and its average give
-    trainer.train_step = lambda batch: {"loss": 1.0, "tokens": 1.0, "lr": 0.0, "skipped_samples": mean * 3}
+    trainer.train_step = lambda batch: {
+        "loss": 1.0,
+        "tokens": 1.0,
+        "lr": 0.0,
+        "skipped_samples": mean * 3,
+    }
     assert mean * 3 != 5
     trainer.train_epoch(0)
     assert trainer.state.skipped_samples == 5
@@ -446,7 +495,11 @@ def test_train_measures_widths_against_the_verifier_not_the_first_file_of_a_spli
 
 def datagen_folder(folder: Path, count: int, record_count: bool = True, start: int = 3) -> Path:
     """A folder as datagen leaves it: samples, their manifest lines and the run record."""
-    from speculators_vllm016.data_generation.manifest import ManifestWriter, SampleRecord, manifest_path
+    from speculators_vllm016.data_generation.manifest import (
+        ManifestWriter,
+        SampleRecord,
+        manifest_path,
+    )
     from speculators_vllm016.data_generation.resume import RunIdentity, record_identity
 
     folder.mkdir()
@@ -464,7 +517,9 @@ def test_a_datagen_folder_missing_samples_its_run_lists_is_refused_in_one_line(t
     from speculators_vllm016.train.data import IncompleteDataError
 
     whole = datagen_folder(tmp_path / "whole", 8)
-    assert len(list_files(whole)) == 8 and len(Eagle3SampleFileDataset(64, datapath=str(whole))) == 8
+    assert (
+        len(list_files(whole)) == 8 and len(Eagle3SampleFileDataset(64, datapath=str(whole))) == 8
+    )
 
     # Never written (a run stopped half-way): only the run record knows them.
     stopped = datagen_folder(tmp_path / "stopped", 8)
@@ -491,14 +546,25 @@ def test_a_datagen_folder_missing_samples_its_run_lists_is_refused_in_one_line(t
     lost = datagen_folder(tmp_path / "lost", 12, record_count=False)
     for index in range(4, 12):
         (lost / f"data_{index}.pt").unlink()
-    with pytest.raises(IncompleteDataError, match=r"lacks 8 of the 12 .*\(data_4.pt, data_5.pt, "
-                       r"data_6.pt, data_7.pt, data_8.pt and 3 more\)"):
+    with pytest.raises(
+        IncompleteDataError,
+        match=r"lacks 8 of the 12 .*\(data_4.pt, data_5.pt, "
+        r"data_6.pt, data_7.pt, data_8.pt and 3 more\)",
+    ):
         list_files(lost)
 
     # The train command says it in one line, before anything is written.
     save = tmp_path / "save"
-    code = main(["--verifier-name-or-path", str(tmp_path / "none"), "--data-path", str(stopped),
-                 "--save-path", str(save)])
+    code = main(
+        [
+            "--verifier-name-or-path",
+            str(tmp_path / "none"),
+            "--data-path",
+            str(stopped),
+            "--save-path",
+            str(save),
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0 and len(err) == 1 and "lacks 3 of the 8 sample files" in err[0], err
     assert not save.exists()

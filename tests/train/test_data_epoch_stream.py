@@ -30,8 +30,12 @@ def stream_loader(folder, workers: int, sampler_class=MultipackDistributedBatchS
     data = dataset(folder, 40)  # noised: AddGaussianNoise(1.0), drawn where the row is
     sampler = sampler_class(40, data.lengths, 1, 0, seed=3)
     loader = SampleFileLoader(
-        data, batch_sampler=sampler, collate_fn=create_collate_fn(40), num_workers=workers,
-        prefetch_factor=2 if workers else None, persistent_workers=workers > 0,
+        data,
+        batch_sampler=sampler,
+        collate_fn=create_collate_fn(40),
+        num_workers=workers,
+        prefetch_factor=2 if workers else None,
+        persistent_workers=workers > 0,
     )
     return loader, sampler
 
@@ -63,7 +67,10 @@ def test_streamed_rows_equal_the_per_epoch_rows_noise_included(tmp_path):
             streamed = inputs(loader.epoch_rows(epoch, last_epoch=2))
             expected = [row["hidden_states"] for row in noised_rows(tmp_path, epoch, workers=0)]
             assert len(streamed) == len(expected)
-            assert all(torch.equal(a, b) for a, b in zip(streamed, expected, strict=True)), (workers, epoch)
+            assert all(torch.equal(a, b) for a, b in zip(streamed, expected, strict=True)), (
+                workers,
+                epoch,
+            )
 
 
 def test_a_resumed_stream_starts_inside_its_epoch_and_runs_on(tmp_path):
@@ -93,15 +100,19 @@ def assert_same_rows(got: list[dict], expected: list[dict]) -> None:
     for position, (row, want) in enumerate(zip(got, expected, strict=True)):
         assert row["sample_indices"].tolist() == want["sample_indices"].tolist(), position
         assert row["row_noise"].epoch == want["row_noise"].epoch, position
-        assert torch.equal(to_step_row(row, CPU, None).inputs["hidden_states"],
-                           to_step_row(want, CPU, None).inputs["hidden_states"]), position
+        assert torch.equal(
+            to_step_row(row, CPU, None).inputs["hidden_states"],
+            to_step_row(want, CPU, None).inputs["hidden_states"],
+        ), position
 
 
 def test_an_epoch_left_early_restarts_the_iteration_where_asked(tmp_path):
     write_files(tmp_path, LENGTHS)
     loader, _ = stream_loader(tmp_path, 2)
     rows = loader.epoch_rows(0, last_epoch=2)
-    next(rows)  # stopped after one row (max_steps, an error): the stream is not where epoch 1 starts
+    next(
+        rows
+    )  # stopped after one row (max_steps, an error): the stream is not where epoch 1 starts
     # Asked again for epoch 0: its rows from the first, not the stream's next ones.
     assert_same_rows(list(loader.epoch_rows(0, last_epoch=2)), _plan_rows(tmp_path, 0))
     rows = loader.epoch_rows(1, last_epoch=2)

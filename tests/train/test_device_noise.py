@@ -34,8 +34,12 @@ def write_files(folder: Path, lengths: list[int]) -> None:
 
 def dataset(folder: Path, max_len: int, transform=None) -> Eagle3SampleFileDataset:
     return Eagle3SampleFileDataset(
-        max_len, datapath=str(folder), transform=transform or AddGaussianNoise(1.0), seed=7,
-        output_dtype=torch.bfloat16, device_noise=True,
+        max_len,
+        datapath=str(folder),
+        transform=transform or AddGaussianNoise(1.0),
+        seed=7,
+        output_dtype=torch.bfloat16,
+        device_noise=True,
     )
 
 
@@ -50,7 +54,10 @@ def noised_rows(folder: Path, epoch: int, *, workers: int = 0, start_step: int =
     data = dataset(folder, 40)
     sampler = MultipackDistributedBatchSamplerV2(40, data.lengths, 1, 0, seed=3)
     loader = SampleFileLoader(
-        data, batch_sampler=sampler, collate_fn=create_collate_fn(40), num_workers=workers,
+        data,
+        batch_sampler=sampler,
+        collate_fn=create_collate_fn(40),
+        num_workers=workers,
         persistent_workers=workers > 0,
     )
     rows = []
@@ -90,7 +97,9 @@ def test_a_samples_noise_is_its_own_wherever_it_is_packed(tmp_path):
     assert torch.equal(on_device(collate([data[1]]), data)["hidden_states"][0], alone)
     row = collate([data[1]])
     RowNoise(data.transform, 7, 1).apply(
-        {"hidden_states": row["hidden_states"]}, row["lengths"].tolist(), row["sample_indices"].tolist()
+        {"hidden_states": row["hidden_states"]},
+        row["lengths"].tolist(),
+        row["sample_indices"].tolist(),
     )
     assert not torch.equal(row["hidden_states"][0], alone)  # another epoch, other noise
     clean = to_step_row(collate([data[1]]), CPU, None).inputs["hidden_states"]
@@ -105,13 +114,17 @@ def test_the_noise_does_not_depend_on_the_workers_nor_on_resume(tmp_path, transf
     assert any(row["hidden_states"].any() for row in reference)
     in_workers = noised_rows(tmp_path, 1, workers=2)  # persistent workers, second epoch
     resumed = noised_rows(tmp_path, 1, start_step=2)  # a resumed run's fresh loader
-    assert [torch.equal(a["hidden_states"], b["hidden_states"])
-            for a, b in zip(in_workers, reference, strict=True)] == [True] * len(reference)
+    assert [
+        torch.equal(a["hidden_states"], b["hidden_states"])
+        for a, b in zip(in_workers, reference, strict=True)
+    ] == [True] * len(reference)
     for a, b in zip(resumed, reference[2:], strict=True):
         assert torch.equal(a["hidden_states"], b["hidden_states"])
     first_epoch = noised_rows(tmp_path, 0)
-    assert not all(torch.equal(a["hidden_states"], b["hidden_states"])
-                   for a, b in zip(first_epoch, reference, strict=False))
+    assert not all(
+        torch.equal(a["hidden_states"], b["hidden_states"])
+        for a, b in zip(first_epoch, reference, strict=False)
+    )
 
 
 def test_prefetch_applies_the_same_noise_as_the_plain_copy(tmp_path):
@@ -156,10 +169,13 @@ def _ks_distance(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((cdf_a - cdf_b).abs().max())
 
 
-@pytest.mark.parametrize(("transform", "variance"), [
-    (AddUniformNoise(0.5), 0.5**2 / 3),  # U(-s, s): mean 0, variance s^2 / 3
-    (AddGaussianNoise(0.5), 0.5**2),  # N(0, s^2)
-])
+@pytest.mark.parametrize(
+    ("transform", "variance"),
+    [
+        (AddUniformNoise(0.5), 0.5**2 / 3),  # U(-s, s): mean 0, variance s^2 / 3
+        (AddGaussianNoise(0.5), 0.5**2),  # N(0, s^2)
+    ],
+)
 def test_the_device_noise_has_the_cpu_transforms_distribution(transform, variance):
     # 0.3.0's transforms define the noise (uniform over [-s, s], Gaussian of std s); the device
     # path (RowNoise on a packed bf16 row) must draw the same distribution, not merely some noise.
@@ -168,7 +184,9 @@ def test_the_device_noise_has_the_cpu_transforms_distribution(transform, varianc
     RowNoise(transform, seed=5, epoch=0).apply(row, [length] * samples, list(range(samples)))
     device = row["hidden_states"].flatten().double()
     torch.manual_seed(11)
-    cpu_states = transform({"hidden_states": torch.zeros(samples * length, HIDDEN)})["hidden_states"]
+    cpu_states = transform({"hidden_states": torch.zeros(samples * length, HIDDEN)})[
+        "hidden_states"
+    ]
     cpu = cpu_states.to(torch.bfloat16).flatten().double()  # rounded as training rounds it
     count = device.numel()
     for values in (device, cpu):  # each against the definition, 6 standard errors wide

@@ -21,7 +21,9 @@ def test_call_options_are_typed_and_spread_like_the_030_dict():
     assert (lambda **kwargs: kwargs)(**options) == {"ttt_steps": 3, "use_off_policy_tokens": True}
     config = TrainerConfig(lr=1.0, num_epochs=1, save_path="x", train_call_kwargs={"ttt_steps": 2})
     assert isinstance(config.train_call_kwargs, DraftCallOptions)
-    assert config.train_call_kwargs.ttt_steps == 2 and config._replace(lr=2.0).train_call_kwargs == {"ttt_steps": 2}
+    assert config.train_call_kwargs.ttt_steps == 2 and config._replace(
+        lr=2.0
+    ).train_call_kwargs == {"ttt_steps": 2}
     with pytest.raises(TypeError, match="unknown draft call options"):
         DraftCallOptions.coerce({"ttt_step": 2})
 

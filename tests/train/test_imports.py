@@ -5,17 +5,46 @@ from __future__ import annotations
 import subprocess
 import sys
 
-MODULES = ["checkpointer", "data", "distributed_batch_sampler", "logger", "noise_transforms",
-           "trainer", "utils", "vocab_mapping"]
+MODULES = [
+    "checkpointer",
+    "data",
+    "distributed_batch_sampler",
+    "logger",
+    "noise_transforms",
+    "trainer",
+    "utils",
+    "vocab_mapping",
+]
 
 NAMES = {
-    "checkpointer": ["BaseCheckpointer", "SingleGPUCheckpointer", "DistributedCheckpointer",
-                     "convert_float_dtype", "load_safetensors_state_dict"],
-    "data": ["list_files", "slice_and_pad_to_length", "shift_batch", "split_files",
-             "standardize_data_v0", "standardize_data_v1", "Eagle3SampleFileDataset", "create_collate_fn"],
+    "checkpointer": [
+        "BaseCheckpointer",
+        "SingleGPUCheckpointer",
+        "DistributedCheckpointer",
+        "convert_float_dtype",
+        "load_safetensors_state_dict",
+    ],
+    "data": [
+        "list_files",
+        "slice_and_pad_to_length",
+        "shift_batch",
+        "split_files",
+        "standardize_data_v0",
+        "standardize_data_v1",
+        "Eagle3SampleFileDataset",
+        "create_collate_fn",
+    ],
     "distributed_batch_sampler": ["MultipackDistributedBatchSamplerV2"],
-    "logger": ["IsMappingFilter", "IsRank0Filter", "FormatDictFilter", "TensorBoardHandler",
-               "WandbHandler", "TrackioHandler", "setup_root_logger", "setup_metric_logger"],
+    "logger": [
+        "IsMappingFilter",
+        "IsRank0Filter",
+        "FormatDictFilter",
+        "TensorBoardHandler",
+        "WandbHandler",
+        "TrackioHandler",
+        "setup_root_logger",
+        "setup_metric_logger",
+    ],
     "noise_transforms": ["TransformTensors", "AddGaussianNoise", "AddUniformNoise"],
     "trainer": ["TrainerConfig", "Trainer"],
     "utils": ["maybe_setup_distributed", "maybe_destroy_distributed", "apply_fully_sharded"],
@@ -31,7 +60,9 @@ def test_trainer_imports_no_vllm():
         "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.'))\n"
         "assert not bad, bad[:5]\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-2000:]
 
 

@@ -18,9 +18,14 @@ def demo_data(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("demo_datagen")
     model = build_demo_model(root / "model")
     options = DatagenOptions(
-        target_model_path=str(model), train_data_path=str(demo_conversations_path()),
-        output_dir=str(root / "data"), seq_length=256, max_samples=96,
-        hf_cache_dir=str(root / "hf-cache"), num_preprocessing_workers=1, show_progress=False,
+        target_model_path=str(model),
+        train_data_path=str(demo_conversations_path()),
+        output_dir=str(root / "data"),
+        seq_length=256,
+        max_samples=96,
+        hf_cache_dir=str(root / "hf-cache"),
+        num_preprocessing_workers=1,
+        show_progress=False,
     )
     summary = run_datagen(options)
     assert summary.describe()
@@ -32,10 +37,29 @@ def test_loss_falls_and_accuracy_rises_on_datagen_output(demo_data, tmp_path):
     model, data = demo_data
     save = tmp_path / "ckpt"
     argv = [
-        "--verifier-name-or-path", str(model), "--data-path", str(data), "--save-path", str(save),
-        "--d2t-path", str(tmp_path / "d2t.npy"), "--t2d-path", str(tmp_path / "t2d.npy"),
-        "--draft-vocab-size", "256", "--total-seq-len", "1024", "--epochs", "3", "--lr", "3e-3",
-        "--num-workers", "0", "--no-progress", "--log-dir", str(tmp_path / "logs"),
+        "--verifier-name-or-path",
+        str(model),
+        "--data-path",
+        str(data),
+        "--save-path",
+        str(save),
+        "--d2t-path",
+        str(tmp_path / "d2t.npy"),
+        "--t2d-path",
+        str(tmp_path / "t2d.npy"),
+        "--draft-vocab-size",
+        "256",
+        "--total-seq-len",
+        "1024",
+        "--epochs",
+        "3",
+        "--lr",
+        "3e-3",
+        "--num-workers",
+        "0",
+        "--no-progress",
+        "--log-dir",
+        str(tmp_path / "logs"),
     ]
     assert main(argv) == 0
     lines = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]

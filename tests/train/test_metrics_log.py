@@ -44,9 +44,19 @@ def test_the_writer_and_the_reader_agree_on_the_schema(tmp_path):
         handle.write('[1, 2]\n{"step": 2, "train": {"lo')  # not an object; a torn line
     train, val = read_metrics(path)
     assert (train.step, train.epoch, train.lr, train.train, train.val) == (
-        0, 0, 1e-3, {"loss": 2.0, "tokens": 10.0}, None)
+        0,
+        0,
+        1e-3,
+        {"loss": 2.0, "tokens": 10.0},
+        None,
+    )
     assert (val.step, val.epoch, val.lr, val.train, val.val) == (
-        1, 0, None, None, {"loss_epoch": 1.5, "tau_sim": 1.2})
+        1,
+        0,
+        None,
+        None,
+        {"loss_epoch": 1.5, "tau_sim": 1.2},
+    )
     assert path.read_text().splitlines()[0] == train.to_line()
     assert read_metrics(tmp_path / "absent.jsonl") == []
 
@@ -63,7 +73,11 @@ def test_truncation_keeps_what_the_checkpoint_kept(tmp_path):
     path.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"step": 3, "tr')
     MetricsLog(tmp_path).truncate_after(2)
     assert [json.loads(line) for line in path.read_text().splitlines()] == [
-        lines[0], lines[1], lines[2], lines[4]]
+        lines[0],
+        lines[1],
+        lines[2],
+        lines[4],
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
     MetricsLog(tmp_path, rank=1).truncate_after(0)  # only rank 0 writes
     assert len(path.read_text().splitlines()) == 4
@@ -83,6 +97,8 @@ def test_a_run_from_scratch_moves_the_earlier_log_aside_and_back(tmp_path):
 
 def test_train_steps_as_flat_rows(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 1, "train": {"loss": 2.0, "tokens": 5}, "epoch": 0, "lr": 0.1}\n'
-                    '{"step": 2, "val": {"loss_epoch": 1.0}, "epoch": 0}\n')
+    path.write_text(
+        '{"step": 1, "train": {"loss": 2.0, "tokens": 5}, "epoch": 0, "lr": 0.1}\n'
+        '{"step": 2, "val": {"loss_epoch": 1.0}, "epoch": 0}\n'
+    )
     assert read_train_steps(path) == [{"step": 1, "loss": 2.0, "tokens": 5}]

@@ -10,7 +10,10 @@ from speculators_vllm016.train.optimizer_step import clip_and_step, folds_clip_i
 
 def _params(seed: int = 0) -> list[torch.nn.Parameter]:
     generator = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in ((40, 24), (24,), (7, 3))]
+    return [
+        torch.nn.Parameter(torch.randn(shape, generator=generator))
+        for shape in ((40, 24), (24,), (7, 3))
+    ]
 
 
 def _set_grads(params: list[torch.nn.Parameter], scale: float, seed: int) -> None:
@@ -57,8 +60,9 @@ def test_unfused_optimizers_get_the_plain_clip():
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_a_step_with_non_finite_gradients_changes_nothing(fused, bad):
     params = _params()
-    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=fused or None,
-                                  foreach=None if fused else True)
+    optimizer = torch.optim.AdamW(
+        params, lr=1e-2, weight_decay=0.1, fused=fused or None, foreach=None if fused else True
+    )
     _set_grads(params, 1.0, seed=0)
     clip_and_step(optimizer, params, max_norm=1.0)  # one good step: there is state to protect
     before = [p.detach().clone() for p in params]

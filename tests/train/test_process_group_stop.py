@@ -28,12 +28,20 @@ def _stop_group(command: list[str], save: Path, ready) -> tuple[int, str]:
     the whole group (as a scheduler does); its return code and output."""
     log = save.parent / "output.log"
     with open(log, "w") as sink:
-        process = subprocess.Popen(command, env=cli_env(), start_new_session=True,
-                                   stdout=sink, stderr=subprocess.STDOUT, text=True)
+        process = subprocess.Popen(
+            command,
+            env=cli_env(),
+            start_new_session=True,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
             while process.poll() is None and not ready(log.read_text()):
                 time.sleep(0.01)
-            assert process.poll() is None, "the run ended before the signal:\n" + log.read_text()[-3000:]
+            assert process.poll() is None, (
+                "the run ended before the signal:\n" + log.read_text()[-3000:]
+            )
             os.killpg(process.pid, signal.SIGTERM)
             process.wait(timeout=300)
         finally:
@@ -44,7 +52,9 @@ def _stop_group(command: list[str], save: Path, ready) -> tuple[int, str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("when", ["after the first step", "during the first step"])
-def test_sigterm_to_the_process_group_checkpoints_and_resumes(tiny_llama, training_data, tmp_path, when):
+def test_sigterm_to_the_process_group_checkpoints_and_resumes(
+    tiny_llama, training_data, tmp_path, when
+):
     save = tmp_path / "ckpt"
     # Loader processes (--num-workers 2) are in the group too: they must not die of the signal.
     command = train_command(train_args(tiny_llama, training_data, save, "--num-workers", "2"))

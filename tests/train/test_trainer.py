@@ -53,9 +53,15 @@ def test_checkpoints_have_the_030_layout_and_what_vllm_needs(trained, training_d
     assert (trained / "0").is_dir() and (trained / "1").is_dir()
     assert os.readlink(trained / "best") in {"0", "1"}
     folder = trained / "1"
-    for name in ["config.json", "model.safetensors", "optimizer_state_dict.pt",
-                 "scheduler_state_dict.pt", "training_state.json", "rng_state_rank0.pt",
-                 "master_weights.safetensors"]:
+    for name in [
+        "config.json",
+        "model.safetensors",
+        "optimizer_state_dict.pt",
+        "scheduler_state_dict.pt",
+        "training_state.json",
+        "rng_state_rank0.pt",
+        "master_weights.safetensors",
+    ]:
         assert (folder / name).is_file(), name
     config = json.loads((folder / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3"
@@ -97,15 +103,24 @@ def test_saved_draft_loads_back_with_the_trained_weights(trained):
         assert torch.equal(state[name].to(tensor.dtype), tensor), name
 
 
-def _run_killed(command: list[str], save: Path, kill_at: int, sig: int,
-                need_checkpoint: bool = False) -> tuple[int, str]:
+def _run_killed(
+    command: list[str], save: Path, kill_at: int, sig: int, need_checkpoint: bool = False
+) -> tuple[int, str]:
     """Start `command`, stop it with `sig` once `kill_at` steps are logged (and, with
     `need_checkpoint`, once a complete checkpoint exists); its return code and output."""
-    process = subprocess.Popen(command, env=cli_env(), start_new_session=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        command,
+        env=cli_env(),
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
     def ready() -> bool:
-        return metric_steps(save) >= kill_at and (not need_checkpoint or bool(finished_checkpoints(save)))
+        return metric_steps(save) >= kill_at and (
+            not need_checkpoint or bool(finished_checkpoints(save))
+        )
 
     try:
         while process.poll() is None and not ready():
@@ -126,15 +141,22 @@ def _run_killed(command: list[str], save: Path, kill_at: int, sig: int,
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("processes", "parallel"), [(1, None), (2, "fsdp"), (2, "ddp")])
-def test_sigkill_then_resume_is_bit_identical(tiny_llama, training_data, tmp_path, processes, parallel):
+def test_sigkill_then_resume_is_bit_identical(
+    tiny_llama, training_data, tmp_path, processes, parallel
+):
     epochs = 2 if processes == 1 else 3  # two ranks halve the steps of an epoch
     last = str(epochs - 1)
     extra = ["--checkpoint-freq", "0.25", "--epochs", str(epochs)]
     if parallel is not None:
         extra += ["--parallel", parallel]
     straight = tmp_path / "straight"
-    done = subprocess.run(train_command(train_args(tiny_llama, training_data, straight, *extra), processes),
-                          env=cli_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        train_command(train_args(tiny_llama, training_data, straight, *extra), processes),
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     total = json.loads((straight / last / "training_state.json").read_text())["global_step"]
     assert total >= 8
@@ -153,8 +175,11 @@ def test_sigkill_then_resume_is_bit_identical(tiny_llama, training_data, tmp_pat
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "resuming from" in again.stderr
     assert_same_checkpoint(straight / last, resumed / last)
-    steps = [json.loads(line)["step"] for line in (resumed / "metrics.jsonl").read_text().splitlines()
-             if '"train"' in line]
+    steps = [
+        json.loads(line)["step"]
+        for line in (resumed / "metrics.jsonl").read_text().splitlines()
+        if '"train"' in line
+    ]
     assert steps == list(range(total)), "metrics of the killed run's lost steps were not replaced"
 
 
@@ -167,7 +192,9 @@ def test_sigterm_or_ctrl_c_writes_a_checkpoint_and_the_rerun_finishes_identicall
     command = train_command(train_args(tiny_llama, training_data, save))
     code, output = _run_killed(command, save, 2, sig)
     assert code == 143, output[-2000:]
-    assert f"stopped by {name} at step" in output and "run the same command again to resume" in output
+    assert (
+        f"stopped by {name} at step" in output and "run the same command again to resume" in output
+    )
     mid = [p.name for p in save.iterdir() if "-step" in p.name]
     assert len(mid) == 1
     again = subprocess.run(command, env=cli_env(), capture_output=True, text=True, timeout=600)
@@ -175,7 +202,9 @@ def test_sigterm_or_ctrl_c_writes_a_checkpoint_and_the_rerun_finishes_identicall
     assert_same_checkpoint(trained / "1", save / "1")
 
 
-def test_a_030_layout_folder_resumes_at_the_next_epoch(tiny_llama, training_data, tmp_path, trained):
+def test_a_030_layout_folder_resumes_at_the_next_epoch(
+    tiny_llama, training_data, tmp_path, trained
+):
     save = tmp_path / "ckpt"
     save.mkdir()
     legacy = save / "0"
@@ -185,8 +214,10 @@ def test_a_030_layout_folder_resumes_at_the_next_epoch(tiny_llama, training_data
     # 0.3.0 wrote the optimizer state in bf16, keyed by index.
     optimizer = torch.load(legacy / "optimizer_state_dict.pt", weights_only=True)
     names = optimizer["param_groups"][0]["params"]
-    optimizer["state"] = {names.index(k): {n: v.to(torch.bfloat16) for n, v in s.items()}
-                          for k, s in optimizer["state"].items()}
+    optimizer["state"] = {
+        names.index(k): {n: v.to(torch.bfloat16) for n, v in s.items()}
+        for k, s in optimizer["state"].items()
+    }
     optimizer["param_groups"][0]["params"] = list(range(len(names)))
     torch.save(optimizer, legacy / "optimizer_state_dict.pt")
     assert main(train_args(tiny_llama, training_data, save)) == 0

@@ -26,8 +26,9 @@ def test_best_names_the_epoch_with_the_highest_validation_tau_sim_not_the_newest
         return {"full_acc_0": 0.5} if training else {"full_acc_0": accuracy[call]}
 
     save = tmp_path / "ckpt"
-    trainer = scripted_trainer(save, [packed_row(), packed_row()], [packed_row()], script,
-                               num_epochs=3)
+    trainer = scripted_trainer(
+        save, [packed_row(), packed_row()], [packed_row()], script, num_epochs=3
+    )
     state = trainer.run_training()
     assert os.readlink(save / "best") == "1", "best must stay on the epoch of tau_sim 1.6"
     assert state.best_checkpoint == "1" and abs(state.best_val_tau_sim - 1.6) < 1e-6
@@ -60,8 +61,15 @@ def _log_one_step_on_two_ranks(rank: int, port: int, save: str, out: str) -> Non
         return {"loss": rank + 1.0, "full_acc_0": 0.2 * (rank + 1)}
 
     with gloo_group(rank, port):
-        trainer = scripted_trainer(Path(save), [packed_row(8 * (rank + 1))], None, script,
-                                   is_distributed=True, local_rank=rank, parallel="ddp")
+        trainer = scripted_trainer(
+            Path(save),
+            [packed_row(8 * (rank + 1))],
+            None,
+            script,
+            is_distributed=True,
+            local_rank=rank,
+            parallel="ddp",
+        )
         trainer.run_training()
         if rank == 0:
             torch.save({"records": records}, out)
@@ -77,8 +85,12 @@ def test_metrics_of_several_ranks_are_logged_as_means_and_tokens_as_a_sum(tmp_pa
     from tests.training_fixtures import free_port
 
     out = tmp_path / "logged.pt"
-    mp.spawn(_log_one_step_on_two_ranks, args=(free_port(), str(tmp_path / "ckpt"), str(out)),
-             nprocs=2, join=True)
+    mp.spawn(
+        _log_one_step_on_two_ranks,
+        args=(free_port(), str(tmp_path / "ckpt"), str(out)),
+        nprocs=2,
+        join=True,
+    )
     logged = torch.load(out)
     steps = [record["train"] for record in logged["records"] if "train" in record]
     assert len(steps) == 1
@@ -99,8 +111,11 @@ def test_metrics_of_several_ranks_are_logged_as_means_and_tokens_as_a_sum(tmp_pa
 def test_an_epoch_that_trains_no_token_fails_in_one_line_and_saves_nothing(tmp_path, rows):
     from speculators_vllm016.train.errors import NothingTrained, TrainingError
 
-    batches = [empty_row(), empty_row(2)] if rows == "unusable samples" else [
-        packed_row(1, loss_tokens=0), packed_row(1, loss_tokens=0)]
+    batches = (
+        [empty_row(), empty_row(2)]
+        if rows == "unusable samples"
+        else [packed_row(1, loss_tokens=0), packed_row(1, loss_tokens=0)]
+    )
     save = tmp_path / "ckpt"
     trainer = scripted_trainer(save, batches, [packed_row()])
     with pytest.raises(NothingTrained, match="epoch 0 trained no token") as raised:

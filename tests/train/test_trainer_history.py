@@ -20,7 +20,9 @@ from tests.training_fixtures import train_args
 
 
 def checkpoint_names(save: Path) -> set[str]:
-    return {p.name for p in save.iterdir() if p.is_dir() and not p.is_symlink() and p.name[0].isdigit()}
+    return {
+        p.name for p in save.iterdir() if p.is_dir() and not p.is_symlink() and p.name[0].isdigit()
+    }
 
 
 def train_steps(path: Path) -> list[int]:
@@ -28,8 +30,11 @@ def train_steps(path: Path) -> list[int]:
 
 
 def lrs(save: Path) -> list[float]:
-    return [json.loads(line)["lr"] for line in (save / "metrics.jsonl").read_text().splitlines()
-            if '"train"' in line]
+    return [
+        json.loads(line)["lr"]
+        for line in (save / "metrics.jsonl").read_text().splitlines()
+        if '"train"' in line
+    ]
 
 
 def interrupt_in_step(patcher: pytest.MonkeyPatch, number: int) -> None:
@@ -74,10 +79,18 @@ def test_no_resume_replaces_the_earlier_run_at_its_first_checkpoint(
     save = tmp_path / "ckpt"
     shutil.copytree(earlier_run, save, symlinks=True)
     earlier_metrics = (save / "metrics.jsonl").read_text()
-    assert main(train_args(tiny_llama, training_data, save, "--no-resume-from-checkpoint",
-                           "--max-steps", "3")) == 0
+    assert (
+        main(
+            train_args(
+                tiny_llama, training_data, save, "--no-resume-from-checkpoint", "--max-steps", "3"
+            )
+        )
+        == 0
+    )
     assert "deleted when this run finishes its first epoch" in capsys.readouterr().err
-    assert checkpoint_names(save) == {"0-step3"}, "the earlier run's checkpoints survived or pruned ours"
+    assert checkpoint_names(save) == {"0-step3"}, (
+        "the earlier run's checkpoints survived or pruned ours"
+    )
     assert not (save / "best").is_symlink(), "best still names the earlier run's checkpoint"
     assert train_steps(save / "metrics.jsonl") == [0, 1, 2]
     assert (save / "metrics.jsonl.prev").read_text() == earlier_metrics
@@ -142,8 +155,16 @@ def test_a_stop_request_in_the_first_epoch_of_a_no_resume_run_leaves_the_earlier
     shutil.copytree(earlier_run, save, symlinks=True)
     request_stop_in_step(monkeypatch, 3, reason)  # after the 0.25-epoch checkpoints' steps
     capsys.readouterr()
-    code = main(train_args(tiny_llama, training_data, save, "--no-resume-from-checkpoint",
-                           "--checkpoint-freq", "0.25"))
+    code = main(
+        train_args(
+            tiny_llama,
+            training_data,
+            save,
+            "--no-resume-from-checkpoint",
+            "--checkpoint-freq",
+            "0.25",
+        )
+    )
     assert code == 143
     assert checkpoint_names(save) == {"0", "1"}, "the earlier run's checkpoints were touched"
     error = capsys.readouterr().err
@@ -162,8 +183,21 @@ def test_a_no_resume_run_replaces_the_earlier_run_at_the_end_of_its_first_epoch(
 ):
     save = tmp_path / "ckpt"
     shutil.copytree(earlier_run, save, symlinks=True)
-    assert main(train_args(tiny_llama, training_data, save, "--no-resume-from-checkpoint",
-                           "--checkpoint-freq", "0.25", "--epochs", "1")) == 0
+    assert (
+        main(
+            train_args(
+                tiny_llama,
+                training_data,
+                save,
+                "--no-resume-from-checkpoint",
+                "--checkpoint-freq",
+                "0.25",
+                "--epochs",
+                "1",
+            )
+        )
+        == 0
+    )
     names = checkpoint_names(save)
     assert "0" in names and "1" not in names, names
     assert os.readlink(save / "best") == "0"
@@ -180,7 +214,9 @@ def test_a_killed_no_resume_run_leaves_the_earlier_run_whole_at_the_next_start(
     with monkeypatch.context() as patched:
         interrupt_in_step(patched, 3)
         patched.setattr(MetricsLog, "restore_earlier", lambda self: None)
-        assert main(train_args(tiny_llama, training_data, save, "--no-resume-from-checkpoint")) == 130
+        assert (
+            main(train_args(tiny_llama, training_data, save, "--no-resume-from-checkpoint")) == 130
+        )
     assert train_steps(save / "metrics.jsonl") == [0, 1], "the emulated kill cleaned up"
     capsys.readouterr()
     assert main(train_args(tiny_llama, training_data, save, "--epochs", "3")) == 0
@@ -224,11 +260,19 @@ def test_resume_on_changed_training_data_warns(tiny_llama, training_data, tmp_pa
     assert "other training data" not in capsys.readouterr().err, "the new data set was not recorded"
 
 
-def test_resume_with_another_deterministic_setting_warns(tiny_llama, training_data, tmp_path, capsys):
+def test_resume_with_another_deterministic_setting_warns(
+    tiny_llama, training_data, tmp_path, capsys
+):
     save = tmp_path / "ckpt"
-    assert main(train_args(tiny_llama, training_data, save, "--max-steps", "1", "--deterministic")) == 0
+    assert (
+        main(train_args(tiny_llama, training_data, save, "--max-steps", "1", "--deterministic"))
+        == 0
+    )
     capsys.readouterr()
-    assert main(train_args(tiny_llama, training_data, save, "--max-steps", "2", "--deterministic")) == 0
+    assert (
+        main(train_args(tiny_llama, training_data, save, "--max-steps", "2", "--deterministic"))
+        == 0
+    )
     assert "--deterministic" not in capsys.readouterr().err
     assert main(train_args(tiny_llama, training_data, save, "--max-steps", "3")) == 0
     assert "checkpoint written with --deterministic, resuming without it" in capsys.readouterr().err
@@ -240,7 +284,10 @@ def test_default_warmup_is_one_percent_of_the_capped_run(tiny_llama, training_da
     # 100 epochs would warm up for a whole epoch's steps; capped at 3 steps the warm-up is 0
     # steps and the learning rate decays from the first step on.
     save = tmp_path / "ckpt"
-    assert main(train_args(tiny_llama, training_data, save, "--epochs", "100", "--max-steps", "3")) == 0
+    assert (
+        main(train_args(tiny_llama, training_data, save, "--epochs", "100", "--max-steps", "3"))
+        == 0
+    )
     rates = lrs(save)
     assert len(rates) == 3 and rates[0] == pytest.approx(1e-3)
     assert rates[0] > rates[1] > rates[2]

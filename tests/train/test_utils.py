@@ -58,8 +58,9 @@ def test_ddp_on_nccl_averages_the_gradients_of_the_ranks():
     mp.spawn(_ddp_gradients_equal_the_average, args=(free_port(),), nprocs=2, join=True)
 
 
-def _sharded_draft_step(rank: int, port: int, verifier: str, out: str,
-                        param_dtype: torch.dtype | None = None) -> None:
+def _sharded_draft_step(
+    rank: int, port: int, verifier: str, out: str, param_dtype: torch.dtype | None = None
+) -> None:
     """One forward and backward of a tiny Eagle3 draft under `apply_fully_sharded` (gloo, CPU),
     counting FSDP2's collectives; rank 0 saves the averaged gradients and the counts, and the
     dtypes the layer's weights had in the forward pass and keep between steps."""
@@ -75,6 +76,7 @@ def _sharded_draft_step(rank: int, port: int, verifier: str, out: str,
             if name == "reduce_scatter":
                 reduced_sizes.append((args[1] if len(args) > 1 else kwargs["input"]).numel())
             return collective(*args, **kwargs)
+
         return call
 
     with gloo_group(rank, port):
@@ -83,19 +85,31 @@ def _sharded_draft_step(rank: int, port: int, verifier: str, out: str,
         model = apply_fully_sharded(draft_model(verifier), param_dtype)
         seen = set()
         model.layers[0].register_forward_pre_hook(
-            lambda module, args: seen.update(p.dtype for p in module.parameters() if p.requires_grad))
+            lambda module, args: seen.update(
+                p.dtype for p in module.parameters() if p.requires_grad
+            )
+        )
         for step in range(2):  # the second step starts from the switches the first one left
             model.zero_grad(set_to_none=True)
             before = dict(calls)
             reduced_sizes.clear()
             model(**batch(seed=rank), ttt_steps=3, ttt_step_loss_decay=0.8).loss.backward()
             per_step = {name: calls[name] - before[name] for name in calls}
-        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()
-                 if p.grad is not None}
+        grads = {
+            name: p.grad.full_tensor() for name, p in model.named_parameters() if p.grad is not None
+        }
         if rank == 0:
             kept = {p.dtype for p in model.parameters() if p.requires_grad}
-            torch.save({"grads": grads, "per_step": per_step, "gathered": seen, "kept": kept,
-                        "reduced_sizes": reduced_sizes}, out)
+            torch.save(
+                {
+                    "grads": grads,
+                    "per_step": per_step,
+                    "gathered": seen,
+                    "kept": kept,
+                    "reduced_sizes": reduced_sizes,
+                },
+                out,
+            )
         del model  # its device mesh holds the group
         gc.collect()
 
@@ -109,8 +123,9 @@ def test_fully_sharded_draft_reduces_each_layer_once_a_step(tiny_llama, tmp_path
     from tests.models.test_eagle3 import batch, draft_model
 
     out = tmp_path / "sharded.pt"
-    mp.spawn(_sharded_draft_step, args=(free_port(), str(tiny_llama), str(out)), nprocs=2,
-             join=True)
+    mp.spawn(
+        _sharded_draft_step, args=(free_port(), str(tiny_llama), str(out)), nprocs=2, join=True
+    )
     saved = torch.load(out)
     # One unit per decoder layer, the draft head and the root (fc, norm): one gather, one
     # reduce each.
@@ -121,8 +136,10 @@ def test_fully_sharded_draft_reduces_each_layer_once_a_step(tiny_llama, tmp_path
     head_size = -(-vocab // 2) * 2 * hidden  # rows padded to a multiple of the 2 ranks
     assert saved["reduced_sizes"][0] == head_size
     assert saved["reduced_sizes"][1] >= layer_size
-    losses = [reference(**batch(seed=rank), ttt_steps=3, ttt_step_loss_decay=0.8).loss
-              for rank in range(2)]
+    losses = [
+        reference(**batch(seed=rank), ttt_steps=3, ttt_step_loss_decay=0.8).loss
+        for rank in range(2)
+    ]
     (sum(losses) / 2).backward()
     expected = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
     assert sorted(saved["grads"]) == sorted(expected)
@@ -138,8 +155,12 @@ def test_fully_sharded_draft_can_gather_bf16_copies_of_its_fp32_weights(tiny_lla
     from tests.models.test_eagle3 import batch, draft_model
 
     out = tmp_path / "sharded.pt"
-    mp.spawn(_sharded_draft_step, args=(free_port(), str(tiny_llama), str(out), torch.bfloat16),
-             nprocs=2, join=True)
+    mp.spawn(
+        _sharded_draft_step,
+        args=(free_port(), str(tiny_llama), str(out), torch.bfloat16),
+        nprocs=2,
+        join=True,
+    )
     saved = torch.load(out)
     assert saved["gathered"] == {torch.bfloat16} and saved["kept"] == {torch.float32}
     assert saved["per_step"] == {"reduce_scatter": 3, "all_gather": 3}
@@ -149,14 +170,20 @@ def test_fully_sharded_draft_can_gather_bf16_copies_of_its_fp32_weights(tiny_lla
             parameter.data = parameter.data.bfloat16()
 
     def bf16_batch(seed: int) -> dict:  # FSDP2 casts the floating inputs of the forward too
-        return {key: value.bfloat16() if value.is_floating_point() else value
-                for key, value in batch(seed=seed).items()}
+        return {
+            key: value.bfloat16() if value.is_floating_point() else value
+            for key, value in batch(seed=seed).items()
+        }
 
-    losses = [reference(**bf16_batch(rank), ttt_steps=3, ttt_step_loss_decay=0.8).loss
-              for rank in range(2)]
+    losses = [
+        reference(**bf16_batch(rank), ttt_steps=3, ttt_step_loss_decay=0.8).loss
+        for rank in range(2)
+    ]
     (sum(losses) / 2).backward()
     expected = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
     assert sorted(saved["grads"]) == sorted(expected)
     for name, grad in expected.items():
         assert saved["grads"][name].dtype == torch.float32, name
-        torch.testing.assert_close(saved["grads"][name], grad.float(), rtol=2e-2, atol=2e-3, msg=name)
+        torch.testing.assert_close(
+            saved["grads"][name], grad.float(), rtol=2e-2, atol=2e-3, msg=name
+        )

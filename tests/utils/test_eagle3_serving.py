@@ -43,10 +43,14 @@ def test_llama_is_served_by_vllm_itself():
     for plugin_on in (True, False):
         result, facts = verdict(LLAMA, plugin_on)
         assert result.servable and not result.via_plugin and not result.causes
-        assert serving_line(result, facts) == "vLLM 0.16.0 can serve an EAGLE-3 draft for this target"
+        assert (
+            serving_line(result, facts) == "vLLM 0.16.0 can serve an EAGLE-3 draft for this target"
+        )
 
 
-@pytest.mark.parametrize("target", [DEEPSEEK_V3, KIMI_K2, KIMI_K25], ids=["deepseek_v3", "kimi_k2", "kimi_k25"])
+@pytest.mark.parametrize(
+    "target", [DEEPSEEK_V3, KIMI_K2, KIMI_K25], ids=["deepseek_v3", "kimi_k2", "kimi_k25"]
+)
 def test_deepseek_and_kimi_need_the_plugin(target):
     result, facts = verdict(target, plugin_on=True)
     assert result.servable and result.via_plugin
@@ -55,7 +59,9 @@ def test_deepseek_and_kimi_need_the_plugin(target):
     result, facts = verdict(target, plugin_on=False)
     assert not result.servable
     line = serving_line(result, facts)
-    assert f"text model type '{target[1]}' is not in vLLM 0.16.0's EAGLE-3 list (llama, qwen" in line
+    assert (
+        f"text model type '{target[1]}' is not in vLLM 0.16.0's EAGLE-3 list (llama, qwen" in line
+    )
     assert f"model class for {target[0][0]} lacks SupportsEagle3" in line
     assert "switched off (SPECULATORS_VLLM_PLUGIN=0" in line
 
@@ -99,8 +105,11 @@ def test_plugin_switch(environ, enabled):
 
 
 def test_target_identity_reads_the_text_model_inside_a_wrapper():
-    kimi = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-            "text_config": {"model_type": "deepseek_v3", "hidden_size": 7168}}
+    kimi = {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "text_config": {"model_type": "deepseek_v3", "hidden_size": 7168},
+    }
     assert target_identity(kimi) == (["KimiK25ForConditionalGeneration"], "deepseek_v3")
     assert target_identity({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}) == LLAMA
 
@@ -121,4 +130,6 @@ def test_source_reading_agrees_with_importing_vllm():
         module, name = registered_model_class(root, arch)
         assert ModelRegistry.models[arch].module_name == f"vllm.model_executor.models.{module}"
         imported = ModelRegistry._try_load_model_cls(arch)
-        assert class_implements(root, module, name, "SupportsEagle3") is supports_eagle3(imported), arch
+        assert class_implements(root, module, name, "SupportsEagle3") is supports_eagle3(
+            imported
+        ), arch

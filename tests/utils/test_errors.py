@@ -11,8 +11,11 @@ from speculators_vllm016.utils.errors import first_line, type_and_first_line
     ("error", "line", "typed"),
     [
         (ValueError("bad value\nmore detail"), "bad value", "ValueError: bad value"),
-        (RuntimeError("\n\n  Error(s) in loading:\n\tsize mismatch"), "Error(s) in loading:",
-         "RuntimeError: Error(s) in loading:"),
+        (
+            RuntimeError("\n\n  Error(s) in loading:\n\tsize mismatch"),
+            "Error(s) in loading:",
+            "RuntimeError: Error(s) in loading:",
+        ),
         (EOFError(), "EOFError", "EOFError"),
         (OSError("   \n  "), "OSError", "OSError"),
     ],

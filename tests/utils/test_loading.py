@@ -35,7 +35,9 @@ def sharded_folder(path: Path) -> Path:
 def test_named_tensors_from_shards_single_files_and_bins(tmp_path: Path) -> None:
     folder = sharded_folder(tmp_path / "sharded")
     found = load_model_layers(["lm_head.weight", "no.such.weight"], str(folder))
-    assert found.keys() == {"lm_head.weight"} and torch.equal(found["lm_head.weight"], TENSORS["lm_head.weight"])
+    assert found.keys() == {"lm_head.weight"} and torch.equal(
+        found["lm_head.weight"], TENSORS["lm_head.weight"]
+    )
     single = tmp_path / "single"
     single.mkdir()
     save_file(TENSORS, str(single / "model.safetensors"))

@@ -34,14 +34,23 @@ def test_compressed_tensors_targets_and_ignore_list(module, module_class, quanti
 
 def test_a_head_left_out_of_the_ignore_list_or_targeted_by_name_is_quantized():
     assert config_quantizes({**INT4, "ignore": []}, "language_model.lm_head", "Linear")
-    by_name = {**INT4, "ignore": [], "config_groups": {"g": {"targets": ["re:.*embed_tokens$"], "weights": {}}}}
+    by_name = {
+        **INT4,
+        "ignore": [],
+        "config_groups": {"g": {"targets": ["re:.*embed_tokens$"], "weights": {}}},
+    }
     assert config_quantizes(by_name, "model.embed_tokens", "Embedding")
     assert not config_quantizes({"quant_method": "fp8"}, "lm_head", "Linear")  # judged by tensors
     assert not config_quantizes(None, "lm_head", "Linear")
 
 
 def test_quantization_tensors_and_where_the_config_keeps_them():
-    names = ["lm_head.weight_packed", "lm_head.weight_scale", "lm_head.weight_shape", "model.norm.weight"]
+    names = [
+        "lm_head.weight_packed",
+        "lm_head.weight_scale",
+        "lm_head.weight_shape",
+        "model.norm.weight",
+    ]
     assert quantized_storage("lm_head", names) == ["weight_packed", "weight_scale", "weight_shape"]
     assert quantized_storage("model.norm", names) == []
     assert quantized_storage("fp8", ["fp8.weight", "fp8.weight_scale_inv"]) == ["weight_scale_inv"]

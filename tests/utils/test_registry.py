@@ -6,7 +6,11 @@ from typing import ClassVar, Literal
 
 import pytest
 
-from speculators_vllm016.utils import ClassRegistryMixin, PydanticClassRegistryMixin, ReloadableBaseModel
+from speculators_vllm016.utils import (
+    ClassRegistryMixin,
+    PydanticClassRegistryMixin,
+    ReloadableBaseModel,
+)
 
 
 def test_register_by_name_and_by_class_name():
@@ -75,7 +79,9 @@ def test_tagged_union_validates_into_the_registered_subclass():
 
     Shape.reload_schema()
     Drawing.reload_schema()
-    drawing = Drawing.model_validate({"shapes": [{"kind": "circle", "radius": 2}, {"kind": "square"}]})
+    drawing = Drawing.model_validate(
+        {"shapes": [{"kind": "circle", "radius": 2}, {"kind": "square"}]}
+    )
     assert [type(s) for s in drawing.shapes] == [Circle, Square]
     assert drawing.shapes[0].radius == 2
     with pytest.raises(Exception, match="triangle"):

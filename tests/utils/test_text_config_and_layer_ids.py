@@ -17,7 +17,10 @@ def test_text_config_of_dicts_and_objects() -> None:
     wrapped = {"vocab_size": 9, "text_config": {"vocab_size": 7, "kv_lora_rank": 16}}
     assert text_config_of(plain) is plain
     assert text_config_of(wrapped) == {"vocab_size": 7, "kv_lora_rank": 16}
-    assert text_config_of({"text_config": {}, "vocab_size": 3}) == {"text_config": {}, "vocab_size": 3}
+    assert text_config_of({"text_config": {}, "vocab_size": 3}) == {
+        "text_config": {},
+        "vocab_size": 3,
+    }
     assert text_config_of({"llm_config": {"num_hidden_layers": 2}}) == {"num_hidden_layers": 2}
     llama = LlamaConfig(num_hidden_layers=3)
     assert text_config_of(llama) is llama

@@ -12,7 +12,9 @@ from speculators_vllm016.utils.verifier_config import load_verifier_config
 from tests.kimi_variants import REMOTE_CODE_MARKER, with_remote_code
 
 
-def test_the_kimi_wrapper_is_read_with_vllms_classes_and_runs_no_folder_code(tiny_kimi_k25, tmp_path):
+def test_the_kimi_wrapper_is_read_with_vllms_classes_and_runs_no_folder_code(
+    tiny_kimi_k25, tmp_path
+):
     folder = with_remote_code(tiny_kimi_k25, tmp_path / "kimi")
     for trust in (False, True):  # vLLM's own class wins over the folder's, as when vLLM serves it
         config = load_verifier_config(str(folder), trust_remote_code=trust)
@@ -20,7 +22,11 @@ def test_the_kimi_wrapper_is_read_with_vllms_classes_and_runs_no_folder_code(tin
         assert config.architectures == ["KimiK25ForConditionalGeneration"]
         text = text_config_of(config)
         assert (text.model_type, text.vocab_size, text.num_hidden_layers, text.hidden_size) == (
-            "deepseek_v3", 512, 3, 256)
+            "deepseek_v3",
+            512,
+            3,
+            256,
+        )
     assert not (folder / REMOTE_CODE_MARKER).exists()
 
 

@@ -30,7 +30,9 @@ def test_the_wrappers_tensors_are_the_language_models(tiny_kimi_k25, tmp_path, r
     assert locate_verifier_weights(str(tiny_kimi_k25)).head == "language_model.lm_head.weight"
     _same_tensors(read_verifier_weights(str(tiny_kimi_k25)), reference)
     nvfp4_names = without_inner_model(tiny_kimi_k25, tmp_path / "nvfp4")
-    assert locate_verifier_weights(str(nvfp4_names)).embeddings == "language_model.embed_tokens.weight"
+    assert (
+        locate_verifier_weights(str(nvfp4_names)).embeddings == "language_model.embed_tokens.weight"
+    )
     _same_tensors(read_verifier_weights(str(nvfp4_names)), reference)
 
 

@@ -43,9 +43,15 @@ def library_checkpoint(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactor
 
     config = Eagle3SpeculatorConfig(
         transformer_layer_config=LlamaConfig(
-            hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-            intermediate_size=512, num_hidden_layers=1, vocab_size=TARGET_VOCAB,
-            max_position_embeddings=1024, rms_norm_eps=1e-6,
+            hidden_size=256,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            intermediate_size=512,
+            num_hidden_layers=1,
+            vocab_size=TARGET_VOCAB,
+            max_position_embeddings=1024,
+            rms_norm_eps=1e-6,
         ),
         draft_vocab_size=DRAFT_VOCAB,
         norm_before_residual=False,

@@ -53,5 +53,7 @@ def test_vllm_loads_every_trained_weight(trainer_checkpoint, tiny_llama):
     assert result.ignored <= {"t2d"}, f"checkpoint tensors vLLM dropped: {result.ignored}"
     tensors = dict(iter_checkpoint_tensors(trainer_checkpoint))
     model = result.model
-    assert torch.equal(model.model.fc.weight.data.to(tensors["fc.weight"].dtype), tensors["fc.weight"])
+    assert torch.equal(
+        model.model.fc.weight.data.to(tensors["fc.weight"].dtype), tensors["fc.weight"]
+    )
     assert torch.equal(model.draft_id_to_target_id.data, tensors["d2t"])

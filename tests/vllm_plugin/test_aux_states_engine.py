@@ -55,7 +55,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("target", "tp", "dtype"), CASES, ids=["-".join(map(str, c)) for c in CASES])
+@pytest.mark.parametrize(
+    ("target", "tp", "dtype"), CASES, ids=["-".join(map(str, c)) for c in CASES]
+)
 def test_aux_states_equal_the_generators_and_transformers(
     target, tp, dtype, request, deepseek_reference, monkeypatch
 ):
@@ -64,8 +66,13 @@ def test_aux_states_equal_the_generators_and_transformers(
         monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)  # the generator picks one
     batch = mixed_batch(VOCAB, [1, 200, 31, 90, 5, 140, 64, 17], seed=21)
     with VllmHiddenStatesGenerator(
-        str(folder), layer_ids=DATAGEN_LAYERS, max_model_len=512, dtype=dtype,
-        tensor_parallel_size=tp, max_num_seqs=4, max_num_batched_tokens=128,
+        str(folder),
+        layer_ids=DATAGEN_LAYERS,
+        max_model_len=512,
+        dtype=dtype,
+        tensor_parallel_size=tp,
+        max_num_seqs=4,
+        max_num_batched_tokens=128,
     ) as generator:
         executor = generator._executor
         setups = executor.collective_rpc(aux_recorder.install, args=(AUX_IDS,))

@@ -65,8 +65,12 @@ REGISTER_SCRIPT = textwrap.dedent(
 def run_clean(script: str, *args: str, **env: str) -> dict:
     environment = {**os.environ, "PYTHONPATH": str(ROOT), **env}
     done = subprocess.run(
-        [sys.executable, "-c", script, *args], capture_output=True, text=True, env=environment,
-        cwd=str(ROOT), timeout=300,
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        env=environment,
+        cwd=str(ROOT),
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")][-1]
@@ -90,10 +94,17 @@ def test_register_changes_only_its_three_architectures_and_the_list_once():
     for arch in changed:
         assert after[arch][0] == "speculators_vllm016.vllm_plugin.deepseek_eagle3"
         assert after[arch][1] == "Eagle3" + arch
-    assert before["LlamaForCausalLM"] == ["vllm.model_executor.models.llama", "LlamaForCausalLM",
-                                          "_LazyRegisteredModel"]
+    assert before["LlamaForCausalLM"] == [
+        "vllm.model_executor.models.llama",
+        "LlamaForCausalLM",
+        "_LazyRegisteredModel",
+    ]
     # Only widened, once, although register() ran twice.
-    assert result["types_after"] == result["types_before"] + ["deepseek_v2", "deepseek_v3", "kimi_k2"]
+    assert result["types_after"] == result["types_before"] + [
+        "deepseek_v2",
+        "deepseek_v3",
+        "kimi_k2",
+    ]
 
 
 # -- vLLM's own config path, in this process --------------------------------------------------
@@ -110,8 +121,13 @@ def write_draft(folder: Path, target: Path) -> Path:
     config = json.loads((target / "config.json").read_text())
     text = DeepseekV3Config(**config.get("text_config", config))
     draft_config = build_draft_config(
-        str(target), SimpleNamespace(architectures=config["architectures"]), text,
-        draft_vocab=128, num_layers=1, norm_before_residual=True, ttt_steps=3,
+        str(target),
+        SimpleNamespace(architectures=config["architectures"]),
+        text,
+        draft_vocab=128,
+        num_layers=1,
+        norm_before_residual=True,
+        ttt_steps=3,
         aux_layer_ids=datagen_to_vllm_layer_ids([0, 1]),
     )
     d2t, t2d = build_vocab_mappings_from_distribution(
@@ -159,8 +175,11 @@ def test_speculative_config_accepts_a_draft_for_the_target(
 def test_switched_off_changes_nothing_and_vllm_refuses_as_shipped(tiny_deepseek_v3, tmp_path):
     draft = write_draft(tmp_path / "draft", tiny_deepseek_v3)
     result = run_clean(
-        REGISTER_SCRIPT, str(draft), str(tiny_deepseek_v3),
-        SPECULATORS_VLLM_PLUGIN="0", VLLM_MLA_DISABLE="1",
+        REGISTER_SCRIPT,
+        str(draft),
+        str(tiny_deepseek_v3),
+        SPECULATORS_VLLM_PLUGIN="0",
+        VLLM_MLA_DISABLE="1",
     )
     assert result["results"] == [False, False]
     assert result["after"] == result["before"]

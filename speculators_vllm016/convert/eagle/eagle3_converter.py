@@ -15,6 +15,7 @@ import logging
 from pathlib import Path
 
 import torch
+
 # PretrainedConfig is named here because code written for 0.3.0 patches
 # `eagle3_converter.PretrainedConfig.get_config_dict` to stand in for the verifier's config.
 from transformers import LlamaConfig, PretrainedConfig
@@ -67,8 +68,11 @@ class Eagle3Converter:
         validate_device: str = "cpu",
     ) -> None:
         config, renamed = self.build(
-            input_path, base_model, norm_before_residual=norm_before_residual,
-            eagle_aux_hidden_state_layer_ids=eagle_aux_hidden_state_layer_ids, cache_dir=cache_dir,
+            input_path,
+            base_model,
+            norm_before_residual=norm_before_residual,
+            eagle_aux_hidden_state_layer_ids=eagle_aux_hidden_state_layer_ids,
+            cache_dir=cache_dir,
         )
         saved = self.save(config, renamed, output_path)
         logger.info("saved EAGLE-3 speculator to %s", saved)

@@ -75,7 +75,9 @@ class Eagle3Attention(nn.Module):
         batch, length, _ = hidden_states.shape
 
         def heads(projection: nn.Linear, count: int) -> torch.Tensor:
-            return projection(hidden_states).view(batch, length, count, self.head_dim).transpose(1, 2)
+            return (
+                projection(hidden_states).view(batch, length, count, self.head_dim).transpose(1, 2)
+            )
 
         query = heads(self.q_proj, self.num_heads)
         key = heads(self.k_proj, self.num_key_value_heads)
@@ -101,7 +103,9 @@ class Eagle3DecoderLayer(nn.Module):
     """The draft's decoder layer: the embedding half and the hidden half are normed apart
     (`input_layernorm`, `hidden_norm`), attended together, and the hidden half is the residual."""
 
-    def __init__(self, config: PretrainedConfig, layer_idx: int, norm_before_residual: bool = False):
+    def __init__(
+        self, config: PretrainedConfig, layer_idx: int, norm_before_residual: bool = False
+    ):
         super().__init__()
         self.hidden_size = config.hidden_size
         self.norm_before_residual = norm_before_residual
@@ -171,7 +175,9 @@ class Eagle3Speculator(SpeculatorModel):
         has_drafter_embedding: bool = True,
     ):
         if not isinstance(config, Eagle3SpeculatorConfig):
-            raise ValueError(f"config must be an Eagle3SpeculatorConfig, got {type(config).__name__}")
+            raise ValueError(
+                f"config must be an Eagle3SpeculatorConfig, got {type(config).__name__}"
+            )
         super().__init__(
             config=config, verifier=verifier, verifier_attachment_mode=verifier_attachment_mode
         )

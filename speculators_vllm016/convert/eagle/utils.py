@@ -83,7 +83,9 @@ def load_checkpoint_config(checkpoint_dir: Path) -> dict:
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as err:  # the type 0.3.0 raised, with the file named
-        raise json.JSONDecodeError(f"{path} is not valid JSON: {err.msg}", err.doc, err.pos) from err
+        raise json.JSONDecodeError(
+            f"{path} is not valid JSON: {err.msg}", err.doc, err.pos
+        ) from err
     if not isinstance(config, dict):
         raise ValueError(f"{path} must hold a JSON object")
     return config

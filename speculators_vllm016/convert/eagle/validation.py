@@ -46,7 +46,8 @@ def check_reloaded_weights(
     bad = [
         k
         for k, v in weights.items()
-        if k not in state or state[k].device != torch.device(device)
+        if k not in state
+        or state[k].device != torch.device(device)
         or not torch.equal(state[k].cpu(), v.cpu())
     ]
     if bad:

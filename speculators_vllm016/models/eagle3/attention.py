@@ -140,9 +140,11 @@ def _extend_block_mask(block_mask: BlockMask) -> BlockMask:
     batch, heads, q_blocks, _ = indices.shape
     # The new step's keys start at kv_len: query block j sees key block kv_len / size + j.
     first_new = kv_len // kv_block
-    new_column = torch.arange(
-        first_new, first_new + q_blocks, device=indices.device, dtype=indices.dtype
-    ).view(1, 1, q_blocks, 1).expand(batch, heads, q_blocks, 1)
+    new_column = (
+        torch.arange(first_new, first_new + q_blocks, device=indices.device, dtype=indices.dtype)
+        .view(1, 1, q_blocks, 1)
+        .expand(batch, heads, q_blocks, 1)
+    )
     widened = torch.cat([indices, indices.new_zeros(batch, heads, q_blocks, q_blocks)], dim=-1)
     widened.scatter_(-1, counts.unsqueeze(-1).to(torch.long), new_column)
     full_indices = block_mask.full_kv_indices
@@ -205,8 +207,11 @@ def document_block_mask(documents: torch.Tensor, mask_mod: Callable) -> BlockMas
     partial = (shared & ~full) | diagonal
     length = documents.numel()
     return BlockMask.from_kv_blocks(
-        *_listed_blocks(partial), *_listed_blocks(full),
-        BLOCK_SIZE=FLEX_BLOCK_SIZE, mask_mod=mask_mod, seq_lengths=(length, length),
+        *_listed_blocks(partial),
+        *_listed_blocks(full),
+        BLOCK_SIZE=FLEX_BLOCK_SIZE,
+        mask_mod=mask_mod,
+        seq_lengths=(length, length),
     )
 
 

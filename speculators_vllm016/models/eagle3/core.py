@@ -264,10 +264,14 @@ class Eagle3DraftModel(SpeculatorModel):
     def load_verifier_weights(self, verifier_path: str | None = None) -> None:
         """Copy embeddings, the final norm (with its eps) and the draft-vocabulary rows of the
         LM head from the verifier; all three stay frozen."""
-        verifier = self.config.speculators_config.verifier if self.config.speculators_config else None
+        verifier = (
+            self.config.speculators_config.verifier if self.config.speculators_config else None
+        )
         path = verifier_path or (verifier.name_or_path if verifier else None)
         if not path:
-            raise ValueError("the config names no verifier (speculators_config.verifier.name_or_path)")
+            raise ValueError(
+                "the config names no verifier (speculators_config.verifier.name_or_path)"
+            )
         found = read_verifier_weights(path)
         embeddings, head = found.embeddings, found.head
         if embeddings.shape != self.embed_tokens.weight.shape:
@@ -394,7 +398,10 @@ class Eagle3DraftModel(SpeculatorModel):
         With `skip_unused_positions`, draft tokens of positions nothing reads are -1.
         """
         row = pack_row(
-            hidden_states, input_ids, lengths, position_ids,
+            hidden_states,
+            input_ids,
+            lengths,
+            position_ids,
             flex=self.resolved_attention_backend(hidden_states.device) == "flex",
             pad_to=self.flex_row_length,
         )
@@ -407,8 +414,14 @@ class Eagle3DraftModel(SpeculatorModel):
         scoring = None
         if verifier_last_hidden_states is not None:
             scoring = self._start_scoring(
-                row, verifier_last_hidden_states, loss_mask, ttt_steps, ttt_step_loss_decay,
-                compute_dtype, compiled, output_logits,
+                row,
+                verifier_last_hidden_states,
+                loss_mask,
+                ttt_steps,
+                ttt_step_loss_decay,
+                compute_dtype,
+                compiled,
+                output_logits,
             )
         cache = StepKeyValues()
         input_ids, position_ids, mask = row.input_ids, row.position_ids, row.mask
@@ -418,7 +431,12 @@ class Eagle3DraftModel(SpeculatorModel):
             with torch.no_grad():
                 embeds = self.embed_tokens(input_ids)
             hidden = self.run_layers(
-                embeds, hidden, position_ids, mask, cache, layer_weights,
+                embeds,
+                hidden,
+                position_ids,
+                mask,
+                cache,
+                layer_weights,
                 positions=scoring.positions[step] if scoring is not None else None,
                 keys_everywhere=step == 0,
                 **kwargs,
@@ -538,9 +556,14 @@ class Eagle3DraftModel(SpeculatorModel):
         if positions is not None and later_layers:
             raise ValueError("only a one-layer draft runs over a subset of positions")
         hidden = first_layer(
-            hidden, input_embeds=embeds, attention_mask=mask,
-            position_embeddings=position_embeddings, past_key_values=cache,
-            weight_cache=weight_cache, positions=positions, keys_everywhere=keys_everywhere,
+            hidden,
+            input_embeds=embeds,
+            attention_mask=mask,
+            position_embeddings=position_embeddings,
+            past_key_values=cache,
+            weight_cache=weight_cache,
+            positions=positions,
+            keys_everywhere=keys_everywhere,
             **kwargs,
         )
         for layer in later_layers:

@@ -34,7 +34,9 @@ def _kl_rows(
     return _kl_chunk(logits, targets[rows], row_weights[rows])
 
 
-def _accumulate_product(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+def _accumulate_product(
+    total: torch.Tensor, left: torch.Tensor, right: torch.Tensor
+) -> torch.Tensor:
     """`total += left @ right` in place, as one matmul where the dtypes allow (an fp32 `total`
     over bf16 factors on CUDA too)."""
     if total.dtype == left.dtype:
@@ -97,8 +99,18 @@ class _LinearKL(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, hidden, weight, weight_compute, targets, row_weights, chunk_size, compiled, sink,
-        scored_rows, used, used_rows,
+        ctx,
+        hidden,
+        weight,
+        weight_compute,
+        targets,
+        row_weights,
+        chunk_size,
+        compiled,
+        sink,
+        scored_rows,
+        used,
+        used_rows,
     ):
         rows = hidden.shape[0]
         compute = hidden.dtype
@@ -194,7 +206,15 @@ def linear_kl_loss(
     if used is not None and (scored_rows is None or used_rows is None):
         raise ValueError("`used` needs its count `used_rows` and `scored_rows`")
     return _LinearKL.apply(
-        hidden, weight, weight_compute, target_logits, row_weights, chunk_size, compiled,
-        weight_grad_sink, scored_rows, used, used_rows,
+        hidden,
+        weight,
+        weight_compute,
+        target_logits,
+        row_weights,
+        chunk_size,
+        compiled,
+        weight_grad_sink,
+        scored_rows,
+        used,
+        used_rows,
     )
-

@@ -85,4 +85,3 @@ def compute_metrics(
         f"cond_acc_{ttt_step}": conditional,
     }
     return loss, metrics
-

@@ -91,8 +91,12 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def _attention_input(
-    embeds: torch.Tensor, hidden: torch.Tensor, embed_norm: torch.Tensor, hidden_norm: torch.Tensor,
-    embed_eps: float, hidden_eps: float,
+    embeds: torch.Tensor,
+    hidden: torch.Tensor,
+    embed_norm: torch.Tensor,
+    hidden_norm: torch.Tensor,
+    embed_eps: float,
+    hidden_eps: float,
 ) -> torch.Tensor:
     """`[input_layernorm(embeds) ; hidden_norm(hidden)]` in the step's dtype."""
     return torch.cat(
@@ -202,7 +206,11 @@ class _LinearOfRows(torch.autograd.Function):
 
 def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
     """What a backward pass needs to rebuild forward work under the forward's autocast."""
-    return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    return (
+        device_type,
+        torch.is_autocast_enabled(device_type),
+        torch.get_autocast_dtype(device_type),
+    )
 
 
 def _rebuilding(state: tuple[str, bool, torch.dtype]):
@@ -225,7 +233,8 @@ class _ProjectRebuiltInput(torch.autograd.Function):
         # Tensors are saved through autograd; the rest (norm epsilons) as they are.
         ctx.is_tensor = [isinstance(source, torch.Tensor) for source in sources]
         ctx.constants = [
-            None if tensor else source for source, tensor in zip(sources, ctx.is_tensor, strict=True)
+            None if tensor else source
+            for source, tensor in zip(sources, ctx.is_tensor, strict=True)
         ]
         ctx.save_for_backward(weight, *(s for s in sources if isinstance(s, torch.Tensor)))
         return F.linear(x, weight, bias)
@@ -398,7 +407,9 @@ class LlamaDecoderEagle3FirstLayer(LlamaDecoderLayer):
         self.compile_blocks = False
         self.recompute_mlp = False
         self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         wide = 2 * config.hidden_size
         bias = getattr(config, "attention_bias", False)
         attention = self.self_attn
@@ -434,10 +445,14 @@ class LlamaDecoderEagle3FirstLayer(LlamaDecoderLayer):
         else:
             embeds, hidden = input_embeds, hidden_states
         return self.ttt_step(
-            embeds, hidden, attention_mask=attention_mask, position_embeddings=position_embeddings,
+            embeds,
+            hidden,
+            attention_mask=attention_mask,
+            position_embeddings=position_embeddings,
             past_key_values=past_key_values,
             weights=weight_cache.weights_of(self) if weight_cache is not None else None,
-            positions=positions, keys_everywhere=keys_everywhere,
+            positions=positions,
+            keys_everywhere=keys_everywhere,
             **kwargs,
         )
 
@@ -482,17 +497,17 @@ class LlamaDecoderEagle3FirstLayer(LlamaDecoderLayer):
         length = hidden.shape[1]
 
         norms = (
-            self.input_layernorm.weight, self.hidden_norm.weight,
-            self.input_layernorm.variance_epsilon, self.hidden_norm.variance_epsilon,
+            self.input_layernorm.weight,
+            self.hidden_norm.weight,
+            self.input_layernorm.variance_epsilon,
+            self.hidden_norm.variance_epsilon,
         )
         qkv_weight, qkv_bias = weights.qkv()
         if embeds.requires_grad:
             build = maybe_compiled(_attention_input, compiled)
             qkv = _ProjectRebuiltInput.apply(build, qkv_weight, qkv_bias, embeds, hidden, *norms)
         else:  # training: the embeddings are frozen
-            qkv = _ProjectNormedPair.apply(
-                qkv_weight, qkv_bias, embeds, hidden, *norms, compiled
-            )
+            qkv = _ProjectNormedPair.apply(qkv_weight, qkv_bias, embeds, hidden, *norms, compiled)
         heads = attention.config.num_attention_heads
         kv_heads = attention.config.num_key_value_heads
         query, key, value = qkv.split(
@@ -501,7 +516,8 @@ class LlamaDecoderEagle3FirstLayer(LlamaDecoderLayer):
         query, key = maybe_compiled(_rotary, compiled)(
             query.view(batch, length, heads, head_dim),
             key.view(batch, length, kv_heads, head_dim),
-            cos, sin,
+            cos,
+            sin,
         )
         value = value.view(batch, length, kv_heads, head_dim)
         if projected:  # back in place along the row; the rows in between are never read
@@ -518,9 +534,14 @@ class LlamaDecoderEagle3FirstLayer(LlamaDecoderLayer):
             else ALL_ATTENTION_FUNCTIONS[implementation]
         )
         attended, _ = interface(
-            attention, query, key, value, attention_mask,
+            attention,
+            query,
+            key,
+            value,
+            attention_mask,
             dropout=0.0 if not self.training else attention.attention_dropout,
-            scaling=attention.scaling, **kwargs,
+            scaling=attention.scaling,
+            **kwargs,
         )
         attended = attended.reshape(batch, full_length, -1)
         if positions is None:
@@ -560,8 +581,12 @@ class LlamaDecoderEagle3FirstLayer(LlamaDecoderLayer):
     ) -> torch.Tensor:
         norm = self.post_attention_layernorm
         gate_up = _ProjectRebuiltInput.apply(
-            maybe_compiled(_normed, self.compile_blocks), gate_up_weight, gate_up_bias,
-            x, norm.weight, norm.variance_epsilon,
+            maybe_compiled(_normed, self.compile_blocks),
+            gate_up_weight,
+            gate_up_bias,
+            x,
+            norm.weight,
+            norm.variance_epsilon,
         )
         if self.mlp.config.hidden_act in ("silu", "swish"):
             return _SiluGatedDown.apply(gate_up, down_weight, down_bias, self.compile_blocks)

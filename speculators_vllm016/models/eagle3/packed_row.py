@@ -60,7 +60,9 @@ def pack_row(
     to whole flex blocks when `flex`, and then to at least `pad_to` positions (rounded up to whole
     blocks): rows of one padded length share one compiled shape."""
     if hidden_states.dim() != 3 or hidden_states.shape[0] != 1:
-        raise ValueError(f"hidden_states must be [1, seq, 3*hidden], got {tuple(hidden_states.shape)}")
+        raise ValueError(
+            f"hidden_states must be [1, seq, 3*hidden], got {tuple(hidden_states.shape)}"
+        )
     device = hidden_states.device
     total = hidden_states.shape[1]
     if input_ids.shape != (1, total):

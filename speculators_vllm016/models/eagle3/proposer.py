@@ -36,12 +36,21 @@ class ProposingDraft(Protocol):
     embed_tokens: nn.Embedding
     d2t: torch.Tensor
 
-    def fuse_verifier_states(self, verifier_hidden_states: Sequence[torch.Tensor]) -> torch.Tensor: ...
+    def fuse_verifier_states(
+        self, verifier_hidden_states: Sequence[torch.Tensor]
+    ) -> torch.Tensor: ...
 
     def prepare_blocks(self, device: torch.device) -> bool: ...
 
-    def run_layers(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                   mask: Any, cache: Any, weight_cache: FirstLayerWeightCache) -> torch.Tensor: ...
+    def run_layers(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: Any,
+        cache: Any,
+        weight_cache: FirstLayerWeightCache,
+    ) -> torch.Tensor: ...
 
     def final_norm(self, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
 
@@ -64,14 +73,19 @@ class _RoundKeyValues:
         store = self.kept if self.keep else self.scratch
         if layer_idx in store:
             old_key, old_value = store[layer_idx]
-            store[layer_idx] = (torch.cat([old_key, key], dim=-2), torch.cat([old_value, value], dim=-2))
+            store[layer_idx] = (
+                torch.cat([old_key, key], dim=-2),
+                torch.cat([old_value, value], dim=-2),
+            )
         else:
             store[layer_idx] = (key, value)
         if self.keep:
             return store[layer_idx]
         kept_key, kept_value = self.kept[layer_idx]
         scratch_key, scratch_value = store[layer_idx]
-        return torch.cat([kept_key, scratch_key], dim=-2), torch.cat([kept_value, scratch_value], dim=-2)
+        return torch.cat([kept_key, scratch_key], dim=-2), torch.cat(
+            [kept_value, scratch_value], dim=-2
+        )
 
     def drop_scratch(self) -> None:
         self.scratch = {}
@@ -126,7 +140,9 @@ class Eagle3Proposer:
         valid = valid.to(device=device, dtype=torch.bool)
         rows, new = valid.shape
         if tokens.shape != (rows, new):
-            raise ValueError(f"tokens must be [{rows}, {new}] like valid, got {tuple(tokens.shape)}")
+            raise ValueError(
+                f"tokens must be [{rows}, {new}] like valid, got {tuple(tokens.shape)}"
+            )
         if not bool(valid.any(dim=1).all()):
             raise ValueError("every row needs at least one new position to propose from")
         draft.prepare_blocks(device)
@@ -161,9 +177,9 @@ class Eagle3Proposer:
         self.cache.keep = False
         try:
             for step in range(1, self.count):
-                mask = torch.cat(
-                    [self.slots, self.slots.new_ones(rows, step)], dim=1
-                )[:, None, None, :]
+                mask = torch.cat([self.slots, self.slots.new_ones(rows, step)], dim=1)[
+                    :, None, None, :
+                ]
                 embeds = draft.embed_tokens(proposals[-1][:, None]).to(dtype)
                 hidden = self._run_layers(embeds, hidden, position_ids + step, mask, weights)
                 proposals.append(self._predict(hidden[:, 0], dtype))

@@ -128,9 +128,17 @@ def score_ttt_step(step: TTTStepInput) -> StepScore:
     if step_targets.shape[0] < rows:
         raise ValueError(f"target_logits needs at least {rows + k} rows for step {k}")
     loss, predicted = linear_kl_loss(
-        step.hidden, step.head_weight, step_targets, row_weights, step.chunk_size, step.compiled,
-        weight_compute=step.head_compute, weight_grad_sink=step.weight_grad_sink,
-        scored_rows=step.scored_rows, used=step.used, used_rows=step.used_rows,
+        step.hidden,
+        step.head_weight,
+        step_targets,
+        row_weights,
+        step.chunk_size,
+        step.compiled,
+        weight_compute=step.head_compute,
+        weight_grad_sink=step.weight_grad_sink,
+        scored_rows=step.scored_rows,
+        used=step.used,
+        used_rows=step.used_rows,
     )
     with torch.no_grad():
         # As metrics.accuracy_from_ids, without boolean indexing (no host sync in the step).
@@ -166,7 +174,9 @@ def scored_position_counts(scored: list[torch.Tensor], valid_rows: int) -> list[
 
 def _aligned_masks(scored: list[torch.Tensor], rows: int, valid_rows: int) -> list[torch.Tensor]:
     """`_aligned_scored` of every TTT step."""
-    return [_aligned_scored(mask, step, rows, valid_rows - step) for step, mask in enumerate(scored)]
+    return [
+        _aligned_scored(mask, step, rows, valid_rows - step) for step, mask in enumerate(scored)
+    ]
 
 
 def _counts(masks: list[torch.Tensor]) -> list[int]:
@@ -174,7 +184,9 @@ def _counts(masks: list[torch.Tensor]) -> list[int]:
     return [int(count) for count in torch.stack([mask.sum() for mask in masks]).tolist()]
 
 
-def used_positions(scored: list[torch.Tensor], seed: torch.Tensor, valid_rows: int) -> list[torch.Tensor]:
+def used_positions(
+    scored: list[torch.Tensor], seed: torch.Tensor, valid_rows: int
+) -> list[torch.Tensor]:
     """Per TTT step, `[rows]` bool: the draft positions whose step output the loss or the
     metrics read (`scored[k]` as `score_ttt_step` takes it; `seed` the `prev_correct` it starts
     from, `rows` long; `valid_rows` the real length).

@@ -58,11 +58,15 @@ def reading(path: Path, checkpoint: Path, previous: Path | None) -> Iterator[Non
         raise
     except Exception as error:  # noqa: BLE001 - zip, header, pickle: the file is damaged
         if previous is not None:
-            how = (f"move {checkpoint} out of the save folder and run the same command again to "
-                   f"resume from {previous.name}")
+            how = (
+                f"move {checkpoint} out of the save folder and run the same command again to "
+                f"resume from {previous.name}"
+            )
         else:
-            how = (f"it is the only checkpoint: move {checkpoint} away (or use "
-                   "--no-resume-from-checkpoint) to start from scratch")
+            how = (
+                f"it is the only checkpoint: move {checkpoint} away (or use "
+                "--no-resume-from-checkpoint) to start from scratch"
+            )
         refusal = weights_only_refusal(error)
         if refusal is not None:
             raise CheckpointReadError(

@@ -36,11 +36,18 @@ def capture_rng_state() -> dict[str, Any]:
     kind, key, position, has_gauss, cached_gaussian = np.random.get_state()
     state: dict[str, Any] = {
         "format": FORMAT,
-        "python": {"version": int(version), "state": torch.tensor(internal, dtype=torch.int64),
-                   "gauss_next": gauss_next},
-        "numpy": {"kind": str(kind), "key": torch.from_numpy(np.asarray(key, dtype=np.int64)),
-                  "pos": int(position), "has_gauss": int(has_gauss),
-                  "cached_gaussian": float(cached_gaussian)},
+        "python": {
+            "version": int(version),
+            "state": torch.tensor(internal, dtype=torch.int64),
+            "gauss_next": gauss_next,
+        },
+        "numpy": {
+            "kind": str(kind),
+            "key": torch.from_numpy(np.asarray(key, dtype=np.int64)),
+            "pos": int(position),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -58,8 +65,15 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         random.setstate(python)
     if isinstance(numpy_state, dict):
         key = numpy_state["key"].numpy().astype(np.uint32)
-        np.random.set_state((numpy_state["kind"], key, numpy_state["pos"],
-                             numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
+        np.random.set_state(
+            (
+                numpy_state["kind"],
+                key,
+                numpy_state["pos"],
+                numpy_state["has_gauss"],
+                numpy_state["cached_gaussian"],
+            )
+        )
     else:
         np.random.set_state(numpy_state)
     torch.set_rng_state(state["torch"])

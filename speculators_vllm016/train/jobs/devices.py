@@ -66,7 +66,9 @@ def parse_train_devices(
     """Check `text` against the visible GPUs and the number of training processes on this node."""
     items = [item.strip() for item in text.split(",")]
     if not text.strip() or any(not item for item in items):
-        raise TrainDevicesError(f"{FLAG} {text!r} is empty or has an empty entry; give cpu or cuda:N[,cuda:M...]")
+        raise TrainDevicesError(
+            f"{FLAG} {text!r} is empty or has an empty entry; give cpu or cuda:N[,cuda:M...]"
+        )
     if "cpu" in items:
         if items != ["cpu"]:
             raise TrainDevicesError(f"{FLAG} {text!r} mixes cpu with other devices; give cpu alone")
@@ -75,10 +77,14 @@ def parse_train_devices(
     for item in items:
         match = _CUDA.fullmatch(item)
         if match is None:
-            raise TrainDevicesError(f"{FLAG}: {item!r} is not a device; give cpu or cuda:N[,cuda:M...]")
+            raise TrainDevicesError(
+                f"{FLAG}: {item!r} is not a device; give cpu or cuda:N[,cuda:M...]"
+            )
         indices.append(int(match.group(1)))
     if len(set(indices)) != len(indices):
-        raise TrainDevicesError(f"{FLAG} {text!r} names a GPU twice; give each training process its own")
+        raise TrainDevicesError(
+            f"{FLAG} {text!r} names a GPU twice; give each training process its own"
+        )
     if not visible:
         raise TrainDevicesError(f"{FLAG} {text!r}: no CUDA GPU is visible here; give cpu")
     for index in indices:
@@ -99,7 +105,9 @@ def parse_train_devices(
             f"engine, which needs {engine_gpus_needed} (--tensor-parallel-size x "
             "--pipeline-parallel-size); give the trainer fewer, or drop the flag to share devices"
         )
-    return TrainDevices(trainer=tuple(f"cuda:{index}" for index in indices), engine_visible=",".join(rest))
+    return TrainDevices(
+        trainer=tuple(f"cuda:{index}" for index in indices), engine_visible=",".join(rest)
+    )
 
 
 @contextlib.contextmanager
@@ -121,8 +129,17 @@ def engine_visible_devices(value: str | None) -> Iterator[None]:
 
 # Set by torchrun for the training processes; the engine's workers must not see them.
 _LAUNCHER_VARIABLES = (
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-    "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
 )
 
 
@@ -134,7 +151,11 @@ def launcher_variables_hidden() -> Iterator[None]:
     torchrun's store, so the engine worker's own one-process group (tcp://127.0.0.1:<port>) waits
     forever for a server nobody starts.
     """
-    names = [name for name in os.environ if name in _LAUNCHER_VARIABLES or name.startswith("TORCHELASTIC_")]
+    names = [
+        name
+        for name in os.environ
+        if name in _LAUNCHER_VARIABLES or name.startswith("TORCHELASTIC_")
+    ]
     saved = {name: os.environ.pop(name) for name in names}
     try:
         yield

@@ -24,7 +24,11 @@ if TYPE_CHECKING:
     from speculators_vllm016.train.vocab_maps import VocabMaps
 
 __all__ = [
-    "DraftMismatchError", "RunFacts", "check_draft_fits", "draft_mismatches", "verifier_embeddings",
+    "DraftMismatchError",
+    "RunFacts",
+    "check_draft_fits",
+    "draft_mismatches",
+    "verifier_embeddings",
 ]
 
 logger = logging.getLogger("speculators")
@@ -86,8 +90,11 @@ def _verifier_lines(draft: PretrainedDraft, run: RunFacts) -> list[str]:
             f"this run's verifier {run.verifier} is {'/'.join(run.architectures)}"
         )
     elif named is not None and named.name_or_path and named.name_or_path != run.verifier:
-        logger.info("the draft names its verifier %s; fine-tuning it for %s (same architecture)",
-                    named.name_or_path, run.verifier)
+        logger.info(
+            "the draft names its verifier %s; fine-tuning it for %s (same architecture)",
+            named.name_or_path,
+            run.verifier,
+        )
     own = draft.weights.get("embed_tokens.weight")
     if own is not None and run.embeddings is not None and own.shape == run.embeddings.shape:
         # Both as the draft stores them: a bf16 draft holds the verifier's values rounded to bf16.
@@ -119,7 +126,10 @@ def _shape_lines(draft: PretrainedDraft, run: RunFacts) -> list[str]:
             f"layers: the draft has {layer.num_hidden_layers} decoder "
             f"layer{'' if layer.num_hidden_layers == 1 else 's'}, this run --num-layers {run.num_layers}"
         )
-    if draft.records_norm_before_residual and bool(config.norm_before_residual) != run.norm_before_residual:
+    if (
+        draft.records_norm_before_residual
+        and bool(config.norm_before_residual) != run.norm_before_residual
+    ):
         flag = "--norm-before-residual" if run.norm_before_residual else "--no-norm-before-residual"
         lines.append(
             f"norm before residual: the draft has norm_before_residual={config.norm_before_residual}, "
@@ -158,7 +168,9 @@ def _layer_lines(draft: PretrainedDraft, run: RunFacts) -> list[str]:
         logger.warning(
             "--from-pretrained %s does not record which target layers it fuses "
             "(eagle_aux_hidden_state_layer_ids); it cannot be checked against the data's: the "
-            "fine-tune trains and records %s (vLLM's numbering)", draft.source, run.aux_ids,
+            "fine-tune trains and records %s (vLLM's numbering)",
+            draft.source,
+            run.aux_ids,
         )
         return []
     if [int(i) for i in recorded] != list(run.aux_ids):
@@ -185,4 +197,3 @@ def check_draft_fits(draft: PretrainedDraft, run: RunFacts) -> None:
     lines = draft_mismatches(draft, run)
     if lines:
         raise DraftMismatchError(draft.source, lines)
-

@@ -51,27 +51,33 @@ class TrainJobResult:
         skipped = "".join(f", {phrase}" for phrase in self.data_losses())
         if self.online is not None:
             stats = self.online
-            skipped += (f"; online: {stats.extracted_samples} samples extracted, "
-                        f"{stats.cached_reads} read from the cache, engine started "
-                        f"{stats.engine_starts} times")
+            skipped += (
+                f"; online: {stats.extracted_samples} samples extracted, "
+                f"{stats.cached_reads} read from the cache, engine started "
+                f"{stats.engine_starts} times"
+            )
         if self.received_bytes is not None:
             skipped += f"; online: {self.received_bytes / 1e6:,.1f} MB of samples received from the extraction ranks"
         if self.already_complete:
-            return (f"Already complete: {self.state.global_step} steps, checkpoints in "
-                    f"{self.save_path}; nothing was trained (to train more, raise --epochs, or "
-                    "--max-steps if it was set, and run the same command)")
+            return (
+                f"Already complete: {self.state.global_step} steps, checkpoints in "
+                f"{self.save_path}; nothing was trained (to train more, raise --epochs, or "
+                "--max-steps if it was set, and run the same command)"
+            )
         return f"Done: {self.state.global_step} steps{self.outcome()}, checkpoints in {self.save_path}{skipped}"
 
     def outcome(self) -> str:
-        """", last loss L, validation tau_sim T, best checkpoint P (tau_sim B)" as far as known."""
+        """ ", last loss L, validation tau_sim T, best checkpoint P (tau_sim B)" as far as known."""
         state, parts = self.state, []
         if state.last_loss is not None:
             parts.append(f"last loss {state.last_loss:.4f}")
         if state.val_tau_sim is not None:
             parts.append(f"validation tau_sim {state.val_tau_sim:.3f}")
         if state.best_checkpoint is not None and state.best_val_tau_sim is not None:
-            parts.append(f"best checkpoint {self.save_path / state.best_checkpoint} "
-                         f"(tau_sim {state.best_val_tau_sim:.3f})")
+            parts.append(
+                f"best checkpoint {self.save_path / state.best_checkpoint} "
+                f"(tau_sim {state.best_val_tau_sim:.3f})"
+            )
         return "".join(f", {part}" for part in parts)
 
     def data_losses(self) -> list[str]:
@@ -104,8 +110,14 @@ def run_train_job(
         split_files,
         split_items,
     )
-    from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
-    from speculators_vllm016.train.logger import METRICS_FILE, setup_metric_logger, setup_root_logger
+    from speculators_vllm016.train.distributed_batch_sampler import (
+        MultipackDistributedBatchSamplerV2,
+    )
+    from speculators_vllm016.train.logger import (
+        METRICS_FILE,
+        setup_metric_logger,
+        setup_root_logger,
+    )
     from speculators_vllm016.train.trainer import Trainer
     from speculators_vllm016.train.train_step import collective_device
     from speculators_vllm016.train.utils import (
@@ -153,25 +165,38 @@ def run_train_job(
         local_rank, world_size, rank, distributed = maybe_setup_distributed(device_name)
     failure: BaseException | None = None
     try:
-        setup_root_logger("INFO", ranks="local-0" if layout is None else "rank-0",
-                          train_steps=config.logging.no_progress)  # a bar shows them otherwise
+        setup_root_logger(
+            "INFO",
+            ranks="local-0" if layout is None else "rank-0",
+            train_steps=config.logging.no_progress,
+        )  # a bar shows them otherwise
         save_path.mkdir(parents=True, exist_ok=True)
         if rank == 0:
             save_job_config(config, save_path / CONFIG_FILE)
-            logger.info(target_serving_line(
-                getattr(setup.verifier_config, "architectures", None) or [],
-                str(getattr(setup.text_config, "model_type", "")),
-            ))
+            logger.info(
+                target_serving_line(
+                    getattr(setup.verifier_config, "architectures", None) or [],
+                    str(getattr(setup.text_config, "model_type", "")),
+                )
+            )
         if rank == 0 and vocab.built_from:
             save_vocab_maps(vocab, save_path)
-            logger.info("vocabulary maps built from %s -> %s/{d2t,t2d}.npy", vocab.built_from, save_path)
-        setup_metric_logger(log.logger, log.run_name, log.log_dir, jsonl_path=save_path / METRICS_FILE)
+            logger.info(
+                "vocabulary maps built from %s -> %s/{d2t,t2d}.npy", vocab.built_from, save_path
+            )
+        setup_metric_logger(
+            log.logger, log.run_name, log.log_dir, jsonl_path=save_path / METRICS_FILE
+        )
         model = build_model(config, setup)
         hidden_size = int(setup.text_config.hidden_size)
 
-        workers = runtime.num_workers if runtime.num_workers is not None else min(12, os.cpu_count() or 1)
+        workers = (
+            runtime.num_workers if runtime.num_workers is not None else min(12, os.cpu_count() or 1)
+        )
         device = training_device(local_rank, device_name)
-        bf16 = runtime.precision == "bf16" or (runtime.precision == "auto" and device.type == "cuda")
+        bf16 = runtime.precision == "bf16" or (
+            runtime.precision == "auto" and device.type == "cuda"
+        )
         extractor = None
         if online is not None:
             from speculators_vllm016.train.online.loader import (
@@ -186,7 +211,9 @@ def run_train_job(
             cache_dir = config.online.cache_dir
             try:
                 extractor = OnlineExtractor(
-                    online.options, online.facts, online.dataset,
+                    online.options,
+                    online.facts,
+                    online.dataset,
                     Path(cache_dir) if cache_dir else None,
                     engine_devices=online.devices.engine_visible if online.devices else None,
                     writes_cache=rank == 0 and layout is None,
@@ -194,7 +221,9 @@ def run_train_job(
             except CacheFolderError as error:
                 raise TrainSetupError(str(error)) from None
             closers.append(extractor.close)
-            train_items, val_items = split_items(extractor.indices, data.train_ratio, data.split_seed)
+            train_items, val_items = split_items(
+                extractor.indices, data.train_ratio, data.split_seed
+            )
             train_files = [extractor.sample_path(index) for index in train_items]
             val_files = [extractor.sample_path(index) for index in val_items]
         else:
@@ -208,9 +237,14 @@ def run_train_job(
                 items = [int(Path(f).stem.split("_")[-1]) for f in file_list]
                 lengths = extractor.lengths(items)
             dataset = Eagle3SampleFileDataset(
-                training.total_seq_len, file_list=[str(f) for f in file_list], transform=transform,
-                standardize_fn=standardize, seed=training.seed, strict=data.strict_data,
-                legacy_loss_mask_shift=config.legacy.legacy_loss_mask_shift, lengths=lengths,
+                training.total_seq_len,
+                file_list=[str(f) for f in file_list],
+                transform=transform,
+                standardize_fn=standardize,
+                seed=training.seed,
+                strict=data.strict_data,
+                legacy_loss_mask_shift=config.legacy.legacy_loss_mask_shift,
+                lengths=lengths,
                 output_dtype=torch.bfloat16 if bf16 else None,
                 # The verifier's widths are the yardstick: not whichever file comes first.
                 widths=(3 * hidden_size, hidden_size),
@@ -222,27 +256,42 @@ def run_train_job(
             )
             if extractor is not None and layout is not None:
                 return RemoteSampleLoader(
-                    layout, transport, dataset, sampler,
-                    main_process_noise(create_collate_fn(training.total_seq_len), dataset), iteration,
-                    config.online.online_queue_size, collective_device(device),
+                    layout,
+                    transport,
+                    dataset,
+                    sampler,
+                    main_process_noise(create_collate_fn(training.total_seq_len), dataset),
+                    iteration,
+                    config.online.online_queue_size,
+                    collective_device(device),
                 )
             if extractor is not None:
                 return OnlineLoader(
-                    extractor, dataset, items, sampler,
+                    extractor,
+                    dataset,
+                    items,
+                    sampler,
                     main_process_noise(create_collate_fn(training.total_seq_len), dataset),
-                    config.online.online_queue_size, exchange,
+                    config.online.online_queue_size,
+                    exchange,
                 )
             # On a GPU the workers pack rows into reused host slots pinned for the copy (#28).
             slots = None
             if device.type == "cuda" and workers > 0 and runtime.row_slots:
                 slots = HostRowSlots.for_dataset(
-                    dataset, training.total_seq_len, workers * runtime.prefetch_factor,
+                    dataset,
+                    training.total_seq_len,
+                    workers * runtime.prefetch_factor,
                     count=VALIDATION_ROW_SLOTS if iteration == VALIDATION_ITERATION else None,
                 )
             return SampleFileLoader(
-                dataset, batch_sampler=sampler, collate_fn=create_collate_fn(training.total_seq_len),
-                num_workers=workers, prefetch_factor=runtime.prefetch_factor if workers else None,
-                pin_memory=device.type == "cuda", row_slots=slots,
+                dataset,
+                batch_sampler=sampler,
+                collate_fn=create_collate_fn(training.total_seq_len),
+                num_workers=workers,
+                prefetch_factor=runtime.prefetch_factor if workers else None,
+                pin_memory=device.type == "cuda",
+                row_slots=slots,
                 # Started once: no worker start-up (and empty prefetch window) at every epoch.
                 persistent_workers=workers > 0,
             )
@@ -257,11 +306,17 @@ def run_train_job(
         for opened in (train_loader, val_loader):  # their workers ignore SIGTERM: end them here
             if callable(getattr(opened, "close", None)):
                 closers.append(opened.close)
-        trainer = Trainer(model, _trainer_config(config, save_path, distributed, local_rank, device_name),
-                          train_loader, val_loader)
+        trainer = Trainer(
+            model,
+            _trainer_config(config, save_path, distributed, local_rank, device_name),
+            train_loader,
+            val_loader,
+        )
         state = trainer.run_training()
         result = TrainJobResult(
-            state=state, save_path=save_path, rank=rank,
+            state=state,
+            save_path=save_path,
+            rank=rank,
             online=extractor.stats if extractor is not None and layout is None else None,
             received_bytes=transport.bytes_moved if layout is not None else None,
             already_complete=trainer.already_complete,
@@ -322,23 +377,37 @@ def _trainer_config(
     from speculators_vllm016.train.trainer import TrainerConfig
 
     training, runtime, checkpoint = config.training, config.runtime, config.checkpoint
-    call = {"ttt_steps": config.model.ttt_steps, "ttt_step_loss_decay": config.model.ttt_step_loss_decay,
-            "use_off_policy_tokens": training.teacher_forcing}
+    call = {
+        "ttt_steps": config.model.ttt_steps,
+        "ttt_step_loss_decay": config.model.ttt_step_loss_decay,
+        "use_off_policy_tokens": training.teacher_forcing,
+    }
     return TrainerConfig(
-        lr=training.lr, num_epochs=training.epochs, save_path=str(save_path),
+        lr=training.lr,
+        num_epochs=training.epochs,
+        save_path=str(save_path),
         resume_from_checkpoint=not checkpoint.no_resume_from_checkpoint,
-        is_distributed=distributed, local_rank=local_rank,
-        train_call_kwargs=call, val_call_kwargs=call,
-        scheduler_type=training.scheduler_type, scheduler_warmup_steps=training.scheduler_warmup_steps,
+        is_distributed=distributed,
+        local_rank=local_rank,
+        train_call_kwargs=call,
+        val_call_kwargs=call,
+        scheduler_type=training.scheduler_type,
+        scheduler_warmup_steps=training.scheduler_warmup_steps,
         scheduler_total_steps=training.scheduler_total_steps,
         scheduler_num_cosine_cycles=training.scheduler_num_cosine_cycles,
-        weight_decay=training.weight_decay, max_grad_norm=training.max_grad_norm, seed=training.seed,
-        precision=runtime.precision, parallel=runtime.parallel, device=device,
-        checkpoint_freq=checkpoint.checkpoint_freq, max_steps=training.max_steps,
+        weight_decay=training.weight_decay,
+        max_grad_norm=training.max_grad_norm,
+        seed=training.seed,
+        precision=runtime.precision,
+        parallel=runtime.parallel,
+        device=device,
+        checkpoint_freq=checkpoint.checkpoint_freq,
+        max_steps=training.max_steps,
         checkpoint_dtype=getattr(torch, CHECKPOINT_DTYPES[checkpoint.checkpoint_dtype]),
         optimizer_state_dtype=torch.bfloat16 if config.legacy.bf16_optimizer_state else None,
         keep_mid_epoch_checkpoints=checkpoint.keep_mid_epoch_checkpoints,
-        fsdp_bf16_params=runtime.fsdp_bf16_params, deterministic=runtime.deterministic,
+        fsdp_bf16_params=runtime.fsdp_bf16_params,
+        deterministic=runtime.deterministic,
         show_progress=not config.logging.no_progress,
     )
 

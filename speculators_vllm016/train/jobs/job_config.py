@@ -177,7 +177,9 @@ class TrainingConfig:
     """AdamW's decoupled weight decay (0.3.0's value)."""
     max_grad_norm: float = 1.0
     """Gradients are clipped to this global L2 norm (0.3.0's value)."""
-    scheduler_type: str = field(default="linear", metadata={"choices": ["linear", "cosine", "none"]})
+    scheduler_type: str = field(
+        default="linear", metadata={"choices": ["linear", "cosine", "none"]}
+    )
     """Learning-rate schedule after the warm-up: linear or cosine decay to 0, or constant."""
     scheduler_warmup_steps: int | None = None
     """Steps of linear warm-up; None: 1% of the steps trained (epochs x steps per epoch, capped at
@@ -190,7 +192,9 @@ class TrainingConfig:
     """Stop after this many optimizer steps (a checkpoint is written there); None: all epochs."""
     seed: int = 0
     """Seeds the draft's initial weights, the shuffling and the noise."""
-    noise_type: str = field(default="uniform", metadata={"choices": ["uniform", "gaussian", "none"]})
+    noise_type: str = field(
+        default="uniform", metadata={"choices": ["uniform", "gaussian", "none"]}
+    )
     """Noise on the fused input states, as 0.3.0 (uniform) regularizes the draft."""
     noise_std: float = 0.05
     """Noise scale (the half-width for uniform noise, as 0.3.0)."""
@@ -367,7 +371,9 @@ class TrainJobConfig:
         An unknown section or field, or a value of the wrong type, is a `JobConfigError` naming
         the key (`source` names where the values came from)."""
         if not isinstance(values, dict):
-            raise JobConfigError(f"{source}: expected a mapping of sections, got {type(values).__name__}")
+            raise JobConfigError(
+                f"{source}: expected a mapping of sections, got {type(values).__name__}"
+            )
         config = cls()
         sections = {f.name: f for f in dataclasses.fields(cls)}
         for name, section_values in values.items():
@@ -400,7 +406,9 @@ class TrainJobConfig:
 
     def flat(self) -> dict[str, Any]:
         """`{flag dest: value}` over every section: the shape a command line parses into."""
-        return {spec.dest: getattr(getattr(self, section), spec.name) for section, spec in all_fields()}
+        return {
+            spec.dest: getattr(getattr(self, section), spec.name) for section, spec in all_fields()
+        }
 
 
 @dataclass(frozen=True)
@@ -447,8 +455,13 @@ class FieldSpec:
                     raise TypeError
                 result = str(value)
         except (TypeError, ValueError):
-            kind = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
-                    list: "a list of integers"}[self.type]
+            kind = {
+                int: "an integer",
+                float: "a number",
+                str: "a string",
+                bool: "true or false",
+                list: "a list of integers",
+            }[self.type]
             raise JobConfigError(f"{where} must be {kind}, got {value!r}") from None
         if self.choices is not None and result not in self.choices:
             raise JobConfigError(
@@ -477,16 +490,23 @@ def config_fields(section: type) -> list[FieldSpec]:
         base = args[0] if optional else hint
         if typing.get_origin(base) is list:
             base = list
-        default = spec.default if spec.default is not dataclasses.MISSING else spec.default_factory()  # type: ignore[misc]
+        default = (
+            spec.default if spec.default is not dataclasses.MISSING else spec.default_factory()
+        )  # type: ignore[misc]
         choices = spec.metadata.get("choices")
-        specs.append(FieldSpec(
-            name=spec.name, type=base, optional=optional, default=default,
-            doc=docs.get(spec.name, ""),
-            flag=spec.metadata.get("flag", "--" + spec.name.replace("_", "-")),
-            choices=tuple(choices) if choices is not None else None,
-            required=bool(spec.metadata.get("required", False)),
-            negatable=bool(spec.metadata.get("negatable", False)),
-        ))
+        specs.append(
+            FieldSpec(
+                name=spec.name,
+                type=base,
+                optional=optional,
+                default=default,
+                doc=docs.get(spec.name, ""),
+                flag=spec.metadata.get("flag", "--" + spec.name.replace("_", "-")),
+                choices=tuple(choices) if choices is not None else None,
+                required=bool(spec.metadata.get("required", False)),
+                negatable=bool(spec.metadata.get("negatable", False)),
+            )
+        )
     return specs
 
 
@@ -507,7 +527,9 @@ def load_job_config(path: str | Path) -> TrainJobConfig:
     try:
         values = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as error:
-        raise JobConfigError(f"cannot read the job file {path}: {error.strerror or error}") from None
+        raise JobConfigError(
+            f"cannot read the job file {path}: {error.strerror or error}"
+        ) from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         at = f" (line {mark.line + 1})" if mark is not None else ""

@@ -48,7 +48,9 @@ DRAFT_DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.bin"]
 # Tensors a draft file may hold that the fine-tune takes from the verifier instead.
 VERIFIER_COPIES = ("verifier_norm.weight", "verifier_lm_head.weight")
 
-ResearchReader = Callable[[Path, str, bool], "tuple[Eagle3SpeculatorConfig, dict[str, torch.Tensor]]"]
+ResearchReader = Callable[
+    [Path, str, bool], "tuple[Eagle3SpeculatorConfig, dict[str, torch.Tensor]]"
+]
 """(folder, verifier, norm_before_residual) -> the converted config and weights."""
 
 
@@ -93,7 +95,9 @@ def locate_draft(name: str) -> Path:
 def _read_config(folder: Path, source: str) -> dict[str, Any]:
     path = folder / "config.json"
     if not path.is_file():
-        raise TrainSetupError(f"--from-pretrained {source} has no config.json; is it a draft's folder?")
+        raise TrainSetupError(
+            f"--from-pretrained {source} has no config.json; is it a draft's folder?"
+        )
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
@@ -154,7 +158,8 @@ def draft_vocab_maps(draft: PretrainedDraft) -> VocabMaps:
             "trained with (--d2t-path/--t2d-path)"
         )
     return VocabMaps(
-        d2t=draft.weights["d2t"].long(), t2d=draft.weights["t2d"].bool(),
+        d2t=draft.weights["d2t"].long(),
+        t2d=draft.weights["t2d"].bool(),
         built_from=f"the draft {draft.source}",
     )
 
@@ -199,13 +204,19 @@ def check_draft_weights(draft: PretrainedDraft) -> None:
         expected = _expected_shapes(draft.config)
     except ValueError as error:
         raise TrainSetupError(f"--from-pretrained {draft.source}: {first_line(error)}") from None
-    held = {name: tuple(t.shape) for name, t in draft.weights.items() if name not in VERIFIER_COPIES}
+    held = {
+        name: tuple(t.shape) for name, t in draft.weights.items() if name not in VERIFIER_COPIES
+    }
     missing = sorted(set(expected) - set(held))
     unknown = sorted(set(held) - set(expected))
     wrong = sorted(name for name in set(held) & set(expected) if held[name] != expected[name])
     problems = [
-        f"{label} {names[:4]}" for label, names in
-        (("missing", missing), ("unknown", unknown), ("of another shape than its config says", wrong))
+        f"{label} {names[:4]}"
+        for label, names in (
+            ("missing", missing),
+            ("unknown", unknown),
+            ("of another shape than its config says", wrong),
+        )
         if names
     ]
     if problems:

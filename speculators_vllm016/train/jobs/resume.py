@@ -73,16 +73,24 @@ def reconcile_resumed_state(
     if state.world_size != world_size:
         logger.warning(
             "checkpoint written with %d processes, resuming with %d: the batches of the rest "
-            "of the run differ from an uninterrupted one", state.world_size, world_size,
+            "of the run differ from an uninterrupted one",
+            state.world_size,
+            world_size,
         )
         state.world_size = world_size
     if not checkpoint.legacy and state.seed != seed:
         logger.warning(
             "checkpoint written with --seed %d, resuming with --seed %d: the batches and noise "
-            "of the rest of the run differ from an uninterrupted one", state.seed, seed,
+            "of the rest of the run differ from an uninterrupted one",
+            state.seed,
+            seed,
         )
     state.seed = seed  # the seed the rest of the run uses
-    if state.data_digest is not None and data_digest is not None and state.data_digest != data_digest:
+    if (
+        state.data_digest is not None
+        and data_digest is not None
+        and state.data_digest != data_digest
+    ):
         logger.warning(
             "checkpoint written for other training data (sample files added, removed or "
             "changed length): the batches of the rest of the run differ from an "
@@ -94,22 +102,33 @@ def reconcile_resumed_state(
         logger.warning(
             "checkpoint written %s --deterministic, resuming %s it: on a GPU the rest of the "
             "run does not end bit for bit where an uninterrupted one would",
-            "with" if recorded else "without", "without" if recorded else "with",
+            "with" if recorded else "without",
+            "without" if recorded else "with",
         )
     state.deterministic = deterministic
     return state
 
 
 def optimizer_settings(
-    *, lr: float, weight_decay: float, max_grad_norm: float, scheduler_type: str,
-    warmup_steps: int, total_steps: int, num_cosine_cycles: float,
+    *,
+    lr: float,
+    weight_decay: float,
+    max_grad_norm: float,
+    scheduler_type: str,
+    warmup_steps: int,
+    total_steps: int,
+    num_cosine_cycles: float,
 ) -> dict[str, Any]:
     """The settings a run's steps use (the schedule's steps resolved), as a checkpoint records
     them in `TrainingState.optimizer`."""
     return {
-        "lr": float(lr), "weight_decay": float(weight_decay), "max_grad_norm": float(max_grad_norm),
-        "scheduler_type": scheduler_type, "warmup_steps": int(warmup_steps),
-        "total_steps": int(total_steps), "num_cosine_cycles": float(num_cosine_cycles),
+        "lr": float(lr),
+        "weight_decay": float(weight_decay),
+        "max_grad_norm": float(max_grad_norm),
+        "scheduler_type": scheduler_type,
+        "warmup_steps": int(warmup_steps),
+        "total_steps": int(total_steps),
+        "num_cosine_cycles": float(num_cosine_cycles),
     }
 
 
@@ -119,11 +138,17 @@ def _loaded_settings(optimizer: Any, recorded: dict[str, Any] | None) -> dict[st
     if recorded is not None:
         return dict(recorded)
     group = optimizer.param_groups[0]
-    return {"lr": float(group.get("initial_lr", group["lr"])), "weight_decay": float(group["weight_decay"])}
+    return {
+        "lr": float(group.get("initial_lr", group["lr"])),
+        "weight_decay": float(group["weight_decay"]),
+    }
 
 
 def apply_resumed_settings(
-    optimizer: Any, scheduler: Any, recorded: dict[str, Any] | None, current: dict[str, Any],
+    optimizer: Any,
+    scheduler: Any,
+    recorded: dict[str, Any] | None,
+    current: dict[str, Any],
     step: int,
 ) -> None:
     """After the optimizer and scheduler states are loaded (they bring the checkpoint's rate and
@@ -132,14 +157,18 @@ def apply_resumed_settings(
     weight decay are set here."""
     before = _loaded_settings(optimizer, recorded)
     changes = [
-        f"{SETTING_FLAGS[name]} {before[name]:g} -> {value:g}" if isinstance(value, float)
+        f"{SETTING_FLAGS[name]} {before[name]:g} -> {value:g}"
+        if isinstance(value, float)
         else f"{SETTING_FLAGS[name]} {before[name]} -> {value}"
-        for name, value in current.items() if name in before and before[name] != value
+        for name, value in current.items()
+        if name in before and before[name] != value
     ]
     if changes:
         logger.warning(
             "resuming with other optimizer settings than the checkpoint's, in force from step %d "
-            "on (train_config.yaml holds the new ones): %s", step, ", ".join(changes),
+            "on (train_config.yaml holds the new ones): %s",
+            step,
+            ", ".join(changes),
         )
     for group in optimizer.param_groups:
         group["initial_lr"], group["weight_decay"] = current["lr"], current["weight_decay"]

@@ -14,7 +14,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from speculators_vllm016.train.jobs.draft_match import RunFacts, check_draft_fits, verifier_embeddings
+from speculators_vllm016.train.jobs.draft_match import (
+    RunFacts,
+    check_draft_fits,
+    verifier_embeddings,
+)
 from speculators_vllm016.train.jobs.job_config import TrainJobConfig, TrainSetupError
 from speculators_vllm016.train.jobs.pretrained_draft import (
     check_draft_weights,
@@ -101,16 +105,23 @@ class TrainSetup:
 
 def _check_train_devices(config: TrainJobConfig) -> TrainDevices | None:
     """`--train-devices` against the GPUs and the training processes of this node."""
-    from speculators_vllm016.train.jobs.devices import TrainDevicesError, parse_train_devices, visible_gpus
+    from speculators_vllm016.train.jobs.devices import (
+        TrainDevicesError,
+        parse_train_devices,
+        visible_gpus,
+    )
 
     online = config.online
     if online.train_devices is None:
         return None
     if config.runtime.device is not None:
-        raise TrainSetupError("give --train-devices or --device, not both (--train-devices places the trainer)")
+        raise TrainSetupError(
+            "give --train-devices or --device, not both (--train-devices places the trainer)"
+        )
     try:
         return parse_train_devices(
-            online.train_devices, visible=visible_gpus(),
+            online.train_devices,
+            visible=visible_gpus(),
             local_processes=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
             engine_gpus_needed=online.tensor_parallel_size * online.pipeline_parallel_size,
         )
@@ -125,7 +136,9 @@ def _check_extraction_ranks(config: TrainJobConfig) -> None:
     if online.extraction_ranks == 0:
         return
     if online.extraction_ranks < 0:
-        raise TrainSetupError(f"--extraction-ranks must be at least 1, got {online.extraction_ranks}")
+        raise TrainSetupError(
+            f"--extraction-ranks must be at least 1, got {online.extraction_ranks}"
+        )
     if not online.enabled:
         raise TrainSetupError("--extraction-ranks splits the ranks of --online; add --online")
     if online.train_devices is not None:
@@ -169,7 +182,9 @@ def _check_online(config: TrainJobConfig) -> OnlineSetup:
     )
     try:
         options.validate()
-        facts = inspect_model(options.target_model_path, options.layer_ids, options.trust_remote_code)
+        facts = inspect_model(
+            options.target_model_path, options.layer_ids, options.trust_remote_code
+        )
         check_transfer_space(options, facts)
     except ValueError as error:
         raise TrainSetupError(first_line(error)) from None
@@ -249,7 +264,11 @@ def _data_layer_ids(data_path: Path) -> list[int] | None:
     from speculators_vllm016.data_generation.config_generator import read_data_config
 
     recorded = read_data_config(data_path)
-    if recorded is None or recorded.hidden_states is None or recorded.hidden_states.layer_ids is None:
+    if (
+        recorded is None
+        or recorded.hidden_states is None
+        or recorded.hidden_states.layer_ids is None
+    ):
         return None
     return list(recorded.hidden_states.layer_ids)
 
@@ -311,8 +330,10 @@ def _check_numbers(config: TrainJobConfig) -> None:
     """The settings that are wrong whatever the data (each message names its flag)."""
     training, runtime, checkpoint = config.training, config.runtime, config.checkpoint
     at_least_one = (
-        ("epochs", training.epochs), ("total_seq_len", training.total_seq_len),
-        ("ttt_steps", config.model.ttt_steps), ("num_layers", config.model.num_layers),
+        ("epochs", training.epochs),
+        ("total_seq_len", training.total_seq_len),
+        ("ttt_steps", config.model.ttt_steps),
+        ("num_layers", config.model.num_layers),
         ("prefetch_factor", runtime.prefetch_factor),
     )
     for name, value in at_least_one:
@@ -325,11 +346,18 @@ def _check_numbers(config: TrainJobConfig) -> None:
     ):
         if value is not None and value < 0:
             raise TrainSetupError(f"--{name.replace('_', '-')} must be 0 or more")
-    for name, value in (("max_steps", training.max_steps), ("scheduler_total_steps", training.scheduler_total_steps)):
+    for name, value in (
+        ("max_steps", training.max_steps),
+        ("scheduler_total_steps", training.scheduler_total_steps),
+    ):
         if value is not None and value < 1:
-            raise TrainSetupError(f"--{name.replace('_', '-')} must be at least 1 (leave it out for all steps)")
+            raise TrainSetupError(
+                f"--{name.replace('_', '-')} must be at least 1 (leave it out for all steps)"
+            )
     if runtime.fsdp_bf16_params and runtime.parallel != "fsdp":
-        raise TrainSetupError("--fsdp-bf16-params applies to --parallel fsdp only (DDP gathers no weights)")
+        raise TrainSetupError(
+            "--fsdp-bf16-params applies to --parallel fsdp only (DDP gathers no weights)"
+        )
     train_ratio = config.data.train_ratio
     if not 0 < train_ratio <= 1:
         raise TrainSetupError(
@@ -357,12 +385,16 @@ def _pretrained_draft(
     if not config.checkpoint.no_resume_from_checkpoint and find_checkpoints(save_path):
         logging.getLogger("speculators").info(
             "--save-path %s has checkpoints: resuming them; --from-pretrained %s only seeds a "
-            "fresh run and is not read", save_path, name,
+            "fresh run and is not read",
+            save_path,
+            name,
         )
         return None
     return read_pretrained_draft(
-        name, config.model.verifier_name_or_path,
-        norm_before_residual=config.model.norm_before_residual, research_reader=research_reader,
+        name,
+        config.model.verifier_name_or_path,
+        norm_before_residual=config.model.norm_before_residual,
+        research_reader=research_reader,
     )
 
 
@@ -375,8 +407,12 @@ def _names_no_maps(config: TrainJobConfig, save_path: Path) -> bool:
 
 
 def _run_vocab(
-    config: TrainJobConfig, online: OnlineSetup | None, data_path: Path, save_path: Path,
-    target_vocab: int, pretrained: PretrainedDraft | None,
+    config: TrainJobConfig,
+    online: OnlineSetup | None,
+    data_path: Path,
+    save_path: Path,
+    target_vocab: int,
+    pretrained: PretrainedDraft | None,
 ) -> tuple[VocabMaps, str]:
     """The maps the run trains with, and where they come from (for messages): the flags', the
     run's own beside its checkpoints, built from counts, or a fine-tuned draft's own."""
@@ -392,9 +428,13 @@ def _run_vocab(
         vocab_config.d2t_path, vocab_config.t2d_path, save_path, vocab_config.draft_vocab_size
     )
     vocab = load_vocab_maps(
-        d2t_path, t2d_path, target_vocab,
-        draft_vocab_size=vocab_config.draft_vocab_size, token_freq_path=vocab_config.token_freq_path,
-        data_path=data_path, counts=counts,
+        d2t_path,
+        t2d_path,
+        target_vocab,
+        draft_vocab_size=vocab_config.draft_vocab_size,
+        token_freq_path=vocab_config.token_freq_path,
+        data_path=data_path,
+        counts=counts,
     )
     return vocab, vocab.built_from or str(d2t_path)
 
@@ -415,13 +455,19 @@ def _check_runtime(config: TrainJobConfig) -> None:
     try:
         wanted = torch.device(device)
     except RuntimeError:
-        raise TrainSetupError(f"--device {device}: not a device; give cpu, cuda or cuda:N") from None
+        raise TrainSetupError(
+            f"--device {device}: not a device; give cpu, cuda or cuda:N"
+        ) from None
     if wanted.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
-            raise TrainSetupError(f"--device {device}: this machine has no usable GPU; use --device cpu")
+            raise TrainSetupError(
+                f"--device {device}: this machine has no usable GPU; use --device cpu"
+            )
         if wanted.index is not None and wanted.index >= count:
-            raise TrainSetupError(f"--device {device}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}")
+            raise TrainSetupError(
+                f"--device {device}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}"
+            )
     elif wanted.type != "cpu":
         raise TrainSetupError(f"--device {device}: training runs on cpu or cuda")
 
@@ -439,12 +485,16 @@ def prepare(config: TrainJobConfig, research_reader: ResearchReader | None = Non
     _check_runtime(config)
     data_path, save_path = Path(config.data.data_path), Path(config.checkpoint.save_path)
     if config.online.train_devices is not None and not config.online.enabled:
-        raise TrainSetupError("--train-devices places the trainer beside the engine of --online; use --device")
+        raise TrainSetupError(
+            "--train-devices places the trainer beside the engine of --online; use --device"
+        )
     _check_extraction_ranks(config)
     online = _check_online(config) if config.online.enabled else None
     if online is None:
         if not data_path.is_dir():
-            raise TrainSetupError(f"--data-path {data_path} is not a folder; run `speculators datagen` first")
+            raise TrainSetupError(
+                f"--data-path {data_path} is not a folder; run `speculators datagen` first"
+            )
         files = list_files(data_path)
         if not files:
             raise TrainSetupError(
@@ -453,10 +503,14 @@ def prepare(config: TrainJobConfig, research_reader: ResearchReader | None = Non
             )
     _check_save_path(save_path)
     verifier_path = config.model.verifier_name_or_path
-    verifier_config, text_config = verifier_text_config(verifier_path, config.online.trust_remote_code)
+    verifier_config, text_config = verifier_text_config(
+        verifier_path, config.online.trust_remote_code
+    )
     _check_verifier_weights(verifier_path)
     hidden_size, target_vocab = int(text_config.hidden_size), int(text_config.vocab_size)
-    standardize = standardize_data_v1 if config.data.data_format_version == 1 else standardize_data_v0
+    standardize = (
+        standardize_data_v1 if config.data.data_format_version == 1 else standardize_data_v0
+    )
     verifier = config.model.verifier_name_or_path
     allow = config.model.allow_other_verifier
     fingerprint = fingerprint_of_verifier(verifier)
@@ -465,14 +519,26 @@ def prepare(config: TrainJobConfig, research_reader: ResearchReader | None = Non
         layer_ids = _offline_layer_ids(data_path, config.online.layer_ids)
         recorded = data_model(data_path)
         if recorded is not None:
-            check_same_verifier(verifier, fingerprint, recorded.target_model_path,
-                                recorded.verifier_fingerprint, f"{data_path}/data_config.json", allow)
+            check_same_verifier(
+                verifier,
+                fingerprint,
+                recorded.target_model_path,
+                recorded.verifier_fingerprint,
+                f"{data_path}/data_config.json",
+                allow,
+            )
     else:
         layer_ids = _check_online_model(online, hidden_size)
         target = online.options.target_model_path
         if recorded_verifier_path(target) != recorded_verifier_path(verifier):
-            check_same_verifier(verifier, fingerprint, target, fingerprint_of_verifier(target),
-                                "--target-model-path", allow)
+            check_same_verifier(
+                verifier,
+                fingerprint,
+                target,
+                fingerprint_of_verifier(target),
+                "--target-model-path",
+                allow,
+            )
     aux_ids = None
     if layer_ids is not None:
         num_target_layers = int(text_config.num_hidden_layers)
@@ -487,18 +553,34 @@ def prepare(config: TrainJobConfig, research_reader: ResearchReader | None = Non
     vocab, vocab_source = _run_vocab(config, online, data_path, save_path, target_vocab, pretrained)
     if pretrained is not None:
         check_draft_weights(pretrained)
-        check_draft_fits(pretrained, RunFacts(
-            verifier=config.model.verifier_name_or_path,
-            architectures=list(getattr(verifier_config, "architectures", None) or []),
-            hidden_size=hidden_size, vocab_size=target_vocab, vocab=vocab, vocab_source=vocab_source,
-            layer_ids=layer_ids, aux_ids=aux_ids, num_layers=config.model.num_layers,
-            norm_before_residual=config.model.norm_before_residual,
-            embeddings=verifier_embeddings(config.model.verifier_name_or_path),
-        ))
+        check_draft_fits(
+            pretrained,
+            RunFacts(
+                verifier=config.model.verifier_name_or_path,
+                architectures=list(getattr(verifier_config, "architectures", None) or []),
+                hidden_size=hidden_size,
+                vocab_size=target_vocab,
+                vocab=vocab,
+                vocab_source=vocab_source,
+                layer_ids=layer_ids,
+                aux_ids=aux_ids,
+                num_layers=config.model.num_layers,
+                norm_before_residual=config.model.norm_before_residual,
+                embeddings=verifier_embeddings(config.model.verifier_name_or_path),
+            ),
+        )
     return TrainSetup(
-        data_path=data_path, save_path=save_path, verifier_config=verifier_config,
-        text_config=text_config, standardize=standardize, layer_ids=layer_ids, aux_ids=aux_ids,
-        vocab=vocab, online=online, pretrained=pretrained, verifier_fingerprint=fingerprint,
+        data_path=data_path,
+        save_path=save_path,
+        verifier_config=verifier_config,
+        text_config=text_config,
+        standardize=standardize,
+        layer_ids=layer_ids,
+        aux_ids=aux_ids,
+        vocab=vocab,
+        online=online,
+        pretrained=pretrained,
+        verifier_fingerprint=fingerprint,
     )
 
 
@@ -512,8 +594,15 @@ def _draft_rope_scaling(rope_scaling: dict | None) -> dict | None:
 
 
 def build_draft_config(
-    verifier_path: str, verifier_config: Any, text_config: Any, *, draft_vocab: int,
-    num_layers: int, norm_before_residual: bool, ttt_steps: int, aux_layer_ids: list[int] | None,
+    verifier_path: str,
+    verifier_config: Any,
+    text_config: Any,
+    *,
+    draft_vocab: int,
+    num_layers: int,
+    norm_before_residual: bool,
+    ttt_steps: int,
+    aux_layer_ids: list[int] | None,
     verifier_fingerprint: str | None = None,
 ) -> Eagle3SpeculatorConfig:
     """The EAGLE-3 draft's config: a Llama decoder layer shaped like the verifier."""
@@ -554,7 +643,10 @@ def build_draft_config(
 
 
 def _speculators_config(
-    verifier_path: str, verifier_config: Any, ttt_steps: int, verifier_fingerprint: str | None = None
+    verifier_path: str,
+    verifier_config: Any,
+    ttt_steps: int,
+    verifier_fingerprint: str | None = None,
 ) -> Any:
     """The draft's `speculators_config`: greedy proposals of `ttt_steps` tokens, for this verifier."""
     from speculators_vllm016.config import SpeculatorsConfig, VerifierConfig
@@ -593,16 +685,25 @@ def build_model(config: TrainJobConfig, setup: TrainSetup) -> Eagle3DraftModel:
     if setup.pretrained is not None:
         draft_config = fine_tune_config(
             setup.pretrained,
-            _speculators_config(verifier_path, setup.verifier_config, model_config.ttt_steps,
-                                setup.verifier_fingerprint),
+            _speculators_config(
+                verifier_path,
+                setup.verifier_config,
+                model_config.ttt_steps,
+                setup.verifier_fingerprint,
+            ),
             setup.aux_ids,
         )
     else:
         draft_config = build_draft_config(
-            verifier_path, setup.verifier_config, setup.text_config,
-            draft_vocab=int(setup.vocab.d2t.shape[0]), num_layers=model_config.num_layers,
-            norm_before_residual=model_config.norm_before_residual, ttt_steps=model_config.ttt_steps,
-            aux_layer_ids=setup.aux_ids, verifier_fingerprint=setup.verifier_fingerprint,
+            verifier_path,
+            setup.verifier_config,
+            setup.text_config,
+            draft_vocab=int(setup.vocab.d2t.shape[0]),
+            num_layers=model_config.num_layers,
+            norm_before_residual=model_config.norm_before_residual,
+            ttt_steps=model_config.ttt_steps,
+            aux_layer_ids=setup.aux_ids,
+            verifier_fingerprint=setup.verifier_fingerprint,
         )
     model_kwargs = {}
     if config.legacy.no_verifier_norm:
@@ -626,7 +727,8 @@ def noise_transform(config: TrainJobConfig) -> TransformTensors | None:
     if training.noise_type == "none" or training.noise_std == 0:
         return None
     tensors = (
-        ("hidden_states", "verifier_last_hidden_states") if config.legacy.noise_on_targets
+        ("hidden_states", "verifier_last_hidden_states")
+        if config.legacy.noise_on_targets
         else ("hidden_states",)
     )
     cls = AddUniformNoise if training.noise_type == "uniform" else AddGaussianNoise

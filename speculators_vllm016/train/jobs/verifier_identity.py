@@ -48,11 +48,15 @@ def check_same_verifier(
     if source_fingerprint is None:
         return
     if mine != source_fingerprint:
-        message = (f"the data comes from {source} ({what}), whose final norm and LM head differ "
-                   f"from those of --verifier-name-or-path {verifier}")
+        message = (
+            f"the data comes from {source} ({what}), whose final norm and LM head differ "
+            f"from those of --verifier-name-or-path {verifier}"
+        )
         if not allow:
             raise TrainSetupError(
                 f"{message}: train against the model of the data, or pass --allow-other-verifier "
                 "to do so deliberately"
             )
-        logging.getLogger("speculators").warning("%s; training against it (--allow-other-verifier)", message)
+        logging.getLogger("speculators").warning(
+            "%s; training against it (--allow-other-verifier)", message
+        )

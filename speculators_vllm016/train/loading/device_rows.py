@@ -66,8 +66,10 @@ def _device_inputs(batch: Mapping[str, Any], device: torch.device) -> dict[str, 
     noise = batch.get("row_noise")
     if noise is not None:
         if inputs["hidden_states"] is batch["hidden_states"]:  # already there: keep the row as read
-            inputs = {key: value.clone() if "hidden_states" in key else value
-                      for key, value in inputs.items()}
+            inputs = {
+                key: value.clone() if "hidden_states" in key else value
+                for key, value in inputs.items()
+            }
         noise.apply(inputs, batch["lengths"].tolist(), batch["sample_indices"].tolist())
     return inputs
 

@@ -65,7 +65,9 @@ _INLINE_NUMEL = 1 << 16
 _NEVER_WAIT = 1 << 62  # small tensors travel inside the pickled `SlotRow`, not as shared memory
 
 
-def slot_count(row_bytes: int, rows_in_flight: int, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> int:
+def slot_count(
+    row_bytes: int, rows_in_flight: int, budget_bytes: int = DEFAULT_BUDGET_BYTES
+) -> int:
     """How many slots: the loader's rows in flight plus the two a consumer holds, but no more
     than `budget_bytes` of host memory allow, and never fewer than 8 (nor than `MIN_SLOTS`):
     fewer rows ahead than that starve a step at long rows."""
@@ -129,7 +131,9 @@ class HostRowSlots:
     module docstring); the workers pack into them (`pack`).
     """
 
-    def __init__(self, count: int, max_len: int, layout: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+    def __init__(
+        self, count: int, max_len: int, layout: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    ) -> None:
         if count < MIN_SLOTS:
             raise ValueError(f"at least {MIN_SLOTS} row slots are needed, got {count}")
         self.count = int(count)
@@ -146,8 +150,14 @@ class HostRowSlots:
         self._main_pid = os.getpid()
 
     @classmethod
-    def for_dataset(cls, dataset: Any, max_len: int, rows_in_flight: int,
-                    budget_bytes: int = DEFAULT_BUDGET_BYTES, count: int | None = None) -> HostRowSlots | None:
+    def for_dataset(
+        cls,
+        dataset: Any,
+        max_len: int,
+        rows_in_flight: int,
+        budget_bytes: int = DEFAULT_BUDGET_BYTES,
+        count: int | None = None,
+    ) -> HostRowSlots | None:
         """Slots for an `Eagle3SampleFileDataset`'s packed rows (its widths, the dtype its rows
         store the states in), `count` of them or as `slot_count` says; None when its widths are
         unknown."""
@@ -162,7 +172,9 @@ class HostRowSlots:
             "loss_mask": ((), torch.long),
             "position_ids": ((), torch.long),
         }
-        per_token = sum((width[0] if width else 1) * dtype.itemsize for width, dtype in layout.values())
+        per_token = sum(
+            (width[0] if width else 1) * dtype.itemsize for width, dtype in layout.values()
+        )
         if count is None:
             count = slot_count(per_token * max_len, rows_in_flight, budget_bytes)
         return cls(count, max_len, layout)
@@ -184,14 +196,21 @@ class HostRowSlots:
         cudart = torch.cuda.cudart()
         registered: list[torch.Tensor] = []
         for buffer in self.buffers.values():
-            code = int(cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0))
+            code = int(
+                cudart.cudaHostRegister(
+                    buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0
+                )
+            )
             if code != 0:
                 for done in registered:  # all or nothing: no buffer is left pinned
                     cudart.cudaHostUnregister(done.data_ptr())
                 _clear_cuda_error()
                 self._pin_failed = True  # tried once: no retry (and no warning) per row
-                logger.warning("could not pin the loader's row buffers (CUDA error %s); "
-                               "copies to the GPU will not overlap the steps", code)
+                logger.warning(
+                    "could not pin the loader's row buffers (CUDA error %s); "
+                    "copies to the GPU will not overlap the steps",
+                    code,
+                )
                 return False
             registered.append(buffer)
         self._pinned = True
@@ -222,9 +241,7 @@ class HostRowSlots:
             return sent
         if pin:
             self.pin()
-        row: dict[str, Any] = {
-            key: self.buffers[key][sent.slot][None] for key in sent.in_slot
-        }
+        row: dict[str, Any] = {key: self.buffers[key][sent.slot][None] for key in sent.in_slot}
         row.update({key: torch.from_numpy(value) for key, value in sent.inline.items()})
         for key, value in sent.shared.items():
             row[key] = value.pin_memory() if pin and torch.cuda.is_available() else value
@@ -265,7 +282,11 @@ class HostRowSlots:
 
         def buffer(key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             target = self.buffers.get(key)
-            if target is not None and tuple(target.shape[1:]) == tuple(shape) and target.dtype == dtype:
+            if (
+                target is not None
+                and tuple(target.shape[1:]) == tuple(shape)
+                and target.dtype == dtype
+            ):
                 written.append(key)
                 return target[slot]
             return new_row_buffer(key, shape, dtype)

@@ -15,7 +15,11 @@ from torch.utils.data import DataLoader, default_collate
 from speculators_vllm016.train.data import BatchType, Eagle3SampleFileDataset, PackedBatch
 from speculators_vllm016.train.graceful_shutdown import ignore_stop_signals, stop_signals_held
 from speculators_vllm016.train.noise_transforms import RowNoise
-from speculators_vllm016.train.loading.row_slots import HostRowSlots, SlotPackingDataset, packed_row_collate
+from speculators_vllm016.train.loading.row_slots import (
+    HostRowSlots,
+    SlotPackingDataset,
+    packed_row_collate,
+)
 
 __all__ = ["RunThroughBatchSampler", "SampleFileLoader", "main_process_noise"]
 
@@ -79,9 +83,17 @@ class SampleFileLoader(DataLoader):
     the trainer finishes its step and checkpoints; a worker killed by the signal would crash it.
     """
 
-    def __init__(self, dataset: Any, *args: Any, batch_sampler: Any = None,
-                 row_slots: HostRowSlots | None = None, **kwargs: Any) -> None:
-        if row_slots is not None and not (kwargs.get("num_workers") and kwargs.get("persistent_workers")):
+    def __init__(
+        self,
+        dataset: Any,
+        *args: Any,
+        batch_sampler: Any = None,
+        row_slots: HostRowSlots | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if row_slots is not None and not (
+            kwargs.get("num_workers") and kwargs.get("persistent_workers")
+        ):
             row_slots = None  # slots need workers that outlive an iteration (see `_start`)
         if batch_sampler is not None and not isinstance(batch_sampler, RunThroughBatchSampler):
             batch_sampler = RunThroughBatchSampler(batch_sampler)
@@ -145,9 +157,13 @@ class SampleFileLoader(DataLoader):
         """Whether the workers' rows are the same whatever the epoch (noise deferred or none):
         only then may one iteration run on into the next epoch."""
         dataset = self.dataset
-        return getattr(dataset, "transform", None) is None or bool(getattr(dataset, "device_noise", False))
+        return getattr(dataset, "transform", None) is None or bool(
+            getattr(dataset, "device_noise", False)
+        )
 
-    def epoch_rows(self, epoch: int, start_step: int = 0, *, last_epoch: int | None = None) -> Iterator[Any]:
+    def epoch_rows(
+        self, epoch: int, start_step: int = 0, *, last_epoch: int | None = None
+    ) -> Iterator[Any]:
         """The rows of `epoch` from `start_step` (what `set_epoch` and `iter` give), read ahead
         into the epochs up to `last_epoch`: the next call, for the next epoch, continues the same
         iteration. The iteration starts (and the workers' seeds are drawn) here, not lazily."""
@@ -158,7 +174,11 @@ class SampleFileLoader(DataLoader):
         streams = isinstance(sampler, RunThroughBatchSampler) and sampler.can_run_through
         if not streams:
             return iter(self)
-        last = epoch if last_epoch is None or not self._epoch_free_workers() else max(epoch, last_epoch)
+        last = (
+            epoch
+            if last_epoch is None or not self._epoch_free_workers()
+            else max(epoch, last_epoch)
+        )
         count = len(sampler) - start_step
         noise = self.dataset.row_noise() if hasattr(self.dataset, "row_noise") else None
         if self._stream is None or self._stream_next != (epoch, start_step, last):
@@ -172,8 +192,13 @@ class SampleFileLoader(DataLoader):
         after = (epoch + 1, 0, last) if epoch < last else None
         return self._take(self._stream, count, noise, after)
 
-    def _take(self, stream: Iterator[Any], count: int, noise: RowNoise | None,
-              after: tuple[int, int, int] | None) -> Iterator[Any]:
+    def _take(
+        self,
+        stream: Iterator[Any],
+        count: int,
+        noise: RowNoise | None,
+        after: tuple[int, int, int] | None,
+    ) -> Iterator[Any]:
         for taken in range(count):
             try:
                 row = next(stream)

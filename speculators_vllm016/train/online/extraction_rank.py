@@ -31,7 +31,12 @@ from speculators_vllm016.train.online.loader import (
     as_source_error,
 )
 from speculators_vllm016.train.online.rank_layout import RankLayout
-from speculators_vllm016.train.online.sample_transport import DONE, SampleRequest, StepSamples, Transport
+from speculators_vllm016.train.online.sample_transport import (
+    DONE,
+    SampleRequest,
+    StepSamples,
+    Transport,
+)
 from speculators_vllm016.utils.errors import type_and_first_line
 
 __all__ = ["SUMMARY_PREFIX", "ExtractionServer", "IterationPlan", "PlanSource"]
@@ -62,7 +67,8 @@ class IterationPlan:
     def __post_init__(self) -> None:
         steps = len(self.per_rank[0]) if self.per_rank else 0
         self.union = [
-            list(dict.fromkeys(item for plan in self.per_rank for item in plan[s])) for s in range(steps)
+            list(dict.fromkeys(item for plan in self.per_rank for item in plan[s]))
+            for s in range(steps)
         ]
 
     @classmethod
@@ -77,8 +83,12 @@ class ExtractionServer:
     """The extraction rank's loop (`serve`); see the module docstring."""
 
     def __init__(
-        self, layout: RankLayout, transport: Transport, extractor: OnlineExtractor,
-        sources: dict[int, PlanSource], queue_size: int,
+        self,
+        layout: RankLayout,
+        transport: Transport,
+        extractor: OnlineExtractor,
+        sources: dict[int, PlanSource],
+        queue_size: int,
     ) -> None:
         self.layout, self.transport, self.extractor = layout, transport, extractor
         self.sources, self.queue_size = sources, queue_size
@@ -110,8 +120,12 @@ class ExtractionServer:
         seconds = time.perf_counter() - started
         logger.info(
             "extraction rank %d: %d requests of steps answered, %.1f MB sent (%.1f MB/s), %d samples "
-            "extracted%s", self.layout.rank, self.served_steps, self.transport.bytes_moved / 1e6,
-            self.transport.bytes_moved / 1e6 / max(seconds, 1e-9), self.extractor.stats.extracted_samples,
+            "extracted%s",
+            self.layout.rank,
+            self.served_steps,
+            self.transport.bytes_moved / 1e6,
+            self.transport.bytes_moved / 1e6 / max(seconds, 1e-9),
+            self.extractor.stats.extracted_samples,
             f"; stopped by: {self.failure}" if self.failure else "",
         )
         logger.info("%s%s", SUMMARY_PREFIX, json.dumps(self.summary(seconds)))
@@ -120,12 +134,16 @@ class ExtractionServer:
         """This rank's figures (one JSON log line, for benchmarks/online.py)."""
         stats = self.extractor.stats
         return {
-            "rank": self.layout.rank, "seconds": round(seconds, 3), "bytes_sent": self.transport.bytes_moved,
-            "extracted_samples": stats.extracted_samples, "extracted_tokens": stats.extracted_tokens,
+            "rank": self.layout.rank,
+            "seconds": round(seconds, 3),
+            "bytes_sent": self.transport.bytes_moved,
+            "extracted_samples": stats.extracted_samples,
+            "extracted_tokens": stats.extracted_tokens,
             "extraction_seconds": round(stats.extraction_seconds, 3),
             "waited_for_room_seconds": round(stats.producer_wait, 3),
             "waited_for_requests_seconds": round(self.request_wait, 3),
-            "engine_starts": stats.engine_starts, "failure": self.failure,
+            "engine_starts": stats.engine_starts,
+            "failure": self.failure,
         }
 
     # -- one request ---------------------------------------------------------------------------
@@ -141,7 +159,9 @@ class ExtractionServer:
                 self.served_steps += 1
                 return StepSamples(samples=samples)
             except Exception as error:  # noqa: BLE001 - every training rank is told, then stops
-                self.failure = f"extraction rank {self.layout.rank}: {_describe(error, self.extractor)}"
+                self.failure = (
+                    f"extraction rank {self.layout.rank}: {_describe(error, self.extractor)}"
+                )
                 logger.error("%s", self.failure)
                 self.extractor.stop_producer()
         return StepSamples(failure=self.failure)
@@ -149,7 +169,9 @@ class ExtractionServer:
     def _row(self, request: SampleRequest) -> dict[int, Any]:
         """Every training rank's samples of the requested step (position -> raw sample)."""
         key = (request.iteration, request.epoch)
-        if key != self._key or (request.step not in self._ready and request.step not in self._upcoming):
+        if key != self._key or (
+            request.step not in self._ready and request.step not in self._upcoming
+        ):
             self._start(key, request.step)
         while request.step not in self._ready:
             step = self._upcoming.popleft()
@@ -158,7 +180,10 @@ class ExtractionServer:
                 raise got.error
             if got is PRODUCER_END:
                 raise RuntimeError("the extraction ended before the epoch's last step")
-            self._ready[step] = (self._complete(step, got), set(range(self.layout.training_world_size)))
+            self._ready[step] = (
+                self._complete(step, got),
+                set(range(self.layout.training_world_size)),
+            )
         return self._ready[request.step][0]
 
     def _served(self, step: int, rank: int) -> None:
@@ -175,12 +200,19 @@ class ExtractionServer:
         self._key, self._ready = key, {}
         self._plan = IterationPlan.of(source, epoch, self.layout.training_world_size)
         extraction_ranks = self.layout.extraction_ranks
-        mine = [step for step in range(first_step, len(self._plan.union))
-                if step % extraction_ranks == self.layout.rank]
+        mine = [
+            step
+            for step in range(first_step, len(self._plan.union))
+            if step % extraction_ranks == self.layout.rank
+        ]
         self._upcoming = deque(mine)
         self._cached = self.extractor.cached()
-        need = {item for step in mine for item in self._plan.union[step]
-                if source.indices[item] not in self._cached}
+        need = {
+            item
+            for step in mine
+            for item in self._plan.union[step]
+            if source.indices[item] not in self._cached
+        }
         steps = [self._plan.union[step] for step in mine]
         if need:
             self.extractor.ensure_engine()

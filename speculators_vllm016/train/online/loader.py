@@ -43,8 +43,16 @@ if TYPE_CHECKING:
     from speculators_vllm016.data_generation.preflight import ModelFacts
 
 __all__ = [
-    "PRODUCER_END", "CacheFolderError", "CacheOfOtherTensors", "CacheWriteFailed", "ExtractionFailed",
-    "OnlineExtractor", "OnlineLoader", "OnlineStats", "ProducerFailure", "SampleExchange",
+    "PRODUCER_END",
+    "CacheFolderError",
+    "CacheOfOtherTensors",
+    "CacheWriteFailed",
+    "ExtractionFailed",
+    "OnlineExtractor",
+    "OnlineLoader",
+    "OnlineStats",
+    "ProducerFailure",
+    "SampleExchange",
     "as_source_error",
 ]
 
@@ -116,8 +124,14 @@ class OnlineExtractor:
     """
 
     def __init__(
-        self, options: DatagenOptions, facts: ModelFacts, dataset: Any, cache_dir: Path | None,
-        engine_devices: str | None = None, writes_cache: bool = True, cache_shard: tuple[int, int] = (0, 1),
+        self,
+        options: DatagenOptions,
+        facts: ModelFacts,
+        dataset: Any,
+        cache_dir: Path | None,
+        engine_devices: str | None = None,
+        writes_cache: bool = True,
+        cache_shard: tuple[int, int] = (0, 1),
     ) -> None:
         self.options = options
         self.engine_devices = engine_devices  # CUDA_VISIBLE_DEVICES of the engine (--train-devices)
@@ -129,7 +143,9 @@ class OnlineExtractor:
         self._producer: _Producer | None = None
         # Under torchrun only rank 0 (the one running the engine) writes the cache folder.
         self._cache: _Cache | None = (
-            _Cache(options, facts, dataset, cache_dir, cache_shard) if cache_dir and writes_cache else None
+            _Cache(options, facts, dataset, cache_dir, cache_shard)
+            if cache_dir and writes_cache
+            else None
         )
 
     # -- samples -------------------------------------------------------------------------------
@@ -159,7 +175,10 @@ class OnlineExtractor:
             return
         from speculators_vllm016.data_generation.offline import start_generator
 
-        from speculators_vllm016.train.jobs.devices import engine_visible_devices, launcher_variables_hidden
+        from speculators_vllm016.train.jobs.devices import (
+            engine_visible_devices,
+            launcher_variables_hidden,
+        )
 
         logger.info("starting the target model's engine for online extraction")
         if self.engine_devices is not None and torch.cuda.is_available():
@@ -209,11 +228,14 @@ class OnlineExtractor:
         """Extract the samples of `steps` (dataset positions; `names[i]` is i's datagen index)."""
         self.stop_producer()
         producer = _Producer(
-            thread=threading.Thread(target=lambda: None), stop=threading.Event(),
+            thread=threading.Thread(target=lambda: None),
+            stop=threading.Event(),
             rows=queue.Queue(maxsize=max(1, queue_size)),
         )
         producer.thread = threading.Thread(
-            target=self._produce, args=(steps, names, need, producer), name="online-extraction",
+            target=self._produce,
+            args=(steps, names, need, producer),
+            name="online-extraction",
             daemon=True,
         )
         self._producer = producer
@@ -294,7 +316,11 @@ class _Cache:
     """Hybrid mode's cache: a datagen folder (`DatagenFolder`, one shard of one) named --cache-dir."""
 
     def __init__(
-        self, options: DatagenOptions, facts: ModelFacts, dataset: Any, folder: Path,
+        self,
+        options: DatagenOptions,
+        facts: ModelFacts,
+        dataset: Any,
+        folder: Path,
         shard: tuple[int, int] = (0, 1),
     ) -> None:
         from speculators_vllm016.data_generation.output_folder import DatagenFolder, FolderInUse
@@ -306,8 +332,14 @@ class _Cache:
         self.hidden_size = facts.hidden_size
         # Train has no --adopt-existing: a folder it cannot trust is refused outright.
         # Split online runs: extraction rank e of K writes shard e of K (and reads every shard).
-        self._folder = DatagenFolder(folder, fsync=options.output.fsync, flag="--cache-dir", adopt_flag=None,
-                                     shard_index=shard[0], num_shards=shard[1])
+        self._folder = DatagenFolder(
+            folder,
+            fsync=options.output.fsync,
+            flag="--cache-dir",
+            adopt_flag=None,
+            shard_index=shard[0],
+            num_shards=shard[1],
+        )
         try:
             self._folder.prepare()
         except ValueError as error:
@@ -329,7 +361,9 @@ class _Cache:
                 except ValueError as error:
                     raise CacheFolderError(first_line(error)) from None
                 # The counts are of the whole dataset: one shard holds them, or they would add up K times.
-                self._folder.write_token_counts(dict(count_trained_tokens(dataset)) if shard[0] == 0 else {})
+                self._folder.write_token_counts(
+                    dict(count_trained_tokens(dataset)) if shard[0] == 0 else {}
+                )
                 manifest = self._folder.open_manifest()
             except OSError as error:
                 raise CacheFolderError(
@@ -337,8 +371,12 @@ class _Cache:
                     "another --cache-dir"
                 ) from None
             self._writers = SampleWriterPool(
-                options.output.num_writer_threads, options.output.output_format,
-                fsync=options.output.fsync, max_pending=64, slot=self._folder.slot, manifest=manifest,
+                options.output.num_writer_threads,
+                options.output.output_format,
+                fsync=options.output.fsync,
+                max_pending=64,
+                slot=self._folder.slot,
+                manifest=manifest,
             )
         except BaseException:
             self._folder.close()
@@ -350,7 +388,9 @@ class _Cache:
         record the run and write `data_config.json`."""
         try:
             self._folder.refuse_other_tensors(
-                self._folder.listed_signatures(), getattr(generator, "dtype", None), self.hidden_size
+                self._folder.listed_signatures(),
+                getattr(generator, "dtype", None),
+                self.hidden_size,
             )
         except ValueError as error:
             raise CacheOfOtherTensors(first_line(error)) from None
@@ -366,7 +406,9 @@ class _Cache:
         from speculators_vllm016.data_generation.sample_io import sample_path
 
         try:
-            self._writers.submit(sample_path(self.folder, index, self.options.output.output_format), sample, index)
+            self._writers.submit(
+                sample_path(self.folder, index, self.options.output.output_format), sample, index
+            )
         except Exception as error:  # an earlier write of the pool failed
             raise CacheWriteFailed.of(self.folder, error) from error
 
@@ -426,7 +468,9 @@ class SampleExchange:
     def scatter(self, values: list[Any] | None) -> Any:
         """`values[r]` (given on rank 0) arrives on rank r."""
         box = [None]
-        self._dist.scatter_object_list(box, values if self.rank == 0 else None, src=0, group=self.group)
+        self._dist.scatter_object_list(
+            box, values if self.rank == 0 else None, src=0, group=self.group
+        )
         return box[0]
 
 
@@ -442,7 +486,9 @@ def as_source_error(error: BaseException, extractor: OnlineExtractor) -> DataSou
     """The producer's failure as the trainer reports it: a cache write failure says so."""
     if isinstance(error, DataSourceError):
         return error
-    return ExtractionFailed(_failure_message(error, getattr(extractor.generator, "worker_died", False)))
+    return ExtractionFailed(
+        _failure_message(error, getattr(extractor.generator, "worker_died", False))
+    )
 
 
 def _failure_message(error: BaseException, died: bool) -> str:
@@ -577,7 +623,9 @@ class OnlineLoader:
                         error = (
                             as_source_error(got.error, self.extractor)
                             if isinstance(got, ProducerFailure)
-                            else ExtractionFailed("the extraction ended before the epoch's last step")
+                            else ExtractionFailed(
+                                "the extraction ended before the epoch's last step"
+                            )
                         )
                         parts = [ProducerFailure(error)] * exchange.world_size
                     else:

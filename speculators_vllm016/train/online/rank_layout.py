@@ -71,8 +71,10 @@ class RankLayout:
         if self.extracts:
             devices = f"GPUs {list(self.engine_devices)}" if self.engine_devices else "the CPU"
             return f"rank {self.rank}: extraction rank {self.rank} of {self.extraction_ranks}, engine on {devices}"
-        return (f"rank {self.rank}: training rank {self.training_rank} of {self.training_world_size} "
-                f"on {self.training_device}")
+        return (
+            f"rank {self.rank}: training rank {self.training_rank} of {self.training_world_size} "
+            f"on {self.training_device}"
+        )
 
 
 def plan_rank_layout(
@@ -103,9 +105,16 @@ def plan_rank_layout(
     node_trainers = local_world_size - node_extractors
     if gpus_on_node == 0:  # the CPU: the engines and the trainers share it
         if rank < extraction_ranks:
-            return RankLayout(rank, world_size, extraction_ranks, node_extraction_ranks=node_extractors)
-        return RankLayout(rank, world_size, extraction_ranks, training_device="cpu",
-                          node_extraction_ranks=node_extractors)
+            return RankLayout(
+                rank, world_size, extraction_ranks, node_extraction_ranks=node_extractors
+            )
+        return RankLayout(
+            rank,
+            world_size,
+            extraction_ranks,
+            training_device="cpu",
+            node_extraction_ranks=node_extractors,
+        )
     needed = node_extractors * engine_gpus + node_trainers
     if needed > gpus_on_node:
         node = f"the node of ranks {node_first}-{node_first + local_world_size - 1}"
@@ -116,9 +125,18 @@ def plan_rank_layout(
         )
     if local_rank < node_extractors:
         first = local_rank * engine_gpus
-        return RankLayout(rank, world_size, extraction_ranks,
-                          engine_devices=tuple(range(first, first + engine_gpus)),
-                          node_extraction_ranks=node_extractors)
+        return RankLayout(
+            rank,
+            world_size,
+            extraction_ranks,
+            engine_devices=tuple(range(first, first + engine_gpus)),
+            node_extraction_ranks=node_extractors,
+        )
     index = node_extractors * engine_gpus + (local_rank - node_extractors)
-    return RankLayout(rank, world_size, extraction_ranks, training_device=f"cuda:{index}",
-                      node_extraction_ranks=node_extractors)
+    return RankLayout(
+        rank,
+        world_size,
+        extraction_ranks,
+        training_device=f"cuda:{index}",
+        node_extraction_ranks=node_extractors,
+    )

@@ -26,7 +26,12 @@ import torch.distributed as dist
 from speculators_vllm016.train.data import Eagle3SampleFileDataset, PackedBatch
 from speculators_vllm016.train.online.loader import ExtractionFailed
 from speculators_vllm016.train.online.rank_layout import RankLayout
-from speculators_vllm016.train.online.sample_transport import REQUEST, SampleRequest, StepSamples, Transport
+from speculators_vllm016.train.online.sample_transport import (
+    REQUEST,
+    SampleRequest,
+    StepSamples,
+    Transport,
+)
 from speculators_vllm016.utils.errors import type_and_first_line
 
 __all__ = ["RemoteSampleLoader", "TRAIN_ITERATION", "VALIDATION_ITERATION", "finish_extraction"]
@@ -40,8 +45,14 @@ class RemoteSampleLoader:
     (`step_metrics`)."""
 
     def __init__(
-        self, layout: RankLayout, transport: Transport, dataset: Eagle3SampleFileDataset,
-        batch_sampler: Any, collate_fn: Any, iteration: int, queue_size: int,
+        self,
+        layout: RankLayout,
+        transport: Transport,
+        dataset: Eagle3SampleFileDataset,
+        batch_sampler: Any,
+        collate_fn: Any,
+        iteration: int,
+        queue_size: int,
         collective_device: torch.device,
     ) -> None:
         self.layout, self.transport = layout, transport
@@ -71,19 +82,27 @@ class RemoteSampleLoader:
         return {"recv_MB_s": f"{rate:,.1f}", "wait_s": f"{self.wait_seconds:.1f}"}
 
     def step_metrics(self) -> dict[str, float]:
-        return {"online_bytes_per_second": self._rate(), "online_bytes": float(self.transport.bytes_moved),
-                "online_wait_seconds": self.wait_seconds}
+        return {
+            "online_bytes_per_second": self._rate(),
+            "online_bytes": float(self.transport.bytes_moved),
+            "online_wait_seconds": self.wait_seconds,
+        }
 
     # -- rows ----------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[PackedBatch]:
         epoch, first = int(self.batch_sampler.epoch), int(self.batch_sampler.position)
-        self._iteration_clock, self._iteration_bytes = time.perf_counter(), self.transport.bytes_moved
+        self._iteration_clock, self._iteration_bytes = (
+            time.perf_counter(),
+            self.transport.bytes_moved,
+        )
         steps = [list(step) for step in self.batch_sampler]
         answers: queue.Queue = queue.Queue(maxsize=self.queue_size)
         stop = threading.Event()
         receiver = threading.Thread(
-            target=self._receive, args=(epoch, first, len(steps), answers, stop),
-            name="online-receiver", daemon=True,
+            target=self._receive,
+            args=(epoch, first, len(steps), answers, stop),
+            name="online-receiver",
+            daemon=True,
         )
         receiver.start()
         try:
@@ -92,7 +111,9 @@ class RemoteSampleLoader:
                 answer: StepSamples = answers.get()
                 self.wait_seconds += time.perf_counter() - started
                 self._agree(answer, first + offset)
-                yield self.collate_fn([self.dataset.item(item, answer.samples.get(item)) for item in step])
+                yield self.collate_fn(
+                    [self.dataset.item(item, answer.samples.get(item)) for item in step]
+                )
         finally:
             stop.set()
             while receiver.is_alive():  # make room: the in-flight request gets its answer first
@@ -102,7 +123,9 @@ class RemoteSampleLoader:
                     pass
                 receiver.join(timeout=0.1)
 
-    def _receive(self, epoch: int, first: int, count: int, answers: queue.Queue, stop: threading.Event) -> None:
+    def _receive(
+        self, epoch: int, first: int, count: int, answers: queue.Queue, stop: threading.Event
+    ) -> None:
         for step in range(first, first + count):
             if stop.is_set():
                 return
@@ -111,9 +134,11 @@ class RemoteSampleLoader:
                 self.transport.request(source, SampleRequest(REQUEST, self.iteration, epoch, step))
                 answer = self.transport.receive_answer(source)
             except Exception as error:  # noqa: BLE001 - the process (or its link) is gone
-                answer = StepSamples(failure=(
-                    f"extraction rank {source} stopped answering ({type_and_first_line(error)})"
-                ))
+                answer = StepSamples(
+                    failure=(
+                        f"extraction rank {source} stopped answering ({type_and_first_line(error)})"
+                    )
+                )
             while not stop.is_set():
                 try:
                     answers.put(answer, timeout=0.1)
@@ -130,7 +155,9 @@ class RemoteSampleLoader:
             dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if int(failed.item()) == 0:
             return
-        messages: list[str | None] = [None] * dist.get_world_size() if dist.is_initialized() else [None]
+        messages: list[str | None] = (
+            [None] * dist.get_world_size() if dist.is_initialized() else [None]
+        )
         if len(messages) > 1:  # every rank says why: the extraction rank's own words
             dist.all_gather_object(messages, answer.failure)
         else:

@@ -68,7 +68,9 @@ class StepSamples:
 class Transport:
     """Point-to-point traffic over the exchange group (`split_groups`), with byte counts."""
 
-    def __init__(self, group: Any, payload_group: Any = None, payload_device: torch.device | None = None) -> None:
+    def __init__(
+        self, group: Any, payload_group: Any = None, payload_device: torch.device | None = None
+    ) -> None:
         self.group = group
         self.payload_group = payload_group if payload_group is not None else group
         self.payload_device = payload_device or torch.device("cpu")
@@ -91,16 +93,19 @@ class Transport:
         ids = self._recv(torch.empty(total, dtype=torch.long), extraction_rank)
         masks = self._recv(torch.empty(total, dtype=torch.long), extraction_rank)
         states = self._recv(
-            torch.empty(total * layers * hidden, dtype=_DTYPES[dtype_code], device=self.payload_device),
-            extraction_rank, self.payload_group,
+            torch.empty(
+                total * layers * hidden, dtype=_DTYPES[dtype_code], device=self.payload_device
+            ),
+            extraction_rank,
+            self.payload_group,
         ).cpu()  # packing runs on the host (a no-op on the CPU)
         samples, token, value = {}, 0, 0
         for index, tokens in meta.tolist():
             size = layers * tokens * hidden
-            stacked = states[value:value + size].view(layers, tokens, hidden)
+            stacked = states[value : value + size].view(layers, tokens, hidden)
             samples[index] = {
-                "input_ids": ids[token:token + tokens],
-                "loss_mask": masks[token:token + tokens],
+                "input_ids": ids[token : token + tokens],
+                "loss_mask": masks[token : token + tokens],
                 "hidden_states": list(stacked.unbind(0)),
             }
             token, value = token + tokens, value + size
@@ -121,7 +126,9 @@ class Transport:
     def answer(self, training_rank: int, answer: StepSamples) -> None:
         if answer.failure is not None:
             message = torch.tensor(list(answer.failure.encode()[:4000]), dtype=torch.uint8)
-            self._send(torch.tensor([_FAILED, message.numel(), 0, 0, 0], dtype=torch.long), training_rank)
+            self._send(
+                torch.tensor([_FAILED, message.numel(), 0, 0, 0], dtype=torch.long), training_rank
+            )
             self._send(message, training_rank)
             return
         items = sorted(answer.samples.items())
@@ -131,18 +138,35 @@ class Transport:
         first = items[0][1]["hidden_states"]
         dtype, layers, hidden = first[0].dtype, len(first), int(first[0].shape[-1])
         if dtype not in _DTYPES:
-            raise TypeError(f"hidden states of dtype {dtype} cannot be sent; expected one of {_DTYPES}")
-        meta = torch.tensor([[index, int(sample["input_ids"].numel())] for index, sample in items],
-                            dtype=torch.long)
-        self._send(torch.tensor([_OK, len(items), _DTYPES.index(dtype), layers, hidden], dtype=torch.long),
-                   training_rank)
+            raise TypeError(
+                f"hidden states of dtype {dtype} cannot be sent; expected one of {_DTYPES}"
+            )
+        meta = torch.tensor(
+            [[index, int(sample["input_ids"].numel())] for index, sample in items], dtype=torch.long
+        )
+        self._send(
+            torch.tensor([_OK, len(items), _DTYPES.index(dtype), layers, hidden], dtype=torch.long),
+            training_rank,
+        )
         self._send(meta.flatten(), training_rank)
-        self._send(torch.cat([torch.as_tensor(s["input_ids"], dtype=torch.long).flatten() for _, s in items]),
-                   training_rank)
-        self._send(torch.cat([torch.as_tensor(s["loss_mask"], dtype=torch.long).flatten() for _, s in items]),
-                   training_rank)
-        states = torch.cat([torch.stack([layer.to(dtype) for layer in s["hidden_states"]]).flatten()
-                            for _, s in items])
+        self._send(
+            torch.cat(
+                [torch.as_tensor(s["input_ids"], dtype=torch.long).flatten() for _, s in items]
+            ),
+            training_rank,
+        )
+        self._send(
+            torch.cat(
+                [torch.as_tensor(s["loss_mask"], dtype=torch.long).flatten() for _, s in items]
+            ),
+            training_rank,
+        )
+        states = torch.cat(
+            [
+                torch.stack([layer.to(dtype) for layer in s["hidden_states"]]).flatten()
+                for _, s in items
+            ]
+        )
         self._send(states.to(self.payload_device), training_rank, self.payload_group)
 
     # -- both ----------------------------------------------------------------------------------

@@ -38,7 +38,8 @@ def split_layout(config: TrainJobConfig) -> RankLayout | None:
     on_cpu = config.runtime.device == "cpu" or not torch.cuda.is_available()
     return plan_rank_layout(
         config.online.extraction_ranks,
-        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
         local_rank=int(os.environ["LOCAL_RANK"]),
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
         engine_gpus=config.online.tensor_parallel_size * config.online.pipeline_parallel_size,
@@ -69,9 +70,11 @@ def cpu_share(layout: RankLayout, cpus: list[int], engine_workers: int) -> str |
             f"{layout.node_extraction_ranks} CPU engines of {engine_workers} workers each need "
             f"{layout.node_extraction_ranks * engine_workers} CPUs; this node has {len(cpus)}"
         )
-    mine = cpus[layout.node_extraction_index * per_rank:(layout.node_extraction_index + 1) * per_rank]
+    mine = cpus[
+        layout.node_extraction_index * per_rank : (layout.node_extraction_index + 1) * per_rank
+    ]
     per_worker = len(mine) // engine_workers
-    groups = [mine[i * per_worker:(i + 1) * per_worker] for i in range(engine_workers)]
+    groups = [mine[i * per_worker : (i + 1) * per_worker] for i in range(engine_workers)]
     return "|".join(",".join(str(cpu) for cpu in group) for group in groups)
 
 
@@ -81,7 +84,9 @@ def run_extraction_rank(
     """Serve the training ranks' requests until all are done; the engine starts at the first
     sample that is not in the cache folder."""
     from speculators_vllm016.train.data import split_items
-    from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+    from speculators_vllm016.train.distributed_batch_sampler import (
+        MultipackDistributedBatchSamplerV2,
+    )
     from speculators_vllm016.train.online.extraction_rank import ExtractionServer, PlanSource
     from speculators_vllm016.train.online.loader import CacheFolderError, OnlineExtractor
     from speculators_vllm016.train.online.remote_loader import TRAIN_ITERATION, VALIDATION_ITERATION
@@ -95,28 +100,41 @@ def run_extraction_rank(
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
             # The whole rank too: its engine's processes start on these cores (they inherit the
             # affinity), never on a core where another rank's idle engine polls.
-            os.sched_setaffinity(0, {int(cpu) for group in binding.split("|") for cpu in group.split(",")})
+            os.sched_setaffinity(
+                0, {int(cpu) for group in binding.split("|") for cpu in group.split(",")}
+            )
     cache_dir = config.online.cache_dir
     try:
         extractor = OnlineExtractor(
-            online.options, online.facts, online.dataset, Path(cache_dir) if cache_dir else None,
-            engine_devices=_engine_visible(layout), writes_cache=True,
+            online.options,
+            online.facts,
+            online.dataset,
+            Path(cache_dir) if cache_dir else None,
+            engine_devices=_engine_visible(layout),
+            writes_cache=True,
             cache_shard=(layout.rank, layout.extraction_ranks),
         )
     except CacheFolderError as error:
         raise TrainSetupError(str(error)) from None
     try:
-        train_items, val_items = split_items(extractor.indices, config.data.train_ratio, config.data.split_seed)
+        train_items, val_items = split_items(
+            extractor.indices, config.data.train_ratio, config.data.split_seed
+        )
         sources = {}
         for iteration, items in ((TRAIN_ITERATION, train_items), (VALIDATION_ITERATION, val_items)):
             if not items:
                 continue
             sampler = MultipackDistributedBatchSamplerV2(
-                config.training.total_seq_len, extractor.lengths(items), layout.training_world_size, 0,
+                config.training.total_seq_len,
+                extractor.lengths(items),
+                layout.training_world_size,
+                0,
                 seed=config.training.seed,
             )
             sources[iteration] = PlanSource(sampler=sampler, indices=items)
-        server = ExtractionServer(layout, groups.transport(), extractor, sources, config.online.online_queue_size)
+        server = ExtractionServer(
+            layout, groups.transport(), extractor, sources, config.online.online_queue_size
+        )
         logger.info("%s: serving %d training ranks", layout.describe(), layout.training_world_size)
         server.serve()
     finally:

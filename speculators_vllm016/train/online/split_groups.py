@@ -90,13 +90,22 @@ def join_split_groups(layout: RankLayout, timeout_minutes: float = 30.0) -> Spli
         if device.type == "cuda":
             torch.cuda.set_device(device)
             dist.init_process_group(
-                "nccl", store=training_store, rank=layout.training_rank,
-                world_size=layout.training_world_size, device_id=device, timeout=timeout,
+                "nccl",
+                store=training_store,
+                rank=layout.training_rank,
+                world_size=layout.training_world_size,
+                device_id=device,
+                timeout=timeout,
             )
         else:
             dist.init_process_group(
-                "gloo", store=training_store, rank=layout.training_rank,
-                world_size=layout.training_world_size, timeout=timeout,
+                "gloo",
+                store=training_store,
+                rank=layout.training_rank,
+                world_size=layout.training_world_size,
+                timeout=timeout,
             )
     logger.info("%s (world of %s)", layout.describe(), os.environ.get("WORLD_SIZE"))
-    return SplitGroups(layout=layout, exchange=exchange, payload=payload, payload_device=payload_device)
+    return SplitGroups(
+        layout=layout, exchange=exchange, payload=payload, payload_device=payload_device
+    )

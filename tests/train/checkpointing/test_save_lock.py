@@ -41,11 +41,14 @@ time.sleep(600)
 
 def test_the_lock_of_a_killed_process_is_gone_with_it(tmp_path):
     save = tmp_path / "ckpt"
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(save)], env=cli_env(),
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(save)], env=cli_env(), stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(SavePathInUse, match=f"another training process \\(pid {holder.pid} on "):
+        with pytest.raises(
+            SavePathInUse, match=f"another training process \\(pid {holder.pid} on "
+        ):
             scripted_trainer(save, [packed_row()])
     finally:
         holder.send_signal(signal.SIGKILL)

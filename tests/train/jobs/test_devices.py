@@ -17,7 +17,9 @@ EIGHT = [str(index) for index in range(8)]
 
 
 def test_cpu_trains_on_the_cpu_and_leaves_the_engine_alone():
-    assert parse_train_devices("cpu", visible=[]) == TrainDevices(trainer=("cpu",), engine_visible=None)
+    assert parse_train_devices("cpu", visible=[]) == TrainDevices(
+        trainer=("cpu",), engine_visible=None
+    )
     assert parse_train_devices("cpu", visible=[], local_processes=2).for_rank(1) == "cpu"
 
 
@@ -29,7 +31,9 @@ def test_one_gpu_for_the_trainer_the_rest_for_the_engine():
 
 def test_one_gpu_per_training_process_and_the_trainers_own_numbering():
     visible = ["2", "3", "4", "5"]  # CUDA_VISIBLE_DEVICES=2,3,4,5: cuda:0 is physical GPU 2
-    devices = parse_train_devices("cuda:2, cuda:3", visible=visible, local_processes=2, engine_gpus_needed=2)
+    devices = parse_train_devices(
+        "cuda:2, cuda:3", visible=visible, local_processes=2, engine_gpus_needed=2
+    )
     assert devices.trainer == ("cuda:2", "cuda:3") and devices.engine_visible == "2,3"
     assert [devices.for_rank(rank) for rank in (0, 1)] == ["cuda:2", "cuda:3"]
 
@@ -53,7 +57,9 @@ def test_one_gpu_per_training_process_and_the_trainers_own_numbering():
 )
 def test_bad_values_name_the_flag_and_the_problem(text, visible, processes, needed, says):
     with pytest.raises(TrainDevicesError) as raised:
-        parse_train_devices(text, visible=visible, local_processes=processes, engine_gpus_needed=needed)
+        parse_train_devices(
+            text, visible=visible, local_processes=processes, engine_gpus_needed=needed
+        )
     message = str(raised.value)
     assert "--train-devices" in message and says in message and "\n" not in message
 

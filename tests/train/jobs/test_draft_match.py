@@ -26,6 +26,7 @@ def _set(*path: str, value):
         for key in path[:-1]:
             values = values[key]
         values[path[-1]] = value
+
     return edit
 
 
@@ -52,27 +53,62 @@ def _other_maps(folder: Path) -> list[str]:
 
 
 def _built_maps(folder: Path) -> list[str]:
-    return ["--d2t-path", str(folder / "none_d2t.npy"), "--t2d-path", str(folder / "none_t2d.npy"),
-            "--draft-vocab-size", "48"]
+    return [
+        "--d2t-path",
+        str(folder / "none_d2t.npy"),
+        "--t2d-path",
+        str(folder / "none_t2d.npy"),
+        "--draft-vocab-size",
+        "48",
+    ]
 
 
 # kind -> (config edit, tensor edit, extra run flags (a function of a scratch folder), the line)
 KINDS = {
-    "verifier": (_set("speculators_config", "verifier", "architectures", value=["Qwen3ForCausalLM"]),
-                 None, None, "verifier: the draft was made for Qwen3ForCausalLM"),
-    "identity": (None, _other_embeddings, None, "verifier identity: the draft's token embeddings are not"),
-    "hidden size": (_set("target_hidden_size", value=128), _wider_target, None,
-                    "hidden size: the draft reads target states 128 wide (target_hidden_size), the verifier's are 256"),
-    "target vocabulary": (_set("transformer_layer_config", "vocab_size", value=600), _larger_vocabulary, None,
-                          "target vocabulary: the draft embeds 600 tokens, the verifier has 512"),
+    "verifier": (
+        _set("speculators_config", "verifier", "architectures", value=["Qwen3ForCausalLM"]),
+        None,
+        None,
+        "verifier: the draft was made for Qwen3ForCausalLM",
+    ),
+    "identity": (
+        None,
+        _other_embeddings,
+        None,
+        "verifier identity: the draft's token embeddings are not",
+    ),
+    "hidden size": (
+        _set("target_hidden_size", value=128),
+        _wider_target,
+        None,
+        "hidden size: the draft reads target states 128 wide (target_hidden_size), the verifier's are 256",
+    ),
+    "target vocabulary": (
+        _set("transformer_layer_config", "vocab_size", value=600),
+        _larger_vocabulary,
+        None,
+        "target vocabulary: the draft embeds 600 tokens, the verifier has 512",
+    ),
     "draft vocabulary": (None, None, _built_maps, "draft vocabulary: the draft predicts 64 tokens"),
     "maps": (None, None, _other_maps, "vocabulary maps: the draft's d2t/t2d pick other tokens"),
-    "fused layers": (_set("eagle_aux_hidden_state_layer_ids", value=[0, 2, 3]), None, None,
-                     "fused layers: the draft fuses target layers [0, 2, 3] (vLLM's numbering), the data holds [1, 2, 3]"),
-    "layers": (None, None, lambda _: ["--num-layers", "2"],
-               "layers: the draft has 1 decoder layer, this run --num-layers 2"),
-    "norm": (None, None, lambda _: ["--no-norm-before-residual"],
-             "norm before residual: the draft has norm_before_residual=True, this run --no-norm-before-residual"),
+    "fused layers": (
+        _set("eagle_aux_hidden_state_layer_ids", value=[0, 2, 3]),
+        None,
+        None,
+        "fused layers: the draft fuses target layers [0, 2, 3] (vLLM's numbering), the data holds [1, 2, 3]",
+    ),
+    "layers": (
+        None,
+        None,
+        lambda _: ["--num-layers", "2"],
+        "layers: the draft has 1 decoder layer, this run --num-layers 2",
+    ),
+    "norm": (
+        None,
+        None,
+        lambda _: ["--no-norm-before-residual"],
+        "norm before residual: the draft has norm_before_residual=True, this run --no-norm-before-residual",
+    ),
 }
 
 
@@ -80,12 +116,17 @@ def _refused(argv: list[str], capsys) -> list[str]:
     assert main(argv) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("error: "))  # after log lines
-    assert lines[start].startswith("error: --from-pretrained ") and "nothing was written" in lines[start], lines
-    return [line.strip() for line in lines[start + 1:]]
+    assert (
+        lines[start].startswith("error: --from-pretrained ")
+        and "nothing was written" in lines[start]
+    ), lines
+    return [line.strip() for line in lines[start + 1 :]]
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_each_mismatch_is_refused_with_its_line(kind, ours, tiny_llama, training_data, tmp_path, capsys):
+def test_each_mismatch_is_refused_with_its_line(
+    kind, ours, tiny_llama, training_data, tmp_path, capsys
+):
     config, tensors, flags, line = KINDS[kind]
     draft = draft_variant(ours, tmp_path / "draft", config=config, weights=tensors)
     save = tmp_path / "save"
@@ -102,15 +143,26 @@ def test_every_mismatch_is_listed_together(ours, tiny_llama, training_data, tmp_
 
     draft = draft_variant(ours, tmp_path / "draft", config=edit, weights=_other_embeddings)
     save = tmp_path / "save"
-    argv = train_args(tiny_llama, training_data, save, "--from-pretrained", str(draft),
-                      "--num-layers", "2", "--no-norm-before-residual", *_other_maps(tmp_path))
+    argv = train_args(
+        tiny_llama,
+        training_data,
+        save,
+        "--from-pretrained",
+        str(draft),
+        "--num-layers",
+        "2",
+        "--no-norm-before-residual",
+        *_other_maps(tmp_path),
+    )
     lines = _refused(argv, capsys)
     kinds = ("verifier", "identity", "layers", "norm", "maps", "fused layers")
     assert [line.split(":")[0] for line in lines] == [KINDS[k][3].split(":")[0] for k in kinds]
     assert not save.exists()
 
 
-def test_a_draft_whose_weights_do_not_fit_its_config_is_one_line(ours, tiny_llama, training_data, tmp_path, capsys):
+def test_a_draft_whose_weights_do_not_fit_its_config_is_one_line(
+    ours, tiny_llama, training_data, tmp_path, capsys
+):
     draft = draft_variant(ours, tmp_path / "draft", weights=lambda t: t.pop("fc.weight"))
     save = tmp_path / "save"
     assert main(train_args(tiny_llama, training_data, save, "--from-pretrained", str(draft))) == 2
@@ -119,13 +171,17 @@ def test_a_draft_whose_weights_do_not_fit_its_config_is_one_line(ours, tiny_llam
     assert not save.exists()
 
 
-def test_the_fused_layers_a_research_config_records_are_checked(ours, tiny_llama, training_data, tmp_path, capsys):
+def test_the_fused_layers_a_research_config_records_are_checked(
+    ours, tiny_llama, training_data, tmp_path, capsys
+):
     research = write_research_draft(ours, tmp_path / "research")
     config = json.loads((research / "config.json").read_text())
     config["eagle_aux_hidden_state_layer_ids"] = [0, 2, 3]  # where vLLM reads them
     (research / "config.json").write_text(json.dumps(config))
     save = tmp_path / "save"
-    lines = _refused(train_args(tiny_llama, training_data, save, "--from-pretrained", str(research)), capsys)
+    lines = _refused(
+        train_args(tiny_llama, training_data, save, "--from-pretrained", str(research)), capsys
+    )
     assert len(lines) == 1 and lines[0].startswith(KINDS["fused layers"][3]), lines
     assert not save.exists()
 
@@ -133,11 +189,19 @@ def test_the_fused_layers_a_research_config_records_are_checked(ours, tiny_llama
 def test_a_llama_draft_is_refused_for_a_deepseek_v3_run(ours, tiny_deepseek_v3, tmp_path, capsys):
     """Same widths and vocabulary size, another target: the architecture, the embeddings, the
     maps (of the other data's tokens) and the fused layers say so."""
-    data = write_dataset(tiny_deepseek_v3, tmp_path / "data", [24, 40, 56, 72], layer_ids=[0, 1, 1, 2])
+    data = write_dataset(
+        tiny_deepseek_v3, tmp_path / "data", [24, 40, 56, 72], layer_ids=[0, 1, 1, 2]
+    )
     write_vocab_maps(data, 512, tmp_path)
     save = tmp_path / "save"
-    lines = _refused(train_args(tiny_deepseek_v3, data, save, "--from-pretrained", str(ours)), capsys)
+    lines = _refused(
+        train_args(tiny_deepseek_v3, data, save, "--from-pretrained", str(ours)), capsys
+    )
     assert [line.split(":")[0] for line in lines] == [
-        "verifier", "verifier identity", "vocabulary maps", "fused layers"], lines
+        "verifier",
+        "verifier identity",
+        "vocabulary maps",
+        "fused layers",
+    ], lines
     assert "LlamaForCausalLM" in lines[0] and "DeepseekV3ForCausalLM" in lines[0]
     assert not save.exists()

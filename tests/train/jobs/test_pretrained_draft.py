@@ -19,7 +19,12 @@ from speculators_vllm016.train.jobs.job_config import TrainJobConfig, TrainSetup
 from speculators_vllm016.train.jobs.pretrained_draft import VERIFIER_COPIES, locate_draft
 from speculators_vllm016.train.train_step import TrainStep
 from tests.train.pretrained_drafts import train_ours, write_030_draft, write_research_draft
-from tests.training_fixtures import finished_checkpoints, train_args, write_dataset, write_vocab_maps
+from tests.training_fixtures import (
+    finished_checkpoints,
+    train_args,
+    write_dataset,
+    write_vocab_maps,
+)
 
 FINE_TUNE = ("--max-steps", "1", "--epochs", "1")
 
@@ -62,23 +67,34 @@ def _evaluate_draft(folder: Path, verifier: Path, row, options: dict) -> float:
 
 
 def _served(folder: Path) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in load_file(folder / "model.safetensors").items() if k not in VERIFIER_COPIES}
+    return {
+        k: v for k, v in load_file(folder / "model.safetensors").items() if k not in VERIFIER_COPIES
+    }
 
 
 def _assert_started_from(seen: dict, weights: dict[str, torch.Tensor]) -> None:
     assert seen, "the trainer made no step"
     for name, tensor in weights.items():
         started = seen["weights"][name]
-        assert torch.equal(started, tensor.to(started.dtype)), f"{name} is not the draft's at step 0"
+        assert torch.equal(started, tensor.to(started.dtype)), (
+            f"{name} is not the draft's at step 0"
+        )
 
 
 def test_ours_step_0_is_the_draft_bit_for_bit_and_its_loss_is_the_drafts(
     ours, tiny_llama, training_data, tmp_path, first_step
 ):
     save = tmp_path / "save"
-    assert main(train_args(tiny_llama, training_data, save, *FINE_TUNE, "--from-pretrained", str(ours))) == 0
+    assert (
+        main(
+            train_args(tiny_llama, training_data, save, *FINE_TUNE, "--from-pretrained", str(ours))
+        )
+        == 0
+    )
     _assert_started_from(first_step, _served(ours))
-    assert first_step["loss"] == _evaluate_draft(ours, tiny_llama, first_step["row"], first_step["options"])
+    assert first_step["loss"] == _evaluate_draft(
+        ours, tiny_llama, first_step["row"], first_step["options"]
+    )
     written = json.loads((save / finished_checkpoints(save)[-1] / "config.json").read_text())
     assert written["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert written["speculators_config"]["verifier"]["name_or_path"] == str(tiny_llama)
@@ -89,25 +105,45 @@ def test_a_030_draft_loads_exactly_and_gets_the_runs_fused_layers(
 ):
     draft = write_030_draft(ours, tmp_path / "draft_030")
     save = tmp_path / "save"
-    assert main(train_args(tiny_llama, training_data, save, *FINE_TUNE, "--from-pretrained", str(draft))) == 0
+    assert (
+        main(
+            train_args(tiny_llama, training_data, save, *FINE_TUNE, "--from-pretrained", str(draft))
+        )
+        == 0
+    )
     _assert_started_from(first_step, _served(draft))
-    assert first_step["loss"] == _evaluate_draft(draft, tiny_llama, first_step["row"], first_step["options"])
+    assert first_step["loss"] == _evaluate_draft(
+        draft, tiny_llama, first_step["row"], first_step["options"]
+    )
     # 0.3.0 never wrote the fused layers; the fine-tune records the data's, as vLLM numbers them.
     written = json.loads((save / finished_checkpoints(save)[-1] / "config.json").read_text())
     assert written["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
 
 
-def test_a_research_draft_goes_through_the_converter(ours, tiny_llama, training_data, tmp_path, first_step):
+def test_a_research_draft_goes_through_the_converter(
+    ours, tiny_llama, training_data, tmp_path, first_step
+):
     from speculators_vllm016.convert.entrypoints import convert_model
 
     research = write_research_draft(ours, tmp_path / "research")
     save = tmp_path / "save"
-    assert main(train_args(tiny_llama, training_data, save, *FINE_TUNE, "--from-pretrained", str(research))) == 0
+    assert (
+        main(
+            train_args(
+                tiny_llama, training_data, save, *FINE_TUNE, "--from-pretrained", str(research)
+            )
+        )
+        == 0
+    )
     # What `speculators convert` writes for the same checkpoint is what training started from.
     converted = tmp_path / "converted"
-    convert_model(str(research), str(tiny_llama), "eagle3", str(converted), norm_before_residual=True)
+    convert_model(
+        str(research), str(tiny_llama), "eagle3", str(converted), norm_before_residual=True
+    )
     _assert_started_from(first_step, _served(converted))
-    assert first_step["loss"] == _evaluate_draft(converted, tiny_llama, first_step["row"], first_step["options"])
+    assert first_step["loss"] == _evaluate_draft(
+        converted, tiny_llama, first_step["row"], first_step["options"]
+    )
 
 
 def test_a_deepseek_v3_draft_fine_tunes_exactly(tiny_deepseek_v3, tmp_path, first_step):
@@ -115,14 +151,21 @@ def test_a_deepseek_v3_draft_fine_tunes_exactly(tiny_deepseek_v3, tmp_path, firs
     what the fine-tune builds, from the draft's weights exactly."""
     root = tmp_path / "deepseek"
     # 3 layers: fused 0, 1, 1 (datagen's numbering) and the last as the teacher.
-    data = write_dataset(tiny_deepseek_v3, root / "data", [24 + 9 * i for i in range(8)], layer_ids=[0, 1, 1, 2])
+    data = write_dataset(
+        tiny_deepseek_v3, root / "data", [24 + 9 * i for i in range(8)], layer_ids=[0, 1, 1, 2]
+    )
     write_vocab_maps(data, 512, root)
     draft = train_ours(tiny_deepseek_v3, data, root / "base")
     first_step.clear()  # the base run's step is not the fine-tune's
     save = root / "save"
-    assert main(train_args(tiny_deepseek_v3, data, save, *FINE_TUNE, "--from-pretrained", str(draft))) == 0
+    assert (
+        main(train_args(tiny_deepseek_v3, data, save, *FINE_TUNE, "--from-pretrained", str(draft)))
+        == 0
+    )
     _assert_started_from(first_step, _served(draft))
-    assert first_step["loss"] == _evaluate_draft(draft, tiny_deepseek_v3, first_step["row"], first_step["options"])
+    assert first_step["loss"] == _evaluate_draft(
+        draft, tiny_deepseek_v3, first_step["row"], first_step["options"]
+    )
     written = json.loads((save / finished_checkpoints(save)[-1] / "config.json").read_text())
     assert written["eagle_aux_hidden_state_layer_ids"] == [1, 2, 2]
     assert written["speculators_config"]["verifier"]["architectures"] == ["DeepseekV3ForCausalLM"]
@@ -134,7 +177,7 @@ def test_without_maps_of_its_own_the_run_keeps_the_drafts_and_saves_them(
     save = tmp_path / "save"
     argv = train_args(tiny_llama, training_data, save, *FINE_TUNE, "--from-pretrained", str(ours))
     for flag in ("--d2t-path", "--t2d-path"):
-        del argv[argv.index(flag): argv.index(flag) + 2]
+        del argv[argv.index(flag) : argv.index(flag) + 2]
     assert main(argv) == 0
     served = load_file(ours / "model.safetensors")
     assert np.array_equal(np.load(save / "d2t.npy"), served["d2t"].numpy())
@@ -145,12 +188,26 @@ def test_a_save_path_with_checkpoints_resumes_them_without_reading_the_draft(
     ours, tiny_llama, training_data, tmp_path
 ):
     save = tmp_path / "save"
-    assert main(train_args(tiny_llama, training_data, save, *FINE_TUNE, "--from-pretrained", str(ours))) == 0
+    assert (
+        main(
+            train_args(tiny_llama, training_data, save, *FINE_TUNE, "--from-pretrained", str(ours))
+        )
+        == 0
+    )
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("not json")
-    argv = train_args(tiny_llama, training_data, save, "--max-steps", "2", "--epochs", "1",
-                      "--from-pretrained", str(broken))
+    argv = train_args(
+        tiny_llama,
+        training_data,
+        save,
+        "--max-steps",
+        "2",
+        "--epochs",
+        "1",
+        "--from-pretrained",
+        str(broken),
+    )
     assert main(argv) == 0  # resumed: the (unreadable) draft was never read
     assert finished_checkpoints(save)[-1] == "0-step2"
     # A fresh run over the same folder does read it, and refuses it before writing anything.
@@ -187,7 +244,9 @@ def test_a_hub_id_that_cannot_be_had_is_one_line(monkeypatch, tmp_path):
     with pytest.raises(TrainSetupError) as caught:
         locate_draft("org/not-a-draft")
     message = str(caught.value)
-    assert "\n" not in message and "org/not-a-draft" in message and "cannot be downloaded" in message
+    assert (
+        "\n" not in message and "org/not-a-draft" in message and "cannot be downloaded" in message
+    )
 
 
 def test_a_kimi_k25_draft_fine_tunes_exactly(tiny_deepseek_v3, tiny_kimi_k25, tmp_path, first_step):
@@ -195,14 +254,23 @@ def test_a_kimi_k25_draft_fine_tunes_exactly(tiny_deepseek_v3, tiny_kimi_k25, tm
     names `KimiK25ForConditionalGeneration`) seeds a fine-tune against the wrapper, exactly. The
     data is the DeepSeek-V3's inside it (same weights, so the same fingerprint)."""
     root = tmp_path / "kimi"
-    data = write_dataset(tiny_deepseek_v3, root / "data", [24 + 9 * i for i in range(8)], layer_ids=[0, 1, 1, 2])
+    data = write_dataset(
+        tiny_deepseek_v3, root / "data", [24 + 9 * i for i in range(8)], layer_ids=[0, 1, 1, 2]
+    )
     write_vocab_maps(data, 512, root)
     draft = train_ours(tiny_kimi_k25, data, root / "base")
     first_step.clear()
     save = root / "save"
-    assert main(train_args(tiny_kimi_k25, data, save, *FINE_TUNE, "--from-pretrained", str(draft))) == 0
+    assert (
+        main(train_args(tiny_kimi_k25, data, save, *FINE_TUNE, "--from-pretrained", str(draft)))
+        == 0
+    )
     _assert_started_from(first_step, _served(draft))
-    assert first_step["loss"] == _evaluate_draft(draft, tiny_kimi_k25, first_step["row"], first_step["options"])
+    assert first_step["loss"] == _evaluate_draft(
+        draft, tiny_kimi_k25, first_step["row"], first_step["options"]
+    )
     written = json.loads((save / finished_checkpoints(save)[-1] / "config.json").read_text())
-    assert written["speculators_config"]["verifier"]["architectures"] == ["KimiK25ForConditionalGeneration"]
+    assert written["speculators_config"]["verifier"]["architectures"] == [
+        "KimiK25ForConditionalGeneration"
+    ]
     assert written["eagle_aux_hidden_state_layer_ids"] == [1, 2, 2]

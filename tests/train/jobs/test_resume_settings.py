@@ -24,12 +24,17 @@ def _state(folder: Path) -> dict:
     return json.loads((folder / "training_state.json").read_text())
 
 
-def _continue(tiny_llama, training_data, finished_run, tmp_path, capfd, *extra: str) -> tuple[Path, str]:
+def _continue(
+    tiny_llama, training_data, finished_run, tmp_path, capfd, *extra: str
+) -> tuple[Path, str]:
     """The finished one-epoch run continued to a second epoch with `extra` flags."""
     save = tmp_path / "ckpt"
     shutil.copytree(finished_run, save, symlinks=True)
     capfd.readouterr()
-    assert main(train_args(tiny_llama, training_data, save, "--epochs", "2", *FIXED_SCHEDULE, *extra)) == 0
+    assert (
+        main(train_args(tiny_llama, training_data, save, "--epochs", "2", *FIXED_SCHEDULE, *extra))
+        == 0
+    )
     return save, capfd.readouterr().err
 
 
@@ -71,7 +76,9 @@ def test_rerunning_a_finished_run_says_it_is_complete_and_trains_nothing(
     assert main(train_args(tiny_llama, training_data, save, "--epochs", "1", *FIXED_SCHEDULE)) == 0
     out, err = capfd.readouterr()
     steps = _state(save / "0")["global_step"]
-    assert "already complete" in out.lower() and "raise --epochs" in out and f"{steps} steps" in out, out
+    assert (
+        "already complete" in out.lower() and "raise --epochs" in out and f"{steps} steps" in out
+    ), out
     assert "Done:" not in out and "resuming" not in err, err[-3000:]
     assert (save / "metrics.jsonl").read_text() == before
     assert sorted(p.name for p in save.iterdir() if p.name[0].isdigit()) == ["0"]
@@ -86,4 +93,6 @@ def test_epochs_are_numbered_as_the_checkpoint_folders_everywhere(
     lines = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     assert {line["epoch"] for line in lines} == {0, 1}
     assert _state(save / "1")["epoch"] == 1
-    assert "at epoch 1, step 0" in err and "epoch 1 (epochs 0 to 1)" in err and "epoch 2" not in err, err[-3000:]
+    assert (
+        "at epoch 1, step 0" in err and "epoch 1 (epochs 0 to 1)" in err and "epoch 2" not in err
+    ), err[-3000:]

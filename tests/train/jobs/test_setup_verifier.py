@@ -12,7 +12,12 @@ import torch
 from speculators_vllm016.cli.train import config_from_argv
 from speculators_vllm016.train.jobs.job_config import TrainSetupError
 from speculators_vllm016.train.jobs.setup import build_model, prepare
-from tests.kimi_variants import REMOTE_CODE_MARKER, int4_variant, with_remote_code, without_inner_model
+from tests.kimi_variants import (
+    REMOTE_CODE_MARKER,
+    int4_variant,
+    with_remote_code,
+    without_inner_model,
+)
 from tests.training_fixtures import train_args, write_dataset, write_vocab_maps
 
 # The tiny DeepSeek-V3 has 3 layers: 3 fused layers (datagen's numbering) and the last.
@@ -46,7 +51,9 @@ def test_the_kimi_wrapper_is_read_as_vllm_reads_it(kimi, tiny_deepseek_v3, deeps
     assert setup.aux_ids == [1, 2, 2]  # datagen's fused ids + 1 (vLLM's numbering)
     draft = build_model(config, setup)
     saved = draft.config.to_dict()
-    assert saved["speculators_config"]["verifier"]["architectures"] == ["KimiK25ForConditionalGeneration"]
+    assert saved["speculators_config"]["verifier"]["architectures"] == [
+        "KimiK25ForConditionalGeneration"
+    ]
     assert saved["transformer_layer_config"]["vocab_size"] == setup.text_config.vocab_size == 512
     assert saved["eagle_aux_hidden_state_layer_ids"] == [1, 2, 2]
     assert not (kimi / REMOTE_CODE_MARKER).exists()
@@ -60,17 +67,28 @@ def test_the_kimi_wrapper_is_read_as_vllm_reads_it(kimi, tiny_deepseek_v3, deeps
 
 
 @pytest.mark.parametrize("variant", ["int4", "nvfp4_names"])
-def test_release_layouts_give_the_same_draft(tiny_kimi_k25, tiny_deepseek_v3, deepseek_data, tmp_path, variant):
-    folder = (int4_variant if variant == "int4" else without_inner_model)(tiny_kimi_k25, tmp_path / variant)
+def test_release_layouts_give_the_same_draft(
+    tiny_kimi_k25, tiny_deepseek_v3, deepseek_data, tmp_path, variant
+):
+    folder = (int4_variant if variant == "int4" else without_inner_model)(
+        tiny_kimi_k25, tmp_path / variant
+    )
     config, setup = _prepare(folder, deepseek_data, tmp_path / "save")
     plain_config, plain_setup = _prepare(tiny_deepseek_v3, deepseek_data, tmp_path / "plain")
-    draft, plain = build_model(config, setup).state_dict(), build_model(plain_config, plain_setup).state_dict()
+    draft, plain = (
+        build_model(config, setup).state_dict(),
+        build_model(plain_config, plain_setup).state_dict(),
+    )
     assert all(torch.equal(draft[name], tensor) for name, tensor in plain.items())
 
 
-def test_a_quantized_lm_head_is_refused_before_anything_is_written(tiny_kimi_k25, deepseek_data, tmp_path):
+def test_a_quantized_lm_head_is_refused_before_anything_is_written(
+    tiny_kimi_k25, deepseek_data, tmp_path
+):
     folder = int4_variant(tiny_kimi_k25, tmp_path / "int4", pack_lm_head=True)
-    with pytest.raises(TrainSetupError, match="LM head language_model.lm_head .* is quantized") as refused:
+    with pytest.raises(
+        TrainSetupError, match="LM head language_model.lm_head .* is quantized"
+    ) as refused:
         _prepare(folder, deepseek_data, tmp_path / "save")
     assert "\n" not in str(refused.value)
     assert not (tmp_path / "save").exists()
@@ -94,12 +112,32 @@ def test_the_drafts_rope_scaling_is_the_verifiers_without_vllms_copy_of_rope_the
 
     from speculators_vllm016.train.jobs.setup import build_draft_config, verifier_text_config
 
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
-    LlamaConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=4, intermediate_size=128,
-                vocab_size=128, rope_theta=500000.0, rope_scaling=dict(scaling)).save_pretrained(tmp_path)
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=2,
+        num_hidden_layers=4,
+        intermediate_size=128,
+        vocab_size=128,
+        rope_theta=500000.0,
+        rope_scaling=dict(scaling),
+    ).save_pretrained(tmp_path)
     config, text = verifier_text_config(str(tmp_path))
-    draft = build_draft_config(str(tmp_path), config, text, draft_vocab=32, num_layers=1,
-                               norm_before_residual=True, ttt_steps=3, aux_layer_ids=[3, 3, 2])
+    draft = build_draft_config(
+        str(tmp_path),
+        config,
+        text,
+        draft_vocab=32,
+        num_layers=1,
+        norm_before_residual=True,
+        ttt_steps=3,
+        aux_layer_ids=[3, 3, 2],
+    )
     layer = draft.transformer_layer_config
     assert layer.rope_scaling == scaling and layer.rope_theta == 500000.0

@@ -14,7 +14,10 @@ from typer.testing import CliRunner
 
 from speculators_vllm016.__main__ import app
 from speculators_vllm016.cli.train import main as train_main
-from speculators_vllm016.data_generation.config_generator import DataGenerationConfig, read_data_config
+from speculators_vllm016.data_generation.config_generator import (
+    DataGenerationConfig,
+    read_data_config,
+)
 from speculators_vllm016.tiny_models import build_tiny_llama
 from speculators_vllm016.utils.verifier_weights import verifier_fingerprint
 from tests.training_fixtures import train_args
@@ -33,21 +36,33 @@ def _data_from(training_data: Path, tmp_path: Path, target: Path) -> Path:
     for name in ("d2t.npy", "t2d.npy"):
         shutil.copy(training_data.parent / name, tmp_path / name)
     config = json.loads((data / "data_config.json").read_text())
-    config["model"] = {"target_model_path": str(target), "tensor_parallel_size": 1,
-                       "gpu_memory_utilization": 0.8, "hidden_size": 256,
-                       "verifier_fingerprint": verifier_fingerprint(str(target))}
+    config["model"] = {
+        "target_model_path": str(target),
+        "tensor_parallel_size": 1,
+        "gpu_memory_utilization": 0.8,
+        "hidden_size": 256,
+        "verifier_fingerprint": verifier_fingerprint(str(target)),
+    }
     (data / "data_config.json").write_text(json.dumps(config))
     return data
 
 
-def test_datagen_records_the_fingerprint_and_readers_tolerate_folders_without_it(tiny_llama, tmp_path):
+def test_datagen_records_the_fingerprint_and_readers_tolerate_folders_without_it(
+    tiny_llama, tmp_path
+):
     generator = SimpleNamespace(
-        model_path=str(tiny_llama), tensor_parallel_size=1, hidden_size=256, layer_ids=[0, 1, 2, 3],
-        dtype="torch.bfloat16", vllm_config=SimpleNamespace(cache_config=SimpleNamespace(gpu_memory_utilization=0.8)),
+        model_path=str(tiny_llama),
+        tensor_parallel_size=1,
+        hidden_size=256,
+        layer_ids=[0, 1, 2, 3],
+        dtype="torch.bfloat16",
+        vllm_config=SimpleNamespace(cache_config=SimpleNamespace(gpu_memory_utilization=0.8)),
     )
     config = DataGenerationConfig.from_generator(generator, "chat.jsonl", 64, str(tmp_path), 3)
     (tmp_path / "data_config.json").write_text(json.dumps(config.to_dict()))
-    assert read_data_config(tmp_path).model.verifier_fingerprint == verifier_fingerprint(str(tiny_llama))
+    assert read_data_config(tmp_path).model.verifier_fingerprint == verifier_fingerprint(
+        str(tiny_llama)
+    )
     older = config.to_dict()
     del older["model"]["verifier_fingerprint"]
     (tmp_path / "data_config.json").write_text(json.dumps(older))
@@ -74,20 +89,50 @@ def test_training_against_another_verifier_of_the_same_shapes_is_refused(
     assert len(err) == 1 and "--allow-other-verifier" in err[0] and str(tiny_llama) in err[0], err
     assert not save.exists()
 
-    assert train_main(train_args(twin, data, save, "--max-steps", "1", "--allow-other-verifier")) == 0
-    assert any("--allow-other-verifier" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
+    assert (
+        train_main(train_args(twin, data, save, "--max-steps", "1", "--allow-other-verifier")) == 0
+    )
+    assert any(
+        "--allow-other-verifier" in r.getMessage() and r.levelname == "WARNING"
+        for r in caplog.records
+    )
     assert train_main(train_args(tiny_llama, data, tmp_path / "right", "--max-steps", "1")) == 0
 
 
-def test_eval_refuses_a_draft_trained_for_another_verifier(finished_run, tiny_llama, twin, tmp_path):
+def test_eval_refuses_a_draft_trained_for_another_verifier(
+    finished_run, tiny_llama, twin, tmp_path
+):
     draft = finished_run / "0"
     recorded = json.loads((draft / "config.json").read_text())["speculators_config"]["verifier"]
     assert recorded["weights_fingerprint"] == verifier_fingerprint(str(tiny_llama))
     chat = tmp_path / "chat.jsonl"
-    chat.write_text(json.dumps({"conversations": [{"from": "human", "value": "Hi?"},
-                                                  {"from": "gpt", "value": "Hello."}]}) + "\n")
-    base = ["eval", "--draft", str(draft), "--data-path", str(chat), "--engine", "hf",
-            "--max-prompts", "1", "--max-new-tokens", "4", "--no-progress", "--verifier", str(twin)]
+    chat.write_text(
+        json.dumps(
+            {
+                "conversations": [
+                    {"from": "human", "value": "Hi?"},
+                    {"from": "gpt", "value": "Hello."},
+                ]
+            }
+        )
+        + "\n"
+    )
+    base = [
+        "eval",
+        "--draft",
+        str(draft),
+        "--data-path",
+        str(chat),
+        "--engine",
+        "hf",
+        "--max-prompts",
+        "1",
+        "--max-new-tokens",
+        "4",
+        "--no-progress",
+        "--verifier",
+        str(twin),
+    ]
     result = CliRunner().invoke(app, base)
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.strip().splitlines() if line.startswith("error: ")]

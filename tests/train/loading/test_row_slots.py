@@ -27,8 +27,15 @@ from speculators_vllm016.train.loading.sample_loader import SampleFileLoader
 HIDDEN = 4
 MAX_LEN = 40
 LENGTHS = [9, 13, 17, 21, 11, 15, 19, 7, 12, 16, 10, 14]
-ROW_KEYS = ("input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask",
-            "position_ids", "lengths", "sample_indices")
+ROW_KEYS = (
+    "input_ids",
+    "hidden_states",
+    "verifier_last_hidden_states",
+    "loss_mask",
+    "position_ids",
+    "lengths",
+    "sample_indices",
+)
 
 
 def write_distinct_files(folder: Path, lengths: list[int], ids_dtype=torch.long) -> None:
@@ -36,25 +43,36 @@ def write_distinct_files(folder: Path, lengths: list[int], ids_dtype=torch.long)
     row overwritten by another shows."""
     for index, length in enumerate(lengths):
         positions = torch.arange(length, dtype=torch.float32)[:, None]
-        layers = [(index * 100 + positions + layer / 10).expand(length, HIDDEN).to(torch.bfloat16)
-                  for layer in range(4)]
-        write_sample(folder / f"data_{index}.pt", {
-            "input_ids": torch.arange(index, index + length).to(ids_dtype),
-            "hidden_states": layers,
-            "loss_mask": (torch.arange(length) % 3 != 0).long(),
-        })
+        layers = [
+            (index * 100 + positions + layer / 10).expand(length, HIDDEN).to(torch.bfloat16)
+            for layer in range(4)
+        ]
+        write_sample(
+            folder / f"data_{index}.pt",
+            {
+                "input_ids": torch.arange(index, index + length).to(ids_dtype),
+                "hidden_states": layers,
+                "loss_mask": (torch.arange(length) % 3 != 0).long(),
+            },
+        )
 
 
 def make_loader(folder: Path, slots: int | None, workers: int = 2) -> SampleFileLoader:
-    data = Eagle3SampleFileDataset(MAX_LEN, datapath=str(folder), seed=7,
-                                   output_dtype=torch.bfloat16, device_noise=True)
+    data = Eagle3SampleFileDataset(
+        MAX_LEN, datapath=str(folder), seed=7, output_dtype=torch.bfloat16, device_noise=True
+    )
     sampler = MultipackDistributedBatchSamplerV2(MAX_LEN, data.lengths, 1, 0, seed=3)
     row_slots = None
     if slots is not None:
         row_slots = HostRowSlots.for_dataset(data, MAX_LEN, rows_in_flight=workers * 2, count=slots)
     return SampleFileLoader(
-        data, batch_sampler=sampler, collate_fn=create_collate_fn(MAX_LEN), num_workers=workers,
-        prefetch_factor=2, persistent_workers=True, row_slots=row_slots,
+        data,
+        batch_sampler=sampler,
+        collate_fn=create_collate_fn(MAX_LEN),
+        num_workers=workers,
+        prefetch_factor=2,
+        persistent_workers=True,
+        row_slots=row_slots,
     )
 
 
@@ -64,7 +82,8 @@ def snapshot(row: dict) -> dict[str, torch.Tensor]:
 
 def same(first: dict, second: dict) -> bool:
     return first.keys() == second.keys() and all(
-        first[key].dtype == second[key].dtype and torch.equal(first[key], second[key]) for key in first
+        first[key].dtype == second[key].dtype and torch.equal(first[key], second[key])
+        for key in first
     )
 
 
@@ -114,21 +133,35 @@ def test_slot_rows_carry_their_claim_and_come_from_the_slots(tmp_path):
         row = next(iter(loader))
     buffers = loader.row_slots.buffers
     assert row[HOST_SLOT_KEY].row == 0
-    for key in ("input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask", "position_ids"):
-        assert row[key].untyped_storage().data_ptr() == buffers[key].untyped_storage().data_ptr(), key
+    for key in (
+        "input_ids",
+        "hidden_states",
+        "verifier_last_hidden_states",
+        "loss_mask",
+        "position_ids",
+    ):
+        assert row[key].untyped_storage().data_ptr() == buffers[key].untyped_storage().data_ptr(), (
+            key
+        )
 
 
 def test_a_worker_sends_the_slot_number_not_the_row(tmp_path):
     write_distinct_files(tmp_path, LENGTHS)
-    data = Eagle3SampleFileDataset(MAX_LEN, datapath=str(tmp_path), output_dtype=torch.bfloat16,
-                                   device_noise=True)
+    data = Eagle3SampleFileDataset(
+        MAX_LEN, datapath=str(tmp_path), output_dtype=torch.bfloat16, device_noise=True
+    )
     slots = HostRowSlots.for_dataset(data, MAX_LEN, rows_in_flight=2, count=3)
     slots.released[0] = 3  # rows 0-3 released: row 5 may take slot 2
     with deadline(10):
         sent = slots.pack([data[0], data[1]], row=5)
     assert isinstance(sent, SlotRow) and sent.slot == 2 and not sent.shared
-    assert set(sent.in_slot) == {"input_ids", "hidden_states", "verifier_last_hidden_states",
-                                 "loss_mask", "position_ids"}
+    assert set(sent.in_slot) == {
+        "input_ids",
+        "hidden_states",
+        "verifier_last_hidden_states",
+        "loss_mask",
+        "position_ids",
+    }
     assert len(pickle.dumps(sent)) < 2000  # what crosses the pipe: no row of states
 
 
@@ -165,17 +198,26 @@ def test_no_slots_without_persistent_workers(tmp_path):
     slots = HostRowSlots.for_dataset(data, MAX_LEN, rows_in_flight=2)
     sampler = MultipackDistributedBatchSamplerV2(MAX_LEN, data.lengths, 1, 0)
     for workers, persistent in ((0, False), (2, False)):
-        loader = SampleFileLoader(data, batch_sampler=sampler, collate_fn=create_collate_fn(MAX_LEN),
-                                  num_workers=workers, persistent_workers=persistent, row_slots=slots)
+        loader = SampleFileLoader(
+            data,
+            batch_sampler=sampler,
+            collate_fn=create_collate_fn(MAX_LEN),
+            num_workers=workers,
+            persistent_workers=persistent,
+            row_slots=slots,
+        )
         assert loader.row_slots is None
 
 
-@pytest.mark.parametrize(("row_bytes", "in_flight", "expected"), [
-    (2**20, 48, 50),             # small rows: every row in flight has its slot
-    (2**30, 48, 8),              # 1 GiB rows: the 8 GiB budget
-    (3 * 2**30, 48, 8),          # never fewer than 8 (a step at long rows needs rows ahead)
-    (2**20, 0, 3),               # never fewer than 3 (a consumer holds two)
-])
+@pytest.mark.parametrize(
+    ("row_bytes", "in_flight", "expected"),
+    [
+        (2**20, 48, 50),  # small rows: every row in flight has its slot
+        (2**30, 48, 8),  # 1 GiB rows: the 8 GiB budget
+        (3 * 2**30, 48, 8),  # never fewer than 8 (a step at long rows needs rows ahead)
+        (2**20, 0, 3),  # never fewer than 3 (a consumer holds two)
+    ],
+)
 def test_slot_count(row_bytes, in_flight, expected):
     assert slot_count(row_bytes, in_flight) == expected
 
@@ -192,7 +234,9 @@ def test_closing_the_slots_frees_a_waiting_worker(tmp_path):
     data = Eagle3SampleFileDataset(MAX_LEN, datapath=str(tmp_path), device_noise=True)
     slots = HostRowSlots.for_dataset(data, MAX_LEN, rows_in_flight=1, count=3)
     samples = [data[0]]
-    waiting = threading.Thread(target=slots.pack, args=(samples, 4), daemon=True)  # needs row 1 freed
+    waiting = threading.Thread(
+        target=slots.pack, args=(samples, 4), daemon=True
+    )  # needs row 1 freed
     waiting.start()
     waiting.join(timeout=0.5)
     assert waiting.is_alive()  # row 1 was never released: it waits

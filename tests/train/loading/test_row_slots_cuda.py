@@ -73,8 +73,10 @@ def test_the_slots_are_pinned_once_and_rows_copy_from_them(tmp_path, counting_ru
     with deadline(120):
         for epoch in range(2):
             expected = [snapshot(row) for row in plain.epoch_rows(epoch, last_epoch=1)]
-            got = [{key: value.cpu() for key, value in row.inputs.items()}
-                   for row in prefetch_to_device(slotted.epoch_rows(epoch, last_epoch=1), device, None)]
+            got = [
+                {key: value.cpu() for key, value in row.inputs.items()}
+                for row in prefetch_to_device(slotted.epoch_rows(epoch, last_epoch=1), device, None)
+            ]
             assert len(got) == len(expected) >= 3
             for a, b in zip(got, expected, strict=True):
                 assert all(torch.equal(a[key], b[key]) for key in a), epoch
@@ -87,13 +89,16 @@ def test_the_slots_are_pinned_once_and_rows_copy_from_them(tmp_path, counting_ru
 def _slots_with_rows(folder, rows: int) -> tuple[HostRowSlots, list]:
     """Slots of a dataset and `rows` rows packed into them in this process, one sample a row."""
     write_distinct_files(folder, LENGTHS)
-    data = Eagle3SampleFileDataset(MAX_LEN, datapath=str(folder), output_dtype=torch.bfloat16,
-                                   device_noise=True)
+    data = Eagle3SampleFileDataset(
+        MAX_LEN, datapath=str(folder), output_dtype=torch.bfloat16, device_noise=True
+    )
     slots = HostRowSlots.for_dataset(data, MAX_LEN, rows_in_flight=1, count=8)
     return slots, [slots.pack([data[index]], row=index) for index in range(rows)]
 
 
-def test_a_failed_pinning_is_tried_once_and_the_gpu_work_after_it_runs(tmp_path, caplog, counting_runtime):
+def test_a_failed_pinning_is_tried_once_and_the_gpu_work_after_it_runs(
+    tmp_path, caplog, counting_runtime
+):
     slots, sent = _slots_with_rows(tmp_path, 4)
     taken = list(slots.buffers.values())[-1]
     # Registered already: the slots' own registration of it fails.
@@ -112,7 +117,9 @@ def test_a_failed_pinning_is_tried_once_and_the_gpu_work_after_it_runs(tmp_path,
         warnings = [r for r in caplog.records if "could not pin" in r.getMessage()]
         assert len(warnings) == 1
         # all or nothing: the buffers registered before the failure are released again
-        assert not any(buffer.is_pinned() for buffer in slots.buffers.values() if buffer is not taken)
+        assert not any(
+            buffer.is_pinned() for buffer in slots.buffers.values() if buffer is not taken
+        )
         for row, one in zip(rows, sent, strict=True):
             on_gpu = row["hidden_states"].to("cuda", non_blocking=True)
             assert torch.equal(on_gpu.cpu(), slots.buffers["hidden_states"][one.slot][None])
@@ -124,8 +131,9 @@ def test_slots_made_after_others_were_dropped_are_pinned_too(tmp_path):
     """Pinned memory is unregistered with its slots: the driver would otherwise keep the
     registration of the freed addresses, and the next slots mapped there would not pin."""
     write_distinct_files(tmp_path, LENGTHS)
-    data = Eagle3SampleFileDataset(MAX_LEN, datapath=str(tmp_path), output_dtype=torch.bfloat16,
-                                   device_noise=True)
+    data = Eagle3SampleFileDataset(
+        MAX_LEN, datapath=str(tmp_path), output_dtype=torch.bfloat16, device_noise=True
+    )
     for _ in range(3):
         slots = HostRowSlots.for_dataset(data, MAX_LEN, rows_in_flight=1, count=8)
         assert slots.pin(), "slots mapped where earlier ones were could not be pinned"

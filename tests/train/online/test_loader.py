@@ -42,11 +42,19 @@ def make_setup(tiny_llama: Path, root: Path) -> tuple[Path, Path, Path]:
     chats = root / "chats.jsonl"
     chats.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:ROWS]) + "\n")
     datagen = root / "datagen"
-    run_datagen(DatagenOptions(
-        target_model_path=str(tiny_llama), train_data_path=str(chats), output_dir=str(datagen),
-        seq_length=SEQ_LENGTH, batch_size=8, dtype="float32", hf_cache_dir=str(root / "hf"),
-        num_preprocessing_workers=1, show_progress=False,
-    ))
+    run_datagen(
+        DatagenOptions(
+            target_model_path=str(tiny_llama),
+            train_data_path=str(chats),
+            output_dir=str(datagen),
+            seq_length=SEQ_LENGTH,
+            batch_size=8,
+            dtype="float32",
+            hf_cache_dir=str(root / "hf"),
+            num_preprocessing_workers=1,
+            show_progress=False,
+        )
+    )
     counts = torch.load(next((datagen / "token_freq").iterdir()), weights_only=True)
     d2t, t2d = build_vocab_mappings_from_distribution(dict(counts), 64, 512)
     np.save(root / "d2t.npy", d2t.numpy())
@@ -56,19 +64,49 @@ def make_setup(tiny_llama: Path, root: Path) -> tuple[Path, Path, Path]:
 
 def common(tiny_llama, root: Path, save: Path) -> list[str]:
     return [
-        "--verifier-name-or-path", str(tiny_llama), "--save-path", str(save),
-        "--d2t-path", str(root / "d2t.npy"), "--t2d-path", str(root / "t2d.npy"),
-        "--total-seq-len", "160", "--epochs", "2", "--lr", "1e-3", "--num-workers", "0",
-        "--no-progress", "--log-dir", str(save.parent / f"{save.name}-logs"),
-        "--precision", "fp32", "--device", "cpu", "--checkpoint-dtype", "fp32",
+        "--verifier-name-or-path",
+        str(tiny_llama),
+        "--save-path",
+        str(save),
+        "--d2t-path",
+        str(root / "d2t.npy"),
+        "--t2d-path",
+        str(root / "t2d.npy"),
+        "--total-seq-len",
+        "160",
+        "--epochs",
+        "2",
+        "--lr",
+        "1e-3",
+        "--num-workers",
+        "0",
+        "--no-progress",
+        "--log-dir",
+        str(save.parent / f"{save.name}-logs"),
+        "--precision",
+        "fp32",
+        "--device",
+        "cpu",
+        "--checkpoint-dtype",
+        "fp32",
     ]
 
 
 def online_flags(chats: Path, root: Path) -> list[str]:
     return [
-        "--online", "--train-data-path", str(chats), "--seq-length", str(SEQ_LENGTH),
-        "--dtype", "float32", "--hf-cache-dir", str(root / "hf"),
-        "--num-preprocessing-workers", "1", "--online-queue-size", "2",
+        "--online",
+        "--train-data-path",
+        str(chats),
+        "--seq-length",
+        str(SEQ_LENGTH),
+        "--dtype",
+        "float32",
+        "--hf-cache-dir",
+        str(root / "hf"),
+        "--num-preprocessing-workers",
+        "1",
+        "--online-queue-size",
+        "2",
     ]
 
 
@@ -95,7 +133,12 @@ def hybrid_run(setup, tiny_llama):
     online_logger.addHandler(handler)
     online_logger.setLevel(logging.INFO)
     try:
-        argv = [*common(tiny_llama, root, save), *online_flags(chats, root), "--cache-dir", str(cache)]
+        argv = [
+            *common(tiny_llama, root, save),
+            *online_flags(chats, root),
+            "--cache-dir",
+            str(cache),
+        ]
         assert train_main(argv) == 0
     finally:
         online_logger.removeHandler(handler)
@@ -133,21 +176,28 @@ def test_cache_folder_is_datagens_folder_and_epoch_two_starts_no_engine(hybrid_r
     assert sample_files(cache) == sample_files(datagen) and len(sample_files(cache)) >= ROWS
     for name in sample_files(cache):
         assert (cache / name).read_bytes() == (datagen / name).read_bytes(), name
-    assert json.loads((cache / "data_config.json").read_text())["hidden_states"] == json.loads(
-        (datagen / "data_config.json").read_text()
-    )["hidden_states"]
+    assert (
+        json.loads((cache / "data_config.json").read_text())["hidden_states"]
+        == json.loads((datagen / "data_config.json").read_text())["hidden_states"]
+    )
     starts = [message for message in records if "starting the target model's engine" in message]
     assert len(starts) == 1, records
-    assert any("every sample of this epoch is in the cache" in message for message in records), records
+    assert any("every sample of this epoch is in the cache" in message for message in records), (
+        records
+    )
 
 
 @pytest.mark.engine
-def test_sigkill_then_the_same_command_ends_at_the_uninterrupted_checkpoint(setup, tiny_llama, offline_run):
+def test_sigkill_then_the_same_command_ends_at_the_uninterrupted_checkpoint(
+    setup, tiny_llama, offline_run
+):
     root, chats, _ = setup
     save = root / "killed"
     argv = [*common(tiny_llama, root, save), *online_flags(chats, root), "--checkpoint-freq", "0.5"]
     command = [sys.executable, "-m", "speculators_vllm016", "train", *argv]
-    process = subprocess.Popen(command, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = subprocess.Popen(
+        command, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     try:
         deadline = time.monotonic() + 600
         while not any(save.glob("0-step*/training_state.json")) if save.exists() else True:
@@ -170,7 +220,9 @@ def engine_workers(pid: int) -> list:
     found = []
     for child in psutil.Process(pid).children(recursive=True):
         try:
-            if "VLLM::Worker" in " ".join(child.cmdline()) or child.name().startswith("VLLM::Worker"):
+            if "VLLM::Worker" in " ".join(child.cmdline()) or child.name().startswith(
+                "VLLM::Worker"
+            ):
                 found.append(child)
         except psutil.NoSuchProcess:
             continue
@@ -212,8 +264,9 @@ def test_a_real_engine_worker_killed_mid_run_leaves_a_checkpoint_then_the_same_c
     save = root / "worker-killed"
     argv = [*common(tiny_llama, root, save), *online_flags(chats, root), "--online-queue-size", "1"]
     command = [sys.executable, "-m", "speculators_vllm016", "train", *argv]
-    process = subprocess.Popen(command, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               text=True)
+    process = subprocess.Popen(
+        command, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     err = kill_engine_workers_after_first_step(process, save)
     assert process.returncode == 143, err[-3000:]
     assert "stopped: the target model's engine failed: a worker process died (" in err, err[-3000:]
@@ -246,9 +299,12 @@ class StandInGenerator:
             if self.fail_after is not None:
                 self.fail_after -= 1
             seed = torch.Generator().manual_seed(sum(ids))
-            yield k, HiddenStatesResult(
-                input_ids=torch.tensor(ids),
-                hidden_states=[torch.randn(len(ids), 256, generator=seed) for _ in range(4)],
+            yield (
+                k,
+                HiddenStatesResult(
+                    input_ids=torch.tensor(ids),
+                    hidden_states=[torch.randn(len(ids), 256, generator=seed) for _ in range(4)],
+                ),
             )
 
     def close(self) -> None:
@@ -264,11 +320,30 @@ def test_a_dying_engine_leaves_a_checkpoint_and_a_clear_message_then_resumes(
     chats.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:ROWS]) + "\n")
     save = tmp_path / "save"
     argv = [
-        "--verifier-name-or-path", str(tiny_llama), "--save-path", str(save),
-        "--draft-vocab-size", "64", "--total-seq-len", "160", "--epochs", "1", "--lr", "1e-3",
-        "--no-progress", "--log-dir", str(tmp_path / "logs"), "--device", "cpu",
-        "--precision", "fp32", "--checkpoint-dtype", "fp32",
-        *online_flags(chats, tmp_path), "--max-num-seqs", "2",
+        "--verifier-name-or-path",
+        str(tiny_llama),
+        "--save-path",
+        str(save),
+        "--draft-vocab-size",
+        "64",
+        "--total-seq-len",
+        "160",
+        "--epochs",
+        "1",
+        "--lr",
+        "1e-3",
+        "--no-progress",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--device",
+        "cpu",
+        "--precision",
+        "fp32",
+        "--checkpoint-dtype",
+        "fp32",
+        *online_flags(chats, tmp_path),
+        "--max-num-seqs",
+        "2",
     ]
     generators = [StandInGenerator(fail_after=5), StandInGenerator(fail_after=None)]
     monkeypatch.setattr(offline, "start_generator", lambda options, facts: generators.pop(0))
@@ -315,10 +390,26 @@ def stand_in_argv(tiny_llama: Path, tmp_path: Path, save: Path) -> list[str]:
     chats = tmp_path / "chats.jsonl"
     chats.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:ROWS]) + "\n")
     return [
-        "--verifier-name-or-path", str(tiny_llama), "--save-path", str(save),
-        "--draft-vocab-size", "64", "--total-seq-len", "160", "--epochs", "1", "--lr", "1e-3",
-        "--no-progress", "--log-dir", str(tmp_path / "logs"),
-        "--precision", "fp32", "--checkpoint-dtype", "fp32", *online_flags(chats, tmp_path),
+        "--verifier-name-or-path",
+        str(tiny_llama),
+        "--save-path",
+        str(save),
+        "--draft-vocab-size",
+        "64",
+        "--total-seq-len",
+        "160",
+        "--epochs",
+        "1",
+        "--lr",
+        "1e-3",
+        "--no-progress",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--precision",
+        "fp32",
+        "--checkpoint-dtype",
+        "fp32",
+        *online_flags(chats, tmp_path),
     ]
 
 
@@ -326,11 +417,19 @@ def stand_in_argv(tiny_llama: Path, tmp_path: Path, save: Path) -> list[str]:
     ("flags", "says"),
     [
         (["--train-devices", "gpu7"], "error: --train-devices: 'gpu7' is not a device"),
-        (["--train-devices", "cuda:0"], "error: --train-devices 'cuda:0': no CUDA GPU is visible here"),
-        (["--train-devices", "cpu", "--device", "cpu"], "error: give --train-devices or --device, not both"),
+        (
+            ["--train-devices", "cuda:0"],
+            "error: --train-devices 'cuda:0': no CUDA GPU is visible here",
+        ),
+        (
+            ["--train-devices", "cpu", "--device", "cpu"],
+            "error: give --train-devices or --device, not both",
+        ),
     ],
 )
-def test_bad_train_devices_get_a_one_line_error_and_exit_2(tiny_llama, tmp_path, capsys, flags, says):
+def test_bad_train_devices_get_a_one_line_error_and_exit_2(
+    tiny_llama, tmp_path, capsys, flags, says
+):
     save = tmp_path / "save"
     assert train_main([*stand_in_argv(tiny_llama, tmp_path, save), *flags]) == 2
     err = capsys.readouterr().err.strip()
@@ -343,7 +442,10 @@ def test_train_devices_needs_online(tiny_llama, training_data, tmp_path, capsys)
 
     argv = train_args(tiny_llama, training_data, tmp_path / "save", "--train-devices", "cpu")
     assert train_main(argv) == 2
-    assert "--train-devices places the trainer beside the engine of --online" in capsys.readouterr().err
+    assert (
+        "--train-devices places the trainer beside the engine of --online"
+        in capsys.readouterr().err
+    )
 
 
 def test_train_devices_cpu_trains_on_the_cpu(tiny_llama, tmp_path, monkeypatch):
@@ -374,8 +476,11 @@ def test_the_engine_starts_under_the_engines_cuda_visible_devices(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
     seen = []
     monkeypatch.setattr(
-        offline, "start_generator",
-        lambda options, facts: seen.append(os.environ["CUDA_VISIBLE_DEVICES"]) or StandInGenerator(None),
+        offline,
+        "start_generator",
+        lambda options, facts: (
+            seen.append(os.environ["CUDA_VISIBLE_DEVICES"]) or StandInGenerator(None)
+        ),
     )
     extractor = OnlineExtractor(object(), object(), [], None, engine_devices="0,1,2,3,4,5,6")
     extractor.ensure_engine()
@@ -401,7 +506,11 @@ def test_two_rank_online_training_equals_two_rank_offline_training(setup, tiny_l
         save = root / name
         argv = [*common(tiny_llama, root, save), "--parallel", "ddp", *flags]
         done = subprocess.run(  # a hang (e.g. the engine's worker joining torchrun's store) fails
-            train_command(argv, processes=2), env=cli_env(), capture_output=True, text=True, timeout=1200
+            train_command(argv, processes=2),
+            env=cli_env(),
+            capture_output=True,
+            text=True,
+            timeout=1200,
         )
         assert done.returncode == 0, done.stderr[-4000:]
         runs[name] = save
@@ -432,7 +541,9 @@ def _full_disk(monkeypatch, fails) -> list[str]:
         return real(path, *args, **kwargs)
 
     monkeypatch.setattr(sample_writers, "write_sample_file", write)
-    monkeypatch.setattr(output_folder, "data_config_of", lambda *args: None)  # the stand-in has no config
+    monkeypatch.setattr(
+        output_folder, "data_config_of", lambda *args: None
+    )  # the stand-in has no config
     return failed
 
 
@@ -454,7 +565,13 @@ def test_a_full_cache_disk_is_reported_as_such_and_closing_replaces_no_error(
     from speculators_vllm016.data_generation import offline, sample_io, sample_writers
 
     save, cache = tmp_path / "save", tmp_path / "cache"
-    argv = [*stand_in_argv(tiny_llama, tmp_path, save), "--max-num-seqs", "2", "--cache-dir", str(cache)]
+    argv = [
+        *stand_in_argv(tiny_llama, tmp_path, save),
+        "--max-num-seqs",
+        "2",
+        "--cache-dir",
+        str(cache),
+    ]
     generators = [StandInGenerator(None), StandInGenerator(None)]
     monkeypatch.setattr(offline, "start_generator", lambda options, facts: generators.pop(0))
     failed = _full_disk(monkeypatch, lambda index: True)
@@ -462,18 +579,24 @@ def test_a_full_cache_disk_is_reported_as_such_and_closing_replaces_no_error(
     assert train_main(argv) == 143
     err = capsys.readouterr().err
     assert len(failed) >= 2  # one surfaces in the run, the others when the cache closes
-    assert f"writing the --cache-dir folder {cache} failed (OSError: [Errno 28] No space left" in err
+    assert (
+        f"writing the --cache-dir folder {cache} failed (OSError: [Errno 28] No space left" in err
+    )
     assert "free space there or give another --cache-dir" in err
     assert "run the same command again to resume" in err
     assert "engine failed" not in err and "Traceback" not in err
     assert destroyed == ["destroyed"]
     assert not generators[1:]  # ... and the engine was started once, and closed
-    monkeypatch.setattr(sample_writers, "write_sample_file", sample_io.write_sample_file)  # space again
+    monkeypatch.setattr(
+        sample_writers, "write_sample_file", sample_io.write_sample_file
+    )  # space again
     assert train_main(argv) == 0
     assert destroyed == ["destroyed", "destroyed"]
 
 
-def test_a_cache_write_failing_only_at_close_is_a_one_line_error(tiny_llama, tmp_path, monkeypatch, capsys):
+def test_a_cache_write_failing_only_at_close_is_a_one_line_error(
+    tiny_llama, tmp_path, monkeypatch, capsys
+):
     """The validation samples' writes fail; they surface only when the cache closes, after the
     run finished: one line naming the cache folder, exit status 2, closers all run."""
     from speculators_vllm016.data_generation import offline
@@ -497,7 +620,9 @@ def test_a_cache_write_failing_only_at_close_is_a_one_line_error(tiny_llama, tmp
     assert failed and "Done:" in captured.out
     assert "Traceback" not in captured.err
     last = captured.err.strip().splitlines()[-1]  # the log lines go to stderr too
-    assert last.startswith(f"error: writing the --cache-dir folder {cache} failed (OSError: [Errno 28]")
+    assert last.startswith(
+        f"error: writing the --cache-dir folder {cache} failed (OSError: [Errno 28]"
+    )
     assert "free space there or give another --cache-dir" in last
     assert destroyed == ["destroyed"]
     assert (save / "0" / "model.safetensors").is_file()
@@ -525,20 +650,32 @@ def _loader_over(tmp_path, monkeypatch, samples: int, cache: bool = True):
     from speculators_vllm016.data_generation import offline, output_folder
     from speculators_vllm016.data_generation.preflight import ModelFacts
     from speculators_vllm016.train.data import Eagle3SampleFileDataset, create_collate_fn
-    from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+    from speculators_vllm016.train.distributed_batch_sampler import (
+        MultipackDistributedBatchSamplerV2,
+    )
     from speculators_vllm016.train.online.loader import OnlineExtractor, OnlineLoader
 
     engines = []
-    monkeypatch.setattr(offline, "start_generator", lambda o, f: engines.append(_WidthEight()) or engines[-1])
+    monkeypatch.setattr(
+        offline, "start_generator", lambda o, f: engines.append(_WidthEight()) or engines[-1]
+    )
     monkeypatch.setattr(output_folder, "data_config_of", lambda *args: None)
     lengths = [5 + i % 7 for i in range(samples)]
-    dataset = Dataset.from_dict({
-        "input_ids": [[i % 50 + 1] * n for i, n in enumerate(lengths)],
-        "loss_mask": [[1] * n for n in lengths],
-    })
-    options = DatagenOptions(target_model_path="x", train_data_path="y",
-                             output_dir=str(tmp_path / "cache"), seq_length=64)
-    facts = ModelFacts(path="x", num_layers=4, hidden_size=8, layer_ids=[0, 1, 2, 3], config_dict={})
+    dataset = Dataset.from_dict(
+        {
+            "input_ids": [[i % 50 + 1] * n for i, n in enumerate(lengths)],
+            "loss_mask": [[1] * n for n in lengths],
+        }
+    )
+    options = DatagenOptions(
+        target_model_path="x",
+        train_data_path="y",
+        output_dir=str(tmp_path / "cache"),
+        seq_length=64,
+    )
+    facts = ModelFacts(
+        path="x", num_layers=4, hidden_size=8, layer_ids=[0, 1, 2, 3], config_dict={}
+    )
     extractor = OnlineExtractor(options, facts, dataset, tmp_path / "cache" if cache else None)
     items = extractor.indices
     files = [str(extractor.sample_path(index)) for index in items]
@@ -547,22 +684,29 @@ def _loader_over(tmp_path, monkeypatch, samples: int, cache: bool = True):
     return OnlineLoader(extractor, data, items, sampler, create_collate_fn(64), 2), engines
 
 
-def test_a_cache_write_failing_in_the_producer_is_not_called_an_engine_failure(tmp_path, monkeypatch):
+def test_a_cache_write_failing_in_the_producer_is_not_called_an_engine_failure(
+    tmp_path, monkeypatch
+):
     """200 samples: more writes than the pool keeps pending, so the failure surfaces in the
     producer thread (the engine's side), and must still be reported as the cache's."""
     from speculators_vllm016.train.online.loader import CacheWriteFailed
 
     loader, _ = _loader_over(tmp_path, monkeypatch, 200)
     _full_disk(monkeypatch, lambda index: True)
-    with pytest.raises(CacheWriteFailed, match=r"writing the --cache-dir folder .*cache failed "
-                       r"\(OSError: \[Errno 28\] No space left on device"):
+    with pytest.raises(
+        CacheWriteFailed,
+        match=r"writing the --cache-dir folder .*cache failed "
+        r"\(OSError: \[Errno 28\] No space left on device",
+    ):
         list(loader)
     with pytest.raises(CacheWriteFailed):  # the writes still pending fail when it closes
         loader.extractor.close()
 
 
 @pytest.mark.parametrize("problem", ["another run", "in use", "not creatable"])
-def test_an_unusable_cache_dir_is_a_one_line_setup_error(tiny_llama, tmp_path, monkeypatch, capsys, problem):
+def test_an_unusable_cache_dir_is_a_one_line_setup_error(
+    tiny_llama, tmp_path, monkeypatch, capsys, problem
+):
     from speculators_vllm016.data_generation import offline
     from speculators_vllm016.data_generation.offline import ShardLock
 
@@ -585,7 +729,9 @@ def test_an_unusable_cache_dir_is_a_one_line_setup_error(tiny_llama, tmp_path, m
     save = tmp_path / "save"
     capsys.readouterr()  # only what train prints counts
     try:
-        assert train_main([*stand_in_argv(tiny_llama, tmp_path, save), "--cache-dir", str(cache)]) == 2
+        assert (
+            train_main([*stand_in_argv(tiny_llama, tmp_path, save), "--cache-dir", str(cache)]) == 2
+        )
     finally:
         if held is not None:
             held.__exit__(None, None, None)
@@ -612,15 +758,24 @@ class _OneRank:
 
 @pytest.mark.parametrize("ranks", [False, True])
 def test_an_empty_epoch_plan_leaves_the_running_engine_alone(tmp_path, monkeypatch, caplog, ranks):
-    from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+    from speculators_vllm016.train.distributed_batch_sampler import (
+        MultipackDistributedBatchSamplerV2,
+    )
     from speculators_vllm016.train.online.loader import OnlineLoader
 
     loader, engines = _loader_over(tmp_path, monkeypatch, 10, cache=False)
     assert len(list(loader)) > 0 and len(engines) == 1  # the engine runs
     empty_plan = MultipackDistributedBatchSamplerV2(64, [], 1, 0)
     assert list(empty_plan) == []
-    empty = OnlineLoader(loader.extractor, loader.dataset, [], empty_plan, loader.collate_fn, 2,
-                         _OneRank() if ranks else None)
+    empty = OnlineLoader(
+        loader.extractor,
+        loader.dataset,
+        [],
+        empty_plan,
+        loader.collate_fn,
+        2,
+        _OneRank() if ranks else None,
+    )
     with caplog.at_level(logging.INFO):
         assert list(empty) == []
     assert loader.extractor.generator is engines[0] and engines[0].closed == 0
@@ -629,12 +784,16 @@ def test_an_empty_epoch_plan_leaves_the_running_engine_alone(tmp_path, monkeypat
     assert engines[0].closed == 1
 
 
-def test_online_rows_of_several_samples_of_different_lengths_equal_offline_rows(tmp_path, monkeypatch):
+def test_online_rows_of_several_samples_of_different_lengths_equal_offline_rows(
+    tmp_path, monkeypatch
+):
     """#29 item 14: each row packs several samples of different lengths, so a length that online
     bookkeeping gets wrong by one token changes the packing plan and the rows (a one-sample row
     would hide it). Offline reads the samples from the very folder online training wrote."""
     from speculators_vllm016.train.data import Eagle3SampleFileDataset, create_collate_fn
-    from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+    from speculators_vllm016.train.distributed_batch_sampler import (
+        MultipackDistributedBatchSamplerV2,
+    )
 
     loader, _ = _loader_over(tmp_path, monkeypatch, 40)
     online = list(loader)
@@ -672,10 +831,13 @@ def test_a_cache_of_other_tensors_is_refused_when_the_engine_starts(tmp_path, mo
         dtype = torch.bfloat16
 
     monkeypatch.setattr(offline, "start_generator", lambda options, facts: Bfloat16())
-    with pytest.raises(CacheOfOtherTensors, match=(
-        rf"^--cache-dir {tmp_path / 'cache'} holds samples of a different run \(data_0.pt holds "
-        r"torch.float32 hidden states 8 wide; this run's engine makes torch.bfloat16, 8 wide"
-    )):
+    with pytest.raises(
+        CacheOfOtherTensors,
+        match=(
+            rf"^--cache-dir {tmp_path / 'cache'} holds samples of a different run \(data_0.pt holds "
+            r"torch.float32 hidden states 8 wide; this run's engine makes torch.bfloat16, 8 wide"
+        ),
+    ):
         list(loader)
     loader.extractor.close()
     assert not (tmp_path / "cache" / "data_2.pt").exists()
@@ -714,11 +876,17 @@ def test_an_engine_failure_in_a_no_resume_runs_first_epoch_leaves_the_earlier_ru
     monkeypatch.setattr(offline, "start_generator", start)
     assert train_main(argv) == 0  # the earlier run: one epoch, checkpoint 0
     capsys.readouterr()
-    earlier = {name: value for name, value in _folder_bytes(save).items()
-               if not name.startswith(("train_config.yaml", "."))}
+    earlier = {
+        name: value
+        for name, value in _folder_bytes(save).items()
+        if not name.startswith(("train_config.yaml", "."))
+    }
     assert "0/model.safetensors" in earlier and "best" in earlier
-    generators.append(StandInGenerator(fail_after=5) if failure == "mid-epoch"
-                      else RuntimeError("engine worker died"))
+    generators.append(
+        StandInGenerator(fail_after=5)
+        if failure == "mid-epoch"
+        else RuntimeError("engine worker died")
+    )
     code = train_main([*argv, "--no-resume-from-checkpoint", "--checkpoint-freq", "0.25"])
     err = capsys.readouterr().err
     assert code != 0 and "engine worker died" in err and "Traceback" not in err, err[-3000:]
@@ -743,6 +911,8 @@ def test_an_engine_that_does_not_start_is_one_line_and_saves_no_empty_checkpoint
     err = capsys.readouterr().err
     assert code != 0 and "Traceback" not in err, err[-3000:]
     errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "engine failed (RuntimeError: engine worker died)" in errors[0], err[-3000:]
+    assert len(errors) == 1 and "engine failed (RuntimeError: engine worker died)" in errors[0], (
+        err[-3000:]
+    )
     assert "nothing was saved" in errors[0]
     assert not [p.name for p in save.iterdir() if p.name[0].isdigit()], "a checkpoint of no step"

@@ -9,8 +9,15 @@ from speculators_vllm016.train.online.rank_layout import plan_rank_layout
 
 
 def layout(k, rank, world, local_world, *, engine_gpus=1, gpus=0):
-    return plan_rank_layout(k, rank=rank, world_size=world, local_rank=rank % local_world,
-                            local_world_size=local_world, engine_gpus=engine_gpus, gpus_on_node=gpus)
+    return plan_rank_layout(
+        k,
+        rank=rank,
+        world_size=world,
+        local_rank=rank % local_world,
+        local_world_size=local_world,
+        engine_gpus=engine_gpus,
+        gpus_on_node=gpus,
+    )
 
 
 def test_the_first_k_ranks_extract_and_the_rest_train_as_a_world_of_their_own():
@@ -34,8 +41,18 @@ def test_steps_go_round_robin_over_the_extraction_ranks():
 def test_two_nodes_engine_node_at_tp8_and_a_training_node_of_eight_gpus():
     engine = layout(1, 0, 9, 1, engine_gpus=8, gpus=8)  # node A: one rank, TP8
     assert engine.extracts and engine.engine_devices == tuple(range(8))
-    trainers = [plan_rank_layout(1, rank=1 + local, world_size=9, local_rank=local, local_world_size=8,
-                                 engine_gpus=8, gpus_on_node=8) for local in range(8)]
+    trainers = [
+        plan_rank_layout(
+            1,
+            rank=1 + local,
+            world_size=9,
+            local_rank=local,
+            local_world_size=8,
+            engine_gpus=8,
+            gpus_on_node=8,
+        )
+        for local in range(8)
+    ]
     assert [t.training_device for t in trainers] == [f"cuda:{i}" for i in range(8)]
     assert [t.training_rank for t in trainers] == list(range(8))
 
@@ -46,11 +63,14 @@ def test_one_node_shares_its_gpus_engine_first_then_one_per_trainer():
     assert [r.training_device for r in ranks[1:]] == ["cuda:6", "cuda:7"]
 
 
-@pytest.mark.parametrize("k, world, says", [
-    (2, 2, "--extraction-ranks 2 leaves no training rank among torchrun's 2 processes"),
-    (3, 2, "leaves no training rank"),
-    (0, 4, "--extraction-ranks must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "k, world, says",
+    [
+        (2, 2, "--extraction-ranks 2 leaves no training rank among torchrun's 2 processes"),
+        (3, 2, "leaves no training rank"),
+        (0, 4, "--extraction-ranks must be at least 1"),
+    ],
+)
 def test_a_layout_without_training_ranks_is_one_line(k, world, says):
     with pytest.raises(TrainSetupError, match=says) as raised:
         layout(k, 0, world, world)

@@ -9,7 +9,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from speculators_vllm016.train.online.sample_transport import DONE, REQUEST, SampleRequest, StepSamples, Transport
+from speculators_vllm016.train.online.sample_transport import (
+    DONE,
+    REQUEST,
+    SampleRequest,
+    StepSamples,
+    Transport,
+)
 
 
 def pair() -> tuple[Transport, Transport]:
@@ -85,7 +91,9 @@ def test_a_failure_carries_the_extraction_sides_words_and_done_is_a_request():
 
 def test_an_empty_step_is_an_empty_answer():
     extraction, training = pair()
-    server = threading.Thread(target=lambda: extraction.answer(extraction.next_request().source, StepSamples()))
+    server = threading.Thread(
+        target=lambda: extraction.answer(extraction.next_request().source, StepSamples())
+    )
     server.start()
     training.request(0, SampleRequest(REQUEST))
     answer = training.receive_answer(0)
@@ -96,8 +104,12 @@ def test_an_empty_step_is_an_empty_answer():
 def _nccl_round_trip(rank: int, store_path: str, sent: dict, result_path: str) -> None:
     store = dist.FileStore(store_path, 2)
     torch.cuda.set_device(rank)
-    control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, 2, datetime.timedelta(seconds=120))
-    payload = dist.ProcessGroupNCCL(dist.PrefixStore("payload", store), rank, 2, dist.ProcessGroupNCCL.Options())
+    control = dist.ProcessGroupGloo(
+        dist.PrefixStore("control", store), rank, 2, datetime.timedelta(seconds=120)
+    )
+    payload = dist.ProcessGroupNCCL(
+        dist.PrefixStore("payload", store), rank, 2, dist.ProcessGroupNCCL.Options()
+    )
     transport = Transport(control, payload, torch.device("cuda", rank))
     if rank == 0:
         request = transport.next_request()
@@ -107,7 +119,9 @@ def _nccl_round_trip(rank: int, store_path: str, sent: dict, result_path: str) -
         torch.save(transport.receive_answer(0).samples, result_path)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices"
+)
 def test_hidden_states_travel_over_nccl_between_two_gpus_bit_for_bit(tmp_path):
     import torch.multiprocessing as mp
 

@@ -25,14 +25,28 @@ from tests.training_fixtures import cli_env, train_command
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
-def split_argv(tiny_llama: Path, root: Path, chats: Path, save: Path, ranks: int, *extra: str) -> list[str]:
-    return [*common(tiny_llama, root, save), "--parallel", "ddp", *online_flags(chats, root),
-            "--extraction-ranks", str(ranks), *extra]
+def split_argv(
+    tiny_llama: Path, root: Path, chats: Path, save: Path, ranks: int, *extra: str
+) -> list[str]:
+    return [
+        *common(tiny_llama, root, save),
+        "--parallel",
+        "ddp",
+        *online_flags(chats, root),
+        "--extraction-ranks",
+        str(ranks),
+        *extra,
+    ]
 
 
 def run(argv: list[str], processes: int, timeout: int = 1200) -> subprocess.CompletedProcess:
-    return subprocess.run(train_command(argv, processes=processes), env=cli_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        train_command(argv, processes=processes),
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +59,9 @@ def setup(tiny_llama, tmp_path_factory):
 def offline_two(setup, tiny_llama):
     root, _, datagen = setup
     save = root / "split-offline-2"
-    done = run([*common(tiny_llama, root, save), "--parallel", "ddp", "--data-path", str(datagen)], 2)
+    done = run(
+        [*common(tiny_llama, root, save), "--parallel", "ddp", "--data-path", str(datagen)], 2
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return save
 
@@ -70,7 +86,10 @@ def test_one_and_two_extraction_ranks_train_exactly_as_offline_with_two_training
     # Both extraction ranks wrote their shard of one datagen folder: datagen's files, byte for byte.
     names = sorted(path.name for path in cache.glob("data_*.pt"))
     assert names == sorted(path.name for path in datagen.glob("data_*.pt"))
-    assert sorted(path.name for path in (cache / "manifest").iterdir()) == ["shard-0-of-2.jsonl", "shard-1-of-2.jsonl"]
+    assert sorted(path.name for path in (cache / "manifest").iterdir()) == [
+        "shard-0-of-2.jsonl",
+        "shard-1-of-2.jsonl",
+    ]
     for name in names:
         assert (cache / name).read_bytes() == (datagen / name).read_bytes(), name
 
@@ -82,12 +101,20 @@ def test_an_extraction_ranks_engine_worker_killed_stops_every_training_rank_with
     save = root / "split-killed"
     argv = split_argv(tiny_llama, root, chats, save, 1, "--online-queue-size", "1")
     # stderr carries both the ranks' messages and torchrun's failure summary
-    process = subprocess.Popen(train_command(argv, processes=3), env=cli_env(), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        train_command(argv, processes=3),
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     output = kill_engine_workers_after_first_step(process, save)
     assert process.returncode != 0, output[-3000:]
-    stopped = re.findall(r"^stopped: extraction rank 0: the target model's engine failed: a worker process died",
-                         output, flags=re.MULTILINE)
+    stopped = re.findall(
+        r"^stopped: extraction rank 0: the target model's engine failed: a worker process died",
+        output,
+        flags=re.MULTILINE,
+    )
     assert len(stopped) >= 2, output[-4000:]  # each training rank says it, naming the rank
     exits = dict(re.findall(r"rank\s*:\s*(\d+) \(local_rank.*?\n\s*exitcode\s*:\s*(-?\d+)", output))
     assert exits.get("1") == "143" and exits.get("2") == "143", output[-3000:]
@@ -103,7 +130,10 @@ def test_bad_layouts_stop_before_any_engine_with_one_line(setup, tiny_llama, cap
     save = root / "split-bad"
     done = run(split_argv(tiny_llama, root, chats, save, 2), 2, timeout=600)
     assert done.returncode != 0
-    assert "error: --extraction-ranks 2 leaves no training rank among torchrun's 2 processes" in done.stderr
+    assert (
+        "error: --extraction-ranks 2 leaves no training rank among torchrun's 2 processes"
+        in done.stderr
+    )
     assert "starting the target model's engine" not in done.stderr + done.stdout
     # Without torchrun, and without --online: one line each, exit 2.
     assert train_main(split_argv(tiny_llama, root, chats, save, 1)) == 2
