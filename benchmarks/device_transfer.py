@@ -126,7 +126,7 @@ def main() -> None:
         def run() -> None:
             hidden = sources[0]
             for _ in range(args.steps):
-                for layer in range(args.layers):
+                for _layer in range(args.layers):
                     for _ in range(args.compute_matmuls):
                         hidden = torch.tanh(hidden @ weight)
                     if path == "sync":

@@ -302,8 +302,8 @@ def _torchrun(processes: int) -> list[str]:
 
 def _split_figures(log: str, metrics: Path) -> dict:
     """Extraction ranks' summary lines and the training ranks' metrics log, as figures."""
-    from speculators_vllm016.train.online.extraction_rank import SUMMARY_PREFIX
     from speculators_vllm016.train.metrics_log import read_metrics
+    from speculators_vllm016.train.online.extraction_rank import SUMMARY_PREFIX
 
     ranks = [
         json.loads(line.split(SUMMARY_PREFIX, 1)[1])

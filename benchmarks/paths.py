@@ -312,11 +312,13 @@ class HFForwardPath(BenchPath):
 
         directory = self._fresh_samples_dir()
         try:
-            with Stopwatch() as watch:
-                with SampleWriterPool(
+            with (
+                Stopwatch() as watch,
+                SampleWriterPool(
                     self.preset.num_writer_threads, self.preset.output_format, max_pending=64
-                ) as writer:
-                    self._forward(sequences, writer, directory)
+                ) as writer,
+            ):
+                self._forward(sequences, writer, directory)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         return Measurement(

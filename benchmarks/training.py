@@ -217,8 +217,8 @@ def run_length(
     import torch
 
     from speculators_vllm016.models.eagle3.model_definitions import use_reproducible_compilation
-    from speculators_vllm016.train.loading.device_rows import StepRow
     from speculators_vllm016.train.draft_contract import DraftCallOptions
+    from speculators_vllm016.train.loading.device_rows import StepRow
     from speculators_vllm016.train.train_step import TrainStep, build_optimizer
 
     use_reproducible_compilation(args.deterministic)
@@ -259,7 +259,7 @@ def run_length(
     )
 
     def step() -> float:
-        return train_step(row)["loss"]
+        return train_step(row)["loss"]  # noqa: F821 - deleted with its closure below
 
     loss = None
     for _ in range(args.warmup):
@@ -282,7 +282,7 @@ def run_length(
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     reserved = torch.cuda.max_memory_reserved() / 2**30 if cuda else None
     final = float(loss) if loss is not None else float("nan")
-    del model, optimizer, batch, row, train_step
+    del model, optimizer, batch, row, train_step, step
     return LengthResult(
         packed_tokens=packed_tokens,
         step_seconds=[round(t, 5) for t in times],

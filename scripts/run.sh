@@ -13,6 +13,9 @@ case "$what" in
     exec "$venv/bin/speculators" demo "$@"
     ;;
   test)
+    # Lint and format are part of the suite: a tree ruff would change does not pass.
+    "$venv/bin/ruff" check .
+    "$venv/bin/ruff" format --check .
     set +e
     "$venv/bin/python" -m pytest "$@"
     rc=$?

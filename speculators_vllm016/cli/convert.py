@@ -49,7 +49,9 @@ def convert(
         try:
             kwargs = json.loads(algorithm_kwargs)
         except json.JSONDecodeError as err:
-            raise typer.BadParameter(f"not valid JSON: {err}", param_hint="--algorithm-kwargs")
+            raise typer.BadParameter(
+                f"not valid JSON: {err}", param_hint="--algorithm-kwargs"
+            ) from None
         if not isinstance(kwargs, dict):
             raise typer.BadParameter("must be a JSON object", param_hint="--algorithm-kwargs")
     from speculators_vllm016.cli.datagen import report_errors

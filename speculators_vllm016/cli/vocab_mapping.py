@@ -11,7 +11,6 @@ from typing import NoReturn
 
 import typer
 
-from speculators_vllm016.utils.command_errors import EXIT_ERROR, describe_error, error_line
 from speculators_vllm016.train.vocab_maps import (
     D2T_FILE,
     T2D_FILE,
@@ -19,6 +18,7 @@ from speculators_vllm016.train.vocab_maps import (
     write_vocab_mappings,
     write_vocab_mappings_from_counts,
 )
+from speculators_vllm016.utils.command_errors import EXIT_ERROR, describe_error, error_line
 from speculators_vllm016.utils.output_paths import check_output_folder
 
 # The library names stay importable from here (their home is `train.vocab_maps`).

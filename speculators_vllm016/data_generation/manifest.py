@@ -89,7 +89,7 @@ class ManifestWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.fsync = fsync
         self._lock = threading.Lock()
-        self._handle = open(self.path, "a+", encoding="utf-8")
+        self._handle = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 - open while the log lives
         self._handle.seek(0, os.SEEK_END)
         if self._handle.tell() > 0:
             self._handle.seek(self._handle.tell() - 1)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import dataclass, fields
 from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
 from speculators_vllm016.data_generation.sample_io import SAMPLE_PATTERNS

@@ -170,7 +170,9 @@ def check_identity(
     except (OSError, ValueError) as error:
         if adopt_flag is None:
             raise ValueError(_unrecorded(output_dir, flag, adopt_flag)) from None
-        raise ValueError(f"{state} is unreadable ({error}); remove it and pass {adopt_flag}")
+        raise ValueError(
+            f"{state} is unreadable ({error}); remove it and pass {adopt_flag}"
+        ) from None
     if recorded.get("version") != IDENTITY_VERSION:
         if adopt_flag is None:
             raise ValueError(_unrecorded(output_dir, flag, adopt_flag))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Sequence
+
 from speculators_vllm016.evaluate.acceptance import AcceptanceCounts
 from speculators_vllm016.evaluate.generation import GenerationResult
 

@@ -53,13 +53,13 @@ from speculators_vllm016.train.checkpointing.checkpoint_files import (
     reading,
     torch_save,
 )
-from speculators_vllm016.train.errors import CheckpointReadError, CheckpointWriteError
 from speculators_vllm016.train.checkpointing.rng_state import (
     RngStateUnsafe,
     capture_rng_state,
     restore_rng_state,
 )
 from speculators_vllm016.train.checkpointing.rng_state import load_rng_state as read_rng_state
+from speculators_vllm016.train.errors import CheckpointReadError, CheckpointWriteError
 from speculators_vllm016.utils.atomic_files import (
     TEMP_SUFFIX,
     atomic_torch_save,

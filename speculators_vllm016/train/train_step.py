@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from speculators_vllm016.train.loading.device_rows import StepRow
 from speculators_vllm016.train.draft_contract import DraftCallOptions, loss_and_metrics
+from speculators_vllm016.train.loading.device_rows import StepRow
 from speculators_vllm016.train.optimizer_step import clip_and_step
 
 __all__ = ["TrainStep", "autocast", "build_optimizer", "collective_device", "reduce_metrics"]

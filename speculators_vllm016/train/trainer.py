@@ -45,11 +45,18 @@ from speculators_vllm016.train.checkpointer import (
     remove_temporary_folders,
     restore_rng_state,
 )
+from speculators_vllm016.train.checkpointing.save_lock import SavePathLock
 from speculators_vllm016.train.data import DataSourceError, PackedBatch
-from speculators_vllm016.train.loading.device_rows import StepRow, prefetch_to_device, to_step_row
 from speculators_vllm016.train.draft_contract import StoresFrozenWeights, loss_and_metrics
 from speculators_vllm016.train.errors import NothingTrained, SavePathInUse
 from speculators_vllm016.train.graceful_shutdown import GracefulShutdown
+from speculators_vllm016.train.jobs.resume import (
+    apply_resumed_settings,
+    optimizer_settings,
+    reconcile_resumed_state,
+    training_data_digest,
+)
+from speculators_vllm016.train.loading.device_rows import StepRow, prefetch_to_device, to_step_row
 from speculators_vllm016.train.lr_schedule import build_lr_scheduler, default_warmup_steps
 from speculators_vllm016.train.metrics_log import (
     MetricsLog,
@@ -57,14 +64,6 @@ from speculators_vllm016.train.metrics_log import (
     log_validation,
     tau_sim,
 )
-from speculators_vllm016.train.jobs.resume import (
-    apply_resumed_settings,
-    optimizer_settings,
-    reconcile_resumed_state,
-    training_data_digest,
-)
-from speculators_vllm016.train.checkpointing.save_lock import SavePathLock
-from speculators_vllm016.train.trainer_config import TrainerConfig
 from speculators_vllm016.train.train_step import (
     TrainStep,
     autocast,
@@ -72,6 +71,7 @@ from speculators_vllm016.train.train_step import (
     collective_device,
     reduce_metrics,
 )
+from speculators_vllm016.train.trainer_config import TrainerConfig
 from speculators_vllm016.train.utils import (
     apply_data_parallel,
     apply_fully_sharded,

@@ -62,9 +62,7 @@ def plugin_enabled(environ: Mapping[str, str] | None = None) -> bool:
     if environ.get(PLUGIN_ENV, "1").strip().lower() in {"0", "false", "no", "off"}:
         return False
     allowed = environ.get("VLLM_PLUGINS")
-    if allowed is not None and PLUGIN_ENTRY_POINT not in [p.strip() for p in allowed.split(",")]:
-        return False
-    return True
+    return allowed is None or PLUGIN_ENTRY_POINT in [p.strip() for p in allowed.split(",")]
 
 
 @dataclass(frozen=True)

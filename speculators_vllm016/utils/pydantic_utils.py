@@ -85,7 +85,7 @@ class PydanticClassRegistryMixin(ReloadableBaseModel, ABC, ClassRegistryMixin):
             unregistered: Callable[[Any], Any] | None = SchemaValidator(
                 cls.__pydantic_generate_base_schema__(handler)
             ).validate_python
-        except Exception:  # a base schema that needs its definitions: validate as the root
+        except Exception:  # noqa: BLE001 - a base schema that needs its definitions: validate as the root
             unregistered = None
 
         def dispatch(value: Any, as_root: Callable[[Any], Any]) -> Any:

@@ -62,7 +62,7 @@ def _matches(entry: str, module: str, module_class: str | None) -> bool:
     names, e.g. `lm_head` for a wrapper's `language_model.lm_head`)."""
     if entry.startswith("re:"):
         return re.match(entry[3:], module) is not None
-    return entry == module or module.endswith("." + entry) or entry == module_class
+    return entry in (module, module_class) or module.endswith("." + entry)
 
 
 def config_quantizes(

@@ -14,7 +14,6 @@ If the constant is not there (another vLLM), nothing is patched and a warning sa
 from __future__ import annotations
 
 import logging
-
 from types import CodeType
 
 from speculators_vllm016.utils.eagle3_serving import PLUGIN_TEXT_MODEL_TYPES

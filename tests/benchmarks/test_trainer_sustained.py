@@ -14,7 +14,7 @@ def test_per_epoch_rates_waits_and_first_steps(tmp_path) -> None:
     lines = []
     step = 0
     for epoch, seconds in ((0, [30.0, 0.1, 0.1]), (1, [2.0, 0.1, 0.1])):
-        for position, spent in enumerate(seconds):
+        for _position, spent in enumerate(seconds):
             wait = spent - 0.1 if step else 0.01  # the first step compiles, it does not wait
             lines.append(
                 {

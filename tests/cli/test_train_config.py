@@ -12,8 +12,8 @@ from speculators_vllm016.cli.train import build_parser, config_from_argv, main
 from speculators_vllm016.train.jobs.job_config import (
     CONFIG_FILE,
     JobConfigError,
-    TrainJobConfig,
     TrainingConfig,
+    TrainJobConfig,
     all_fields,
     load_job_config,
     save_job_config,

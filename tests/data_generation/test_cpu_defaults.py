@@ -13,7 +13,6 @@ from speculators_vllm016.data_generation.cpu_defaults import (
     slow_cpu_dtype_warning,
 )
 
-
 NAMES = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_MLA_DISABLE")
 
 

@@ -282,7 +282,7 @@ def test_killed_runs_resume_to_the_uninterrupted_result(
     for minimum in (1, total // 2):
 
         def ready() -> bool:
-            if not output.exists() or len(sample_files(output)) < minimum:
+            if not output.exists() or len(sample_files(output)) < minimum:  # noqa: B023 - called in this iteration
                 return False
             # Two files short: one more rename before the kill lands cannot complete the batch.
             return bool(partly_written_batches(output, options.batch_size, total, missing=2))

@@ -5,8 +5,8 @@ flags. One reference run (tiny Llama, the demo's conversations) serves every com
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import shutil
 import subprocess
 import sys

@@ -202,7 +202,7 @@ class TestQwen3PrefixCaching:
     def test_transfer_files_go_under_transfer_root(self, qwen_generator, transfer_root):
         assert qwen_generator._transfer.path.parent == transfer_root
         seen = []
-        for index, _ in qwen_generator.generate_stream(
+        for _index, _ in qwen_generator.generate_stream(
             mixed_batch(VOCAB, [300, 200, 100, 50], seed=15)
         ):
             seen.extend(p.name for p in qwen_generator._transfer.request_files())

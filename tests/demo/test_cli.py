@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from speculators_vllm016.demo import cli as demo
 from speculators_vllm016.data_generation import vllm_hidden_states_generator as generator_module
 from speculators_vllm016.data_generation.sample_io import load_sample
+from speculators_vllm016.demo import cli as demo
 
 pytestmark = pytest.mark.engine
 

@@ -81,7 +81,7 @@ def _stages(root, options, ran: list[str], fail: str | None = None):
                 raise RuntimeError(f"{name} crashed")
             ran.append(name + (" (over old output)" if (folder / "out").exists() else ""))
             folder.mkdir(parents=True, exist_ok=True)
-            (folder / "out").write_text(json.dumps(depends))
+            (folder / "out").write_text(json.dumps(depends))  # noqa: B023 - called in this iteration
             return {"out": str(folder / "out")}, {"value": len(ran)}
 
         records.append(_run_stage(root, state, name, work, depends, [folder]))

@@ -9,13 +9,13 @@ import torch
 
 from speculators_vllm016.models.eagle3 import Eagle3DraftModel
 from speculators_vllm016.models.eagle3.core import (
+    TTTStepInput,
+    WeightGradSink,
     compute_metrics,
     linear_kl_loss,
     loss_function,
-    WeightGradSink,
     score_ttt_step,
     scored_position_counts,
-    TTTStepInput,
 )
 from speculators_vllm016.train.vocab_mapping import build_vocab_mappings_from_distribution
 from tests.models.test_eagle3 import DRAFT_VOCAB, batch, eagle3_config

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from speculators_vllm016.train.checkpointing.checkpoint_files import is_disk_full
-from speculators_vllm016.train.errors import CheckpointReadError, CheckpointWriteError
 from speculators_vllm016.train.checkpointing.rng_state import capture_rng_state, restore_rng_state
+from speculators_vllm016.train.errors import CheckpointReadError, CheckpointWriteError
 from tests.train.scripted_draft import packed_row, scripted_trainer
 
 

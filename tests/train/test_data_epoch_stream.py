@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from speculators_vllm016.train.data import create_collate_fn
-from speculators_vllm016.train.loading.device_rows import to_step_row
 from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+from speculators_vllm016.train.loading.device_rows import to_step_row
 from speculators_vllm016.train.loading.sample_loader import RunThroughBatchSampler, SampleFileLoader
 from tests.train.test_device_noise import CPU, dataset, noised_rows, write_files
 

@@ -9,9 +9,9 @@ import torch
 
 from speculators_vllm016.data_generation.sample_io import write_sample
 from speculators_vllm016.train.data import Eagle3SampleFileDataset, create_collate_fn
+from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 from speculators_vllm016.train.loading.device_rows import prefetch_to_device, to_step_row
 from speculators_vllm016.train.loading.sample_loader import SampleFileLoader
-from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 from speculators_vllm016.train.noise_transforms import AddGaussianNoise, AddUniformNoise, RowNoise
 
 HIDDEN = 4

@@ -17,7 +17,7 @@ from speculators_vllm016.train.trainer import TrainerConfig
 def test_call_options_are_typed_and_spread_like_the_030_dict():
     options = DraftCallOptions(ttt_steps=3, use_off_policy_tokens=True)
     assert dict(options) == {"ttt_steps": 3, "use_off_policy_tokens": True}
-    assert DraftCallOptions() == {} and {} == DraftCallOptions()
+    assert DraftCallOptions() == {} and DraftCallOptions() == {}
     assert (lambda **kwargs: kwargs)(**options) == {"ttt_steps": 3, "use_off_policy_tokens": True}
     config = TrainerConfig(lr=1.0, num_epochs=1, save_path="x", train_call_kwargs={"ttt_steps": 2})
     assert isinstance(config.train_call_kwargs, DraftCallOptions)

@@ -89,7 +89,7 @@ def _sharded_draft_step(
                 p.dtype for p in module.parameters() if p.requires_grad
             )
         )
-        for step in range(2):  # the second step starts from the switches the first one left
+        for _step in range(2):  # the second step starts from the switches the first one left
             model.zero_grad(set_to_none=True)
             before = dict(calls)
             reduced_sizes.clear()

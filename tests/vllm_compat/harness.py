@@ -165,7 +165,7 @@ def iter_checkpoint_tensors(folder: str | Path) -> Iterator[tuple[str, torch.Ten
         files = ["model.safetensors"]
     for file_name in files:
         with safe_open(str(folder / file_name), framework="pt", device="cpu") as handle:
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
                 yield name, handle.get_tensor(name)
 
 

@@ -16,7 +16,6 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-
 from speculators_vllm016.train.errors import CheckpointReadError
 from speculators_vllm016.utils.atomic_files import torch_save
 from speculators_vllm016.utils.errors import type_and_first_line

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from speculators_vllm016.train.jobs.job_config import TrainSetupError
 
@@ -70,8 +70,8 @@ class RunFacts:
 
 def verifier_embeddings(verifier: str) -> torch.Tensor | None:
     """The verifier's token embeddings as stored (None when no layout we know holds them)."""
-    from speculators_vllm016.utils.verifier_weights import VERIFIER_WEIGHT_LAYOUTS
     from speculators_vllm016.utils.loading import read_checkpoint_tensors
+    from speculators_vllm016.utils.verifier_weights import VERIFIER_WEIGHT_LAYOUTS
 
     names = [layout[0] for layout in VERIFIER_WEIGHT_LAYOUTS]
     found = read_checkpoint_tensors(verifier, names)

@@ -113,20 +113,13 @@ def run_train_job(
     from speculators_vllm016.train.distributed_batch_sampler import (
         MultipackDistributedBatchSamplerV2,
     )
+    from speculators_vllm016.train.loading.row_slots import VALIDATION_ROW_SLOTS, HostRowSlots
+    from speculators_vllm016.train.loading.sample_loader import SampleFileLoader, main_process_noise
     from speculators_vllm016.train.logger import (
         METRICS_FILE,
         setup_metric_logger,
         setup_root_logger,
     )
-    from speculators_vllm016.train.trainer import Trainer
-    from speculators_vllm016.train.train_step import collective_device
-    from speculators_vllm016.train.utils import (
-        maybe_destroy_distributed,
-        maybe_setup_distributed,
-        training_device,
-    )
-    from speculators_vllm016.train.loading.row_slots import VALIDATION_ROW_SLOTS, HostRowSlots
-    from speculators_vllm016.train.loading.sample_loader import SampleFileLoader, main_process_noise
     from speculators_vllm016.train.online.remote_loader import (
         TRAIN_ITERATION,
         VALIDATION_ITERATION,
@@ -134,6 +127,13 @@ def run_train_job(
         finish_extraction,
     )
     from speculators_vllm016.train.online.split import run_extraction_rank, split_layout
+    from speculators_vllm016.train.train_step import collective_device
+    from speculators_vllm016.train.trainer import Trainer
+    from speculators_vllm016.train.utils import (
+        maybe_destroy_distributed,
+        maybe_setup_distributed,
+        training_device,
+    )
     from speculators_vllm016.train.vocab_maps import save_vocab_maps
 
     setup = prepare(config) if setup is None else setup

@@ -50,8 +50,8 @@ if TYPE_CHECKING:
     from speculators_vllm016.data_generation.preflight import ModelFacts
     from speculators_vllm016.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators_vllm016.train.jobs.devices import TrainDevices
-    from speculators_vllm016.train.noise_transforms import TransformTensors
     from speculators_vllm016.train.jobs.pretrained_draft import PretrainedDraft, ResearchReader
+    from speculators_vllm016.train.noise_transforms import TransformTensors
 
 __all__ = [
     "OnlineSetup",

@@ -14,12 +14,12 @@ from torch.utils.data import DataLoader, default_collate
 
 from speculators_vllm016.train.data import BatchType, Eagle3SampleFileDataset, PackedBatch
 from speculators_vllm016.train.graceful_shutdown import ignore_stop_signals, stop_signals_held
-from speculators_vllm016.train.noise_transforms import RowNoise
 from speculators_vllm016.train.loading.row_slots import (
     HostRowSlots,
     SlotPackingDataset,
     packed_row_collate,
 )
+from speculators_vllm016.train.noise_transforms import RowNoise
 
 __all__ = ["RunThroughBatchSampler", "SampleFileLoader", "main_process_noise"]
 

@@ -174,7 +174,6 @@ class OnlineExtractor:
         if self.generator is not None:
             return
         from speculators_vllm016.data_generation.offline import start_generator
-
         from speculators_vllm016.train.jobs.devices import (
             engine_visible_devices,
             launcher_variables_hidden,
@@ -280,7 +279,7 @@ class OnlineExtractor:
                 ready: dict[int, dict] = {}
                 emitted = start
 
-                def emit_ready() -> bool:
+                def emit_ready(end: int = end, ready: dict[int, dict] = ready) -> bool:
                     nonlocal emitted
                     while emitted < end and all(
                         item in ready or item not in need for item in steps[emitted]

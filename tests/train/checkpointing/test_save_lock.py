@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from speculators_vllm016.train.errors import SavePathInUse, TrainingError
 from speculators_vllm016.train.checkpointing.save_lock import LOCK_FILE
+from speculators_vllm016.train.errors import SavePathInUse, TrainingError
 from tests.train.scripted_draft import packed_row, scripted_trainer
 from tests.training_fixtures import cli_env
 

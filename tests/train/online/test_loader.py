@@ -7,8 +7,8 @@ and resumed pure-online run; every assertion shares them.
 from __future__ import annotations
 
 import json
-import os
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -21,8 +21,8 @@ from safetensors.torch import load_file
 
 from speculators_vllm016.cli.train import main as train_main
 from speculators_vllm016.data_generation.offline import DatagenOptions, run_datagen
-from speculators_vllm016.data_generation.vllm_hidden_states_generator import HiddenStatesResult
 from speculators_vllm016.data_generation.sample_io import TEMP_DIR
+from speculators_vllm016.data_generation.vllm_hidden_states_generator import HiddenStatesResult
 from speculators_vllm016.demo import demo_conversations_path
 from speculators_vllm016.train.data import list_files
 from speculators_vllm016.train.vocab_mapping import build_vocab_mappings_from_distribution
