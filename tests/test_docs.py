@@ -1,7 +1,7 @@
 """The documentation's references hold: links resolve, and `benchmarks/results/` holds what it cites.
 
-- Every relative link of README.md and docs/*.md names a file that exists, and its `#anchor`, if
-  any, a heading of that page (GitHub's heading ids).
+- Every relative link of README.md, CHANGELOG.md and docs/*.md names a file that exists, and its
+  `#anchor`, if any, a heading of that page (GitHub's heading ids).
 - Every path under `benchmarks/results/` that a page names in its prose exists (a `*` pattern must
   match a file; `{a,b}` and `x.json|md` name each alternative), and every file there is named by a
   page: the folder holds the results the docs quote, nothing else. Commands in code blocks may
@@ -16,7 +16,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-LINKED_PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+LINKED_PAGES = [REPO / "README.md", REPO / "CHANGELOG.md", *sorted((REPO / "docs").glob("*.md"))]
 CITING_PAGES = [*LINKED_PAGES, REPO / "benchmarks" / "README.md"]
 
 LINK = re.compile(r"\]\(([^)\s]+)\)")
