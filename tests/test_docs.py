@@ -107,3 +107,13 @@ def test_every_result_file_is_cited_by_a_page():
 def test_the_pattern_rules():
     assert alternatives("a-{x,y}.json|md") == ["a-x.json", "a-x.md", "a-y.json", "a-y.md"]
     assert alternatives("a.md") == ["a.md"]
+
+
+def test_the_readme_is_a_quick_start_with_the_two_commands():
+    """The README stays short (issue 38: at most 250 lines) and holds the set-up contract: the demo
+    command and the test command on lines of their own, the latter exactly what `.ci/run` runs."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(readme) <= 250, f"README.md has {len(readme)} lines"
+    assert "bash scripts/run.sh demo" in readme
+    assert "bash scripts/run.sh test" in readme
+    assert "exec bash scripts/run.sh test" in (REPO / ".ci" / "run").read_text().splitlines()
