@@ -1,14 +1,15 @@
-"""README.md's Kimi-K2.5 block runs as written, on a tiny Kimi-K2.5 and on the DeepSeek-V3 inside it.
+"""The Kimi-K2.5 recipe (docs/kimi-k2.5.md) runs as written, on a tiny Kimi-K2.5 and on the
+DeepSeek-V3 inside it.
 
-The block's five commands are read from README.md (as tests/test_readme_commands.py reads its
-section) and run in order, once with `moonshotai/Kimi-K2.5` replaced by the taught tiny Kimi-K2.5
+The block's five commands are read from the recipe's section of docs/kimi-k2.5.md (as
+tests/test_readme_commands.py reads the tutorial's section) and run in order, once with `moonshotai/Kimi-K2.5` replaced by the taught tiny Kimi-K2.5
 (conftest: a DeepSeek-V3 trained briefly on the demo conversations, inside the multimodal wrapper
 with the real folder's `auto_map` and no modeling file) and once by that DeepSeek-V3 itself, each
 run in its own folder. The only other changes:
 
 - PLACEHOLDERS: the chat data becomes demo conversations: `chat.jsonl` the first CONVERSATIONS,
   `heldout.jsonl` the CONVERSATIONS after them;
-- SCALED_DOWN: per (flag, README value), the 8-GPU sizes made tiny for a 2-core CPU (tensor
+- SCALED_DOWN: per (flag, recipe value), the 8-GPU sizes made tiny for a 2-core CPU (tensor
   parallel 1, one torchrun process, 128-token samples and rows, a 64-token draft vocabulary,
   3 epochs, 8 prompts);
 - `vllm serve`: vLLM's CPU build cannot speculate, so the serve command's own arguments are parsed
@@ -36,6 +37,8 @@ from tests.train.online.test_loader import assert_same_weights
 from tests.training_fixtures import cli_env, free_port
 
 REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "docs" / "kimi-k2.5.md"
+RECIPE_SECTION = "## The recipe: 8x RTX PRO 6000 (96 GB each, one host)"
 KIMI = "moonshotai/Kimi-K2.5"
 CHAT_DATA = ("chat.jsonl", "heldout.jsonl")  # files of the `chats` folder
 CONVERSATIONS = 40
@@ -82,8 +85,8 @@ print("SERVE_CONFIG " + json.dumps({
 
 
 def kimi_block() -> list[list[str]]:
-    """The argv of each command of the README's Kimi-K2.5 block."""
-    blocks = section_commands((REPO / "README.md").read_text(encoding="utf-8"))
+    """The argv of each command of the recipe's Kimi-K2.5 block."""
+    blocks = section_commands(RECIPE.read_text(encoding="utf-8"), RECIPE_SECTION)
     found = [block for block in blocks if any(KIMI in argv for argv in block)]
     assert len(found) == 1, "one bash block of the section names Kimi-K2.5"
     return found[0]
@@ -176,7 +179,7 @@ def run_recipe(target: Path, folder: Path, chats: Path) -> RecipeRun:
 
 @pytest.fixture(scope="module")
 def chats(tmp_path_factory) -> Path:
-    """A folder with the README's two chat files, from the demo conversations."""
+    """A folder with the recipe's two chat files, from the demo conversations."""
     from speculators_vllm016.demo import demo_conversations_path
 
     folder = tmp_path_factory.mktemp("kimi-chats")
@@ -198,7 +201,7 @@ def deepseek_run(taught_deepseek_v3, chats, tmp_path_factory) -> RecipeRun:
 
 
 def train_options(recipe: RecipeRun) -> list[str]:
-    """The README's training flags (substituted), after `-m speculators_vllm016 train`."""
+    """The recipe's training flags (substituted), after `-m speculators_vllm016 train`."""
     argv = substituted(recipe.step("torchrun --nproc-per-node")[0], recipe.target, recipe.chats)
     return argv[argv.index("train") + 1 :]
 
@@ -206,7 +209,7 @@ def train_options(recipe: RecipeRun) -> list[str]:
 @pytest.fixture(scope="module")
 def untrained_tau(kimi_run) -> dict:
     """The Kimi draft as training starts from it (the trainer's construction and seed), measured by
-    the README's eval command with only `--draft` and `--output-json` changed."""
+    the recipe's eval command with only `--draft` and `--output-json` changed."""
     from speculators_vllm016.cli.train import config_from_argv
     from speculators_vllm016.demo.pipeline import _save_initial_draft
 
@@ -328,7 +331,7 @@ def test_the_trained_kimi_draft_beats_the_untrained_one(kimi_run, untrained_tau)
 
 
 def online_argv(recipe: RecipeRun, save: str) -> list[str]:
-    """The README's training flags, reading the conversations through the engine instead of
+    """The recipe's training flags, reading the conversations through the engine instead of
     datagen's folder (datagen's own flags: the same target, data and sample length)."""
     options = train_options(recipe)
     at = options.index("--data-path")

@@ -137,7 +137,7 @@ def build_taught_tiny_deepseek_v3(path: str | Path, *, steps: int = 40) -> Path:
     A random target's next tokens are noise (a draft trained on it stays at tau ~1.0), so, as the
     demo does for its Llama, the model is trained briefly (`steps` x 8 rows x 64 tokens) on the
     shipped conversations with a tokenizer trained on them. Seven layers: the smallest count whose
-    default datagen layers `[2, N // 2, N - 3, N - 1]` are distinct, so the README's commands run
+    default datagen layers `[2, N // 2, N - 3, N - 1]` are distinct, so the tutorial's commands run
     without `--layer-ids`. The tokenizer keeps one id of the 512 free, for the Kimi-K2.5 wrapper's
     media token. Reused when `path` holds a finished build.
     """

@@ -1,4 +1,4 @@
-"""The generator on more architectures of the README's list, each against transformers.
+"""The generator on more architectures of docs/datagen.md's list, each against transformers.
 
 One tiny checkpoint and one engine per architecture (vLLM 0.16's CPU build, float32); each test
 runs a batch with sequences longer than any sliding window and compares every layer.

@@ -99,7 +99,7 @@ def test_manifest_lists_every_whole_sample_with_its_length_size_and_hash(referen
         assert record.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-# -- item 1: shards sharing one folder (the README's recipe) -----------------------------------
+# -- item 1: shards sharing one folder (docs/datagen.md's recipe) -----------------------------------
 
 GATE_HOOK = """
 import os, time
@@ -139,7 +139,7 @@ def _writers_with_pending_files(output: Path) -> set[str]:
 def test_two_shards_in_one_folder_both_finish_and_equal_the_unsharded_run(
     reference, tiny_llama, chats, tmp_path
 ):
-    """The README's SLURM/Ray recipe, two shards, the second starting while the first writes."""
+    """docs/datagen.md's SLURM/Ray recipe, two shards, the second starting while the first writes."""
     hooks = tmp_path / "hooks"
     hooks.mkdir()
     (hooks / "sitecustomize.py").write_text(GATE_HOOK)
