@@ -3,8 +3,9 @@
 Each part holds the flags of one group of `speculators datagen --help` (the same names, without the
 dashes), and each consumer takes the part it needs: the engine builder `EngineOptions`, the
 preprocessing `PreprocessingOptions`, the folder and the writers `OutputOptions`. `DatagenOptions`
-joins them; `DatagenOptions.from_args` is the one way from parsed flags (datagen's own, or train's
-`--online` flags, which are datagen's) to options.
+joins them; `DatagenOptions.from_args` is the one way from datagen's parsed flags to options.
+`speculators train --online` nests the parts themselves in its job config (`OnlineConfig`): each
+field here is one setting of both commands, its docstring the help of both.
 
 `DatagenOptions(**flags)` with the flat flag names, and reading or setting `options.seq_length`,
 keep working as they did when the options were one flat dataclass.
@@ -187,8 +188,8 @@ class DatagenOptions:
 
     @classmethod
     def from_fields(cls, values: Mapping[str, Any], **overrides: Any) -> DatagenOptions:
-        """`from_args` over any mapping of datagen's flag names (e.g. online training's section
-        of the job config); names that are not datagen's are ignored."""
+        """`from_args` over any mapping of datagen's flag names; names that are not datagen's are
+        ignored."""
         flags: dict[str, Any] = {}
         for name in _PART_OF:
             if name in overrides:

@@ -6,6 +6,9 @@ One source of truth for the command line, YAML job files and code (the demo, gen
 - each field is one command-line flag, `--` + the field name with dashes (0.3.0's flag names,
   so the field names are 0.3.0's too, `no_` prefixes included), unless `metadata["flag"]` names
   it otherwise;
+- the online section nests datagen's own option parts (`data_generation.options`): their fields
+  are its flags and keys, flat under `online:` as datagen's flags are, with datagen's types,
+  defaults, choices and docstrings (`DatagenPart` says which, renamed how, with what note);
 - a YAML file (`speculators train --config job.yaml`) sets the same fields by section:
 
       model:
