@@ -149,8 +149,9 @@ def test_every_field_is_one_flag_and_one_yaml_key():
 
 
 def test_the_online_flags_are_datagens_flags():
-    """The online section repeats datagen's target-model and preprocessing flags: same names,
-    defaults, types and choices as `speculators datagen` (and 0.3.0's train script)."""
+    """The online section's flags come from datagen's option parts, while `speculators datagen`
+    still declares its own flags by hand: same names, defaults, types and choices in both (and
+    0.3.0's train script)."""
     from speculators_vllm016.cli.datagen import (
         add_preprocessing_arguments,
         add_sample_file_arguments,
