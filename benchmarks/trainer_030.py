@@ -374,7 +374,7 @@ def run_030(
     summarize it like our runs: a dict with RunResult's keys, `name` "speculators-0.3.0"."""
     import shutil
 
-    from benchmarks.trainer_gpu import SAFE_ENV, checkpoint_pruning, run_process_group
+    from benchmarks.trainer_processes import SAFE_ENV, checkpoint_pruning, run_process_group
 
     folder = work / "run-030"
     save, records, log = folder / "checkpoints", folder / "records.jsonl", work / "run-030.log"

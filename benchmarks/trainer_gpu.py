@@ -31,20 +31,15 @@ and `--keep-checkpoints K` deletes all but the newest K checkpoints while the ru
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
 import re
 import shlex
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -53,6 +48,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.trainer_processes import SAFE_ENV, checkpoint_pruning, run_process_group
 from benchmarks.training import LOSS_MASKS, PRESETS, TrainingPreset, synthetic_loss_mask
 
 __all__ = ["RunResult", "main", "summarize_metrics", "write_synthetic_inputs"]
@@ -60,12 +56,6 @@ __all__ = ["RunResult", "main", "summarize_metrics", "write_synthetic_inputs"]
 ROOT = Path(__file__).resolve().parent.parent
 NUM_CAPTURED_LAYERS = 4
 VERIFIER_LAYERS = 32
-# Keep NVLink multicast off everywhere (it can take a shared host's GPUs out of service).
-SAFE_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
 
 
 @dataclass
@@ -384,29 +374,6 @@ def summarize_epochs(path: Path) -> dict[str, Any]:
     }
 
 
-def run_process_group(
-    command: list[str], env: dict[str, str], log: Path, timeout: float, cwd: Path | None = None
-) -> tuple[int | None, str | None]:
-    """Run `command` (output to `log`) in its own session: `(returncode, None)`, or
-    `(None, "timed out ...")` after killing the whole group. Killing torchrun alone would leave
-    its workers holding the GPUs under the next run."""
-    with open(log, "w") as handle:
-        process = subprocess.Popen(
-            command,
-            env=env,
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            cwd=cwd,
-        )
-        try:
-            return process.wait(timeout=timeout), None
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            return None, f"timed out after {timeout} s"
-
-
 def checkpoint_seconds(log: str) -> tuple[float | None, float | None]:
     """`(last checkpoint write, weights + optimizer state load)` seconds from a trainer's log."""
     written = re.findall(r"checkpoint \S+ written in ([0-9.]+) s", log)
@@ -415,35 +382,6 @@ def checkpoint_seconds(log: str) -> tuple[float | None, float | None]:
         float(written[-1]) if written else None,
         round(sum(map(float, loaded)), 3) if len(loaded) == 2 else None,
     )
-
-
-@contextlib.contextmanager
-def checkpoint_pruning(save: Path, keep: int | None) -> Iterator[None]:
-    """While the block runs, delete all but the newest `keep` finished checkpoints in `save` (a
-    Kimi-sized draft's checkpoint is ~20 GB: three epochs' would not fit the GPU machine's disk).
-    A checkpoint folder appears whole (written aside, then renamed), so a listed one is done."""
-    if not keep:
-        yield
-        return
-    stop = threading.Event()
-
-    def prune() -> None:
-        while not stop.wait(1.0):
-            done = [
-                f
-                for f in save.glob("*")
-                if f.is_dir() and not f.is_symlink() and (f / "model.safetensors").is_file()
-            ]
-            for folder in sorted(done, key=lambda f: f.stat().st_mtime)[:-keep]:
-                shutil.rmtree(folder, ignore_errors=True)
-
-    thread = threading.Thread(target=prune, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
 
 
 def last_checkpoint(save: Path) -> Path | None:

@@ -1,10 +1,10 @@
 """The package's layers import downward only, and no two modules import each other.
 
 The layers, lowest first: utils -> data_generation -> models / vllm_plugin -> train / convert ->
-evaluate -> cli -> demo. The top-level 0.3.0 modules (`config`, `model`, `proposals`,
-`tiny_models`) sit with the models; `__main__` is the top of the stack. Every import counts, also one inside a function:
-a deferred import is still a dependency, it only hides a cycle until it runs.
-"""
+evaluate -> cli -> demo, and benchmarks/ above them all. The top-level 0.3.0 modules (`config`,
+`model`, `proposals`, `tiny_models`) sit with the models; `__main__` is the top of the stack.
+Every import counts, also one inside a function: a deferred import is still a dependency, it only
+hides a cycle until it runs."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import pytest
 
 PACKAGE = "speculators_vllm016"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+BENCHMARKS = "benchmarks"
+BENCHMARKS_ROOT = ROOT.parent / BENCHMARKS
 
 LAYER_OF_SUBPACKAGE = {
     "version": 0,
@@ -39,9 +41,9 @@ GROUP = {"config": "models", "model": "models", "proposals": "models", "tiny_mod
 FREE = {PACKAGE, f"{PACKAGE}.version"}
 
 
-def _module_files() -> dict[str, Path]:
+def _module_files(root: Path = ROOT) -> dict[str, Path]:
     modules = {}
-    for path in ROOT.rglob("*.py"):
+    for path in root.rglob("*.py"):
         parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
@@ -49,8 +51,11 @@ def _module_files() -> dict[str, Path]:
     return modules
 
 
-def _imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The package modules that `module` imports, a `from x import y` naming module x.y if it is one."""
+def _imports(
+    module: str, path: Path, modules: dict[str, Path], roots: tuple[str, ...] = (PACKAGE,)
+) -> set[str]:
+    """The modules under `roots` that `module` imports, a `from x import y` naming module x.y if
+    it is one."""
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -62,13 +67,13 @@ def _imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
                 target = f"{base}.{node.module}" if node.module else base
             else:
                 target = node.module or ""
-            if not target.startswith(PACKAGE):
+            if not target.startswith(roots):
                 continue
             for alias in node.names:
                 child = f"{target}.{alias.name}"
                 found.add(child if child in modules else target)
         elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.startswith(PACKAGE))
+            found.update(a.name for a in node.names if a.name.startswith(roots))
     found.discard(module)
     return {name for name in found if name in modules}
 
@@ -76,6 +81,13 @@ def _imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
 def _graph() -> dict[str, set[str]]:
     modules = _module_files()
     return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _graph_with_benchmarks() -> dict[str, set[str]]:
+    """The package's modules and the benchmarks', each with what it imports of either."""
+    modules = {**_module_files(), **_module_files(BENCHMARKS_ROOT)}
+    roots = (PACKAGE, BENCHMARKS)
+    return {name: _imports(name, path, modules, roots) for name, path in modules.items()}
 
 
 def _layer(module: str) -> tuple[str, int] | None:
@@ -139,15 +151,35 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return components
 
 
-def test_no_import_cycle_between_package_modules():
-    # A package's __init__ re-exporting its children is not a cycle of concepts.
-    graph = {
+def _without_parent_links(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """A package's __init__ re-exporting its children is not a cycle of concepts."""
+    return {
         module: {
             t for t in targets if not (t.startswith(module + ".") or module.startswith(t + "."))
         }
-        for module, targets in _graph().items()
+        for module, targets in graph.items()
     }
-    cycles = _cycles(graph)
+
+
+def test_no_import_cycle_between_package_modules():
+    cycles = _cycles(_without_parent_links(_graph()))
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_benchmarks_import_the_package_never_the_reverse_and_form_no_cycle():
+    """benchmarks/ sits above the package: it may import any of it, the package none of it; and
+    no benchmark module imports another that (through any chain) imports it back."""
+    graph = _graph_with_benchmarks()
+    assert any(m.startswith(BENCHMARKS + ".") for m in graph), "no benchmark module found"
+    into_benchmarks = [
+        f"{module} -> {target}"
+        for module, targets in sorted(graph.items())
+        if module.startswith(PACKAGE)
+        for target in sorted(targets)
+        if target.split(".")[0] == BENCHMARKS
+    ]
+    assert not into_benchmarks, "the package imports benchmarks/:\n" + "\n".join(into_benchmarks)
+    cycles = _cycles(_without_parent_links(graph))
     assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 

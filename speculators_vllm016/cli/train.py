@@ -99,7 +99,7 @@ def build_parser(
         doc = (type(values).__doc__ or section.name).strip()
         group = parser.add_argument_group(f"{section.name}: {doc}")
         for spec in config_fields(type(values)):
-            _add_field(group, spec, getattr(values, spec.name))
+            _add_field(group, spec, spec.read(values))
     return parser
 
 

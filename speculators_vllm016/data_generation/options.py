@@ -3,8 +3,9 @@
 Each part holds the flags of one group of `speculators datagen --help` (the same names, without the
 dashes), and each consumer takes the part it needs: the engine builder `EngineOptions`, the
 preprocessing `PreprocessingOptions`, the folder and the writers `OutputOptions`. `DatagenOptions`
-joins them; `DatagenOptions.from_args` is the one way from parsed flags (datagen's own, or train's
-`--online` flags, which are datagen's) to options.
+joins them; `DatagenOptions.from_args` is the one way from datagen's parsed flags to options.
+`speculators train --online` nests the parts themselves in its job config (`OnlineConfig`): each
+field here is one setting of both commands, its docstring the help of both.
 
 `DatagenOptions(**flags)` with the flat flag names, and reading or setting `options.seq_length`,
 keep working as they did when the options were one flat dataclass.
@@ -15,7 +16,7 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from speculators_vllm016.data_generation.sample_io import SAMPLE_PATTERNS
@@ -35,27 +36,30 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 class EngineOptions:
     """The target model and its vLLM engine (`add_target_model_arguments`)."""
 
+    # The docstrings below are `speculators train --online`'s help for these flags too.
     target_model_path: str
     """HF model id or local folder of the target model."""
     tensor_parallel_size: int = 1
-    """GPUs (or CPU workers) per model copy; 0.3.0 used every visible GPU."""
+    """GPUs (or CPU workers) per model copy; 0.3.0 used every visible GPU, now 1."""
     pipeline_parallel_size: int = 1
     """Pipeline stages per model copy."""
     max_model_len: int | None = None
-    """Engine context length; None: `seq_length + 1` (see `DatagenOptions.resolved_max_model_len`)."""
+    """Engine context length in tokens; None: --seq-length + 1."""
     gpu_memory_utilization: float = 0.8
     """Share of GPU memory vLLM may use."""
-    dtype: str = "auto"
-    """Model dtype, one of `DTYPES`; part of the run identity (it changes every sample's bytes)."""
+    dtype: str = field(default="auto", metadata={"choices": DTYPES})
+    """Model dtype of the engine; auto: the model's own. Part of the run's identity (it changes
+    every sample's bytes)."""
     max_num_seqs: int | None = None
-    """Sequences per engine step; None: `max(32, batch_size)`."""
+    """Engine batch in sequences; None: max(32, datagen's --batch-size)."""
     max_num_batched_tokens: int | None = None
-    """Tokens per engine step; None: `max(8192, max model len)` (the generator decides)."""
+    """Tokens per engine step; None: max(8192, max model len)."""
     trust_remote_code: bool = False
-    """Run Python code shipped in the model folder (some models need it); 0.3.0 always did."""
+    """Run Python code shipped in the model folder, where vLLM and transformers have no class of
+    their own for it (e.g. Kimi-K2.5's tokenizer); off by default (0.3.0 always ran it)."""
     transfer_root: str | None = None
-    """Folder of the shared-memory files that carry hidden states from the workers; None:
-    `$SPECULATORS_TRANSFER_ROOT`, else /dev/shm, else the temp dir."""
+    """Folder for the shared-memory files that carry hidden states from the engine; None:
+    $SPECULATORS_TRANSFER_ROOT, else /dev/shm, else the temp dir."""
 
 
 @dataclass
@@ -63,22 +67,23 @@ class PreprocessingOptions:
     """Which chat rows become samples and how they are tokenized and masked
     (`add_preprocessing_arguments`); all of it is hashed into the run identity through the samples."""
 
+    # The docstrings below are `speculators train --online`'s help for these flags too.
     train_data_path: str
-    """Local .json/.jsonl (ShareGPT or messages shape), or 'sharegpt' / 'ultrachat'."""
+    """Chat data: local .json/.jsonl (ShareGPT or messages shape), or 'sharegpt' / 'ultrachat'."""
     seq_length: int = 2048
-    """Samples are truncated to this many tokens."""
+    """Truncate samples to this many tokens."""
     max_samples: int | None = None
     """Use at most this many conversations; None: all."""
     hf_cache_dir: str | None = None
-    """The `datasets` cache directory; None: the library's default."""
+    """Datasets cache directory; None: the datasets library's own."""
     assistant_pattern: str | None = None
     """Regex whose first group is assistant text; None: found from the chat template."""
     turn_dropout: bool = False
-    """Keep a random prefix of each conversation."""
+    """Keep a random prefix of each conversation (an augmentation)."""
     seed: int = 0
-    """Shuffle seed of the chat data (train's `--data-seed`)."""
+    """Shuffle seed of the chat data (datagen's --seed, train's --data-seed)."""
     num_preprocessing_workers: int = 8
-    """Processes that tokenize."""
+    """Processes for tokenizing."""
 
 
 @dataclass
@@ -88,16 +93,19 @@ class OutputOptions:
 
     output_dir: str
     """Folder of the sample files (train's `--cache-dir`; "" when online training keeps none)."""
-    output_format: str = "pt"
-    """Sample file format, a key of `SAMPLE_PATTERNS`."""
+    # The docstrings of the sample-file fields (output_format to fsync) are `speculators train
+    # --online`'s help for these flags too (its sample files are those of --cache-dir).
+    output_format: str = field(default="pt", metadata={"choices": tuple(SAMPLE_PATTERNS)})
+    """Sample file format."""
     start_idx: int = 0
-    """Index of the first sample file; row i becomes `data_{start_idx + i}`."""
+    """Index of the first sample file: row i becomes data_<start-idx + i>."""
     layer_ids: list[int] | None = None
-    """Decoder layers whose hidden states each file holds; None: [2, N/2, N-3, N-1] of N layers."""
+    """Decoder layers captured (datagen's numbering: output of layer i); None: [2, N/2, N-3, N-1]
+    of N layers."""
     num_writer_threads: int = 4
     """Threads writing sample files while extraction goes on."""
     fsync: bool = False
-    """fsync every file (survives power loss; files are always whole after a crash)."""
+    """fsync every sample file (survives power loss; files are always whole after a crash)."""
     batch_size: int = 128
     """Sequences per extraction call; a resumed run recomputes whole calls."""
     num_shards: int = 1
@@ -180,8 +188,8 @@ class DatagenOptions:
 
     @classmethod
     def from_fields(cls, values: Mapping[str, Any], **overrides: Any) -> DatagenOptions:
-        """`from_args` over any mapping of datagen's flag names (e.g. online training's section
-        of the job config); names that are not datagen's are ignored."""
+        """`from_args` over any mapping of datagen's flag names; names that are not datagen's are
+        ignored."""
         flags: dict[str, Any] = {}
         for name in _PART_OF:
             if name in overrides:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from benchmarks.trainer_gpu import run_process_group
+from benchmarks.trainer_processes import run_process_group
 
 # A parent that starts a child and waits: the shape of torchrun and its workers.
 PARENT = """

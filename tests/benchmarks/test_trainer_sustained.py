@@ -6,7 +6,8 @@ import json
 import os
 import time
 
-from benchmarks.trainer_gpu import checkpoint_pruning, make_parser, summarize_epochs, write_samples
+from benchmarks.trainer_gpu import make_parser, summarize_epochs, write_samples
+from benchmarks.trainer_processes import checkpoint_pruning
 from benchmarks.training import PRESETS
 
 

@@ -42,7 +42,7 @@ def test_yaml_sets_fields_and_flags_override_them(tmp_path):
     assert config.model.verifier_name_or_path == "some/model" and config.model.ttt_steps == 4
     assert config.training.epochs == 5  # the flag wins
     assert config.training.lr == 3e-5  # YAML 1.1 reads 3e-5 as text; the field makes it a float
-    assert config.runtime.device == "cpu" and config.online.layer_ids == [0, 1, 2, 3]
+    assert config.runtime.device == "cpu" and config.online.output.layer_ids == [0, 1, 2, 3]
     assert config.training.total_seq_len == 8192  # neither: the default
     # The file gives the required --verifier-name-or-path; a flag still replaces it.
     again, _ = config_from_argv(["--config", str(job), "--verifier-name-or-path", "other"])
@@ -91,8 +91,8 @@ def test_whole_floats_are_integers_in_a_job_file(tmp_path):
     job.write_text("training:\n  epochs: 3.0\nonline:\n  layer_ids: [0, 2.0]\n")
     config = load_job_config(job)
     assert config.training.epochs == 3 and type(config.training.epochs) is int
-    assert config.online.layer_ids == [0, 2] and all(
-        type(v) is int for v in config.online.layer_ids
+    assert config.online.output.layer_ids == [0, 2] and all(
+        type(v) is int for v in config.online.output.layer_ids
     )
 
 
@@ -149,8 +149,9 @@ def test_every_field_is_one_flag_and_one_yaml_key():
 
 
 def test_the_online_flags_are_datagens_flags():
-    """The online section repeats datagen's target-model and preprocessing flags: same names,
-    defaults, types and choices as `speculators datagen` (and 0.3.0's train script)."""
+    """The online section's flags come from datagen's option parts, while `speculators datagen`
+    still declares its own flags by hand: same names, defaults, types and choices in both (and
+    0.3.0's train script)."""
     from speculators_vllm016.cli.datagen import (
         add_preprocessing_arguments,
         add_sample_file_arguments,

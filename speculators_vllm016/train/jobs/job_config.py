@@ -6,6 +6,9 @@ One source of truth for the command line, YAML job files and code (the demo, gen
 - each field is one command-line flag, `--` + the field name with dashes (0.3.0's flag names,
   so the field names are 0.3.0's too, `no_` prefixes included), unless `metadata["flag"]` names
   it otherwise;
+- the online section nests datagen's own option parts (`data_generation.options`): their fields
+  are its flags and keys, flat under `online:` as datagen's flags are, with datagen's types,
+  defaults, choices and docstrings (`DatagenPart` says which, renamed how, with what note);
 - a YAML file (`speculators train --config job.yaml`) sets the same fields by section:
 
       model:
@@ -25,10 +28,17 @@ from __future__ import annotations
 import copy
 import dataclasses
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from speculators_vllm016.data_generation.options import (
+    DatagenOptions,
+    EngineOptions,
+    OutputOptions,
+    PreprocessingOptions,
+)
 from speculators_vllm016.utils.atomic_files import atomic_write_text
 from speculators_vllm016.utils.field_docs import field_docs
 
@@ -37,6 +47,7 @@ __all__ = [
     "CONFIG_FILE",
     "CheckpointConfig",
     "DataConfig",
+    "DatagenPart",
     "FieldSpec",
     "JobConfigError",
     "LegacyConfig",
@@ -50,15 +61,13 @@ __all__ = [
     "TrainingConfig",
     "VocabConfig",
     "config_fields",
+    "datagen_part",
     "load_job_config",
     "save_job_config",
 ]
 
 CONFIG_FILE = "train_config.yaml"  # the resolved config, beside the checkpoints
 CHECKPOINT_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-# datagen's engine dtypes (`data_generation.offline.DTYPES`), written out so that reading a job
-# config imports no torch; tests/cli/test_train.py keeps the online flags equal to datagen's.
-ENGINE_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 
 
 class TrainSetupError(ValueError):
@@ -265,12 +274,30 @@ class LegacyConfig:
     """Save the optimizer state in bf16 (D2); half the checkpoint size, a resumed run drifts."""
 
 
-# NOTE(cli): the target-model and preprocessing fields below are datagen's options under the
-# names of datagen's flags (`speculators datagen --help`); `train.jobs.setup` hands them to
-# `DatagenOptions`. A test keeps their flags equal to datagen's.
+@dataclass(frozen=True)
+class DatagenPart:
+    """How the online section shows one of datagen's option parts: its fields become the section's
+    own flags and YAML keys, with datagen's names, types, defaults, choices and docstrings."""
+
+    names: tuple[str, ...] | None = None
+    """The part's fields shown (None: all); the rest keep datagen's defaults or are set by setup."""
+    rename: dict[str, str] = field(default_factory=dict)
+    """Datagen's field name -> the key and flag name here, where train's own flag of that name
+    means something else (`--seed`)."""
+    notes: dict[str, str] = field(default_factory=dict)
+    """Field name -> a sentence added to datagen's docstring: what the field also does in train."""
+
+
+def datagen_part(factory: Callable[[], Any], part: DatagenPart) -> Any:
+    """A field of the online section that nests one of datagen's option parts (`factory` makes
+    its defaults for training: a required field of datagen's is None here, set by setup)."""
+    return field(default_factory=factory, metadata={"datagen_part": part})
+
+
 @dataclass
 class OnlineConfig:
-    """hidden states extracted live while training (--online), with datagen's flags"""
+    """hidden states extracted live while training (--online), with datagen's flags (its sample
+    files are those of --cache-dir)"""
 
     enabled: bool = field(default=False, metadata={"flag": "--online"})
     """Extract hidden states with the target model while training, instead of reading
@@ -290,60 +317,48 @@ class OnlineConfig:
     """Where the draft trains: cuda:N (one per training process, e.g. cuda:6,cuda:7 under
     torchrun --nproc-per-node 2) or cpu; the target model's engine gets every other visible GPU
     (CUDA_VISIBLE_DEVICES). None: both time-share the same devices."""
-    target_model_path: str | None = None
-    """HF model id or local folder of the target; None: --verifier-name-or-path."""
-    tensor_parallel_size: int = 1
-    """GPUs (or CPU workers) per model copy; 0.3.0 used every visible GPU, now 1."""
-    pipeline_parallel_size: int = 1
-    """Pipeline stages per model copy."""
-    max_model_len: int | None = None
-    """Engine context length in tokens; None: --seq-length + 1."""
-    gpu_memory_utilization: float = 0.8
-    """Share of GPU memory vLLM may use (the rest is the trainer's when they time-share)."""
-    dtype: str = field(default="auto", metadata={"choices": list(ENGINE_DTYPES)})
-    """Model dtype of the engine; auto: the model's own."""
-    max_num_seqs: int | None = None
-    """Engine batch in sequences; None: max(32, datagen's batch size)."""
-    max_num_batched_tokens: int | None = None
-    """Tokens per engine step; None: max(8192, max model len)."""
-    trust_remote_code: bool = False
-    """Run Python code shipped in the model folder, where vLLM and transformers have no class of
-    their own for it (Kimi-K2.5's tokenizer, for --online); off by default (0.3.0 always ran it).
-    Also applies to reading --verifier-name-or-path's config, offline too."""
-    transfer_root: str | None = None
-    """Folder for the shared-memory files that carry hidden states from the engine; None:
-    $SPECULATORS_TRANSFER_ROOT, else /dev/shm, else the temp dir."""
-    train_data_path: str | None = None
-    """Chat data, as datagen reads it: local .json/.jsonl (ShareGPT or messages shape), or
-    'sharegpt' / 'ultrachat'. Required with --online."""
-    seq_length: int = 2048
-    """Truncate samples to this many tokens (datagen's default)."""
-    max_samples: int | None = None
-    """Use at most this many conversations; None: all."""
-    hf_cache_dir: str | None = None
-    """Datasets cache directory; None: the datasets library's own."""
-    assistant_pattern: str | None = None
-    """Regex whose first group is assistant text; None: found from the chat template."""
-    turn_dropout: bool = False
-    """Keep a random prefix of each conversation (datagen's augmentation)."""
-    data_seed: int = 0
-    """Shuffle seed of the chat data (datagen's --seed)."""
-    num_preprocessing_workers: int = 8
-    """Processes for tokenizing."""
-    output_format: str = field(default="pt", metadata={"choices": ["pt", "safetensors"]})
-    """Sample file format of the --cache-dir files."""
-    start_idx: int = 0
-    """Index of the first sample file."""
-    layer_ids: list[int] | None = None
-    """Decoder layers captured (datagen's numbering: output of layer i). --online: the layers to
-    capture; None: [2, N/2, N-3, N-1] of N layers. Offline: the layers --data-path holds, needed
-    only for a folder without datagen's data_config.json (0.3.0's layout from elsewhere), whose
-    layers the draft's config must name for vLLM; with data_config.json they must agree."""
-    num_writer_threads: int = 4
-    """Threads writing --cache-dir sample files."""
-    fsync: bool = False
-    """fsync every --cache-dir sample file (survives power loss; files are always whole after a
-    crash)."""
+    engine: EngineOptions = datagen_part(
+        lambda: EngineOptions(target_model_path=None),  # type: ignore[arg-type]
+        DatagenPart(
+            notes={
+                "target_model_path": "None: --verifier-name-or-path.",
+                "gpu_memory_utilization": "The rest is the trainer's when they time-share.",
+                "trust_remote_code": "Also applies to reading --verifier-name-or-path's config, "
+                "offline too.",
+            }
+        ),
+    )
+    preprocessing: PreprocessingOptions = datagen_part(
+        lambda: PreprocessingOptions(train_data_path=None),  # type: ignore[arg-type]
+        DatagenPart(
+            rename={"seed": "data_seed"}, notes={"train_data_path": "Required with --online."}
+        ),
+    )
+    output: OutputOptions = datagen_part(
+        lambda: OutputOptions(output_dir=""),
+        DatagenPart(
+            names=("output_format", "start_idx", "layer_ids", "num_writer_threads", "fsync"),
+            notes={
+                "layer_ids": "Offline: the layers --data-path holds, needed only for a folder "
+                "without datagen's data_config.json (0.3.0's layout from elsewhere), whose layers "
+                "the draft's config must name for vLLM; with data_config.json they must agree."
+            },
+        ),
+    )
+    """The sample-file settings of the --cache-dir files (output_dir is set from cache_dir)."""
+
+    def datagen_options(self, verifier: str) -> DatagenOptions:
+        """Datagen's options of this online run: the nested parts, copied (the options never
+        share a list with the config), with what train decides filled in: the target defaults to
+        `verifier`, the output folder is --cache-dir ("" for none), no 0.3.0 token-count file
+        and no progress bar of datagen's own."""
+        engine, output = copy.deepcopy(self.engine), copy.deepcopy(self.output)
+        engine.target_model_path = engine.target_model_path or verifier
+        output.output_dir, output.token_freq_path = self.cache_dir or "", None
+        output.show_progress = False
+        return DatagenOptions(
+            engine=engine, preprocessing=copy.deepcopy(self.preprocessing), output=output
+        )
 
 
 @dataclass
@@ -361,8 +376,15 @@ class TrainJobConfig:
     legacy: LegacyConfig = field(default_factory=LegacyConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        """`{section: {field: value}}`, the YAML file's shape."""
-        return dataclasses.asdict(self)
+        """`{section: {field: value}}`, the YAML file's shape (the online section's datagen
+        parts flattened into it, under their keys)."""
+        sections = {}
+        for section in dataclasses.fields(self):
+            values = getattr(self, section.name)
+            sections[section.name] = {
+                spec.name: copy.deepcopy(spec.read(values)) for spec in config_fields(type(values))
+            }
+        return sections
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], source: str = "the job config") -> TrainJobConfig:
@@ -392,30 +414,28 @@ class TrainJobConfig:
                     raise JobConfigError(
                         f"{source}: unknown key '{name}.{key}'; {name}'s fields are {', '.join(known)}"
                     )
-                setattr(section, key, known[key].coerce(value, f"{source}: '{name}.{key}'"))
+                known[key].write(section, known[key].coerce(value, f"{source}: '{name}.{key}'"))
         return config
 
     def with_flat(self, values: dict[str, Any]) -> TrainJobConfig:
         """A copy with `values` keyed by flag dest (`epochs`, `online`, ...) set in their sections."""
         config = copy.deepcopy(self)
-        where = {spec.dest: (section, spec.name) for section, spec in all_fields()}
+        where = {spec.dest: (section, spec) for section, spec in all_fields()}
         for dest, value in values.items():
-            section, name = where[dest]
-            setattr(getattr(config, section), name, value)
+            section, spec = where[dest]
+            spec.write(getattr(config, section), value)
         return config
 
     def flat(self) -> dict[str, Any]:
         """`{flag dest: value}` over every section: the shape a command line parses into."""
-        return {
-            spec.dest: getattr(getattr(self, section), spec.name) for section, spec in all_fields()
-        }
+        return {spec.dest: spec.read(getattr(self, section)) for section, spec in all_fields()}
 
 
 @dataclass(frozen=True)
 class FieldSpec:
     """One field of a section and how it is written on a command line."""
 
-    name: str
+    name: str  # the YAML key in its section
     type: type  # int, float, str, bool or list (of int)
     optional: bool  # None is allowed
     default: Any
@@ -424,10 +444,23 @@ class FieldSpec:
     choices: tuple | None
     required: bool
     negatable: bool  # a bool with --x/--no-x (its default is True)
+    path: tuple[str, ...]  # attributes from the section object to the value: (name,) or nested
 
     @property
     def dest(self) -> str:
         return self.flag.lstrip("-").replace("-", "_")
+
+    def read(self, section: Any) -> Any:
+        """This field's value in `section` (an instance of its section class)."""
+        for attribute in self.path:
+            section = getattr(section, attribute)
+        return section
+
+    def write(self, section: Any, value: Any) -> None:
+        """Set this field's value in `section`."""
+        for attribute in self.path[:-1]:
+            section = getattr(section, attribute)
+        setattr(section, self.path[-1], value)
 
     def coerce(self, value: Any, where: str) -> Any:
         """`value` from a YAML file as this field's type (YAML 1.1 reads `1e-4` as a string)."""
@@ -479,35 +512,75 @@ def _whole_number(value: Any) -> int:
 
 
 def config_fields(section: type) -> list[FieldSpec]:
-    """The fields of one section class, with their docstrings and flag names."""
+    """The fields of one section class, with their docstrings and flag names; a nested datagen
+    part (`datagen_part`) gives its shown fields in its place."""
     docs = field_docs(section)
     hints = typing.get_type_hints(section)
     specs = []
     for spec in dataclasses.fields(section):
-        hint = hints[spec.name]
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        optional = type(None) in typing.get_args(hint)
-        base = args[0] if optional else hint
-        if typing.get_origin(base) is list:
-            base = list
         default = (
             spec.default if spec.default is not dataclasses.MISSING else spec.default_factory()
         )  # type: ignore[misc]
-        choices = spec.metadata.get("choices")
+        part = spec.metadata.get("datagen_part")
+        if part is not None:
+            specs.extend(_part_fields(spec.name, default, part))
+        else:
+            specs.append(_field_spec(spec, hints[spec.name], default, docs.get(spec.name, "")))
+    return specs
+
+
+def _part_fields(attribute: str, defaults: Any, part: DatagenPart) -> list[FieldSpec]:
+    """The fields of a nested datagen part shown in the online section (`defaults`: the part as
+    the section's factory makes it), keyed by their renamed names, docstrings with train's notes."""
+    docs = field_docs(type(defaults))
+    hints = typing.get_type_hints(type(defaults))
+    specs = []
+    for spec in dataclasses.fields(defaults):
+        if part.names is not None and spec.name not in part.names:
+            continue
+        doc = " ".join(filter(None, [docs.get(spec.name, ""), part.notes.get(spec.name, "")]))
         specs.append(
-            FieldSpec(
-                name=spec.name,
-                type=base,
-                optional=optional,
-                default=default,
-                doc=docs.get(spec.name, ""),
-                flag=spec.metadata.get("flag", "--" + spec.name.replace("_", "-")),
-                choices=tuple(choices) if choices is not None else None,
-                required=bool(spec.metadata.get("required", False)),
-                negatable=bool(spec.metadata.get("negatable", False)),
+            _field_spec(
+                spec,
+                hints[spec.name],
+                getattr(defaults, spec.name),
+                doc,
+                name=part.rename.get(spec.name, spec.name),
+                path=(attribute, spec.name),
             )
         )
     return specs
+
+
+def _field_spec(
+    spec: dataclasses.Field,
+    hint: Any,
+    default: Any,
+    doc: str,
+    name: str | None = None,
+    path: tuple[str, ...] | None = None,
+) -> FieldSpec:
+    """One dataclass field as a `FieldSpec`; a field whose default is None accepts None (a
+    required datagen field that train fills in, e.g. --target-model-path)."""
+    name = spec.name if name is None else name
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    optional = type(None) in typing.get_args(hint) or default is None
+    base = args[0] if type(None) in typing.get_args(hint) else hint
+    if typing.get_origin(base) is list:
+        base = list
+    choices = spec.metadata.get("choices")
+    return FieldSpec(
+        name=name,
+        type=base,
+        optional=optional,
+        default=default,
+        doc=doc,
+        flag=spec.metadata.get("flag", "--" + name.replace("_", "-")),
+        choices=tuple(choices) if choices is not None else None,
+        required=bool(spec.metadata.get("required", False)),
+        negatable=bool(spec.metadata.get("negatable", False)),
+        path=(spec.name,) if path is None else path,
+    )
 
 
 def all_fields() -> list[tuple[str, FieldSpec]]:

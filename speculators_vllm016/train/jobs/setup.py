@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -111,7 +111,7 @@ def _check_train_devices(config: TrainJobConfig) -> TrainDevices | None:
         visible_gpus,
     )
 
-    online = config.online
+    online, engine = config.online, config.online.engine
     if online.train_devices is None:
         return None
     if config.runtime.device is not None:
@@ -123,7 +123,7 @@ def _check_train_devices(config: TrainJobConfig) -> TrainDevices | None:
             online.train_devices,
             visible=visible_gpus(),
             local_processes=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-            engine_gpus_needed=online.tensor_parallel_size * online.pipeline_parallel_size,
+            engine_gpus_needed=engine.tensor_parallel_size * engine.pipeline_parallel_size,
         )
     except TrainDevicesError as error:
         raise TrainSetupError(str(error)) from None
@@ -155,31 +155,23 @@ def _check_extraction_ranks(config: TrainJobConfig) -> None:
 
 def _check_online(config: TrainJobConfig) -> OnlineSetup:
     """Datagen's checks on the online flags, then datagen's preprocessing (nothing is written)."""
-    from speculators_vllm016.data_generation.offline import DatagenOptions, preprocess_samples
+    from speculators_vllm016.data_generation.offline import preprocess_samples
     from speculators_vllm016.data_generation.preflight import inspect_model
     from speculators_vllm016.data_generation.transfer import check_transfer_space
 
     online = config.online
-    if online.train_data_path is None:
+    train_data_path = online.preprocessing.train_data_path
+    if train_data_path is None:
         raise TrainSetupError("--online needs --train-data-path (the chat data datagen would read)")
-    if Path(online.train_data_path).is_dir():
+    if Path(train_data_path).is_dir():
         raise TrainSetupError(
-            f"--train-data-path {online.train_data_path} is a folder; name the .json/.jsonl chat "
+            f"--train-data-path {train_data_path} is a folder; name the .json/.jsonl chat "
             "file in it (or 'sharegpt' / 'ultrachat')"
         )
     if online.online_queue_size < 1:
         raise TrainSetupError("--online-queue-size must be at least 1")
     devices = _check_train_devices(config)
-    # The online section holds datagen's own flags under datagen's names; train's `--seed`,
-    # `--token-freq-path` and `--no-progress` mean something else, so datagen's values are given.
-    options = DatagenOptions.from_fields(
-        asdict(online),
-        target_model_path=online.target_model_path or config.model.verifier_name_or_path,
-        output_dir=online.cache_dir or "",
-        seed=online.data_seed,
-        token_freq_path=None,
-        show_progress=False,
-    )
+    options = online.datagen_options(config.model.verifier_name_or_path)
     try:
         options.validate()
         facts = inspect_model(
@@ -196,7 +188,7 @@ def _check_online(config: TrainJobConfig) -> OnlineSetup:
     except ValueError as error:  # the chat data: unknown, not UTF-8, not JSON
         raise TrainSetupError(first_line(error)) from None
     if len(dataset) == 0:
-        raise TrainSetupError(f"--train-data-path {online.train_data_path} gives no usable samples")
+        raise TrainSetupError(f"--train-data-path {train_data_path} gives no usable samples")
     return OnlineSetup(options=options, facts=facts, dataset=dataset, devices=devices)
 
 
@@ -504,7 +496,7 @@ def prepare(config: TrainJobConfig, research_reader: ResearchReader | None = Non
     _check_save_path(save_path)
     verifier_path = config.model.verifier_name_or_path
     verifier_config, text_config = verifier_text_config(
-        verifier_path, config.online.trust_remote_code
+        verifier_path, config.online.engine.trust_remote_code
     )
     _check_verifier_weights(verifier_path)
     hidden_size, target_vocab = int(text_config.hidden_size), int(text_config.vocab_size)
@@ -516,7 +508,7 @@ def prepare(config: TrainJobConfig, research_reader: ResearchReader | None = Non
     fingerprint = fingerprint_of_verifier(verifier)
     if online is None:
         _check_sample(files[0], standardize, hidden_size)
-        layer_ids = _offline_layer_ids(data_path, config.online.layer_ids)
+        layer_ids = _offline_layer_ids(data_path, config.online.output.layer_ids)
         recorded = data_model(data_path)
         if recorded is not None:
             check_same_verifier(

@@ -42,7 +42,8 @@ def split_layout(config: TrainJobConfig) -> RankLayout | None:
         world_size=int(os.environ["WORLD_SIZE"]),
         local_rank=int(os.environ["LOCAL_RANK"]),
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
-        engine_gpus=config.online.tensor_parallel_size * config.online.pipeline_parallel_size,
+        engine_gpus=config.online.engine.tensor_parallel_size
+        * config.online.engine.pipeline_parallel_size,
         gpus_on_node=0 if on_cpu else torch.cuda.device_count(),
     )
 
@@ -94,7 +95,9 @@ def run_extraction_rank(
     online = setup.online
     assert online is not None
     if not layout.engine_devices and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        workers = config.online.tensor_parallel_size * config.online.pipeline_parallel_size
+        workers = (
+            config.online.engine.tensor_parallel_size * config.online.engine.pipeline_parallel_size
+        )
         binding = cpu_share(layout, sorted(os.sched_getaffinity(0)), workers)
         if binding is not None:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
