@@ -13,7 +13,9 @@ Each stage records in `<output>/demo_state.json` the options it depends on (its 
 the stages before it) when it starts, and its result once it finished. A rerun reuses a finished
 stage whose options are unchanged; a stage whose options changed (so every stage after it too)
 runs again from scratch, its old outputs removed. A stage interrupted with the same options
-resumes (datagen, training and the target resume on their own after a crash).
+resumes (datagen, training and the target resume on their own after a crash). The stages run
+on `pipeline.runner` with the `pipeline.ledgers.StateFile` ledger; a new stage is its options in
+`stage_options` and its work in `_STAGES`.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DATAGEN_DONE",
     "PipelinePlan",
+    "STAGES",
     "TrainCommand",
     "check_vocab_sizes",
     "datagen_stage",
@@ -46,6 +47,17 @@ __all__ = [
 ]
 
 DATAGEN_DONE = ".datagen_done.json"  # in data/: the datagen flags of the finished run
+
+STAGES = ("datagen", "vocab", "train")
+"""The chain's stages in order; each is made by `<name>_stage(plan, ...)` and numbered from here
+in what it prints. A new stage: its name here, its `Stage` maker, a call in `run_gen_and_train`,
+and `after=(...)` on the stages that read what it writes."""
+
+
+def _step(name: str) -> str:
+    """`[i/n]`: where the stage stands in the chain, for the lines it prints."""
+    return f"[{STAGES.index(name) + 1}/{len(STAGES)}]"
+
 
 TrainCommand = Callable[["TrainJobConfig"], int]
 """Runs a training job as `speculators train` does (its errors reported); the exit status."""
@@ -100,7 +112,7 @@ def datagen_stage(plan: PipelinePlan) -> Stage[DatagenSummary]:
         from speculators_vllm016.data_generation.options import DatagenOptions
         from speculators_vllm016.data_generation.vllm_logging import keep_vllm_quiet
 
-        print(f"[1/3] datagen -> {data}")
+        print(f"{_step('datagen')} datagen -> {data}")
         if not getattr(plan.datagen, "verbose", False):
             keep_vllm_quiet()
         summary = run_datagen(DatagenOptions.from_args(plan.datagen))
@@ -112,7 +124,7 @@ def datagen_stage(plan: PipelinePlan) -> Stage[DatagenSummary]:
         run=run,
         ledger=DoneFile(data / DATAGEN_DONE),
         options=_datagen_record(plan),
-        on_reuse=lambda _: print(f"[1/3] datagen: done earlier in {data}"),
+        on_reuse=lambda _: print(f"{_step('datagen')} datagen: done earlier in {data}"),
     )
 
 
@@ -159,12 +171,14 @@ def vocab_stage(plan: PipelinePlan) -> Stage[tuple[Path, Path]]:
                 f"they map {found['draft_vocab_size']} of {found['target_vocab_size']} tokens, "
                 f"the flags ask {plan.draft_vocab_size} of {size}"
             )
-        print(f"[2/3] vocabulary maps in {folder}: building them again ({reason})")
+        print(f"{_step('vocab')} vocabulary maps in {folder}: building them again ({reason})")
 
     def run() -> tuple[Path, Path]:
         counts = load_token_freq(plan.datagen.output_dir)
         maps = write_vocab_mappings_from_counts(counts, plan.draft_vocab_size, size, folder)
-        print(f"[2/3] vocabulary maps: {plan.draft_vocab_size} of {size} tokens -> {folder}")
+        print(
+            f"{_step('vocab')} vocabulary maps: {plan.draft_vocab_size} of {size} tokens -> {folder}"
+        )
         return maps
 
     return Stage(
@@ -173,7 +187,7 @@ def vocab_stage(plan: PipelinePlan) -> Stage[tuple[Path, Path]]:
         ledger=VocabMapSizes(folder),
         options={"draft_vocab_size": plan.draft_vocab_size, "target_vocab_size": size},
         after=("datagen",),
-        on_reuse=lambda _: print(f"[2/3] vocabulary maps: done earlier in {folder}"),
+        on_reuse=lambda _: print(f"{_step('vocab')} vocabulary maps: done earlier in {folder}"),
         on_rerun=rerun,
     )
 
@@ -182,7 +196,7 @@ def train_stage(plan: PipelinePlan, train: TrainCommand) -> Stage[int]:
     """Training always starts: the job itself resumes from its newest checkpoint."""
 
     def run() -> int:
-        print(f"[3/3] training -> {plan.train.checkpoint.save_path}")
+        print(f"{_step('train')} training -> {plan.train.checkpoint.save_path}")
         return train(plan.train)
 
     return Stage(name="train", run=run, ledger=NoRecord())
