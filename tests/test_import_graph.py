@@ -1,10 +1,10 @@
 """The package's layers import downward only, and no two modules import each other.
 
 The layers, lowest first: utils -> data_generation -> models / vllm_plugin -> train / convert ->
-evaluate -> cli -> demo, and benchmarks/ above them all. The top-level 0.3.0 modules (`config`,
-`model`, `proposals`, `tiny_models`) sit with the models; `__main__` is the top of the stack.
-Every import counts, also one inside a function: a deferred import is still a dependency, it only
-hides a cycle until it runs."""
+evaluate -> pipeline -> cli -> demo, and benchmarks/ above them all. The top-level 0.3.0 modules
+(`config`, `model`, `proposals`, `tiny_models`) sit with the models; `__main__` is the top of the
+stack. Every import counts, also one inside a function: a deferred import is still a dependency, it
+only hides a cycle until it runs."""
 
 from __future__ import annotations
 
@@ -31,6 +31,9 @@ LAYER_OF_SUBPACKAGE = {
     "train": 3,
     "convert": 3,
     "evaluate": 4,
+    # Resumable chains of stages: they call datagen, training and evaluation, and are called by
+    # the command lines and the demo.
+    "pipeline": 4.5,
     "cli": 5,
     "demo": 6,
     "__main__": 7,

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from collections.abc import Sequence
 
 from speculators_vllm016.cli.errors import describe_error, report_errors
 from speculators_vllm016.data_generation.options import DTYPES, DatagenOptions
+from speculators_vllm016.data_generation.vllm_logging import keep_vllm_quiet
 
 __all__ = [
     "add_preprocessing_arguments",
@@ -187,14 +187,6 @@ def build_parser(prog: str = "speculators datagen") -> argparse.ArgumentParser:
         help="show vLLM's own start-up lines (by default only its warnings and errors show)",
     )
     return parser
-
-
-def keep_vllm_quiet() -> None:
-    """vLLM's INFO lines (config dumps, compile and cache notes: dozens at every start) buried
-    datagen's own; only its warnings and errors show. The variable reaches vLLM when it is
-    imported and its worker processes; a level the user set is kept."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
 
 
 def options_from_args(args: argparse.Namespace) -> DatagenOptions:

@@ -160,7 +160,7 @@ def quiet_online_engine(config: TrainJobConfig) -> None:
     """--online starts vLLM, whose dozens of INFO lines would bury training's own: only its
     warnings and errors show unless --verbose (datagen's rule)."""
     if config.online.enabled and not config.logging.verbose:
-        from speculators_vllm016.cli.datagen import keep_vllm_quiet
+        from speculators_vllm016.data_generation.vllm_logging import keep_vllm_quiet
 
         keep_vllm_quiet()
 

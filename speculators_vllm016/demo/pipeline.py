@@ -13,26 +13,25 @@ Each stage records in `<output>/demo_state.json` the options it depends on (its 
 the stages before it) when it starts, and its result once it finished. A rerun reuses a finished
 stage whose options are unchanged; a stage whose options changed (so every stage after it too)
 runs again from scratch, its old outputs removed. A stage interrupted with the same options
-resumes (datagen, training and the target resume on their own after a crash).
+resumes (datagen, training and the target resume on their own after a crash). The stages run
+on `pipeline.runner` with the `pipeline.ledgers.StateFile` ledger; a new stage is its options in
+`stage_options` and its work in `_STAGES`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from speculators_vllm016.utils.atomic_files import (
-    atomic_write,
-    atomic_write_text,
-    give_usual_modes,
-    replace_folder,
-)
+from speculators_vllm016.pipeline.ledgers import StateFile
+from speculators_vllm016.pipeline.runner import Rerun, Stage, StageRunner, changed_options
+from speculators_vllm016.utils.atomic_files import atomic_write, give_usual_modes, replace_folder
 
 if TYPE_CHECKING:
     from speculators_vllm016.train.jobs.job_config import TrainJobConfig
@@ -82,6 +81,14 @@ class StageRecord:
 
 
 @dataclass
+class StageOutputs:
+    """What a stage's work returns, kept in `demo_state.json`: where it wrote, what it measured."""
+
+    outputs: dict[str, str]
+    figures: dict[str, Any]
+
+
+@dataclass
 class DemoResult:
     root: Path
     stages: list[StageRecord]
@@ -90,13 +97,9 @@ class DemoResult:
         return next(s for s in self.stages if s.name == name)
 
 
-def _load_state(root: Path) -> dict[str, dict]:
-    path = root / STATE_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def _save_state(root: Path, state: dict[str, dict]) -> None:
-    atomic_write_text(root / STATE_FILE, json.dumps(state, indent=2) + "\n")
+def _load_state(root: Path) -> StateFile:
+    """The demo's record of its stages (`demo_state.json`; none yet: an empty one)."""
+    return StateFile(root / STATE_FILE)
 
 
 def stage_options(options: DemoOptions) -> dict[str, dict[str, Any]]:
@@ -133,62 +136,50 @@ def stage_options(options: DemoOptions) -> dict[str, dict[str, Any]]:
     return result
 
 
-def _changed(before: dict | None, now: dict) -> str:
-    """The options that differ, for the log line (`before` None: not recorded)."""
-    if before is None:
-        return "its options were not recorded"
-    keys = sorted(set(before) | set(now), key=str)
-    return ", ".join(
-        f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in keys if before.get(k) != now.get(k)
-    )
+def _say_rerun(name: str) -> Callable[[Rerun], None]:
+    def say(why: Rerun) -> None:
+        print(f"[demo] {name}: running it again ({changed_options(why.before, why.now)})")
+
+    return say
 
 
 def _run_stage(
     root: Path,
-    state: dict[str, dict],
+    state: StateFile,
     name: str,
     work: Callable[[], tuple[dict, dict]],
     options: dict[str, Any] | None = None,
     outputs: Sequence[Path] = (),
 ) -> StageRecord:
-    """Run `work` unless the state records it finished with the same `options`.
+    """Run `work` (returning its output paths and figures) unless `state` records that it
+    finished with the same `options`.
 
     `options`: everything the stage's result depends on (JSON values). When a record of the stage
-    with other options exists, its `outputs` (files or folders) are removed first, so nothing
-    of the old run is resumed or reused.
+    with other options exists, its `outputs` (files or folders, inside `root`) are removed first,
+    so nothing of the old run is resumed or reused.
     """
-    options = json.loads(json.dumps(options or {}))
-    saved = state.get(name)
-    if saved is not None and saved.get("options") == options and "outputs" in saved:
-        return StageRecord(
+    outside = [path for path in outputs if not Path(path).resolve().is_relative_to(root.resolve())]
+    if outside:
+        raise ValueError(f"demo stage {name!r} would remove {outside[0]}, outside {root}")
+    outcome = StageRunner().run(
+        Stage(
             name=name,
-            seconds=saved["seconds"],
-            outputs=saved["outputs"],
-            figures=saved["figures"],
-            reused=True,
+            run=lambda: StageOutputs(*work()),
+            ledger=state,
+            options=options or {},
+            clear_on_change=tuple(outputs),
+            output_type=StageOutputs,
+            on_rerun=_say_rerun(name),
         )
-    if saved is not None and saved.get("options") != options:
-        print(f"[demo] {name}: running it again ({_changed(saved.get('options'), options)})")
-        for path in outputs:
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
-    state[name] = {"options": options}  # started: a crash with the same options resumes
-    _save_state(root, state)
-    started = time.perf_counter()
-    result, figures = work()
-    record = StageRecord(
-        name=name, seconds=time.perf_counter() - started, outputs=result, figures=figures
     )
-    state[name] = {
-        "options": options,
-        "seconds": record.seconds,
-        "outputs": result,
-        "figures": figures,
-    }
-    _save_state(root, state)
-    return record
+    done = outcome.output or StageOutputs(outputs={}, figures={})
+    return StageRecord(
+        name=name,
+        seconds=outcome.seconds,
+        outputs=done.outputs,
+        figures=done.figures,
+        reused=outcome.reused,
+    )
 
 
 def _train_config(options: DemoOptions, root: Path, target: Path) -> TrainJobConfig:
@@ -291,9 +282,202 @@ def plot_training_curves(metrics: list[dict], path: Path) -> None:
         plt.close(figure)
 
 
+@dataclass(frozen=True)
+class _DemoRun:
+    """What every stage of one demo run reads: its options and where things go."""
+
+    options: DemoOptions
+    root: Path
+    conversations: Path
+
+    @property
+    def target(self) -> Path:
+        return self.root / "target"
+
+    @property
+    def untrained(self) -> Path:
+        return self.root / "draft-untrained"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def trained(self) -> Path:
+        return self.checkpoints / str(self.options.epochs - 1)
+
+    def train_config(self) -> TrainJobConfig:
+        return _train_config(self.options, self.root, self.target)
+
+
+def _target_stage(run: _DemoRun) -> tuple[dict, dict]:
+    from speculators_vllm016.demo import build_demo_model
+    from speculators_vllm016.demo.target import TargetTraining, train_demo_target
+
+    options = run.options
+    initial = build_demo_model(run.root / "model-init")
+    result = train_demo_target(
+        initial,
+        run.target,
+        run.conversations,
+        TargetTraining(
+            steps=options.target_steps,
+            row_tokens=options.target_row_tokens,
+            rows_per_step=options.target_rows_per_step,
+            seed=options.seed,
+            show_progress=options.show_progress,
+        ),
+    )
+    return {"target": str(run.target)}, {
+        "tokens": result.tokens,
+        "tokens_per_second": result.tokens_per_second,
+        "first_loss": result.first_loss,
+        "last_loss": result.last_loss,
+    }
+
+
+def _datagen_stage(run: _DemoRun) -> tuple[dict, dict]:
+    from speculators_vllm016.data_generation.offline import run_datagen
+    from speculators_vllm016.data_generation.options import (
+        DatagenOptions,
+        EngineOptions,
+        OutputOptions,
+        PreprocessingOptions,
+    )
+
+    options = run.options
+    summary = run_datagen(
+        DatagenOptions(
+            engine=EngineOptions(target_model_path=str(run.target), dtype=options.dtype),
+            preprocessing=PreprocessingOptions(
+                train_data_path=str(run.conversations),
+                seq_length=options.seq_length,
+                max_samples=options.max_samples,
+                hf_cache_dir=str(run.root / "hf-datasets-cache"),
+                seed=options.seed,
+                num_preprocessing_workers=min(2, os.cpu_count() or 1),
+            ),
+            output=OutputOptions(
+                output_dir=str(run.root / "data"),
+                output_format=options.output_format,
+                batch_size=options.batch_size,
+                show_progress=options.show_progress,
+            ),
+        )
+    )
+    return {"data": summary.output_dir}, {
+        "samples": summary.samples_total,
+        "tokens": summary.tokens_extracted,
+        "tokens_per_second": summary.tokens_per_second,
+    }
+
+
+def _vocab_stage(run: _DemoRun) -> tuple[dict, dict]:
+    from transformers import AutoConfig
+
+    from speculators_vllm016.data_generation.token_counts import load_token_freq
+    from speculators_vllm016.train.vocab_maps import write_vocab_mappings_from_counts
+
+    target_vocab = int(AutoConfig.from_pretrained(run.target).vocab_size)
+    counts = load_token_freq(run.root / "data")
+    d2t, t2d = write_vocab_mappings_from_counts(
+        counts, run.options.draft_vocab_size, target_vocab, run.root / "vocab"
+    )
+    return {"d2t": str(d2t), "t2d": str(t2d)}, {
+        "draft_vocab_size": run.options.draft_vocab_size,
+        "target_vocab_size": target_vocab,
+        "distinct_tokens_seen": len(counts),
+    }
+
+
+def _initial_draft_stage(run: _DemoRun) -> tuple[dict, dict]:
+    _save_initial_draft(run.train_config(), run.untrained)
+    return {"untrained_draft": str(run.untrained)}, {}
+
+
+def _train_stage(run: _DemoRun) -> tuple[dict, dict]:
+    from speculators_vllm016.train.jobs.job import run_train_job
+    from speculators_vllm016.train.logger import METRICS_FILE
+
+    started = time.perf_counter()
+    run_train_job(run.train_config(), report=lambda result: print(result.describe()))
+    seconds = time.perf_counter() - started
+    metrics = read_training_metrics(run.checkpoints / METRICS_FILE)
+    tokens, rate = training_throughput(metrics, seconds)
+    curves = run.root / "training_curves.png"
+    try:
+        plot_training_curves(metrics, curves)
+    except ImportError:
+        curves = Path("(no PNG: pip install matplotlib)")
+    return {
+        "checkpoints": str(run.checkpoints),
+        "trained_draft": str(run.trained),
+        "curves": str(curves),
+        "metrics": str(run.checkpoints / METRICS_FILE),
+    }, {
+        "steps": len(metrics),
+        "tokens": tokens,
+        "tokens_per_second": rate,
+        "first_loss": metrics[0].get("loss") if metrics else None,
+        "last_loss": metrics[-1].get("loss") if metrics else None,
+    }
+
+
+def _eval_stage(run: _DemoRun) -> tuple[dict, dict]:
+    from speculators_vllm016.evaluate.report import format_table, write_json, write_plot
+    from speculators_vllm016.evaluate.runner import EvalOptions, run_evaluation
+
+    report = run_evaluation(
+        EvalOptions(
+            drafts=[str(run.untrained), str(run.trained)],
+            data_path=str(run.conversations),
+            verifier=str(run.target),
+            max_prompts=run.options.eval_prompts,
+            max_new_tokens=run.options.max_new_tokens,
+            engine="hf",
+            device="cpu",
+            hf_cache_dir=str(run.root / "hf-datasets-cache"),
+            show_progress=run.options.show_progress,
+            labels=["untrained", "trained"],
+        )
+    )
+    folder = run.root / "eval"
+    write_json(report, folder / "eval.json")
+    plot = folder / "acceptance.png"
+    try:
+        write_plot(report.drafts, plot, title="Demo: untrained vs trained draft")
+    except ImportError:
+        plot = Path("(no PNG: pip install matplotlib)")
+    before, after = report.drafts
+    return {"json": str(folder / "eval.json"), "plot": str(plot)}, {
+        "table": format_table(report.drafts),
+        "tau_untrained": before.counts.acceptance_length,
+        "tau_trained": after.counts.acceptance_length,
+        "rates_untrained": before.counts.per_position_rates,
+        "rates_trained": after.counts.per_position_rates,
+        "prompts": report.num_prompts,
+    }
+
+
+_DemoWork = Callable[[_DemoRun], tuple[dict, dict]]
+_STAGES: dict[str, tuple[_DemoWork, Callable[[_DemoRun], list[Path]]]] = {
+    "target": (_target_stage, lambda run: [run.target]),
+    "datagen": (_datagen_stage, lambda run: [run.root / "data"]),
+    "vocab": (_vocab_stage, lambda run: [run.root / "vocab"]),
+    "initial draft": (_initial_draft_stage, lambda run: [run.untrained]),
+    "train": (
+        _train_stage,
+        lambda run: [run.checkpoints, run.root / "logs", run.root / "training_curves.png"],
+    ),
+    "eval": (_eval_stage, lambda run: [run.root / "eval"]),
+}
+"""Each stage's work and the outputs removed before it runs with other options, in the order of
+`stage_options` (a new stage: its options there, its work here)."""
+
+
 def run_demo(options: DemoOptions) -> DemoResult:
     """Run (or resume) every stage; returns what each stage wrote and measured."""
-    from speculators_vllm016.demo import build_demo_model, demo_conversations_path
+    from speculators_vllm016.demo import demo_conversations_path
     from speculators_vllm016.demo.engine_dtype import choose_engine_dtype
 
     dtype, why = choose_engine_dtype(options.dtype)
@@ -303,177 +487,10 @@ def run_demo(options: DemoOptions) -> DemoResult:
     root = Path(options.output_dir)
     root.mkdir(parents=True, exist_ok=True)
     state = _load_state(root)
-    conversations = demo_conversations_path()
-    stages: list[StageRecord] = []
-    target = root / "target"
-
-    def target_stage() -> tuple[dict, dict]:
-        from speculators_vllm016.demo.target import TargetTraining, train_demo_target
-
-        initial = build_demo_model(root / "model-init")
-        result = train_demo_target(
-            initial,
-            target,
-            conversations,
-            TargetTraining(
-                steps=options.target_steps,
-                row_tokens=options.target_row_tokens,
-                rows_per_step=options.target_rows_per_step,
-                seed=options.seed,
-                show_progress=options.show_progress,
-            ),
-        )
-        return {"target": str(target)}, {
-            "tokens": result.tokens,
-            "tokens_per_second": result.tokens_per_second,
-            "first_loss": result.first_loss,
-            "last_loss": result.last_loss,
-        }
-
-    depends = stage_options(options)
-    stages.append(_run_stage(root, state, "target", target_stage, depends["target"], [target]))
-
-    def datagen_stage() -> tuple[dict, dict]:
-        from speculators_vllm016.data_generation.offline import run_datagen
-        from speculators_vllm016.data_generation.options import (
-            DatagenOptions,
-            EngineOptions,
-            OutputOptions,
-            PreprocessingOptions,
-        )
-
-        summary = run_datagen(
-            DatagenOptions(
-                engine=EngineOptions(target_model_path=str(target), dtype=options.dtype),
-                preprocessing=PreprocessingOptions(
-                    train_data_path=str(conversations),
-                    seq_length=options.seq_length,
-                    max_samples=options.max_samples,
-                    hf_cache_dir=str(root / "hf-datasets-cache"),
-                    seed=options.seed,
-                    num_preprocessing_workers=min(2, os.cpu_count() or 1),
-                ),
-                output=OutputOptions(
-                    output_dir=str(root / "data"),
-                    output_format=options.output_format,
-                    batch_size=options.batch_size,
-                    show_progress=options.show_progress,
-                ),
-            )
-        )
-        return {"data": summary.output_dir}, {
-            "samples": summary.samples_total,
-            "tokens": summary.tokens_extracted,
-            "tokens_per_second": summary.tokens_per_second,
-        }
-
-    stages.append(
-        _run_stage(root, state, "datagen", datagen_stage, depends["datagen"], [root / "data"])
-    )
-
-    def vocab_stage() -> tuple[dict, dict]:
-        from transformers import AutoConfig
-
-        from speculators_vllm016.data_generation.token_counts import load_token_freq
-        from speculators_vllm016.train.vocab_maps import write_vocab_mappings_from_counts
-
-        target_vocab = int(AutoConfig.from_pretrained(target).vocab_size)
-        counts = load_token_freq(root / "data")
-        d2t, t2d = write_vocab_mappings_from_counts(
-            counts, options.draft_vocab_size, target_vocab, root / "vocab"
-        )
-        return {"d2t": str(d2t), "t2d": str(t2d)}, {
-            "draft_vocab_size": options.draft_vocab_size,
-            "target_vocab_size": target_vocab,
-            "distinct_tokens_seen": len(counts),
-        }
-
-    stages.append(_run_stage(root, state, "vocab", vocab_stage, depends["vocab"], [root / "vocab"]))
-    train_config = _train_config(options, root, target)
-    untrained = root / "draft-untrained"
-
-    def draft_stage() -> tuple[dict, dict]:
-        _save_initial_draft(train_config, untrained)
-        return {"untrained_draft": str(untrained)}, {}
-
-    stages.append(
-        _run_stage(root, state, "initial draft", draft_stage, depends["initial draft"], [untrained])
-    )
-    save = root / "checkpoints"
-    trained = save / str(options.epochs - 1)
-
-    def train_stage() -> tuple[dict, dict]:
-        from speculators_vllm016.train.jobs.job import run_train_job
-        from speculators_vllm016.train.logger import METRICS_FILE
-
-        started = time.perf_counter()
-        run_train_job(train_config, report=lambda result: print(result.describe()))
-        seconds = time.perf_counter() - started
-        metrics = read_training_metrics(save / METRICS_FILE)
-        tokens, rate = training_throughput(metrics, seconds)
-        curves = root / "training_curves.png"
-        try:
-            plot_training_curves(metrics, curves)
-        except ImportError:
-            curves = Path("(no PNG: pip install matplotlib)")
-        return {
-            "checkpoints": str(save),
-            "trained_draft": str(trained),
-            "curves": str(curves),
-            "metrics": str(save / METRICS_FILE),
-        }, {
-            "steps": len(metrics),
-            "tokens": tokens,
-            "tokens_per_second": rate,
-            "first_loss": metrics[0].get("loss") if metrics else None,
-            "last_loss": metrics[-1].get("loss") if metrics else None,
-        }
-
-    stages.append(
-        _run_stage(
-            root,
-            state,
-            "train",
-            train_stage,
-            depends["train"],
-            [save, root / "logs", root / "training_curves.png"],
-        )
-    )
-
-    def eval_stage() -> tuple[dict, dict]:
-        from speculators_vllm016.evaluate.report import format_table, write_json, write_plot
-        from speculators_vllm016.evaluate.runner import EvalOptions, run_evaluation
-
-        report = run_evaluation(
-            EvalOptions(
-                drafts=[str(untrained), str(trained)],
-                data_path=str(conversations),
-                verifier=str(target),
-                max_prompts=options.eval_prompts,
-                max_new_tokens=options.max_new_tokens,
-                engine="hf",
-                device="cpu",
-                hf_cache_dir=str(root / "hf-datasets-cache"),
-                show_progress=options.show_progress,
-                labels=["untrained", "trained"],
-            )
-        )
-        folder = root / "eval"
-        write_json(report, folder / "eval.json")
-        plot = folder / "acceptance.png"
-        try:
-            write_plot(report.drafts, plot, title="Demo: untrained vs trained draft")
-        except ImportError:
-            plot = Path("(no PNG: pip install matplotlib)")
-        before, after = report.drafts
-        return {"json": str(folder / "eval.json"), "plot": str(plot)}, {
-            "table": format_table(report.drafts),
-            "tau_untrained": before.counts.acceptance_length,
-            "tau_trained": after.counts.acceptance_length,
-            "rates_untrained": before.counts.per_position_rates,
-            "rates_trained": after.counts.per_position_rates,
-            "prompts": report.num_prompts,
-        }
-
-    stages.append(_run_stage(root, state, "eval", eval_stage, depends["eval"], [root / "eval"]))
+    run = _DemoRun(options=options, root=root, conversations=demo_conversations_path())
+    stages = [
+        _run_stage(root, state, name, partial(work, run), depends, clear(run))
+        for name, depends in stage_options(options).items()
+        for work, clear in [_STAGES[name]]
+    ]
     return DemoResult(root=root, stages=stages)

@@ -106,7 +106,7 @@ def test_a_draft_vocabulary_larger_than_the_targets_is_refused_before_datagen(
 def _vocab_plan(root: Path, draft: int, target: int = 64):
     from types import SimpleNamespace
 
-    from speculators_vllm016.cli.gen_and_train import PipelinePlan
+    from speculators_vllm016.pipeline.gen_and_train import PipelinePlan
 
     datagen = SimpleNamespace(output_dir=str(root / "data"), target_model_path="unused")
     return PipelinePlan(
@@ -123,8 +123,8 @@ def _vocab_plan(root: Path, draft: int, target: int = 64):
 def test_vocabulary_maps_are_reused_only_while_their_sizes_match_the_flags(tmp_path, capsys):
     import numpy as np
 
-    from speculators_vllm016.cli.gen_and_train import run_vocab_stage
     from speculators_vllm016.data_generation.token_counts import save_token_counts
+    from speculators_vllm016.pipeline.gen_and_train import run_vocab_stage
 
     save_token_counts(
         {i: 100 - i for i in range(50)}, tmp_path / "data/token_freq/shard-0-of-1.pth"

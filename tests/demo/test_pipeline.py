@@ -124,3 +124,18 @@ def test_a_stage_whose_options_changed_runs_again_from_scratch_with_every_later_
     ran.clear()
     _stages(tmp_path, replace(base, epochs=6), ran)
     assert ran == ["eval (over old output)"]  # train finished with these options; eval resumes
+
+
+def test_a_stage_never_removes_anything_outside_the_demo_folder(tmp_path):
+    from speculators_vllm016.demo.pipeline import _load_state, _run_stage
+
+    root, elsewhere = tmp_path / "demo", tmp_path / "elsewhere"
+    root.mkdir()
+    elsewhere.mkdir()
+    state = _load_state(root)
+    _run_stage(root, state, "train", lambda: ({}, {}), {"epochs": 1}, [root / "checkpoints"])
+    with pytest.raises(ValueError, match="outside"):
+        _run_stage(root, state, "train", lambda: ({}, {}), {"epochs": 2}, [elsewhere])
+    assert elsewhere.is_dir()
+    with pytest.raises(ValueError, match="outside"):
+        _run_stage(root, state, "train", lambda: ({}, {}), {"epochs": 2}, [root / ".." / "x"])
