@@ -51,6 +51,7 @@ RAY_MISSING = (
     "pip install 'speculators-vllm016[ray]' (or pip install 'ray>=2.40')"
 )
 POLL_SECONDS = 1.0
+CANCEL_SECONDS = 30.0  # for cancelled shard tasks to kill their processes and end
 # Ray's object store only carries the tasks' small results (hidden states go through the folder).
 LOCAL_OBJECT_STORE_BYTES = 128 * 2**20
 
@@ -259,10 +260,24 @@ class ShardScheduler:
                     else:
                         self.retry_or_fail(result)
         finally:
-            for reference in self.pending:
-                self.ray.cancel(reference, force=True)
+            self.cancel_pending()
             progress.close()
         return [finished[shard] for shard in range(self.num_shards)]
+
+    def cancel_pending(self) -> None:
+        """Stop the shards still running when the run fails or is interrupted. A cancelled task
+        kills its shard's process group on its way out; one that does not end in time loses its
+        worker (the shard process dies with it on Linux)."""
+        references = list(self.pending)
+        if not references:
+            return
+        for reference in references:
+            self.ray.cancel(reference)
+        _ended, running = self.ray.wait(
+            references, num_returns=len(references), timeout=CANCEL_SECONDS
+        )
+        for reference in running:
+            self.ray.cancel(reference, force=True)
 
     def retry_or_fail(self, result: AttemptResult) -> None:
         shard, log = result.shard_index, self.log_path(result.shard_index)
@@ -270,8 +285,9 @@ class ShardScheduler:
         if not result.retryable:
             raise ShardFailed(f"{which} stopped: {result.why()} (its log: {log})")
         if result.attempt > self.max_retries:
+            times = "once" if result.attempt == 1 else f"{result.attempt} times"
             raise ShardFailed(
-                f"{which} failed {result.attempt} times (--ray-max-retries {self.max_retries}), "
+                f"{which} failed {times} (--ray-max-retries {self.max_retries}), "
                 f"the last {result.why()}; see its log {log}"
             )
         self.retries += 1

@@ -38,6 +38,7 @@ __all__ = [
 LOG_DIR = "logs"
 SUMMARY_PREFIX = "SUMMARY "  # the line `speculators datagen` ends a finished run with
 ERROR_PREFIX = "error: "  # the line it prints for an expected failure
+WAIT_STEP_SECONDS = 1.0
 
 
 def shard_log_path(output_dir: str | os.PathLike, shard_index: int, num_shards: int) -> Path:
@@ -171,7 +172,13 @@ def run_shard_attempt(
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
         try:
-            returncode = process.wait()
+            # Waiting in steps lets a cancelled task's interrupt through (then the group is killed).
+            returncode = None
+            while returncode is None:
+                try:
+                    returncode = process.wait(timeout=WAIT_STEP_SECONDS)
+                except subprocess.TimeoutExpired:
+                    pass
         finally:
             _kill_group(process)
         log.write(f"=== shard {shard_index}, attempt {attempt}: exit status {returncode} ===\n")

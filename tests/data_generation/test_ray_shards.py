@@ -38,7 +38,7 @@ SETTINGS = {"seq_length": 255, "batch_size": 4, "dtype": "float32", "max_samples
 # Loaded into every Python process of a test run (PYTHONPATH): the shard named by
 # TEST_KILL_SHARD ("<index>:<marker file>") SIGKILLs itself right after its first sample file is
 # renamed into place, once (the marker remembers it), or at its start on every attempt when
-# TEST_KILL_AT_START is set.
+# TEST_KILL_AT_START is set (once the file TEST_KILL_WAITS_FOR exists, when that is set).
 KILL_HOOK = """
 import os, signal, sys
 _spec = os.environ.get("TEST_KILL_SHARD")
@@ -46,6 +46,11 @@ if _spec:
     _index, _marker = _spec.split(":", 1)
     _mine = "--shard-index=" + _index in sys.argv and "datagen" in sys.argv
     if _mine and os.environ.get("TEST_KILL_AT_START"):
+        import time
+        _wait = os.environ.get("TEST_KILL_WAITS_FOR")
+        _deadline = time.monotonic() + 600
+        while _wait and not os.path.exists(_wait) and time.monotonic() < _deadline:
+            time.sleep(0.1)
         os.kill(os.getpid(), signal.SIGKILL)
     _replace = os.replace
     def _replace_then_die(src, dst, *args, **kwargs):
@@ -171,8 +176,23 @@ def ray_datagen(model: Path, chats: Path, output: Path, tmp_path: Path, *extra: 
     )
 
 
+def processes_mentioning(text: str) -> list[str]:
+    """Command lines of this machine's processes that contain `text`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError):
+            continue
+        if text in command:
+            found.append(command)
+    return found
+
+
 @pytest.mark.slow
 def test_a_shard_that_keeps_dying_fails_the_run_naming_it_and_its_log(tiny_llama, chats, tmp_path):
+    """Shard 0 dies at every start, once shard 1 is mid-run (holds its lock): the run fails on
+    shard 0 after its retries, and shard 1 is stopped with it (no process of the run is left)."""
     output = tmp_path / "out"
     result = ray_datagen(
         tiny_llama,
@@ -180,18 +200,21 @@ def test_a_shard_that_keeps_dying_fails_the_run_naming_it_and_its_log(tiny_llama
         output,
         tmp_path,
         "--num-shards",
-        "1",
+        "2",
         "--ray-max-retries",
         "1",
         TEST_KILL_SHARD=f"0:{tmp_path / 'never-used'}",
         TEST_KILL_AT_START="1",
+        TEST_KILL_WAITS_FOR=str(output / ".locks" / "shard-1-of-2.lock"),
     )
-    log = output / "logs" / "shard-0-of-1.log"
+    log = output / "logs" / "shard-0-of-2.log"
     assert result.returncode == 2, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
-    assert "shard 0 of 1 failed 2 times (--ray-max-retries 1)" in last, result.stderr[-3000:]
+    assert "shard 0 of 2 failed 2 times (--ray-max-retries 1)" in last, result.stderr[-3000:]
     assert "killed by SIGKILL" in last and str(log) in last
     assert re.findall(r"=== shard 0, attempt (\d+),", log.read_text()) == ["1", "2"]
+    assert re.findall(r"=== shard 1, attempt (\d+),", (log.parent / "shard-1-of-2.log").read_text())
+    assert processes_mentioning(str(output)) == []
 
 
 @pytest.mark.slow
