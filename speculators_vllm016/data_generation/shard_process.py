@@ -7,9 +7,9 @@ protocol, same resume). Its exit status says what a retry can do: 0 is done, 2 i
 flags, the model or the data (the same run would fail the same way), anything else (a crash, a
 kill, a lost node) leaves a folder that a retry resumes.
 
-The shard runs in a session of its own and is killed with its whole group when it ends, so engine
-processes it leaves behind never hold a GPU into the retry; on Linux it also dies with the task's
-worker, so a cancelled or crashed task never leaves a second writer behind.
+The shard runs in a session of its own and its whole group is killed when it ends or when its task
+is cancelled, so engine processes a killed shard leaves behind never hold a GPU into the retry.
+(A task whose worker dies takes the shard with it: Ray kills a dead worker's child processes.)
 """
 
 from __future__ import annotations
@@ -110,17 +110,6 @@ class AttemptResult:
         return f"exit status {self.returncode}"
 
 
-def _die_with_parent() -> None:
-    """In the shard process before it starts (Linux): SIGKILL when the task's worker dies."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _attempt_output(log_path: Path, offset: int) -> list[str]:
     with open(log_path, encoding="utf-8", errors="replace") as log:
         log.seek(offset)
@@ -169,7 +158,6 @@ def run_shard_attempt(
             cwd=cwd if os.path.isdir(cwd) else None,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
         try:
             # Waiting in steps lets a cancelled task's interrupt through (then the group is killed).

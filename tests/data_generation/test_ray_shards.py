@@ -38,7 +38,8 @@ SETTINGS = {"seq_length": 255, "batch_size": 4, "dtype": "float32", "max_samples
 # Loaded into every Python process of a test run (PYTHONPATH): the shard named by
 # TEST_KILL_SHARD ("<index>:<marker file>") SIGKILLs itself right after its first sample file is
 # renamed into place, once (the marker remembers it), or at its start on every attempt when
-# TEST_KILL_AT_START is set (once the file TEST_KILL_WAITS_FOR exists, when that is set).
+# TEST_KILL_AT_START is set (once the file TEST_KILL_WAITS_FOR exists, when that is set). The
+# shard TEST_HOLD_SHARD never renames a sample file: it stays mid-run, engine up, until stopped.
 KILL_HOOK = """
 import os, signal, sys
 _spec = os.environ.get("TEST_KILL_SHARD")
@@ -52,10 +53,14 @@ if _spec:
         while _wait and not os.path.exists(_wait) and time.monotonic() < _deadline:
             time.sleep(0.1)
         os.kill(os.getpid(), signal.SIGKILL)
+    _held = "--shard-index=" + os.environ.get("TEST_HOLD_SHARD", "-") in sys.argv
     _replace = os.replace
     def _replace_then_die(src, dst, *args, **kwargs):
-        result = _replace(src, dst, *args, **kwargs)
         name = os.path.basename(str(dst))
+        if _held and name.startswith("data_"):
+            import time
+            time.sleep(3600)
+        result = _replace(src, dst, *args, **kwargs)
         if _mine and name.startswith("data_") and not os.path.exists(_marker):
             open(_marker, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
@@ -176,23 +181,25 @@ def ray_datagen(model: Path, chats: Path, output: Path, tmp_path: Path, *extra: 
     )
 
 
-def processes_mentioning(text: str) -> list[str]:
-    """Command lines of this machine's processes that contain `text`."""
+def processes_tagged(tag: str) -> list[str]:
+    """Command lines of this machine's processes whose environment holds TEST_RUN_TAG=tag."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
+            environment = (entry / "environ").read_bytes().split(b"\0")
             command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except (OSError, ValueError):
             continue
-        if text in command:
+        if f"TEST_RUN_TAG={tag}".encode() in environment:
             found.append(command)
     return found
 
 
 @pytest.mark.slow
 def test_a_shard_that_keeps_dying_fails_the_run_naming_it_and_its_log(tiny_llama, chats, tmp_path):
-    """Shard 0 dies at every start, once shard 1 is mid-run (holds its lock): the run fails on
-    shard 0 after its retries, and shard 1 is stopped with it (no process of the run is left)."""
+    """Shard 0 dies at every start, once shard 1 is mid-run (its engine started and held): the
+    run fails on shard 0 after its retries, and shard 1 is stopped with it: no process of the run
+    (shard, engine, Ray) is left once the command has returned."""
     output = tmp_path / "out"
     result = ray_datagen(
         tiny_llama,
@@ -205,7 +212,9 @@ def test_a_shard_that_keeps_dying_fails_the_run_naming_it_and_its_log(tiny_llama
         "1",
         TEST_KILL_SHARD=f"0:{tmp_path / 'never-used'}",
         TEST_KILL_AT_START="1",
-        TEST_KILL_WAITS_FOR=str(output / ".locks" / "shard-1-of-2.lock"),
+        TEST_KILL_WAITS_FOR=str(output / STATE_FILE),  # recorded once an engine started
+        TEST_HOLD_SHARD="1",
+        TEST_RUN_TAG=str(tmp_path),
     )
     log = output / "logs" / "shard-0-of-2.log"
     assert result.returncode == 2, result.stderr[-3000:]
@@ -214,7 +223,7 @@ def test_a_shard_that_keeps_dying_fails_the_run_naming_it_and_its_log(tiny_llama
     assert "killed by SIGKILL" in last and str(log) in last
     assert re.findall(r"=== shard 0, attempt (\d+),", log.read_text()) == ["1", "2"]
     assert re.findall(r"=== shard 1, attempt (\d+),", (log.parent / "shard-1-of-2.log").read_text())
-    assert processes_mentioning(str(output)) == []
+    assert processes_tagged(str(tmp_path)) == []
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -116,3 +117,46 @@ def test_an_attempt_appends_its_output_to_the_shard_log_and_reports_its_error(tm
     assert text.count("=== shard 1, attempt 1,") == 1 and text.count("=== shard 1, attempt 2,") == 1
     assert text.count("error: no model folder at") == 2
     assert log == tmp_path / "out" / "logs" / "shard-1-of-2.log"
+
+
+# Loaded by the shard process (PYTHONPATH): it starts a long-lived child, as a vLLM engine would,
+# writes the child's pid and kills itself with SIGKILL, leaving the child behind.
+LEAVE_CHILD_HOOK = """
+import os, signal, subprocess, sys
+_pid_file = os.environ.get("TEST_LEAVE_CHILD")
+if _pid_file and "datagen" in sys.argv:
+    _child = subprocess.Popen(["sleep", "600"])
+    with open(_pid_file, "w") as _out:
+        _out.write(str(_child.pid))
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_what_a_killed_shard_leaves_running_is_killed_before_the_retry(tmp_path, monkeypatch):
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(LEAVE_CHILD_HOOK)
+    pid_file = tmp_path / "child.pid"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hooks), REPO]))
+    monkeypatch.setenv("TEST_LEAVE_CHILD", str(pid_file))
+    job = DatagenOptions(target_model_path="m", train_data_path="d", output_dir=str(tmp_path))
+    log = shard_log_path(tmp_path, 0, 1)
+    result = run_shard_attempt(0, 1, shard_arguments(job, 0), str(log), str(tmp_path))
+    child = int(pid_file.read_text())
+    try:
+        assert (result.returncode, result.retryable) == (-signal.SIGKILL, True)
+        assert result.why() == "killed by SIGKILL"
+        assert not running(child), "the killed shard's child outlived its attempt"
+    finally:
+        if running(child):
+            os.kill(child, signal.SIGKILL)
