@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,7 @@ RAY_MISSING = (
     "pip install 'speculators-vllm016[ray]' (or pip install 'ray>=2.40')"
 )
 POLL_SECONDS = 1.0
+CONNECT_SECONDS = 10.0  # to find a cluster's address listening
 CANCEL_SECONDS = 30.0  # for cancelled shard tasks to kill their processes and end
 # Ray's object store only carries the tasks' small results (hidden states go through the folder).
 LOCAL_OBJECT_STORE_BYTES = 128 * 2**20
@@ -165,6 +167,24 @@ def shard_resources(nodes: list[dict], per_shard: int) -> dict[str, int]:
     return {"num_cpus": per_shard}
 
 
+def refuse_unreachable(address: str) -> None:
+    """A `host:port` nobody listens on is refused at once (Ray itself retries it for minutes)."""
+    if address in (LOCAL, "auto") or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host or "localhost", int(port)), timeout=CONNECT_SECONDS):
+            return
+    except ValueError:
+        problem = "not host:port"
+    except OSError as error:
+        problem = error.strerror or type(error).__name__
+    raise ValueError(
+        f"cannot reach the Ray cluster at --ray-address {address} ({problem}); give the address "
+        f"`ray start --head` printed, or --ray-address {LOCAL} to start Ray on this machine"
+    )
+
+
 def _connect(ray: Any, address: str) -> None:
     quiet = {"include_dashboard": False, "log_to_driver": False, "logging_level": logging.WARNING}
     if address == LOCAL:
@@ -194,6 +214,7 @@ def run_shards_on_ray(
     engine, output = options.engine, options.output
     inspect_model(engine.target_model_path, output.layer_ids, engine.trust_remote_code)
     output.output_dir = os.path.abspath(output.output_dir)
+    refuse_unreachable(address)
     started = time.perf_counter()
     _connect(ray, address)
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -126,6 +127,21 @@ def test_shard_index_is_refused_with_ray_address(tmp_path, capsys):
         + ["--num-shards", "2"]
     )
     assert code == 2 and "leave out --shard-index" in capsys.readouterr().err
+    assert not output.exists()
+
+
+def test_an_address_nobody_listens_on_is_refused_at_once(tiny_llama, tmp_path, capsys):
+    with socket.socket() as probe:  # a free port: bound, then closed again
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    output = tmp_path / "out"
+    code = main(
+        ["--target-model-path", str(tiny_llama), "--train-data-path", "d.jsonl"]
+        + ["--output-dir", str(output), "--ray-address", f"127.0.0.1:{port}"]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"cannot reach the Ray cluster at --ray-address 127.0.0.1:{port}" in err[0]
     assert not output.exists()
 
 
