@@ -173,7 +173,8 @@ def refuse_unreachable(address: str) -> None:
         return
     host, _, port = address.rpartition(":")
     try:
-        with socket.create_connection((host or "localhost", int(port)), timeout=CONNECT_SECONDS):
+        where = (host.strip("[]") or "localhost", int(port))  # [::1]:6379 too
+        with socket.create_connection(where, timeout=CONNECT_SECONDS):
             return
     except ValueError:
         problem = "not host:port"
