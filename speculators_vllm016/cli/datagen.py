@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from collections.abc import Sequence
 
-from speculators_vllm016.cli.errors import describe_error, report_errors
+from speculators_vllm016.cli.errors import EXIT_STOPPED, describe_error, report_errors
 from speculators_vllm016.data_generation.options import DTYPES, DatagenOptions
 
 __all__ = [
@@ -249,13 +250,17 @@ def run_on_ray(args: argparse.Namespace) -> int:
     import json
     from dataclasses import asdict
 
-    from speculators_vllm016.data_generation.ray_shards import run_shards_on_ray
+    from speculators_vllm016.data_generation.ray_shards import StopRequested, run_shards_on_ray
 
     if args.shard_index != 0:
         raise ValueError("--ray-address runs every shard itself; leave out --shard-index")
-    summary = run_shards_on_ray(
-        options_from_args(args), args.ray_address, args.ray_max_retries, verbose=args.verbose
-    )
+    try:
+        summary = run_shards_on_ray(
+            options_from_args(args), args.ray_address, args.ray_max_retries, verbose=args.verbose
+        )
+    except StopRequested as stop:
+        print(f"stopped: {stop}", file=sys.stderr)
+        return EXIT_STOPPED
     print(f"Done: {summary.describe()}")
     print(f"SUMMARY {json.dumps(asdict(summary))}")
     return 0

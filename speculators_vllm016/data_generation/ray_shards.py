@@ -13,10 +13,14 @@ Ray is optional: it is imported only here and only when asked for.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import socket
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +64,26 @@ LOCAL_OBJECT_STORE_BYTES = 128 * 2**20
 
 class ShardFailed(RuntimeError):
     """A shard stopped on a mistake, or failed more often than the retries allow."""
+
+
+class StopRequested(Exception):
+    """SIGTERM reached the command (a scheduler, `timeout`): the running shards were cancelled."""
+
+
+@contextlib.contextmanager
+def sigterm_flag() -> Iterator[threading.Event]:
+    """An event SIGTERM sets; the scheduler checks it between its waits and stops the run (the
+    running shards cancelled, each killing its process group; Ray shut down), as on Ctrl-C,
+    instead of the command vanishing. (Raising in the handler would land inside Ray's C code.)"""
+    requested = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield requested
+        return
+    previous = signal.signal(signal.SIGTERM, lambda *_: requested.set())
+    try:
+        yield requested
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def require_ray() -> Any:
@@ -219,16 +243,30 @@ def run_shards_on_ray(
     started = time.perf_counter()
     _connect(ray, address)
     try:
-        per_shard = engine.tensor_parallel_size * engine.pipeline_parallel_size
-        resources = shard_resources(ray.nodes(), per_shard)
-        DatagenFolder(output.output_dir).prepare()
-        scheduler = ShardScheduler(ray, options, resources, max_retries, verbose)
-        results = scheduler.run()
-        return ShardedRunSummary.of(
-            output.output_dir, results, time.perf_counter() - started, scheduler.retries
-        )
+        with sigterm_flag() as stop:  # after Ray's start-up, which sets a SIGTERM handler too
+            return _run_connected(ray, options, max_retries, verbose, started, stop)
     finally:
         ray.shutdown()
+
+
+def _run_connected(
+    ray: Any,
+    options: DatagenOptions,
+    max_retries: int,
+    verbose: bool,
+    started: float,
+    stop: threading.Event,
+) -> ShardedRunSummary:
+    """The run once connected: each shard's resources, the folder, the shards."""
+    engine, output = options.engine, options.output
+    per_shard = engine.tensor_parallel_size * engine.pipeline_parallel_size
+    resources = shard_resources(ray.nodes(), per_shard)
+    DatagenFolder(output.output_dir).prepare()
+    scheduler = ShardScheduler(ray, options, resources, max_retries, verbose)
+    results = scheduler.run(stop)
+    return ShardedRunSummary.of(
+        output.output_dir, results, time.perf_counter() - started, scheduler.retries
+    )
 
 
 class ShardScheduler:
@@ -265,7 +303,8 @@ class ShardScheduler:
         except self.ray.exceptions.RayError as error:  # the worker or its node died
             return AttemptResult(shard, attempt, None, "?", error=type_and_first_line(error))
 
-    def run(self) -> list[AttemptResult]:
+    def run(self, stop: threading.Event | None = None) -> list[AttemptResult]:
+        """Every shard to its end; `stop` set (SIGTERM) cancels the running ones and raises."""
         finished: dict[int, AttemptResult] = {}
         progress = FolderProgress(self.output_dir, self.options.output.show_progress)
         try:
@@ -274,6 +313,10 @@ class ShardScheduler:
             while self.pending:
                 ready, _ = self.ray.wait(list(self.pending), num_returns=1, timeout=POLL_SECONDS)
                 progress.refresh()
+                if stop is not None and stop.is_set():
+                    raise StopRequested(
+                        "SIGTERM: the running shards were stopped; run the same command to resume"
+                    )
                 for reference in ready:
                     shard, attempt = self.pending.pop(reference)
                     result = self.outcome(reference, shard, attempt)

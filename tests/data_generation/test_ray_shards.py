@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -156,12 +158,9 @@ def chats(tmp_path_factory) -> Path:
     return path
 
 
-def ray_datagen(model: Path, chats: Path, output: Path, tmp_path: Path, *extra: str, **env: str):
-    """`speculators datagen --ray-address local` with the tiny model's settings, as a process."""
-    hooks = tmp_path / "hooks"
-    hooks.mkdir(exist_ok=True)
-    (hooks / "sitecustomize.py").write_text(KILL_HOOK)
-    command = [
+def ray_command(model: Path, chats: Path, output: Path, *extra: str) -> list[str]:
+    """`speculators datagen --ray-address local` with the tiny model's settings."""
+    return [
         sys.executable,
         "-m",
         "speculators_vllm016",
@@ -186,14 +185,29 @@ def ray_datagen(model: Path, chats: Path, output: Path, tmp_path: Path, *extra: 
         "1",
         *extra,
     ]
-    environment = {
+
+
+def ray_environment(hooks: Path, **env: str) -> dict[str, str]:
+    return {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(hooks), str(REPO)]),
         "RAY_DISABLE_USAGE_STATS": "1",
         **env,
     }
+
+
+def ray_datagen(model: Path, chats: Path, output: Path, tmp_path: Path, *extra: str, **env: str):
+    """The command run to its end, with the test hooks loaded."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir(exist_ok=True)
+    (hooks / "sitecustomize.py").write_text(KILL_HOOK)
     return subprocess.run(
-        command, env=environment, cwd=tmp_path, capture_output=True, text=True, timeout=1500
+        ray_command(model, chats, output, *extra),
+        env=ray_environment(hooks, **env),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=1500,
     )
 
 
@@ -239,6 +253,40 @@ def test_a_shard_that_keeps_dying_fails_the_run_naming_it_and_its_log(tiny_llama
     assert "killed by SIGKILL" in last and str(log) in last
     assert re.findall(r"=== shard 0, attempt (\d+),", log.read_text()) == ["1", "2"]
     assert re.findall(r"=== shard 1, attempt (\d+),", (log.parent / "shard-1-of-2.log").read_text())
+    assert processes_tagged(str(tmp_path)) == []
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_command_stops_it_cleanly_with_no_process_left(tiny_llama, chats, tmp_path):
+    """A scheduler's SIGTERM to the command's process group while a shard is mid-run (engine up,
+    held): the command says it stopped (143) and leaves no process of the run behind."""
+    output = tmp_path / "out"
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(KILL_HOOK)
+    command = ray_command(tiny_llama, chats, output, "--num-shards", "1")
+    environment = ray_environment(hooks, TEST_HOLD_SHARD="0", TEST_RUN_TAG=str(tmp_path))
+    process = subprocess.Popen(
+        command,
+        env=environment,
+        cwd=tmp_path,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 900
+        while not (output / STATE_FILE).exists():  # recorded once the shard's engine started
+            assert process.poll() is None, process.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "the shard never started its engine"
+            time.sleep(0.2)
+        os.killpg(process.pid, signal.SIGTERM)
+        stderr = process.communicate(timeout=300)[1]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 143, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1].startswith("stopped: SIGTERM"), stderr[-3000:]
     assert processes_tagged(str(tmp_path)) == []
 
 
