@@ -332,7 +332,7 @@ class ShardScheduler:
     def cancel_pending(self) -> None:
         """Stop the shards still running when the run fails or is interrupted. A cancelled task
         kills its shard's process group on its way out; one that does not end in time loses its
-        worker (the shard process dies with it on Linux)."""
+        worker (Ray kills a dead worker's child processes)."""
         references = list(self.pending)
         if not references:
             return
