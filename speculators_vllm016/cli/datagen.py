@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from collections.abc import Sequence
 
-from speculators_vllm016.cli.errors import describe_error, report_errors
+from speculators_vllm016.cli.errors import EXIT_STOPPED, describe_error, report_errors
 from speculators_vllm016.data_generation.options import DTYPES, DatagenOptions
 from speculators_vllm016.data_generation.vllm_logging import keep_vllm_quiet
 
@@ -30,6 +31,9 @@ all into one --output-dir; shard I extracts rows I, I+N, I+2N, ... and names fil
 global index, so the shards' files together are exactly the unsharded run's. A killed run resumes
 where it stopped when started again with the same command. Token counts go to
 <output-dir>/token_freq/shard-I-of-N.pth, the lengths index to <output-dir>/manifest/.
+With --ray-address (a cluster's address, or 'local') one command runs all N shards as Ray tasks,
+each with tensor x pipeline parallel size GPUs, restarts a failed shard up to --ray-max-retries
+times and writes each shard's output to <output-dir>/logs/shard-I-of-N.log.
 """
 
 
@@ -148,6 +152,23 @@ def add_sample_file_arguments(group) -> None:
     )
 
 
+def add_ray_arguments(group) -> None:
+    """The flags that run every shard as a Ray task (`data_generation.ray_shards`)."""
+    group.add_argument(
+        "--ray-address",
+        default=None,
+        help="run the --num-shards shards as tasks on this Ray cluster ('ray start' address, "
+        "or 'auto'), or 'local' to start Ray on this machine; needs "
+        "pip install 'speculators-vllm016[ray]'",
+    )
+    group.add_argument(
+        "--ray-max-retries",
+        type=int,
+        default=2,
+        help="times a failed or killed shard is started again (it resumes) before the run fails",
+    )
+
+
 def build_parser(prog: str = "speculators datagen") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -180,6 +201,7 @@ def build_parser(prog: str = "speculators datagen") -> argparse.ArgumentParser:
         "each is checked against this run's samples and recomputed if it differs",
     )
     output.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_ray_arguments(parser.add_argument_group("Ray (all shards from one command)"))
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     parser.add_argument(
         "--verbose",
@@ -205,9 +227,32 @@ def main(argv: Sequence[str] | None = None, prog: str = "speculators datagen") -
     )
 
     def run() -> int:
+        if args.ray_address is not None:
+            return run_on_ray(args)
         summary = run_datagen(options_from_args(args))
         print(f"Done: {summary.describe()}")
         print(f"SUMMARY {summary_json(summary)}")
         return 0
 
     return report_errors(run, args.debug)
+
+
+def run_on_ray(args: argparse.Namespace) -> int:
+    """Every shard of the job as a Ray task (`--ray-address`); one SUMMARY line for them all."""
+    import json
+    from dataclasses import asdict
+
+    from speculators_vllm016.data_generation.ray_shards import StopRequested, run_shards_on_ray
+
+    if args.shard_index != 0:
+        raise ValueError("--ray-address runs every shard itself; leave out --shard-index")
+    try:
+        summary = run_shards_on_ray(
+            options_from_args(args), args.ray_address, args.ray_max_retries, verbose=args.verbose
+        )
+    except StopRequested as stop:
+        print(f"stopped: {stop}", file=sys.stderr)
+        return EXIT_STOPPED
+    print(f"Done: {summary.describe()}")
+    print(f"SUMMARY {json.dumps(asdict(summary))}")
+    return 0
