@@ -10,18 +10,16 @@ import logging
 import os
 from collections.abc import Sequence
 
-from speculators_vllm016.cli.errors import describe_error, report_errors
 from speculators_vllm016.data_generation.options import DTYPES, DatagenOptions
+from speculators_vllm016.utils.command_errors import report_errors
 
 __all__ = [
     "add_preprocessing_arguments",
     "add_sample_file_arguments",
     "add_target_model_arguments",
     "build_parser",
-    "describe_error",
     "main",
     "options_from_args",
-    "report_errors",
 ]
 
 EPILOG = """\

@@ -19,14 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from speculators_vllm016.train.jobs.job_config import JobConfigError, TrainJobConfig
+from speculators_vllm016.train.jobs.vocab_size_rule import draft_vocab_too_large
 from speculators_vllm016.train.vocab_maps import (
     D2T_FILE,
     T2D_FILE,
-    draft_vocab_too_large,
     target_vocab_size_of,
     write_vocab_mappings_from_counts,
 )
 from speculators_vllm016.utils.atomic_files import atomic_write_text
+from speculators_vllm016.utils.errors import InvalidInputError
 
 __all__ = ["PipelinePlan", "build_parser", "main", "plan_from_argv"]
 
@@ -190,7 +191,7 @@ def check_vocab_sizes(plan: PipelinePlan) -> None:
     except Exception:  # noqa: BLE001 - datagen reports an unusable target itself
         return
     if plan.draft_vocab_size > size:
-        raise ValueError(draft_vocab_too_large(plan.draft_vocab_size, size))
+        raise InvalidInputError(draft_vocab_too_large(plan.draft_vocab_size, size))
 
 
 def run_datagen_stage(plan: PipelinePlan) -> bool:
@@ -254,8 +255,7 @@ def run_vocab_stage(plan: PipelinePlan, data_changed: bool = False) -> None:
 def main(argv: Sequence[str] | None = None, prog: str = "speculators gen-and-train") -> int:
     from speculators_vllm016.cli import datagen as datagen_cli
     from speculators_vllm016.cli import train as train_cli
-    from speculators_vllm016.cli.datagen import report_errors
-    from speculators_vllm016.cli.errors import error_line
+    from speculators_vllm016.utils.command_errors import error_line, report_errors
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:

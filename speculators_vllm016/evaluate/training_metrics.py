@@ -21,14 +21,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from speculators_vllm016.train.metrics_log import (
-    METRICS_FILE,
-    MetricsRecord,
-    read_metrics,
-    simulated_tau,
-)
+from speculators_vllm016.train.logger import METRICS_FILE
+from speculators_vllm016.train.metrics_log import MetricsRecord, read_metrics, simulated_tau
 
-__all__ = ["METRICS_FILE", "TrainingEstimate", "find_training_estimate", "simulated_tau"]
+__all__ = ["TrainingEstimate", "find_training_estimate"]
 
 _KEY = re.compile(r"^(?P<val>val[/_])?full_acc_(?P<step>\d+)(?:_epoch)?$")
 

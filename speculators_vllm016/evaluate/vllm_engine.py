@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from speculators_vllm016.evaluate.acceptance import AcceptanceCounts
 from speculators_vllm016.evaluate.generation import GenerationResult
+from speculators_vllm016.utils.errors import RunFailedError
 
 __all__ = [
     "VllmGeneration",
@@ -102,7 +103,7 @@ def evaluate_with_vllm(
     """Greedy generation of `prompts` by vLLM with the draft; acceptance from vLLM's counters."""
     reason = speculative_decoding_unavailable()
     if reason is not None:
-        raise RuntimeError(f"{reason}; use --engine hf")
+        raise RunFailedError(f"{reason}; use --engine hf")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -10,16 +10,13 @@ import errno
 import sys
 from collections.abc import Callable
 
-from speculators_vllm016.utils.errors import first_line
+from speculators_vllm016.utils.errors import SpeculatorsError, first_line
 
 __all__ = ["DEBUG_HINT", "EXPECTED_ERRORS", "describe_error", "error_line", "report_errors"]
 
-EXPECTED_ERRORS: tuple[type[BaseException], ...] = (
-    ValueError,
-    OSError,
-    NotImplementedError,
-    RuntimeError,
-)
+# The package's own errors, and the file system's (a missing file, a full disk, no permission).
+# Any other exception is a bug: it keeps its traceback.
+EXPECTED_ERRORS: tuple[type[BaseException], ...] = (SpeculatorsError, OSError)
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130  # Ctrl-C
 EXIT_STOPPED = 143  # stopped by a signal (SIGTERM, a first Ctrl-C) after saving what resumes it

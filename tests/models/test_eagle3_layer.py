@@ -9,7 +9,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from speculators_vllm016.models.eagle3.attention import ATTENTION_INTERFACE_NAME
-from speculators_vllm016.models.eagle3.core import WeightGradSink, _StepKeyValues, linear_kl_loss
+from speculators_vllm016.models.eagle3.core import _StepKeyValues
+from speculators_vllm016.models.eagle3.fused_loss import WeightGradSink, linear_kl_loss
 from speculators_vllm016.models.eagle3.model_definitions import LlamaDecoderEagle3FirstLayer
 
 H = 32

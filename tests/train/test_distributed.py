@@ -10,10 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from speculators_vllm016.cli.train import _verifier_text_config, build_draft_config, build_parser
+from speculators_vllm016.cli.train import _verifier_text_config, build_parser
 from speculators_vllm016.models.eagle3 import Eagle3DraftModel
 from speculators_vllm016.train.data import Eagle3SampleFileDataset, create_collate_fn, split_files
 from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+from speculators_vllm016.train.jobs.setup import build_draft_config
 from tests.training_fixtures import cli_env, free_port, gloo_group, train_args, train_command
 
 

@@ -17,10 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from speculators_vllm016.train.errors import CheckpointReadError
-from speculators_vllm016.utils.atomic_files import torch_save
 from speculators_vllm016.utils.errors import type_and_first_line
 
-__all__ = ["is_disk_full", "reading", "torch_save", "weights_only_refusal"]
+__all__ = ["is_disk_full", "reading", "weights_only_refusal"]
 
 _NO_SPACE = os.strerror(errno.ENOSPC)  # "No space left on device": what Rust's errors quote
 

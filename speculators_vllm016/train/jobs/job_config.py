@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from speculators_vllm016.utils.atomic_files import atomic_write_text
+from speculators_vllm016.utils.errors import InvalidInputError
 from speculators_vllm016.utils.field_docs import field_docs
 
 __all__ = [
@@ -61,7 +62,7 @@ CHECKPOINT_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 ENGINE_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 
 
-class TrainSetupError(ValueError):
+class TrainSetupError(InvalidInputError):
     """Bad input found before training starts; the message names the fix."""
 
 

@@ -1,13 +1,15 @@
-"""The one error reporter of the commands (datagen, demo, convert, gen-and-train, train)."""
+"""The one error reporter of the commands (datagen, demo, convert, gen-and-train, train): the
+package's own errors are one line, any other exception (a bug) keeps its traceback."""
 
 from __future__ import annotations
 
 import pytest
 from torch._utils import ExceptionWrapper
 
-from speculators_vllm016.cli.errors import describe_error, report_errors
 from speculators_vllm016.train.data import SampleFileError
 from speculators_vllm016.train.trainer import TrainingInterrupted
+from speculators_vllm016.utils.command_errors import describe_error, report_errors
+from speculators_vllm016.utils.errors import InvalidInputError, RunFailedError
 
 
 def worker_error() -> SampleFileError:
@@ -41,7 +43,7 @@ def test_exit_statuses_and_one_line(capsys):
         return run
 
     assert report_errors(lambda: 0, debug=False) == 0
-    assert report_errors(fail(ValueError("bad flag\nmore")), debug=False) == 2
+    assert report_errors(fail(InvalidInputError("bad flag\nmore")), debug=False) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: bad flag (--debug shows the traceback)"
     ]
@@ -54,7 +56,36 @@ def test_exit_statuses_and_one_line(capsys):
         stopped == 143 and capsys.readouterr().err.strip() == "stopped: SIGTERM; checkpoint saved"
     )
     assert report_errors(fail(KeyboardInterrupt()), debug=False) == 130
-    with pytest.raises(ValueError):
-        report_errors(fail(ValueError("x")), debug=True)
+    with pytest.raises(InvalidInputError):
+        report_errors(fail(InvalidInputError("x")), debug=True)
     with pytest.raises(RuntimeError):  # not expected by this command: the traceback shows
         report_errors(fail(RuntimeError("bug")), debug=False, expected=(SampleFileError,))
+
+
+@pytest.mark.parametrize("bug", [ValueError("invalid literal for int()"), RuntimeError("boom")])
+def test_a_builtin_error_of_no_package_code_keeps_its_traceback(bug):
+    """A bare ValueError/RuntimeError comes from a bug, not from a check of the package: the
+    commands used to print its one line and hide where it came from."""
+
+    def run():
+        raise bug
+
+    with pytest.raises(type(bug)):
+        report_errors(run, debug=False)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        InvalidInputError("--seq-length must be at least 1"),
+        RunFailedError("the engine stopped"),
+        SampleFileError("data_3.pt is truncated"),
+        FileNotFoundError(2, "No such file or directory", "chats.jsonl"),
+    ],
+)
+def test_the_package_s_errors_and_missing_files_are_one_line(error, capsys):
+    def run():
+        raise error
+
+    assert report_errors(run, debug=False) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
