@@ -27,6 +27,7 @@ from speculators_vllm016.data_generation.cpu_defaults import (
     slow_cpu_dtype_warning,
 )
 from speculators_vllm016.data_generation.transfer import TransferDir, TransferLayout
+from speculators_vllm016.utils.errors import library_refusals_as_ours
 from speculators_vllm016.utils.layer_ids import default_layer_ids, normalize_layer_ids
 
 if TYPE_CHECKING:
@@ -152,7 +153,9 @@ def build_engine(settings: EngineSettings) -> HiddenStatesEngine:
     with defaults as chosen:
         for name, value in chosen.items():
             logger.info("vLLM CPU build: %s=%s (set it yourself to override)", name, value)
-        return _build(engine_args, settings)
+        # vLLM checks the settings (max_model_len, memory for the KV cache) as the engine starts.
+        with library_refusals_as_ours():
+            return _build(engine_args, settings)
 
 
 def _build(engine_args: Any, settings: EngineSettings) -> HiddenStatesEngine:

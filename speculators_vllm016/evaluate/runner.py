@@ -158,7 +158,7 @@ def _load_tokenizer(verifier_path: str, trust_remote_code: bool):
         hint = remote_code_hint(error, verifier_path)
         if hint is not None:
             raise hint from None
-        raise
+        raise InvalidInputError(str(error)) from error  # transformers refusing the folder
 
 
 def run_evaluation(options: EvalOptions) -> EvaluationReport:

@@ -12,11 +12,15 @@ the empty ones. Imports nothing heavy.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 __all__ = [
     "InvalidInputError",
     "RunFailedError",
     "SpeculatorsError",
     "UnsupportedError",
+    "library_refusals_as_ours",
     "first_line",
     "type_and_first_line",
 ]
@@ -37,6 +41,21 @@ class RunFailedError(SpeculatorsError, RuntimeError):
 
 class UnsupportedError(SpeculatorsError, NotImplementedError):
     """The request is valid but this package does not do it (a model kind, a decoding mode)."""
+
+
+@contextmanager
+def library_refusals_as_ours() -> Iterator[None]:
+    """Around a call where another library (vLLM starting an engine) checks settings the user
+    gave: its `ValueError`/`RuntimeError` becomes ours, same message, so the command prints it as
+    one line. Elsewhere such errors are bugs and keep their traceback."""
+    try:
+        yield
+    except SpeculatorsError:
+        raise
+    except ValueError as error:
+        raise InvalidInputError(str(error)) from error
+    except RuntimeError as error:
+        raise RunFailedError(str(error)) from error
 
 
 def first_line(error: BaseException) -> str:

@@ -37,11 +37,11 @@ def looks_local(model: str) -> bool:
     )
 
 
-def remote_code_hint(error: BaseException, model: str) -> ValueError | None:
+def remote_code_hint(error: BaseException, model: str) -> InvalidInputError | None:
     """A one-line error naming the flag when `error` is transformers/vLLM asking for remote code."""
     text = str(error)
     if "trust_remote_code" in text or "trust-remote-code" in text:
-        return ValueError(
+        return InvalidInputError(
             f"{model} needs the Python code shipped in its folder; pass {REMOTE_CODE_FLAG} if you "
             "trust it (off by default since 0.3.0 ran it unasked)"
         )
@@ -54,7 +54,7 @@ def load_verifier_config(path: str, trust_remote_code: bool = False) -> Pretrain
     vLLM has config classes of its own for models transformers does not know (`kimi_k25`,
     `deepseek_v32`, ...), so a target vLLM serves is read here even where transformers alone
     would need the folder's code. That code runs only with `trust_remote_code`, and only where
-    neither library has a class for the model type. Errors are one-line `ValueError`s.
+    neither library has a class for the model type. Errors are one-line `InvalidInputError`s.
     """
     local = Path(path).expanduser()
     if local.is_file():

@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 
 import speculators_vllm016
-from speculators_vllm016.utils.errors import first_line, type_and_first_line
+from speculators_vllm016.utils.errors import (
+    InvalidInputError,
+    RunFailedError,
+    first_line,
+    library_refusals_as_ours,
+    type_and_first_line,
+)
 
 
 @pytest.mark.parametrize(
@@ -67,3 +73,26 @@ def test_every_error_class_of_the_package_derives_from_speculators_error():
     outside = [key for key in errors if "SpeculatorsError" not in ancestors(key.split(".")[-1])]
     assert len(errors) > 20  # the walk finds them (17 classes in 10 modules, and the base's own)
     assert not outside, outside
+
+
+@pytest.mark.parametrize(
+    ("raised", "becomes"),
+    [
+        (ValueError("max_model_len 4096 exceeds the KV cache"), InvalidInputError),
+        (RuntimeError("Engine core initialization failed"), RunFailedError),
+    ],
+)
+def test_a_library_refusal_becomes_ours_with_its_message(raised, becomes):
+    with pytest.raises(becomes) as caught, library_refusals_as_ours():
+        raise raised
+    assert str(caught.value) == str(raised) and caught.value.__cause__ is raised
+    assert isinstance(caught.value, type(raised))  # an `except ValueError` still catches it
+
+
+@pytest.mark.parametrize(
+    "raised", [InvalidInputError("ours already"), KeyError("a bug"), OSError(28, "disk full")]
+)
+def test_other_errors_pass_library_refusals_unchanged(raised):
+    with pytest.raises(type(raised)) as caught, library_refusals_as_ours():
+        raise raised
+    assert caught.value is raised
