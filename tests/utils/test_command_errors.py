@@ -4,6 +4,7 @@ package's own errors are one line, any other exception (a bug) keeps its traceba
 from __future__ import annotations
 
 import pytest
+from pydantic import TypeAdapter, ValidationError
 from torch._utils import ExceptionWrapper
 
 from speculators_vllm016.train.data import SampleFileError
@@ -74,6 +75,15 @@ def test_a_builtin_error_of_no_package_code_keeps_its_traceback(bug):
         report_errors(run, debug=False)
 
 
+def _validation_error() -> ValidationError:
+    """What 0.3.0's pydantic configs raise for a value that does not validate."""
+    try:
+        TypeAdapter(bool).validate_python("maybe")
+    except ValidationError as error:
+        return error
+    raise AssertionError("validated")
+
+
 @pytest.mark.parametrize(
     "error",
     [
@@ -81,6 +91,7 @@ def test_a_builtin_error_of_no_package_code_keeps_its_traceback(bug):
         RunFailedError("the engine stopped"),
         SampleFileError("data_3.pt is truncated"),
         FileNotFoundError(2, "No such file or directory", "chats.jsonl"),
+        _validation_error(),
     ],
 )
 def test_the_package_s_errors_and_missing_files_are_one_line(error, capsys):
