@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from speculators_vllm016.train.jobs.job_config import (
-    CHECKPOINT_DTYPES,
     FieldSpec,
     JobConfigError,
     TrainJobConfig,
@@ -28,7 +27,6 @@ from speculators_vllm016.train.jobs.job_config import (
 )
 from speculators_vllm016.train.jobs.setup import (
     TrainSetup,
-    verifier_text_config,
 )
 from speculators_vllm016.train.jobs.setup import build_model as _build_model
 from speculators_vllm016.train.jobs.setup import prepare as _prepare
@@ -45,9 +43,6 @@ __all__ = [
     "prepare",
     "run_config",
 ]
-
-DTYPES = CHECKPOINT_DTYPES  # 0.3.0-era name of the --checkpoint-dtype choices
-_verifier_text_config = verifier_text_config  # the name tests and older callers import
 
 
 def _add_field(group: argparse._ArgumentGroup, spec: FieldSpec, default: object) -> None:

@@ -23,7 +23,6 @@ from speculators_vllm016.utils.command_errors import (
 )
 from speculators_vllm016.utils.output_paths import check_output_folder
 
-# The library names stay importable from here (their home is `train.vocab_maps`).
 __all__ = ["vocab_mapping"]
 
 

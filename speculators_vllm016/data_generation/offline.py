@@ -8,7 +8,6 @@ run's file by file.
 
 The parts live in their own modules: the options (`options`), the folder protocol
 (`output_folder`), the writer pool (`sample_writers`) and the extraction loop (`extraction`).
-Their names are importable from here too, as they were when this module held them all.
 """
 
 from __future__ import annotations

@@ -28,11 +28,7 @@ from speculators_vllm016.evaluate.acceptance import AcceptanceCounts
 from speculators_vllm016.evaluate.generation import GenerationResult
 from speculators_vllm016.utils.errors import InvalidInputError
 
-__all__ = ["SpeculativeGeneration", "speculative_generate"]
-
-
-# The name this engine's result had before both engines shared one type.
-SpeculativeGeneration = GenerationResult
+__all__ = ["speculative_generate"]
 
 
 @dataclass

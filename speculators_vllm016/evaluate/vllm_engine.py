@@ -25,7 +25,6 @@ from speculators_vllm016.evaluate.generation import GenerationResult
 from speculators_vllm016.utils.errors import RunFailedError, library_refusals_as_ours
 
 __all__ = [
-    "VllmGeneration",
     "counts_difference",
     "counts_from_metrics",
     "evaluate_with_vllm",
@@ -36,10 +35,6 @@ _DRAFTS = "vllm:spec_decode_num_drafts"
 _DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 _ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 _PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
-
-
-# The name this engine's result had before both engines shared one type.
-VllmGeneration = GenerationResult
 
 
 def speculative_decoding_unavailable() -> str | None:

@@ -326,9 +326,6 @@ def _file_index(path: Path) -> int:
     return int(match.group(1)) if match else -1
 
 
-_noise_seed = noise_seed  # the old private name
-
-
 def _all_finite(tensor: torch.Tensor) -> bool:
     """Whether every value is finite, in the tensor's own dtype (no fp32 copy).
 

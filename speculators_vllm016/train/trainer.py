@@ -1,7 +1,7 @@
 """The training loop: packed rows in, optimizer steps, validation, checkpoints, exact resume.
 
 `Trainer(model, config, train_loader, val_loader)` is 0.3.0's API (`TrainerConfig` lives in
-`trainer_config`, re-exported here). The loaders yield
+`trainer_config`; 0.3.0 imported it from here, so it still imports from here). The loaders yield
 `PackedBatch` rows (`speculators_vllm016.train.data`); the model returns its loss and metrics
 (`train.draft_contract`: a `DraftOutput`, or 0.3.0's `(draft_tokens, loss, metrics)` tuple).
 

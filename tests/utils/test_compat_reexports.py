@@ -4,7 +4,8 @@ the name at that path (`utils.compat_reexports`), and the tests import each name
 What counts as a re-export of module M (read from the source with `ast`, nothing imported):
 - a name in M's `__all__` that M binds by importing it from another module of the package;
 - a name in M's `__all__` that M does not bind at all (served lazily by a module `__getattr__`);
-- a name M imports at its top level from another module of the package and never uses.
+- a name M imports at its top level from another module of the package and never uses;
+- a name M binds at its top level to such an imported name (`OldName = NewName`).
 """
 
 from __future__ import annotations
@@ -91,13 +92,14 @@ class ModuleNames:
     imported: dict[str, str] = field(default_factory=dict)  # name -> package module it is from
     exported: set[str] = field(default_factory=set)
     used: set[str] = field(default_factory=set)
+    aliases: set[str] = field(default_factory=set)  # `OldName = NewName` of an imported name
 
     def reexports(self) -> set[str]:
         """The names this module passes on from elsewhere (the module docstring's rule)."""
         lazy = self.exported - self.defined - set(self.imported)
         exported_imports = self.exported & set(self.imported)
         unused_imports = set(self.imported) - self.used
-        return lazy | exported_imports | unused_imports
+        return lazy | exported_imports | unused_imports | self.aliases
 
 
 def read_module(path: Path) -> ModuleNames:
@@ -120,6 +122,8 @@ def read_module(path: Path) -> ModuleNames:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for target in targets:
                 names.defined |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+            if isinstance(node.value, ast.Name) and node.value.id in names.imported:
+                names.aliases |= {t.id for t in targets if isinstance(t, ast.Name)}
             if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets) and node.value:
                 names.exported |= {
                     c.value

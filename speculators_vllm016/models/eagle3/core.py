@@ -15,8 +15,8 @@ packed samples is not scored.
 The model lives here; its parts each have a module: the typed output (`output`), the scoring of
 the TTT steps and the choice of positions (`scoring`), the fused loss kernel (`fused_loss`),
 0.3.0's eager loss and metrics (`metrics`), and the verifier weights it copies
-(`verifier_weights`). Their public names are re-exported here, where 0.3.0 and earlier
-releases of this package had them.
+(`verifier_weights`). 0.3.0's loss and metric functions still import from here
+(`align_for_step`, `compute_accuracy`, `compute_metrics`, `loss_function`).
 """
 
 from __future__ import annotations
@@ -72,9 +72,6 @@ __all__ = [
 ]
 
 AttentionBackend = Literal["auto", "flex", "sdpa"]
-
-# The name the layer tests (and earlier releases) import the step cache under.
-_StepKeyValues = StepKeyValues
 
 
 class DraftLMHead(nn.Linear):

@@ -1,7 +1,7 @@
 """Writing and reading a checkpoint's files so that their failures say what happened.
 
 torch's zip writer swallows the `OSError` of a full disk and fails with "unexpected pos" instead;
-`utils.atomic_files.torch_save` (re-exported here) keeps the real error, and `is_disk_full`
+`utils.atomic_files.torch_save` keeps the real error, and `is_disk_full`
 recognises it (or safetensors' message of it). `reading` turns the zip, header or pickle error of a
 damaged file into one line that names the file and its checkpoint and says how to go on from the
 checkpoint before it; a file that holds more than tensors and plain values (a planted pickle) is

@@ -57,7 +57,7 @@ __all__ = [
 
 CONFIG_FILE = "train_config.yaml"  # the resolved config, beside the checkpoints
 CHECKPOINT_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-# datagen's engine dtypes (`data_generation.offline.DTYPES`), written out so that reading a job
+# datagen's engine dtypes (`data_generation.options.DTYPES`), written out so that reading a job
 # config imports no torch; tests/cli/test_train.py keeps the online flags equal to datagen's.
 ENGINE_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 
