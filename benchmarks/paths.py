@@ -137,7 +137,7 @@ class ExtractionPath(BenchPath):
         self.generator.generate([sequence])
 
     def run(self, sequences: list[list[int]], repeat: int) -> Measurement:
-        from speculators_vllm016.data_generation.offline import SampleRequest, extract_and_write
+        from speculators_vllm016.data_generation.extraction import SampleRequest, extract_and_write
 
         directory = self._fresh_samples_dir()
         preset = self.preset
@@ -191,9 +191,7 @@ class VllmPrefillPath(BenchPath):
             apply_cpu_defaults,
             is_cpu_platform,
         )
-        from speculators_vllm016.data_generation.vllm_hidden_states_generator import (
-            TEXT_ONLY_MODALITIES,
-        )
+        from speculators_vllm016.data_generation.engine_setup import TEXT_ONLY_MODALITIES
 
         preset = self.preset
         if is_cpu_platform():
@@ -266,10 +264,7 @@ class HFForwardPath(BenchPath):
     def start(self, warmup: list[list[int]]) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from speculators_vllm016.data_generation.vllm_hidden_states_generator import (
-            default_layer_ids,
-            normalize_layer_ids,
-        )
+        from speculators_vllm016.utils.layer_ids import default_layer_ids, normalize_layer_ids
         from speculators_vllm016.utils.text_config import text_config_of
 
         preset = self.preset
@@ -308,7 +303,7 @@ class HFForwardPath(BenchPath):
                 writer.submit(sample_path(directory, index, self.preset.output_format), sample)
 
     def run(self, sequences: list[list[int]], repeat: int) -> Measurement:
-        from speculators_vllm016.data_generation.offline import SampleWriterPool
+        from speculators_vllm016.data_generation.sample_writers import SampleWriterPool
 
         directory = self._fresh_samples_dir()
         try:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 from transformers import PretrainedConfig
 
 from speculators_vllm016.utils import PydanticClassRegistryMixin, ReloadableBaseModel
+from speculators_vllm016.utils.errors import InvalidInputError, UnsupportedError
 
 __all__ = [
     "DEFAULT_SPECULATIVE_TOKENS",
@@ -206,7 +207,7 @@ class SpeculatorModelConfig(PydanticClassRegistryMixin, PretrainedConfig):
             **kwargs,
         )
         if "speculators_model_type" not in config_dict:
-            raise NotImplementedError(
+            raise UnsupportedError(
                 "Loading a non-speculator model config is not supported yet. "
                 f"{pretrained_model_name_or_path} is not a speculator checkpoint (its config "
                 "has no speculators_model_type); convert it with `speculators convert` first"
@@ -217,7 +218,7 @@ class SpeculatorModelConfig(PydanticClassRegistryMixin, PretrainedConfig):
     def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> SpeculatorModelConfig:
         merged = {**config_dict, **kwargs}
         if "speculators_model_type" not in merged:
-            raise ValueError(
+            raise InvalidInputError(
                 "The config dictionary must contain the 'speculators_model_type' field for "
                 "loading a SpeculatorModelConfig in the Speculators library. "
                 "a speculator config needs 'speculators_model_type'"

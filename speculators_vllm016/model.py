@@ -20,6 +20,7 @@ from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 
 from speculators_vllm016.config import SpeculatorModelConfig, default_speculative_tokens
 from speculators_vllm016.utils import ClassRegistryMixin
+from speculators_vllm016.utils.errors import InvalidInputError, UnsupportedError
 
 __all__ = ["SpeculatorModel", "reload_and_populate_models"]
 
@@ -33,9 +34,9 @@ _LOADING: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 def _check_verifier_argument(verifier: Any) -> None:
     if isinstance(verifier, (str, os.PathLike)) and not str(verifier):
-        raise ValueError("verifier must name a model: got an empty path")
+        raise InvalidInputError("verifier must name a model: got an empty path")
     if verifier is None:
-        raise ValueError(
+        raise InvalidInputError(
             "Verifier must be provided as a path, identifier, or PreTrainedModel. "
             "verifier must be a PreTrainedModel, a hub id or a local path, got None"
         )
@@ -49,7 +50,7 @@ def _check_verifier_argument(verifier: Any) -> None:
 
 def _check_attachment_mode(mode: Any) -> None:
     if mode not in (None, "full", "train_only"):
-        raise ValueError(
+        raise InvalidInputError(
             f"Invalid verifier_attachment_mode: {mode}. "
             "Must be one of 'full', 'train_only', or None."
         )
@@ -89,7 +90,7 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
         if cls.registry_auto_discovery:
             cls.auto_populate_registry()
         if not cls.registry:
-            raise ValueError(
+            raise InvalidInputError(
                 "No registered model classes found. "
                 "no speculator model class is registered; register one with "
                 "@SpeculatorModel.register(name)"
@@ -97,7 +98,7 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
         for model_class in cls.registry.values():
             if type(config) is model_class.config_class:
                 return model_class
-        raise ValueError(
+        raise InvalidInputError(
             f"No registered model class found for config type {type(config)}. "
             f"no registered speculator model has config_class {type(config).__name__}; "
             f"registered: {sorted(cls.registry)}"
@@ -130,7 +131,7 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
         """
         if config is None:
             if not pretrained_model_name_or_path:
-                raise ValueError(
+                raise InvalidInputError(
                     "Either `config` or `pretrained_model_name_or_path` must be provided to "
                     "load a SpeculatorModel. from_pretrained needs a checkpoint path (or a "
                     "config and a state_dict)"
@@ -151,7 +152,7 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
                 "one from a folder use SpeculatorModelConfig.from_pretrained(path)"
             )
         if not pretrained_model_name_or_path and kwargs.get("state_dict") is None:
-            raise ValueError(
+            raise InvalidInputError(
                 "Either `pretrained_model_name_or_path` or `state_dict` must be provided to "
                 "load a SpeculatorModel. from_pretrained needs a checkpoint path or a state_dict"
             )
@@ -193,7 +194,7 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
         missing = list(loading_info.get("missing_keys") or [])
         if missing:
             source = pretrained_model_name_or_path or "the state_dict"
-            raise ValueError(
+            raise InvalidInputError(
                 f"{source} lacks {len(missing)} weight(s) that {model_class.__name__} needs "
                 f"(e.g. {sorted(missing)[:5]}); loading would leave them randomly initialised. "
                 "Pass a checkpoint of this model type, saved by this library or speculators 0.3.0"
@@ -218,7 +219,7 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
         **kwargs: Any,
     ) -> None:
         if config is None:
-            raise ValueError(
+            raise InvalidInputError(
                 "Config must be provided to initialize a SpeculatorModel. "
                 "a SpeculatorModel needs a config: pass an instance of a SpeculatorModelConfig "
                 "subclass (e.g. EagleSpeculatorConfig)"
@@ -370,16 +371,16 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
         }
         given = [name for name, value in unsupported.items() if value is not None]
         if given:
-            raise NotImplementedError(f"speculative generate does not support {given}")
+            raise UnsupportedError(f"speculative generate does not support {given}")
         if self.verifier is None or self.verifier_attachment_mode != "full":
             raise RuntimeError("attach a verifier in 'full' mode to generate (attach_verifier)")
         input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
         if input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            raise ValueError("generate takes input_ids of shape [1, seq_len] (batch size 1)")
+            raise InvalidInputError("generate takes input_ids of shape [1, seq_len] (batch size 1)")
         settings = generation_config.to_dict() if generation_config is not None else {}
         settings.update(kwargs)
         if settings.get("do_sample"):
-            raise NotImplementedError("only greedy speculative decoding is implemented")
+            raise UnsupportedError("only greedy speculative decoding is implemented")
         max_new_tokens = int(settings.get("max_new_tokens") or 20)
         eos = settings.get("eos_token_id")
         eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from speculators_vllm016.utils.errors import InvalidInputError
+
 __all__ = [
     "CHATML_TEMPLATE",
     "LLAMA3_TEMPLATE",
@@ -75,7 +77,9 @@ def build_tokenizer(
     from transformers import PreTrainedTokenizerFast
 
     if style not in _SPECIAL_TOKENS:
-        raise ValueError(f"unknown tokenizer style {style!r}; use one of {sorted(_SPECIAL_TOKENS)}")
+        raise InvalidInputError(
+            f"unknown tokenizer style {style!r}; use one of {sorted(_SPECIAL_TOKENS)}"
+        )
     specials = _SPECIAL_TOKENS[style]
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

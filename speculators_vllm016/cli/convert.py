@@ -54,7 +54,7 @@ def convert(
             ) from None
         if not isinstance(kwargs, dict):
             raise typer.BadParameter("must be a JSON object", param_hint="--algorithm-kwargs")
-    from speculators_vllm016.cli.datagen import report_errors
+    from speculators_vllm016.utils.command_errors import report_errors
 
     def run() -> int:
         convert_model(

@@ -10,19 +10,18 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from speculators_vllm016.cli.errors import EXIT_STOPPED, describe_error, report_errors
 from speculators_vllm016.data_generation.options import DTYPES, DatagenOptions
 from speculators_vllm016.data_generation.vllm_logging import keep_vllm_quiet
+from speculators_vllm016.utils.command_errors import EXIT_STOPPED, report_errors
+from speculators_vllm016.utils.errors import InvalidInputError
 
 __all__ = [
     "add_preprocessing_arguments",
     "add_sample_file_arguments",
     "add_target_model_arguments",
     "build_parser",
-    "describe_error",
     "main",
     "options_from_args",
-    "report_errors",
 ]
 
 EPILOG = """\
@@ -245,7 +244,7 @@ def run_on_ray(args: argparse.Namespace) -> int:
     from speculators_vllm016.data_generation.ray_shards import StopRequested, run_shards_on_ray
 
     if args.shard_index != 0:
-        raise ValueError("--ray-address runs every shard itself; leave out --shard-index")
+        raise InvalidInputError("--ray-address runs every shard itself; leave out --shard-index")
     try:
         summary = run_shards_on_ray(
             options_from_args(args), args.ray_address, args.ray_max_retries, verbose=args.verbose

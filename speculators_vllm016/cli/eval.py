@@ -8,7 +8,13 @@ from typing import NoReturn
 
 import typer
 
-from speculators_vllm016.utils.command_errors import EXIT_ERROR, describe_error, error_line
+from speculators_vllm016.utils.command_errors import (
+    EXIT_ERROR,
+    EXPECTED_ERRORS,
+    describe_error,
+    error_line,
+)
+from speculators_vllm016.utils.errors import SpeculatorsError
 from speculators_vllm016.utils.output_paths import check_output_file
 
 __all__ = ["evaluate"]
@@ -108,7 +114,7 @@ def evaluate(
         if path is not None:
             try:
                 check_output_file(path, flag)
-            except ValueError as error:
+            except SpeculatorsError as error:
                 _fail(str(error))
     options = EvalOptions(
         drafts=list(draft),
@@ -131,7 +137,7 @@ def evaluate(
     )
     try:
         report = run_evaluation(options)
-    except (ValueError, OSError, RuntimeError) as error:
+    except EXPECTED_ERRORS as error:
         # OSError: transformers' answer to a tokenizer it cannot find (a folder without tokenizer
         # files, a hub id with no network); FileNotFoundError is one too.
         if debug:

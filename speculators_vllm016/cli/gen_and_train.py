@@ -19,7 +19,7 @@ from pathlib import Path
 
 from speculators_vllm016.pipeline.gen_and_train import PipelinePlan
 from speculators_vllm016.train.jobs.job_config import JobConfigError
-from speculators_vllm016.train.vocab_maps import draft_vocab_too_large
+from speculators_vllm016.train.jobs.vocab_size_rule import draft_vocab_too_large
 
 __all__ = ["build_parser", "main", "plan_from_argv"]
 
@@ -147,8 +147,8 @@ def plan_from_argv(argv: Sequence[str]) -> PipelinePlan:
 def main(argv: Sequence[str] | None = None, prog: str = "speculators gen-and-train") -> int:
     from speculators_vllm016.cli import datagen as datagen_cli
     from speculators_vllm016.cli import train as train_cli
-    from speculators_vllm016.cli.errors import error_line
     from speculators_vllm016.pipeline.gen_and_train import run_gen_and_train
+    from speculators_vllm016.utils.command_errors import error_line
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:

@@ -19,33 +19,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from speculators_vllm016.train.jobs.job_config import (
-    CHECKPOINT_DTYPES,
     FieldSpec,
     JobConfigError,
     TrainJobConfig,
-    TrainSetupError,
     config_fields,
     load_job_config,
 )
 from speculators_vllm016.train.jobs.setup import (
-    OnlineSetup,
     TrainSetup,
-    build_draft_config,
-    verifier_text_config,
 )
 from speculators_vllm016.train.jobs.setup import build_model as _build_model
 from speculators_vllm016.train.jobs.setup import prepare as _prepare
-from speculators_vllm016.train.vocab_maps import VocabMaps
 
 if TYPE_CHECKING:
     from speculators_vllm016.models.eagle3 import Eagle3DraftModel
 
 __all__ = [
-    "OnlineSetup",
-    "TrainSetup",
-    "TrainSetupError",
-    "VocabMaps",
-    "build_draft_config",
     "build_model",
     "build_parser",
     "config_from_args",
@@ -54,9 +43,6 @@ __all__ = [
     "prepare",
     "run_config",
 ]
-
-DTYPES = CHECKPOINT_DTYPES  # 0.3.0-era name of the --checkpoint-dtype choices
-_verifier_text_config = verifier_text_config  # the name tests and older callers import
 
 
 def _add_field(group: argparse._ArgumentGroup, spec: FieldSpec, default: object) -> None:
@@ -149,7 +135,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "speculators train") -> 
     try:
         config, _ = config_from_argv(argv, prog)
     except JobConfigError as error:
-        from speculators_vllm016.cli.errors import EXIT_ERROR, error_line
+        from speculators_vllm016.utils.command_errors import EXIT_ERROR, error_line
 
         print(error_line(str(error)), file=sys.stderr)
         return EXIT_ERROR
@@ -169,7 +155,7 @@ def _research_draft(folder: Path, verifier: str, norm_before_residual: bool) -> 
     """A research-format `--from-pretrained` draft as `speculators convert` turns it into ours
     (in memory; the training layer cannot import the converter). The fused layers a research
     config.json names at its top level (where vLLM reads them) are kept, so they are checked."""
-    from speculators_vllm016.convert.eagle import Eagle3Converter
+    from speculators_vllm016.convert.eagle.eagle3_converter import Eagle3Converter
     from speculators_vllm016.convert.eagle.utils import load_checkpoint_config
 
     recorded = load_checkpoint_config(folder).get("eagle_aux_hidden_state_layer_ids")
@@ -184,23 +170,16 @@ def _research_draft(folder: Path, verifier: str, norm_before_residual: bool) -> 
 def run_config(config: TrainJobConfig) -> int:
     """Run the job; an expected failure is one line on stderr and exit status 2."""
     quiet_online_engine(config)
-    from speculators_vllm016.cli.errors import report_errors
-    from speculators_vllm016.train.data import DataSourceError, SampleFileError
-    from speculators_vllm016.train.errors import TrainingError
     from speculators_vllm016.train.jobs.job import run_train_job
     from speculators_vllm016.train.trainer import TrainingInterrupted
+    from speculators_vllm016.utils.command_errors import report_errors
+    from speculators_vllm016.utils.errors import SpeculatorsError
 
     def run() -> int:
         setup = _prepare(config, research_reader=_research_draft)
         run_train_job(config, setup, report=lambda result: print(result.describe()))
         return 0
 
-    expected = (
-        TrainSetupError,
-        SampleFileError,
-        DataSourceError,
-        TrainingError,
-        FileNotFoundError,
-        ImportError,
-    )
+    # ImportError: an optional package a setting needs (wandb, tensorboard) is not installed.
+    expected = (SpeculatorsError, FileNotFoundError, ImportError)
     return report_errors(run, config.logging.debug, expected, stopped=(TrainingInterrupted,))

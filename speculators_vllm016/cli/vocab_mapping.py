@@ -12,24 +12,18 @@ from typing import NoReturn
 import typer
 
 from speculators_vllm016.train.vocab_maps import (
-    D2T_FILE,
-    T2D_FILE,
     target_vocab_size_of,
     write_vocab_mappings,
-    write_vocab_mappings_from_counts,
 )
-from speculators_vllm016.utils.command_errors import EXIT_ERROR, describe_error, error_line
+from speculators_vllm016.utils.command_errors import (
+    EXIT_ERROR,
+    EXPECTED_ERRORS,
+    describe_error,
+    error_line,
+)
 from speculators_vllm016.utils.output_paths import check_output_folder
 
-# The library names stay importable from here (their home is `train.vocab_maps`).
-__all__ = [
-    "D2T_FILE",
-    "T2D_FILE",
-    "target_vocab_size_of",
-    "vocab_mapping",
-    "write_vocab_mappings",
-    "write_vocab_mappings_from_counts",
-]
+__all__ = ["vocab_mapping"]
 
 
 def vocab_mapping(
@@ -66,7 +60,7 @@ def vocab_mapping(
         d2t_path, t2d_path = write_vocab_mappings(
             token_freq_path, draft_vocab_size, size, output_path
         )
-    except (ValueError, FileNotFoundError) as error:
+    except EXPECTED_ERRORS as error:
         if debug:
             raise
         _fail(describe_error(error))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from speculators_vllm016.utils.errors import InvalidInputError
+
 __all__ = ["convert_model"]
 
 ALGORITHMS = ("eagle", "eagle3")
@@ -28,13 +30,14 @@ def convert_model(
     every tensor. The result appears at `output_path` only when whole and checked; the model's and
     the verifier's folders are refused, and a non-empty folder unless `overwrite`.
     """
-    from speculators_vllm016.convert.eagle import Eagle3Converter, EagleConverter
+    from speculators_vllm016.convert.eagle import EagleConverter
+    from speculators_vllm016.convert.eagle.eagle3_converter import Eagle3Converter
     from speculators_vllm016.convert.output import check_output_path, staged_output
 
     if algorithm not in ALGORITHMS:
-        raise ValueError(f"unsupported algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+        raise InvalidInputError(f"unsupported algorithm {algorithm!r}; choose one of {ALGORITHMS}")
     if not verifier:
-        raise ValueError("a verifier (the target model id or path) is required")
+        raise InvalidInputError("a verifier (the target model id or path) is required")
     target = check_output_path(output_path, [model, verifier], overwrite)
     converter = EagleConverter() if algorithm == "eagle" else Eagle3Converter()
     with staged_output(target) as stage:

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from speculators_vllm016.utils.atomic_files import replace_folder
+from speculators_vllm016.utils.errors import InvalidInputError
 
 __all__ = ["check_output_path", "staged_output"]
 
@@ -31,14 +32,14 @@ def check_output_path(
     for source in protected:
         local = Path(source).expanduser()
         if local.exists() and _related(target, local.resolve()):
-            raise ValueError(
+            raise InvalidInputError(
                 f"--output-path {output_path} would overwrite {source} (the checkpoint or the "
                 "verifier); choose another --output-path"
             )
     if target.exists() and not target.is_dir():
-        raise ValueError(f"--output-path {output_path} is a file; name a folder")
+        raise InvalidInputError(f"--output-path {output_path} is a file; name a folder")
     if target.is_dir() and any(target.iterdir()) and not overwrite:
-        raise ValueError(
+        raise InvalidInputError(
             f"--output-path {output_path} is not empty; pass --overwrite to replace it or choose "
             "another folder"
         )

@@ -13,6 +13,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from speculators_vllm016.utils.errors import InvalidInputError
+
 __all__ = ["MalformedRowError", "conversation_of", "normalize_conversation", "skip_reason"]
 
 ROLES = {
@@ -27,7 +29,7 @@ ROLES = {
 }
 
 
-class MalformedRowError(ValueError):
+class MalformedRowError(InvalidInputError):
     """A conversation that cannot be turned into a training sample."""
 
 

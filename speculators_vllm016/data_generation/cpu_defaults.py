@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from speculators_vllm016.utils.errors import InvalidInputError
 from speculators_vllm016.utils.text_config import text_config_of
 
 __all__ = [
@@ -45,7 +46,7 @@ def _thread_binding(world_size: int) -> str:
     """Split the CPUs this process may use into one contiguous group per worker."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < world_size:
-        raise ValueError(
+        raise InvalidInputError(
             f"{world_size} CPU workers need at least {world_size} CPUs; this process has "
             f"{len(cpus)}. Set VLLM_CPU_OMP_THREADS_BIND yourself to oversubscribe."
         )

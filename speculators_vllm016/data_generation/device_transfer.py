@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from speculators_vllm016.utils.errors import RunFailedError
+
 __all__ = ["RowTarget", "RowWriter"]
 
 
@@ -126,4 +128,4 @@ class RowWriter:
     def _raise_pending_error(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError("copying captured hidden states to the host failed") from error
+            raise RunFailedError("copying captured hidden states to the host failed") from error

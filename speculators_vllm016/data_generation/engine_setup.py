@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -27,7 +27,8 @@ from speculators_vllm016.data_generation.cpu_defaults import (
     slow_cpu_dtype_warning,
 )
 from speculators_vllm016.data_generation.transfer import TransferDir, TransferLayout
-from speculators_vllm016.utils.layer_ids import default_layer_ids
+from speculators_vllm016.utils.errors import library_refusals_as_ours
+from speculators_vllm016.utils.layer_ids import default_layer_ids, normalize_layer_ids
 
 if TYPE_CHECKING:
     from speculators_vllm016.data_generation.custom_worker import CaptureSetup
@@ -40,7 +41,6 @@ __all__ = [
     "EngineSettings",
     "HiddenStatesEngine",
     "build_engine",
-    "normalize_layer_ids",
     "shutdown_engine",
 ]
 
@@ -50,28 +50,6 @@ WORKER_EXTENSION = "speculators_vllm016.data_generation.custom_worker.HiddenStat
 DEFAULT_MAX_NUM_SEQS = 32
 MIN_MAX_NUM_BATCHED_TOKENS = 8192
 TEXT_ONLY_MODALITIES = ("image", "video", "audio", "vision_chunk")
-
-
-def normalize_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
-    """Resolve negative ids from the end and refuse ids out of range.
-
-    A layer may appear twice (0.3.0's defaults repeat one on models of fewer than 6 layers); each
-    occurrence gets its own copy in the output.
-    """
-    if len(layer_ids) == 0:
-        raise ValueError("layer_ids is empty: name at least one decoder layer to capture")
-    resolved: list[int] = []
-    for layer_id in layer_ids:
-        if isinstance(layer_id, bool) or not isinstance(layer_id, int):
-            raise ValueError(f"layer id {layer_id!r} is not an integer")
-        index = layer_id + num_layers if layer_id < 0 else layer_id
-        if not 0 <= index < num_layers:
-            raise ValueError(
-                f"layer id {layer_id} is out of range for a model with {num_layers} decoder "
-                f"layers (valid: {-num_layers}..{num_layers - 1})"
-            )
-        resolved.append(index)
-    return resolved
 
 
 @dataclass(frozen=True)
@@ -175,7 +153,9 @@ def build_engine(settings: EngineSettings) -> HiddenStatesEngine:
     with defaults as chosen:
         for name, value in chosen.items():
             logger.info("vLLM CPU build: %s=%s (set it yourself to override)", name, value)
-        return _build(engine_args, settings)
+        # vLLM checks the settings (max_model_len, memory for the KV cache) as the engine starts.
+        with library_refusals_as_ours():
+            return _build(engine_args, settings)
 
 
 def _build(engine_args: Any, settings: EngineSettings) -> HiddenStatesEngine:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from speculators_vllm016.utils.errors import InvalidInputError
+
 __all__ = [
     "DecoderLayers",
     "UnsupportedModelError",
@@ -23,7 +25,7 @@ __all__ = [
 _LAYER_LIST_NAMES = ("layers", "h", "blocks", "decoder_layers")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(InvalidInputError):
     """The model's structure does not let hidden states be captured."""
 
 

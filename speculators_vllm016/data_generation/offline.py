@@ -8,7 +8,6 @@ run's file by file.
 
 The parts live in their own modules: the options (`options`), the folder protocol
 (`output_folder`), the writer pool (`sample_writers`) and the extraction loop (`extraction`).
-Their names are importable from here too, as they were when this module held them all.
 """
 
 from __future__ import annotations
@@ -23,30 +22,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from speculators_vllm016.data_generation.extraction import (
-    SampleRequest,
-    StreamTotals,
     extract_and_write,
     sample_requests,
 )
 from speculators_vllm016.data_generation.manifest import read_manifest
 from speculators_vllm016.data_generation.options import (
-    DTYPES,
     DatagenOptions,
-    EngineOptions,
-    OutputOptions,
-    PreprocessingOptions,
 )
 from speculators_vllm016.data_generation.output_folder import (
-    CONFIG_FILE,
-    LOCK_DIR,
     DatagenFolder,
-    ShardLock,
 )
-from speculators_vllm016.data_generation.preflight import (
-    ModelFacts,
-    inspect_model,
-    remote_code_hint,
-)
+from speculators_vllm016.data_generation.preflight import ModelFacts, inspect_model
 from speculators_vllm016.data_generation.resume import (
     RunIdentity,
     has_sample_files,
@@ -58,29 +44,17 @@ from speculators_vllm016.data_generation.sample_io import (
     existing_sample_indices,
     sample_path,
 )
-from speculators_vllm016.data_generation.sample_writers import SampleWriterPool
 from speculators_vllm016.data_generation.token_counts import count_trained_tokens
 from speculators_vllm016.data_generation.transfer import check_transfer_space
 from speculators_vllm016.utils.eagle3_serving import target_identity, target_serving_line
+from speculators_vllm016.utils.verifier_config import remote_code_hint
 
 if TYPE_CHECKING:
     from speculators_vllm016.data_generation.preprocessing import PreprocessResult
 
 __all__ = [
-    "CONFIG_FILE",
-    "DTYPES",
-    "LOCK_DIR",
-    "DatagenOptions",
     "DatagenSummary",
-    "EngineOptions",
-    "OutputOptions",
-    "PreprocessingOptions",
-    "SampleRequest",
-    "SampleWriterPool",
     "ShardExtraction",
-    "ShardLock",
-    "StreamTotals",
-    "extract_and_write",
     "preprocess_samples",
     "run_datagen",
     "shard_positions",

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from speculators_vllm016.data_generation.sample_io import SAMPLE_PATTERNS
+from speculators_vllm016.utils.errors import InvalidInputError
 
 __all__ = [
     "DTYPES",
@@ -215,36 +216,36 @@ class DatagenOptions:
             ("--max-samples", data.max_samples),
         ):
             if value is not None and value < 1:
-                raise ValueError(f"{flag} must be at least 1, got {value}")
+                raise InvalidInputError(f"{flag} must be at least 1, got {value}")
         if not 0 < engine.gpu_memory_utilization <= 1:
-            raise ValueError(
+            raise InvalidInputError(
                 f"--gpu-memory-utilization must be in (0, 1], got {engine.gpu_memory_utilization}"
             )
         if engine.dtype not in DTYPES:
-            raise ValueError(f"--dtype {engine.dtype!r} is not one of {', '.join(DTYPES)}")
+            raise InvalidInputError(f"--dtype {engine.dtype!r} is not one of {', '.join(DTYPES)}")
         if data.assistant_pattern is not None:
             try:
                 re.compile(data.assistant_pattern)
             except re.error as error:
-                raise ValueError(
+                raise InvalidInputError(
                     f"--assistant-pattern is not a valid regular expression ({error})"
                 ) from None
         if output.num_shards < 1:
-            raise ValueError(f"--num-shards must be at least 1, got {output.num_shards}")
+            raise InvalidInputError(f"--num-shards must be at least 1, got {output.num_shards}")
         if not 0 <= output.shard_index < output.num_shards:
-            raise ValueError(
+            raise InvalidInputError(
                 f"--shard-index must be in [0, {output.num_shards}), got {output.shard_index}"
             )
         if output.output_format not in SAMPLE_PATTERNS:
-            raise ValueError(f"--output-format must be one of {sorted(SAMPLE_PATTERNS)}")
+            raise InvalidInputError(f"--output-format must be one of {sorted(SAMPLE_PATTERNS)}")
         if output.batch_size < 1:
-            raise ValueError(f"--batch-size must be at least 1, got {output.batch_size}")
+            raise InvalidInputError(f"--batch-size must be at least 1, got {output.batch_size}")
         if data.seq_length < 1:
-            raise ValueError(f"--seq-length must be at least 1, got {data.seq_length}")
+            raise InvalidInputError(f"--seq-length must be at least 1, got {data.seq_length}")
         if output.start_idx < 0:
-            raise ValueError(f"--start-idx must be non-negative, got {output.start_idx}")
+            raise InvalidInputError(f"--start-idx must be non-negative, got {output.start_idx}")
         if engine.max_model_len is not None and engine.max_model_len <= data.seq_length:
-            raise ValueError(
+            raise InvalidInputError(
                 f"--max-model-len {engine.max_model_len} must exceed --seq-length "
                 f"{data.seq_length} (vLLM keeps one position for the sampled token)"
             )

@@ -45,26 +45,20 @@ from speculators_vllm016.data_generation.token_counts import (
     shard_token_freq_path,
 )
 from speculators_vllm016.utils.atomic_files import atomic_write_json
+from speculators_vllm016.utils.errors import InvalidInputError
 from speculators_vllm016.utils.file_lock import try_lock_file
 
 if TYPE_CHECKING:
     from speculators_vllm016.data_generation.options import DatagenOptions
 
-__all__ = [
-    "CONFIG_FILE",
-    "LOCK_DIR",
-    "DatagenFolder",
-    "FolderInUse",
-    "ShardLock",
-    "data_config_of",
-]
+__all__ = ["LOCK_DIR", "DatagenFolder", "FolderInUse", "ShardLock", "data_config_of"]
 
 logger = logging.getLogger(__name__)
 
 LOCK_DIR = ".locks"
 
 
-class FolderInUse(ValueError):
+class FolderInUse(InvalidInputError):
     """Another process holds the lock of this shard of the folder."""
 
 
@@ -131,16 +125,16 @@ class DatagenFolder:
         """Create the folder (refusing a file or an unwritable place); True if created here."""
         path, flag = self.path, self.flag
         if path.exists() and not path.is_dir():
-            raise ValueError(f"{flag} {path} is a file; name a folder")
+            raise InvalidInputError(f"{flag} {path} is a file; name a folder")
         created = not path.exists()
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as error:
-            raise ValueError(
+            raise InvalidInputError(
                 f"cannot create {flag} {path} ({error.strerror}); choose a writable place"
             ) from None
         if not os.access(path, os.W_OK | os.X_OK):
-            raise ValueError(f"{flag} {path} is not writable; choose a writable place")
+            raise InvalidInputError(f"{flag} {path} is not writable; choose a writable place")
         return created
 
     def lock(self) -> None:

@@ -1,6 +1,6 @@
 """What can be known about a datagen run from `config.json` and the flags, before any work.
 
-Each check fails with a `ValueError` whose one line names the problem and the fix, so a typo
+Each check fails with an `InvalidInputError` (a `ValueError`) whose one line names the problem and the fix, so a typo
 costs seconds instead of a preprocessing pass and an engine start, and nothing is written.
 """
 
@@ -11,14 +11,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from speculators_vllm016.utils.errors import InvalidInputError
+from speculators_vllm016.utils.layer_ids import default_layer_ids, normalize_layer_ids
 from speculators_vllm016.utils.text_config import text_config_of
-from speculators_vllm016.utils.verifier_config import (
-    REMOTE_CODE_FLAG,
-    looks_local,
-    remote_code_hint,
-)
+from speculators_vllm016.utils.verifier_config import REMOTE_CODE_FLAG, looks_local
 
-__all__ = ["ModelFacts", "inspect_model", "remote_code_hint"]
+__all__ = ["ModelFacts", "inspect_model"]
 
 
 @dataclass(frozen=True)
@@ -39,17 +37,21 @@ def _read_config(model: str) -> dict:
     if local.is_dir():
         config = local / "config.json"
         if not config.is_file():
-            raise ValueError(
+            raise InvalidInputError(
                 f"{local} has no config.json; point --target-model-path at a model folder"
             )
         try:
             return json.loads(config.read_text())
         except ValueError as error:
-            raise ValueError(f"{config} is not valid JSON ({error}); fix or replace it") from None
+            raise InvalidInputError(
+                f"{config} is not valid JSON ({error}); fix or replace it"
+            ) from None
     if local.exists():
-        raise ValueError(f"{local} is a file; --target-model-path needs a model folder or hub id")
+        raise InvalidInputError(
+            f"{local} is a file; --target-model-path needs a model folder or hub id"
+        )
     if looks_local(model) or _offline():
-        raise ValueError(
+        raise InvalidInputError(
             f"no model folder at {model}; check --target-model-path (a local folder, or a hub "
             "id like org/name when online)"
         )
@@ -58,7 +60,7 @@ def _read_config(model: str) -> dict:
     try:
         config_dict, _ = PretrainedConfig.get_config_dict(model)
     except Exception as error:  # noqa: BLE001 - hub errors come in many types
-        raise ValueError(
+        raise InvalidInputError(
             f"cannot read the config of {model!r} from the hub ({type(error).__name__}); check "
             "the id, your network and your token, or pass a local folder"
         ) from None
@@ -89,14 +91,9 @@ def inspect_model(
     model: str, layer_ids: list[int] | None, trust_remote_code: bool = False
 ) -> ModelFacts:
     """Read the model's config (no code from the model folder runs) and resolve the layers."""
-    from speculators_vllm016.data_generation.vllm_hidden_states_generator import (
-        default_layer_ids,
-        normalize_layer_ids,
-    )
-
     config_dict = _read_config(model)
     if not trust_remote_code and needs_remote_code(config_dict):
-        raise ValueError(
+        raise InvalidInputError(
             f"{model} needs the Python code shipped in its folder (its config names "
             f"{config_dict['auto_map']['AutoConfig']}); pass {REMOTE_CODE_FLAG} if you trust it "
             "(off by default since 0.3.0 ran it unasked)"
@@ -105,7 +102,7 @@ def inspect_model(
     num_layers = text.get("num_hidden_layers")
     hidden_size = text.get("hidden_size")
     if not isinstance(num_layers, int) or num_layers < 1 or not isinstance(hidden_size, int):
-        raise ValueError(
+        raise InvalidInputError(
             f"the config of {model} has no usable num_hidden_layers/hidden_size; is it a "
             "decoder language model?"
         )
@@ -114,7 +111,7 @@ def inspect_model(
             default_layer_ids(num_layers) if layer_ids is None else list(layer_ids), num_layers
         )
     except ValueError as error:
-        raise ValueError(f"--layer-ids: {error}") from None
+        raise InvalidInputError(f"--layer-ids: {error}") from None
     local = Path(model).expanduser()
     path = str(local.resolve()) if local.is_dir() else model
     return ModelFacts(path, num_layers, hidden_size, resolved, config_dict)

@@ -29,7 +29,7 @@ from speculators_vllm016.data_generation.conversations import (
     normalize_conversation,
     skip_reason,
 )
-from speculators_vllm016.utils.errors import type_and_first_line
+from speculators_vllm016.utils.errors import InvalidInputError, type_and_first_line
 
 __all__ = [
     "PreprocessResult",
@@ -190,7 +190,7 @@ def _ensure_conversations(dataset: HFDataset) -> HFDataset:
         return dataset
     if "messages" in columns:
         return dataset.rename_column("messages", "conversations")
-    raise ValueError(
+    raise InvalidInputError(
         f"the dataset has no 'conversations' or 'messages' column (columns: {dataset.column_names})"
     )
 
@@ -228,7 +228,7 @@ def preprocess_conversations(
     usable.
     """
     if tokenizer.chat_template is None:
-        raise ValueError("the tokenizer has no chat template; one is needed to render chats")
+        raise InvalidInputError("the tokenizer has no chat template; one is needed to render chats")
     if assistant_pattern is not None:
         re.compile(assistant_pattern)  # a bad pattern fails here, not in every worker
     dataset = _ensure_conversations(dataset)
@@ -268,7 +268,7 @@ def preprocess_conversations(
             dict(reasons),
         )
     if len(errors) == len(processed):
-        raise ValueError(
+        raise InvalidInputError(
             f"none of the {len(processed)} conversations is usable; first problems: "
             + "; ".join(f"row {row}: {error}" for row, error in errors[:5])
         )
@@ -294,12 +294,12 @@ def _load_json_rows(path: str) -> HFDataset:
             try:
                 rows = json.load(handle)
             except json.JSONDecodeError as exc:
-                raise ValueError(
+                raise InvalidInputError(
                     f"{path} is not valid JSON (line {exc.lineno}: {exc.msg}); fix the file or "
                     "write it as JSON lines (.jsonl), one conversation a line"
                 ) from None
     if not isinstance(rows, list):
-        raise ValueError(f"{path} must hold a list of conversations")
+        raise InvalidInputError(f"{path} must hold a list of conversations")
     conversations = []
     for row in rows:
         turns = conversation_of(row)
@@ -315,7 +315,7 @@ def check_utf8(path: str) -> None:
             try:
                 line.decode("utf-8")
             except UnicodeDecodeError as error:
-                raise ValueError(
+                raise InvalidInputError(
                     f"{path} is not UTF-8 text (line {number}, byte {error.start + 1} of the line: "
                     f"{line[error.start : error.start + 1]!r}); save the file as UTF-8"
                 ) from None
@@ -348,7 +348,7 @@ def load_raw_dataset(
             return _load_json_rows(train_data_path)
     config = DATASET_CONFIGS.get(train_data_path)
     if config is None:
-        raise ValueError(
+        raise InvalidInputError(
             f"unknown dataset {train_data_path!r} ({flag}): pass a local .json/.jsonl file or one of "
             f"{sorted(DATASET_CONFIGS)}"
         )
@@ -412,11 +412,11 @@ def load_and_preprocess(
     """
     from transformers import AutoTokenizer
 
-    from speculators_vllm016.data_generation.preflight import remote_code_hint
     from speculators_vllm016.data_generation.token_counts import (
         count_trained_tokens,
         save_token_counts,
     )
+    from speculators_vllm016.utils.verifier_config import remote_code_hint
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(
@@ -426,20 +426,22 @@ def load_and_preprocess(
         hint = remote_code_hint(error, target_model_path)
         if hint is not None:
             raise hint from None
-        raise ValueError(
+        raise InvalidInputError(
             f"cannot load the tokenizer of {target_model_path} ({type_and_first_line(error)})"
         ) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if tokenizer.chat_template is None:
-        raise ValueError(
+        raise InvalidInputError(
             f"the tokenizer of {target_model_path} has no chat template; a chat model is needed"
         )
     raw = _ensure_conversations(
         load_raw_dataset(train_data_path, build_dataset_num_proc, cache_dir)
     )
     if len(raw) == 0:
-        raise ValueError(f"{train_data_path} holds no conversations; check --train-data-path")
+        raise InvalidInputError(
+            f"{train_data_path} holds no conversations; check --train-data-path"
+        )
     raw = raw.add_column(ROW_COLUMN, list(range(len(raw))))
     raw = raw.shuffle(seed=seed)
     if max_samples is not None and len(raw) > max_samples:

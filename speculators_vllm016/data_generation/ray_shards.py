@@ -37,7 +37,12 @@ from speculators_vllm016.data_generation.shard_process import (
     shard_arguments,
     shard_log_path,
 )
-from speculators_vllm016.utils.errors import type_and_first_line
+from speculators_vllm016.utils.errors import (
+    InvalidInputError,
+    RunFailedError,
+    SpeculatorsError,
+    type_and_first_line,
+)
 
 __all__ = [
     "LOCAL",
@@ -62,11 +67,11 @@ CANCEL_SECONDS = 30.0  # for cancelled shard tasks to kill their processes and e
 LOCAL_OBJECT_STORE_BYTES = 128 * 2**20
 
 
-class ShardFailed(RuntimeError):
+class ShardFailed(RunFailedError):
     """A shard stopped on a mistake, or failed more often than the retries allow."""
 
 
-class StopRequested(Exception):
+class StopRequested(SpeculatorsError):
     """SIGTERM reached the command (a scheduler, `timeout`): the running shards were cancelled."""
 
 
@@ -90,7 +95,7 @@ def require_ray() -> Any:
     try:
         import ray
     except ImportError:
-        raise ValueError(RAY_MISSING) from None
+        raise InvalidInputError(RAY_MISSING) from None
     return ray
 
 
@@ -181,7 +186,7 @@ def shard_resources(nodes: list[dict], per_shard: int) -> dict[str, int]:
     kind = "GPU" if any(resources.get("GPU", 0) > 0 for resources in alive) else "CPU"
     largest = max((int(resources.get(kind, 0)) for resources in alive), default=0)
     if largest < per_shard:
-        raise ValueError(
+        raise InvalidInputError(
             f"each shard needs {per_shard} {kind}s (--tensor-parallel-size x "
             f"--pipeline-parallel-size) on one node, but the largest node of the Ray cluster has "
             f"{largest}; lower the parallel sizes or add larger nodes"
@@ -204,7 +209,7 @@ def refuse_unreachable(address: str) -> None:
         problem = "not host:port"
     except OSError as error:
         problem = error.strerror or type(error).__name__
-    raise ValueError(
+    raise InvalidInputError(
         f"cannot reach the Ray cluster at --ray-address {address} ({problem}); give the address "
         f"`ray start --head` printed, or --ray-address {LOCAL} to start Ray on this machine"
     )
@@ -218,7 +223,7 @@ def _connect(ray: Any, address: str) -> None:
         try:
             ray.init(address=address, **quiet)
         except ConnectionError as error:
-            raise ValueError(
+            raise InvalidInputError(
                 f"cannot reach the Ray cluster at --ray-address {address} "
                 f"({type_and_first_line(error)}); start it with `ray start --head` or use "
                 f"--ray-address {LOCAL}"
@@ -234,7 +239,7 @@ def run_shards_on_ray(
     """Run every shard of the job `options` describe on the Ray cluster at `address`."""
     options.validate()
     if max_retries < 0:
-        raise ValueError(f"--ray-max-retries must be at least 0, got {max_retries}")
+        raise InvalidInputError(f"--ray-max-retries must be at least 0, got {max_retries}")
     ray = require_ray()
     engine, output = options.engine, options.output
     inspect_model(engine.target_model_path, output.layer_ids, engine.trust_remote_code)

@@ -33,6 +33,7 @@ import torch
 
 from speculators_vllm016.data_generation.manifest import ManifestWriter, SampleRecord
 from speculators_vllm016.utils.atomic_files import atomic_write_json, temporary_path
+from speculators_vllm016.utils.errors import InvalidInputError
 
 if TYPE_CHECKING:
     from speculators_vllm016.data_generation.options import DatagenOptions
@@ -132,7 +133,7 @@ def refuse_unrecorded(
         and has_sample_files(output_dir)
         and not adopt_existing
     ):
-        raise ValueError(_unrecorded(output_dir, flag, adopt_flag))
+        raise InvalidInputError(_unrecorded(output_dir, flag, adopt_flag))
 
 
 def _unrecorded(output_dir: Path, flag: str, adopt_flag: str | None) -> str:
@@ -169,14 +170,14 @@ def check_identity(
         recorded = json.loads(state.read_text())
     except (OSError, ValueError) as error:
         if adopt_flag is None:
-            raise ValueError(_unrecorded(output_dir, flag, adopt_flag)) from None
-        raise ValueError(
+            raise InvalidInputError(_unrecorded(output_dir, flag, adopt_flag)) from None
+        raise InvalidInputError(
             f"{state} is unreadable ({error}); remove it and pass {adopt_flag}"
         ) from None
     if recorded.get("version") != IDENTITY_VERSION:
         if adopt_flag is None:
-            raise ValueError(_unrecorded(output_dir, flag, adopt_flag))
-        raise ValueError(
+            raise InvalidInputError(_unrecorded(output_dir, flag, adopt_flag))
+        raise InvalidInputError(
             f"{flag} {output_dir} was written by another version of datagen; remove {STATE_FILE} "
             f"and pass {adopt_flag} to check and keep its files"
         )
@@ -197,7 +198,7 @@ def check_identity(
         ]
         if causes:
             details += " (changed flags: " + "; ".join(causes) + ")"
-    raise ValueError(
+    raise InvalidInputError(
         f"{flag} {output_dir} holds samples of a different run ({details}); use another {flag} "
         "or remove it"
     )
@@ -298,7 +299,7 @@ def refuse_other_tensors(
     wanted = (str(dtype), int(hidden_size))
     for (found_dtype, width), name in sorted(signatures.items()):
         if (found_dtype, width) != wanted:
-            raise ValueError(
+            raise InvalidInputError(
                 f"{flag} {output_dir} holds samples of a different run ({name} holds "
                 f"{found_dtype} hidden states {width} wide; this run's engine makes {wanted[0]}, "
                 f"{wanted[1]} wide: another --dtype, model or device); use another {flag} or "

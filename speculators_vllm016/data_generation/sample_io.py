@@ -34,6 +34,7 @@ from speculators_vllm016.utils.atomic_files import (
     atomic_write,
     real_write_errors,
 )
+from speculators_vllm016.utils.errors import InvalidInputError
 from speculators_vllm016.utils.file_lock import try_lock_file
 
 if TYPE_CHECKING:  # torch is imported where a sample is read or written: `--help` needs none
@@ -193,7 +194,9 @@ def write_sample_file(
         blob = save(tensors, metadata={"num_hidden_states": str(len(hidden_states))})
         digest = _write_hashed(path, lambda handle: handle.write(blob), fsync, slot)
     else:
-        raise ValueError(f"unknown output format {output_format!r}; use 'pt' or 'safetensors'")
+        raise InvalidInputError(
+            f"unknown output format {output_format!r}; use 'pt' or 'safetensors'"
+        )
     return WrittenFile(path=path, bytes=path.stat().st_size, sha256=digest)
 
 

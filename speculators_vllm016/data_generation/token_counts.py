@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from speculators_vllm016.utils.atomic_files import atomic_torch_save
+from speculators_vllm016.utils.errors import InvalidInputError
 
 if TYPE_CHECKING:
     from datasets import Dataset as HFDataset
@@ -71,11 +72,11 @@ def read_token_counts(path: str | os.PathLike, allow_empty: bool = False) -> dic
     try:
         counts = torch.load(path, weights_only=True)
     except Exception as error:  # noqa: BLE001 - pickle, zip and EOF errors alike: not our file
-        raise ValueError(
+        raise InvalidInputError(
             f"{path} is not a readable token frequency file ({type_and_first_line(error)})"
         ) from error
     if not isinstance(counts, dict) or not (counts or allow_empty):
-        raise ValueError(f"{path} is not a non-empty {{token_id: count}} mapping")
+        raise InvalidInputError(f"{path} is not a non-empty {{token_id: count}} mapping")
     return {int(token): int(count) for token, count in counts.items()}
 
 
@@ -89,7 +90,7 @@ def load_token_freq(data_dir: str | os.PathLike) -> dict[int, int]:
     totals = {int(f.stem.rsplit("-of-", 1)[1]) for f in files}
     if len(totals) != 1 or len(files) != next(iter(totals)):
         names = ", ".join(f.name for f in files)
-        raise ValueError(f"{folder} holds an incomplete or mixed set of shards ({names})")
+        raise InvalidInputError(f"{folder} holds an incomplete or mixed set of shards ({names})")
     return sum_token_counts(files)
 
 

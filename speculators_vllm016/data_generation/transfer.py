@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from speculators_vllm016.utils.errors import InvalidInputError, RunFailedError
+
 __all__ = [
     "TRANSFER_ROOT_ENV",
     "MappedRequest",
@@ -88,7 +90,7 @@ class TransferLayout:
         counts = self.num_layers * _COUNT_BYTES
         seq_len = (file_bytes - counts) // self.token_bytes
         if seq_len < 1 or self.file_bytes(seq_len) != file_bytes:
-            raise RuntimeError(
+            raise RunFailedError(
                 f"a transfer file of {file_bytes} bytes does not fit the layout of {self.num_layers} "
                 f"layers x {self.hidden_size} {self.dtype} (another generator's file?)"
             )
@@ -150,7 +152,7 @@ def check_transfer_space(options, facts) -> None:
     """Refuse before any work when one sample of the longest length cannot be carried."""
     root = resolve_transfer_root(options.transfer_root)
     if not root.is_dir() or not os.access(root, os.W_OK | os.X_OK):
-        raise ValueError(
+        raise InvalidInputError(
             f"transfer root {root} is not a writable folder; pass --transfer-root (or set "
             f"${TRANSFER_ROOT_ENV}) to one"
         )
@@ -166,10 +168,10 @@ def check_transfer_space(options, facts) -> None:
     needed = layout.file_bytes(options.seq_length)
     free = shutil.disk_usage(root).free
     if needed > free:
-        raise ValueError(space_hint(root, needed, free))
+        raise InvalidInputError(space_hint(root, needed, free))
 
 
-class TransferSpaceError(ValueError):
+class TransferSpaceError(InvalidInputError):
     """The transfer root has no room for a request's hidden states."""
 
 

@@ -23,20 +23,16 @@ from typing import Any
 
 import torch
 
-# Engine construction lives in engine_setup; its names stay importable from here.
-from speculators_vllm016.data_generation.engine_setup import (  # noqa: F401 - re-exported
+from speculators_vllm016.data_generation.engine_setup import (
     DEFAULT_MAX_NUM_SEQS,
     MIN_MAX_NUM_BATCHED_TOKENS,
-    TEXT_ONLY_MODALITIES,
-    WORKER_EXTENSION,
     EngineSettings,
     HiddenStatesEngine,
     build_engine,
-    normalize_layer_ids,
     shutdown_engine,
 )
 from speculators_vllm016.data_generation.transfer import TakenRequest, TransferDir
-from speculators_vllm016.utils.layer_ids import default_layer_ids  # noqa: F401 - re-exported
+from speculators_vllm016.utils.errors import InvalidInputError, RunFailedError
 
 __all__ = ["HiddenStatesResult", "VllmHiddenStatesGenerator"]
 
@@ -129,12 +125,12 @@ class VllmHiddenStatesGenerator:
         self._calls = itertools.count()
         self._finalizer: weakref.finalize | None = None
         if not enforce_eager:
-            raise ValueError(
+            raise InvalidInputError(
                 "enforce_eager=False is not supported: hidden states are captured by forward "
                 "hooks on the decoder layers, which compiled graphs do not run"
             )
         if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+            raise InvalidInputError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(MIN_MAX_NUM_BATCHED_TOKENS, max_model_len)
         settings = EngineSettings(
@@ -200,7 +196,7 @@ class VllmHiddenStatesGenerator:
             raise RuntimeError("this generator is closed")
         if isinstance(token_ids, torch.Tensor):
             if token_ids.dim() != 2:
-                raise ValueError(
+                raise InvalidInputError(
                     f"token_ids tensor must be 2-D [batch, seq_len], got shape "
                     f"{tuple(token_ids.shape)}"
                 )
@@ -210,12 +206,12 @@ class VllmHiddenStatesGenerator:
                 ids.tolist() if isinstance(ids, torch.Tensor) else list(ids) for ids in token_ids
             ]
         if not sequences:
-            raise ValueError("token_ids is empty: pass at least one sequence")
+            raise InvalidInputError("token_ids is empty: pass at least one sequence")
         for index, ids in enumerate(sequences):
             if not ids:
-                raise ValueError(f"sequence {index} is empty")
+                raise InvalidInputError(f"sequence {index} is empty")
             if len(ids) > self.max_sequence_length:
-                raise ValueError(
+                raise InvalidInputError(
                     f"sequence {index} has {len(ids)} tokens; at most max_model_len - 1 = "
                     f"{self.max_sequence_length} fit (vLLM keeps one position for the sampled "
                     "token). Truncate it yourself or raise max_model_len"
@@ -223,7 +219,7 @@ class VllmHiddenStatesGenerator:
             if not all(type(token) is int for token in ids):  # fast path for plain ints
                 for position, token in enumerate(ids):
                     if isinstance(token, bool) or not isinstance(token, numbers.Integral):
-                        raise ValueError(
+                        raise InvalidInputError(
                             f"sequence {index} position {position}: token {token!r} is not an int"
                         )
                 ids = sequences[index] = [int(token) for token in ids]  # e.g. numpy integers
@@ -231,7 +227,7 @@ class VllmHiddenStatesGenerator:
                 position, token = next(
                     (p, t) for p, t in enumerate(ids) if not 0 <= t < self.vocab_size
                 )
-                raise ValueError(
+                raise InvalidInputError(
                     f"sequence {index} position {position}: token id {token} is outside the "
                     f"vocabulary [0, {self.vocab_size})"
                 )
@@ -414,7 +410,7 @@ class VllmHiddenStatesGenerator:
             ):
                 idle_steps += 1
                 if idle_steps > 2 and pending:
-                    raise RuntimeError(
+                    raise RunFailedError(
                         f"the scheduler stopped making progress with {len(pending)} requests "
                         "unfinished (KV cache too small for one sequence?)"
                     )

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from speculators_vllm016.utils.atomic_files import give_usual_modes
+from speculators_vllm016.utils.errors import InvalidInputError
 
 __all__ = ["TargetTraining", "TargetTrainingResult", "render_conversations", "train_demo_target"]
 
@@ -93,7 +94,7 @@ def train_demo_target(
         )
     )
     if len(rows) < options.rows_per_step:
-        raise ValueError(
+        raise InvalidInputError(
             f"the conversations fill {len(rows)} rows of {options.row_tokens} tokens; "
             f"lower the row length or the rows per step ({options.rows_per_step})"
         )

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from speculators_vllm016.utils.errors import InvalidInputError
+
 __all__ = ["AcceptanceCounts"]
 
 
@@ -27,13 +29,13 @@ class AcceptanceCounts:
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:
-            raise ValueError(
+            raise InvalidInputError(
                 f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}"
             )
         if not self.accepted_per_position:
             self.accepted_per_position = [0] * self.num_speculative_tokens
         if len(self.accepted_per_position) != self.num_speculative_tokens:
-            raise ValueError(
+            raise InvalidInputError(
                 f"accepted_per_position has {len(self.accepted_per_position)} entries, expected "
                 f"num_speculative_tokens={self.num_speculative_tokens}"
             )
@@ -41,7 +43,7 @@ class AcceptanceCounts:
     def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         """One draft of `num_draft_tokens` proposals whose first `num_accepted_tokens` were kept."""
         if not 0 <= num_accepted_tokens <= min(num_draft_tokens, self.num_speculative_tokens):
-            raise ValueError(
+            raise InvalidInputError(
                 f"{num_accepted_tokens} accepted of {num_draft_tokens} drafted "
                 f"(at most {self.num_speculative_tokens} per draft)"
             )
@@ -54,7 +56,7 @@ class AcceptanceCounts:
     def merge(self, other: AcceptanceCounts) -> None:
         """Add another set of totals (e.g. another batch) to these."""
         if other.num_speculative_tokens != self.num_speculative_tokens:
-            raise ValueError(
+            raise InvalidInputError(
                 f"cannot merge counts of {other.num_speculative_tokens} and "
                 f"{self.num_speculative_tokens} speculative tokens"
             )

@@ -21,6 +21,7 @@ from speculators_vllm016.data_generation.preprocessing import (
     _ensure_conversations,
     load_raw_dataset,
 )
+from speculators_vllm016.utils.errors import InvalidInputError
 
 __all__ = ["EvalPrompts", "load_eval_prompts", "prompt_messages"]
 
@@ -59,9 +60,9 @@ def load_eval_prompts(
     counted. Raises `ValueError` when no prompt is left.
     """
     if tokenizer.chat_template is None:
-        raise ValueError("the verifier's tokenizer has no chat template; prompts need one")
+        raise InvalidInputError("the verifier's tokenizer has no chat template; prompts need one")
     if max_prompts is not None and max_prompts < 1:
-        raise ValueError(f"max_prompts must be at least 1, got {max_prompts}")
+        raise InvalidInputError(f"max_prompts must be at least 1, got {max_prompts}")
     dataset = _ensure_conversations(
         load_raw_dataset(data_path, num_proc=1, cache_dir=cache_dir, flag="--data-path")
     )
@@ -88,5 +89,7 @@ def load_eval_prompts(
     if skipped:
         logger.warning("skipped %d rows of %s: %s", sum(skipped.values()), data_path, skipped)
     if not token_ids:
-        raise ValueError(f"{data_path} holds no usable prompt (skipped: {skipped or 'none'})")
+        raise InvalidInputError(
+            f"{data_path} holds no usable prompt (skipped: {skipped or 'none'})"
+        )
     return EvalPrompts(token_ids=token_ids, texts=texts, skipped=skipped)

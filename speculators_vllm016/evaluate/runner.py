@@ -15,7 +15,7 @@ from speculators_vllm016.evaluate.verifier_match import (
     check_verifier_matches,
     expected_verifier,
 )
-from speculators_vllm016.utils.errors import first_line
+from speculators_vllm016.utils.errors import InvalidInputError, first_line
 
 __all__ = ["ENGINES", "EvalOptions", "draft_settings", "resolve_engine", "run_evaluation"]
 
@@ -63,11 +63,13 @@ def draft_settings(draft: str) -> DraftSettings:
     from speculators_vllm016.config import SpeculatorModelConfig, default_speculative_tokens
 
     if not (Path(draft) / "config.json").is_file():
-        raise ValueError(f"{draft} is not a draft folder (no config.json); pass --draft <folder>")
+        raise InvalidInputError(
+            f"{draft} is not a draft folder (no config.json); pass --draft <folder>"
+        )
     try:
         config = SpeculatorModelConfig.from_pretrained(draft)
     except Exception as error:  # noqa: BLE001 - any unreadable config is the user's to fix
-        raise ValueError(f"cannot read the draft config of {draft}: {error}") from error
+        raise InvalidInputError(f"cannot read the draft config of {draft}: {error}") from error
     speculators = getattr(config, "speculators_config", None)
     recorded = speculators.verifier if speculators else None
     return DraftSettings(
@@ -90,7 +92,7 @@ def _check_trained_for(
     mine = verifier_fingerprint(verifier_path)
     for draft, setting in zip(options.drafts, settings, strict=True):
         if setting.verifier_fingerprint and setting.verifier_fingerprint != mine:
-            raise ValueError(
+            raise InvalidInputError(
                 f"the draft {draft} was trained against a verifier whose final norm and LM head "
                 f"differ from those of {verifier_path}; evaluate it with the verifier it was trained "
                 "for (--verifier), or pass --allow-other-verifier to measure it against this one"
@@ -102,12 +104,12 @@ def resolve_engine(engine: str) -> str:
     from speculators_vllm016.evaluate.vllm_engine import speculative_decoding_unavailable
 
     if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; use one of {ENGINES}")
+        raise InvalidInputError(f"unknown engine {engine!r}; use one of {ENGINES}")
     if engine == "hf":
         return "hf"
     reason = speculative_decoding_unavailable()
     if engine == "vllm" and reason is not None:
-        raise ValueError(f"{reason}; use --engine hf")
+        raise InvalidInputError(f"{reason}; use --engine hf")
     return "vllm" if reason is None else "hf"
 
 
@@ -128,7 +130,7 @@ def _torch_dtype(name: str, device: str):
         return torch.float32 if device == "cpu" else "auto"
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
+        raise InvalidInputError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
     return dtype
 
 
@@ -156,19 +158,19 @@ def _load_tokenizer(verifier_path: str, trust_remote_code: bool):
         hint = remote_code_hint(error, verifier_path)
         if hint is not None:
             raise hint from None
-        raise
+        raise InvalidInputError(str(error)) from error  # transformers refusing the folder
 
 
 def run_evaluation(options: EvalOptions) -> EvaluationReport:
     """Measure every draft on the same prompts with the same verifier."""
     if not options.drafts:
-        raise ValueError("no draft to evaluate; pass --draft <folder> (repeatable)")
+        raise InvalidInputError("no draft to evaluate; pass --draft <folder> (repeatable)")
     settings = [draft_settings(draft) for draft in options.drafts]
     verifier_path = options.verifier
     if verifier_path is None:
         named = {s.verifier for s in settings}
         if None in named or len(named) != 1:
-            raise ValueError(
+            raise InvalidInputError(
                 f"the drafts name verifiers {sorted(map(str, named))}; pass --verifier <model>"
             )
         verifier_path = named.pop()
@@ -180,7 +182,7 @@ def run_evaluation(options: EvalOptions) -> EvaluationReport:
     except ValueError as error:
         if options.verifier is not None:
             raise
-        raise ValueError(
+        raise InvalidInputError(
             f"the verifier the draft names, {verifier_path}, is not found here ({first_line(error)}); "
             "pass --verifier <its folder or hub id>"
         ) from None
@@ -189,7 +191,7 @@ def run_evaluation(options: EvalOptions) -> EvaluationReport:
     _check_trained_for(options, settings, verifier_path)
     engine = resolve_engine(options.engine)
     if engine == "hf" and options.tensor_parallel_size != 1:
-        raise ValueError(
+        raise InvalidInputError(
             f"--tensor-parallel-size {options.tensor_parallel_size} needs the vllm engine; eval runs "
             f"the hf engine here (--engine {options.engine}), which holds the verifier on one device"
         )
@@ -276,7 +278,7 @@ def _run_hf(options, settings, verifier_path, tokenizer, prompts, labels, report
         # One prompt set for every draft (sized for the largest k), so their rows compare.
         usable = [p for p in prompts if len(p) + options.max_new_tokens + max(ks) + 1 <= limit]
         if not usable:
-            raise ValueError(
+            raise InvalidInputError(
                 f"every prompt plus --max-new-tokens exceeds the verifier's {limit} positions"
             )
         if len(usable) < len(prompts):

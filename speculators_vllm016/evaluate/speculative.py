@@ -26,12 +26,9 @@ from transformers import DynamicCache, PreTrainedModel
 
 from speculators_vllm016.evaluate.acceptance import AcceptanceCounts
 from speculators_vllm016.evaluate.generation import GenerationResult
+from speculators_vllm016.utils.errors import InvalidInputError
 
-__all__ = ["SpeculativeGeneration", "speculative_generate"]
-
-
-# The name this engine's result had before both engines shared one type.
-SpeculativeGeneration = GenerationResult
+__all__ = ["speculative_generate"]
 
 
 @dataclass
@@ -83,7 +80,7 @@ class _RowByRowProposals:
             )
             proposed = torch.as_tensor(proposed, device=device).reshape(-1).long()
             if proposed.numel() != self.k:
-                raise ValueError(
+                raise InvalidInputError(
                     f"the draft proposed {proposed.numel()} tokens, {self.k} were asked for"
                 )
             proposals.append(proposed)
@@ -104,7 +101,7 @@ class _CachedProposals:
     def propose(self, states, tokens, valid, histories: list[list[int]]) -> torch.Tensor:
         proposed = self.proposer.propose(states, tokens, valid)
         if proposed.shape != (len(histories), self.k):
-            raise ValueError(
+            raise InvalidInputError(
                 f"the draft proposed {tuple(proposed.shape)} tokens, {self.k} a row were asked for"
             )
         return proposed.to(states[0].device).long()
@@ -282,14 +279,14 @@ def speculative_generate(
     prompts of similar length are batched together to limit padding.
     """
     if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        raise InvalidInputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        raise InvalidInputError(f"batch_size must be at least 1, got {batch_size}")
     if not prompts:
-        raise ValueError("no prompts to generate from")
+        raise InvalidInputError("no prompts to generate from")
     empty = [index for index, prompt in enumerate(prompts) if len(prompt) == 0]
     if empty:
-        raise ValueError(f"prompts {empty[:5]} are empty")
+        raise InvalidInputError(f"prompts {empty[:5]} are empty")
     counts = AcceptanceCounts(num_speculative_tokens)
     eos = _eos_set(eos_token_ids)
     order = sorted(range(len(prompts)), key=lambda index: len(prompts[index]))

@@ -9,9 +9,8 @@ Metrics are read from `metrics.jsonl` in the draft folder or the folder above it
 (`<save>/metrics.jsonl` for a checkpoint `<save>/<epoch>/`) with `train.metrics_log.read_metrics`,
 whose module documents the record schema; the trainer writes its validation means as
 `{"step": s, "val": {"full_acc_0_epoch": ...}, "epoch": e}`. The formula, `simulated_tau`, lives
-there too (re-exported here). Nested keys are
-joined with "/"; a line counts when it holds `full_acc_<k>` keys, plain or with a `val/` or `val_`
-prefix and an optional `_epoch` suffix; lines with validation keys win over lines without. For
+there too. Nested keys are joined with "/"; a line counts when it holds `full_acc_<k>` keys,
+plain or with a `val/` or `val_` prefix and an optional `_epoch` suffix; lines with validation keys win over lines without. For
 an epoch folder the line whose `epoch` matches is used, otherwise the last one.
 """
 
@@ -21,14 +20,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from speculators_vllm016.train.metrics_log import (
-    METRICS_FILE,
-    MetricsRecord,
-    read_metrics,
-    simulated_tau,
-)
+from speculators_vllm016.train.logger import METRICS_FILE
+from speculators_vllm016.train.metrics_log import MetricsRecord, read_metrics, simulated_tau
 
-__all__ = ["METRICS_FILE", "TrainingEstimate", "find_training_estimate", "simulated_tau"]
+__all__ = ["TrainingEstimate", "find_training_estimate"]
 
 _KEY = re.compile(r"^(?P<val>val[/_])?full_acc_(?P<step>\d+)(?:_epoch)?$")
 

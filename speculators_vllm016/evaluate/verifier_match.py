@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from speculators_vllm016.utils.errors import InvalidInputError
 from speculators_vllm016.utils.text_config import text_config_of
 
 __all__ = ["VerifierShape", "check_verifier_matches", "expected_verifier"]
@@ -66,7 +67,7 @@ def check_verifier_matches(
             f"it embeds a vocabulary of {expected.vocab_size} tokens, the verifier's has {vocab}"
         )
     if problems:
-        raise ValueError(
+        raise InvalidInputError(
             f"the draft {draft} does not match the verifier {verifier} ({'; '.join(problems)}); "
             "evaluate it with the verifier it was trained for (--verifier)"
         )

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 
 from speculators_vllm016.evaluate.acceptance import AcceptanceCounts
 from speculators_vllm016.evaluate.generation import GenerationResult
+from speculators_vllm016.utils.errors import RunFailedError, library_refusals_as_ours
 
 __all__ = [
-    "VllmGeneration",
     "counts_difference",
     "counts_from_metrics",
     "evaluate_with_vllm",
@@ -35,10 +35,6 @@ _DRAFTS = "vllm:spec_decode_num_drafts"
 _DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 _ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 _PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
-
-
-# The name this engine's result had before both engines shared one type.
-VllmGeneration = GenerationResult
 
 
 def speculative_decoding_unavailable() -> str | None:
@@ -102,26 +98,27 @@ def evaluate_with_vllm(
     """Greedy generation of `prompts` by vLLM with the draft; acceptance from vLLM's counters."""
     reason = speculative_decoding_unavailable()
     if reason is not None:
-        raise RuntimeError(f"{reason}; use --engine hf")
+        raise RunFailedError(f"{reason}; use --engine hf")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(
-        model=verifier_path,
-        tokenizer=verifier_path,
-        speculative_config={
-            "method": "eagle3",
-            "model": draft_path,
-            "num_speculative_tokens": num_speculative_tokens,
-        },
-        dtype=dtype,
-        max_model_len=max_model_len,
-        gpu_memory_utilization=gpu_memory_utilization,
-        tensor_parallel_size=tensor_parallel_size,
-        seed=seed,
-        trust_remote_code=trust_remote_code,
-        disable_log_stats=False,
-    )
+    with library_refusals_as_ours():  # vLLM checks the settings as the engine starts
+        llm = LLM(
+            model=verifier_path,
+            tokenizer=verifier_path,
+            speculative_config={
+                "method": "eagle3",
+                "model": draft_path,
+                "num_speculative_tokens": num_speculative_tokens,
+            },
+            dtype=dtype,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            seed=seed,
+            trust_remote_code=trust_remote_code,
+            disable_log_stats=False,
+        )
     try:
         params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=ignore_eos)
         requests = [TokensPrompt(prompt_token_ids=[int(t) for t in prompt]) for prompt in prompts]

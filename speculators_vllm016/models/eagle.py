@@ -29,6 +29,7 @@ from typing_extensions import Self
 from speculators_vllm016.config import SpeculatorModelConfig
 from speculators_vllm016.model import SpeculatorModel
 from speculators_vllm016.models.layer_config import transformer_layer_config_from
+from speculators_vllm016.utils.errors import InvalidInputError
 
 __all__ = ["EagleSpeculator", "EagleSpeculatorConfig"]
 
@@ -130,7 +131,7 @@ def causal_attention_mask(
     allowed = (key_pos <= query_pos)[None, None].expand(batch, 1, seq, total)
     if attention_mask is not None:
         if attention_mask.shape != (batch, total):
-            raise ValueError(
+            raise InvalidInputError(
                 f"attention_mask must be [batch, past+seq] = {[batch, total]}, "
                 f"got {list(attention_mask.shape)}"
             )
@@ -208,7 +209,7 @@ class EagleSpeculator(SpeculatorModel):
             arch += "DecoderLayer"
         decoder_class = getattr(module, arch, None)
         if decoder_class is None:
-            raise ValueError(
+            raise InvalidInputError(
                 f"{module.__name__} has no decoder layer class {arch!r}; set "
                 "transformer_layer_architecture (e.g. 'LlamaDecoderLayer')"
             )
@@ -245,7 +246,7 @@ class EagleSpeculator(SpeculatorModel):
         }
         lacking = [name for name, module in parts.items() if module is None]
         if lacking:
-            raise ValueError(
+            raise InvalidInputError(
                 f"verifier {type(resolved).__name__} has no {lacking}; EAGLE needs a causal LM "
                 "such as LlamaForCausalLM"
             )
@@ -283,12 +284,12 @@ class EagleSpeculator(SpeculatorModel):
         `past_key_values` is a transformers `Cache` (a DynamicCache is made when use_cache).
         """
         if self.embed_tokens is None or self.rotary_emb is None or self.lm_head is None:
-            raise ValueError(
+            raise InvalidInputError(
                 "Verifier model layers not initialized. "
                 "no verifier attached: call attach_verifier(verifier) first"
             )
         if input_ids.dim() != 2 or hidden_states.dim() != 3:
-            raise ValueError(
+            raise InvalidInputError(
                 "expected input_ids [batch, seq] and hidden_states [batch, seq, hidden], got "
                 f"{list(input_ids.shape)} and {list(hidden_states.shape)}"
             )
@@ -296,7 +297,7 @@ class EagleSpeculator(SpeculatorModel):
             hidden_states.shape[:2] != input_ids.shape
             or hidden_states.shape[-1] != self.hidden_size
         ):
-            raise ValueError(
+            raise InvalidInputError(
                 f"hidden_states {list(hidden_states.shape)} does not match input_ids "
                 f"{list(input_ids.shape)} and hidden size {self.hidden_size}"
             )

@@ -6,6 +6,8 @@ from typing import Any
 
 from transformers import CONFIG_MAPPING, LlamaConfig, PretrainedConfig
 
+from speculators_vllm016.utils.errors import InvalidInputError
+
 __all__ = ["transformer_layer_config_from"]
 
 
@@ -18,7 +20,7 @@ def transformer_layer_config_from(value: Any) -> PretrainedConfig:
     if isinstance(value, PretrainedConfig):
         return value
     if not isinstance(value, dict):
-        raise ValueError(
+        raise InvalidInputError(
             "transformer_layer_config must be a transformers PretrainedConfig or a dict of one, "
             f"got {type(value).__name__}"
         )
@@ -29,7 +31,7 @@ def transformer_layer_config_from(value: Any) -> PretrainedConfig:
     try:
         config_class = CONFIG_MAPPING[model_type]
     except KeyError:
-        raise ValueError(
+        raise InvalidInputError(
             f"transformer_layer_config has unknown model_type {model_type!r}; use a model type "
             "transformers knows, e.g. 'llama'"
         ) from None

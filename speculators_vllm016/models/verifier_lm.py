@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from speculators_vllm016.utils.errors import InvalidInputError
 from speculators_vllm016.utils.language_model_layout import find_language_model_layout
 from speculators_vllm016.utils.loading import checkpoint_tensor_names, read_checkpoint_tensors
 from speculators_vllm016.utils.quantized_weights import QUANTIZATION_TENSOR_SUFFIXES
@@ -52,7 +53,7 @@ def _language_model_state(path: str, architecture: str) -> dict[str, Any]:
     names = checkpoint_tensor_names(path)
     layout = find_language_model_layout(names)
     if layout is None:
-        raise ValueError(
+        raise InvalidInputError(
             f"{path} ({architecture}) holds no language model tensors under a known prefix "
             "(language_model.model., language_model., model.language_model.)"
         )
@@ -61,7 +62,7 @@ def _language_model_state(path: str, architecture: str) -> dict[str, Any]:
         name for name in wanted if name.rsplit(".", 1)[-1] in QUANTIZATION_TENSOR_SUFFIXES
     )
     if quantized:
-        raise ValueError(
+        raise InvalidInputError(
             f"{path} stores its language model quantized (e.g. {quantized[0]}); the hf engine reads "
             "unquantized weights only: evaluate on an unquantized copy, or with --engine vllm on a GPU"
         )
@@ -79,7 +80,7 @@ def _load_wrapped_language_model(
     try:
         model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(text_config)]
     except KeyError:
-        raise ValueError(
+        raise InvalidInputError(
             f"transformers has no causal LM for the language model of {path} ({architecture}, "
             f"text model type {getattr(text_config, 'model_type', None)!r}); use --engine vllm"
         ) from None
@@ -89,7 +90,7 @@ def _load_wrapped_language_model(
     )
     missing = sorted(info.get("missing_keys") or [])
     if missing:
-        raise ValueError(
+        raise InvalidInputError(
             f"the language model of {path} lacks {len(missing)} tensors (e.g. {missing[0]}); "
             "is the checkpoint complete?"
         )

@@ -19,14 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 from speculators_vllm016.pipeline.ledgers import DoneFile, NoRecord
 from speculators_vllm016.pipeline.runner import Rerun, Stage, StageEntry, StageRunner
+from speculators_vllm016.train.jobs.vocab_size_rule import draft_vocab_too_large
 from speculators_vllm016.train.vocab_maps import (
     D2T_FILE,
     T2D_FILE,
-    draft_vocab_too_large,
     target_vocab_size_of,
     write_vocab_mappings_from_counts,
 )
 from speculators_vllm016.utils.command_errors import report_errors
+from speculators_vllm016.utils.errors import InvalidInputError
 
 if TYPE_CHECKING:
     from speculators_vllm016.data_generation.offline import DatagenSummary
@@ -100,7 +101,7 @@ def check_vocab_sizes(plan: PipelinePlan) -> None:
     except Exception:  # noqa: BLE001 - datagen reports an unusable target itself
         return
     if plan.draft_vocab_size > size:
-        raise ValueError(draft_vocab_too_large(plan.draft_vocab_size, size))
+        raise InvalidInputError(draft_vocab_too_large(plan.draft_vocab_size, size))
 
 
 def datagen_stage(plan: PipelinePlan) -> Stage[DatagenSummary]:

@@ -48,15 +48,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers.modeling_utils import PreTrainedModel
 
-from speculators_vllm016.train.checkpointing.checkpoint_files import (
-    is_disk_full,
-    reading,
-    torch_save,
-)
+from speculators_vllm016.train.checkpointing.checkpoint_files import is_disk_full, reading
 from speculators_vllm016.train.checkpointing.rng_state import (
     RngStateUnsafe,
     capture_rng_state,
-    restore_rng_state,
 )
 from speculators_vllm016.train.checkpointing.rng_state import load_rng_state as read_rng_state
 from speculators_vllm016.train.errors import CheckpointReadError, CheckpointWriteError
@@ -67,8 +62,9 @@ from speculators_vllm016.utils.atomic_files import (
     give_usual_modes,
     replace_folder,
     restore_replaced_folder,
+    torch_save,
 )
-from speculators_vllm016.utils.errors import type_and_first_line
+from speculators_vllm016.utils.errors import InvalidInputError, type_and_first_line
 
 __all__ = [
     "BaseCheckpointer",
@@ -78,9 +74,7 @@ __all__ = [
     "TrainingState",
     "convert_float_dtype",
     "find_checkpoints",
-    "capture_rng_state",
     "load_safetensors_state_dict",
-    "restore_rng_state",
 ]
 
 logger = logging.getLogger(__name__)
@@ -271,7 +265,9 @@ def _load_named_optimizer_state(
             zip((names[id(p)] for p in live["params"]), saved["params"], strict=True)
         )
     if len(named["param_groups"]) != len(current["param_groups"]):
-        raise ValueError("the checkpoint's optimizer has a different number of parameter groups")
+        raise InvalidInputError(
+            "the checkpoint's optimizer has a different number of parameter groups"
+        )
     groups = []
     for loaded, saved in zip(named["param_groups"], current["param_groups"], strict=True):
         group = {key: value for key, value in loaded.items() if key != "params"}
@@ -281,7 +277,9 @@ def _load_named_optimizer_state(
         groups.append(group)
     missing = [name for name in named["state"] if name not in name_to_index]
     if missing:
-        raise ValueError(f"optimizer state for parameters the model does not have: {missing[:5]}")
+        raise InvalidInputError(
+            f"optimizer state for parameters the model does not have: {missing[:5]}"
+        )
     state = {name_to_index[name]: value for name, value in named["state"].items()}
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
@@ -303,7 +301,9 @@ class BaseCheckpointer:
         """`keep_mid_epoch`: how many mid-epoch checkpoints `apply_retention` keeps after the
         newest epoch one (None: it keeps them all)."""
         if keep_mid_epoch is not None and keep_mid_epoch < 0:
-            raise ValueError(f"keep_mid_epoch_checkpoints must be >= 0, got {keep_mid_epoch}")
+            raise InvalidInputError(
+                f"keep_mid_epoch_checkpoints must be >= 0, got {keep_mid_epoch}"
+            )
         self.path = Path(path)
         self.keep_mid_epoch = keep_mid_epoch
         # Checkpoints of an earlier run a from-scratch run found: removed at its first save.
@@ -361,7 +361,7 @@ class BaseCheckpointer:
             {k: v.to(device) for k, v in state.items()}, strict=False
         )
         if incompatible.unexpected_keys:
-            raise ValueError(
+            raise InvalidInputError(
                 f"checkpoint weights the model lacks: {incompatible.unexpected_keys[:5]}"
             )
 
@@ -653,7 +653,7 @@ class DistributedCheckpointer(SingleGPUCheckpointer):
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict
     ) -> None:
         if state["state"] and all(isinstance(key, int) for key in state["state"]):
-            raise ValueError(
+            raise InvalidInputError(
                 "this optimizer state is keyed by index (a single-process 0.3.0 checkpoint); "
                 "resume it with one process first"
             )

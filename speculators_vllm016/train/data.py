@@ -49,7 +49,7 @@ from typing_extensions import NotRequired
 
 from speculators_vllm016.data_generation.sample_io import SAMPLE_FILE  # the one home of the name
 from speculators_vllm016.train.noise_transforms import RowNoise, TransformTensors, noise_seed
-from speculators_vllm016.utils.errors import type_and_first_line
+from speculators_vllm016.utils.errors import InvalidInputError, RunFailedError, type_and_first_line
 
 __all__ = [
     "BatchType",
@@ -103,7 +103,7 @@ class PackedBatch(TypedDict):
     skipped_samples: NotRequired[torch.Tensor]
 
 
-class SampleFileError(ValueError):
+class SampleFileError(InvalidInputError):
     """A sample file that cannot be used: unreadable, of the wrong layout, or not finite."""
 
 
@@ -111,7 +111,7 @@ class IncompleteDataError(SampleFileError):
     """A datagen folder lacks sample files its run lists (a run stopped half-way, a lost copy)."""
 
 
-class DataSourceError(RuntimeError):
+class DataSourceError(RunFailedError):
     """The source of rows failed (e.g. online extraction's engine died); the trainer checkpoints."""
 
 
@@ -151,7 +151,7 @@ def split_items(items: Sequence[T], ratio: float = 0.9, seed: int = 0) -> tuple[
     the same indices split alike.
     """
     if not 0.0 < ratio <= 1.0:
-        raise ValueError(f"the training share must be in (0, 1], got {ratio}")
+        raise InvalidInputError(f"the training share must be in (0, 1], got {ratio}")
     shuffled = list(items)
     random.Random(seed).shuffle(shuffled)
     cut = int(len(shuffled) * ratio)
@@ -326,9 +326,6 @@ def _file_index(path: Path) -> int:
     return int(match.group(1)) if match else -1
 
 
-_noise_seed = noise_seed  # the old private name
-
-
 def _all_finite(tensor: torch.Tensor) -> bool:
     """Whether every value is finite, in the tensor's own dtype (no fp32 copy).
 
@@ -434,7 +431,9 @@ class Eagle3SampleFileDataset(Dataset):
         device_noise: bool = False,
     ) -> None:
         if (datapath is None) == (file_list is None):
-            raise ValueError("give exactly one of `datapath` (a folder to scan) or `file_list`")
+            raise InvalidInputError(
+                "give exactly one of `datapath` (a folder to scan) or `file_list`"
+            )
         files = list_files(datapath) if datapath is not None else [Path(f) for f in file_list]
         self.max_len = max_len
         self.transform = transform
@@ -463,7 +462,7 @@ class Eagle3SampleFileDataset(Dataset):
             if widths is None:
                 widths = self._reference_widths(files)
         elif len(lengths) != len(files):
-            raise ValueError(f"{len(lengths)} lengths for {len(files)} files")
+            raise InvalidInputError(f"{len(lengths)} lengths for {len(files)} files")
         self.widths = None if widths is None else (int(widths[0]), int(widths[1]))
         self.data: list[Path] = files
         self.lengths: list[int] = [int(n) for n in lengths]

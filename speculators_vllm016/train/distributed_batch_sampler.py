@@ -21,6 +21,8 @@ import numpy as np
 from numpy.typing import ArrayLike
 from torch.utils.data import Sampler
 
+from speculators_vllm016.utils.errors import InvalidInputError
+
 __all__ = ["MultipackDistributedBatchSamplerV2", "pack_step"]
 
 logger = logging.getLogger(__name__)
@@ -90,9 +92,9 @@ class MultipackDistributedBatchSamplerV2(Sampler):
         seed: int = 0,
     ) -> None:
         if batch_max_length < 1:
-            raise ValueError(f"batch_max_length must be positive, got {batch_max_length}")
+            raise InvalidInputError(f"batch_max_length must be positive, got {batch_max_length}")
         if not 0 <= rank < num_replicas:
-            raise ValueError(f"rank {rank} is not in [0, {num_replicas})")
+            raise InvalidInputError(f"rank {rank} is not in [0, {num_replicas})")
         self.batch_max_length = int(batch_max_length)
         self.num_replicas = int(num_replicas)
         self.rank = int(rank)
@@ -101,7 +103,7 @@ class MultipackDistributedBatchSamplerV2(Sampler):
         self.position = 0
         self.lengths = np.asarray(lengths, dtype=np.int64)
         if self.lengths.ndim != 1:
-            raise ValueError("lengths must be a flat sequence of sample lengths")
+            raise InvalidInputError("lengths must be a flat sequence of sample lengths")
         too_long = self.lengths > self.batch_max_length
         self.valid_indices = np.arange(len(self.lengths))
         if too_long.any():
@@ -158,5 +160,5 @@ class MultipackDistributedBatchSamplerV2(Sampler):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if int(state["seed"]) != self.seed:
-            raise ValueError(f"sampler seed {state['seed']} != {self.seed}: a different run")
+            raise InvalidInputError(f"sampler seed {state['seed']} != {self.seed}: a different run")
         self.set_epoch(state["epoch"], state["position"])

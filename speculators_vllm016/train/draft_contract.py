@@ -23,6 +23,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from speculators_vllm016.utils.errors import InvalidInputError
+
 __all__ = [
     "DraftCallOptions",
     "DraftOutput",
@@ -109,5 +111,7 @@ def loss_and_metrics(output: DraftOutput | tuple) -> tuple[torch.Tensor, dict[st
     else:
         _, loss, metrics = output
     if loss is None:
-        raise ValueError("the model returned no loss: the batch lacks verifier_last_hidden_states")
+        raise InvalidInputError(
+            "the model returned no loss: the batch lacks verifier_last_hidden_states"
+        )
     return loss, dict(metrics or {})

@@ -7,6 +7,8 @@ tell apart.
 
 from __future__ import annotations
 
+from speculators_vllm016.utils.errors import RunFailedError
+
 __all__ = [
     "CheckpointReadError",
     "CheckpointWriteError",
@@ -16,7 +18,7 @@ __all__ = [
 ]
 
 
-class TrainingError(RuntimeError):
+class TrainingError(RunFailedError):
     """A run cannot go on; the message is one line saying why and what to do."""
 
 

@@ -20,6 +20,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from speculators_vllm016.utils.errors import InvalidInputError
+
 __all__ = [
     "FormatDictFilter",
     "IsMappingFilter",
@@ -251,7 +253,7 @@ def setup_root_logger(
     rank: each has its own engine and figures). `train_steps=False` keeps the per-step metrics
     off the console (the progress bar shows loss, acc and tokens/s)."""
     if ranks not in ("local-0", "rank-0", "every"):
-        raise ValueError(f"ranks must be local-0, rank-0 or every, got {ranks!r}")
+        raise InvalidInputError(f"ranks must be local-0, rank-0 or every, got {ranks!r}")
     handler = _StderrHandler()
     if ranks != "every":
         handler.addFilter(IsRank0Filter(local_rank=ranks == "local-0"))
@@ -272,7 +274,7 @@ def logger_names(loggers: str | Iterable[str] | None) -> list[str]:
     names = [name.strip() for name in names if name and name.strip()]
     unknown = sorted(set(names) - set(_BACKENDS))
     if unknown:
-        raise ValueError(
+        raise InvalidInputError(
             f"--logger {', '.join(unknown)}: unknown logger; choose from {', '.join(sorted(_BACKENDS))}"
         )
     return names

@@ -7,6 +7,8 @@ from typing import Literal
 import torch
 from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
+from speculators_vllm016.utils.errors import InvalidInputError
+
 __all__ = ["build_lr_scheduler", "default_warmup_steps"]
 
 
@@ -36,4 +38,4 @@ def build_lr_scheduler(
         return get_cosine_schedule_with_warmup(
             optimizer, warmup, total, num_cycles=num_cosine_cycles
         )
-    raise ValueError(f"unknown scheduler_type {kind!r}")
+    raise InvalidInputError(f"unknown scheduler_type {kind!r}")

@@ -38,7 +38,6 @@ from speculators_vllm016.train.logger import METRICS_FILE, METRICS_LOGGER, flatt
 from speculators_vllm016.utils.atomic_files import atomic_write_text
 
 __all__ = [
-    "METRICS_FILE",
     "UNCONFIRMED_RUN_FILE",
     "MetricsLog",
     "MetricsRecord",

@@ -1,7 +1,7 @@
 """The training loop: packed rows in, optimizer steps, validation, checkpoints, exact resume.
 
 `Trainer(model, config, train_loader, val_loader)` is 0.3.0's API (`TrainerConfig` lives in
-`trainer_config`, re-exported here). The loaders yield
+`trainer_config`; 0.3.0 imported it from here, so it still imports from here). The loaders yield
 `PackedBatch` rows (`speculators_vllm016.train.data`); the model returns its loss and metrics
 (`train.draft_contract`: a `DraftOutput`, or 0.3.0's `(draft_tokens, loss, metrics)` tuple).
 
@@ -43,8 +43,8 @@ from speculators_vllm016.train.checkpointer import (
     SingleGPUCheckpointer,
     TrainingState,
     remove_temporary_folders,
-    restore_rng_state,
 )
+from speculators_vllm016.train.checkpointing.rng_state import restore_rng_state
 from speculators_vllm016.train.checkpointing.save_lock import SavePathLock
 from speculators_vllm016.train.data import DataSourceError, PackedBatch
 from speculators_vllm016.train.draft_contract import StoresFrozenWeights, loss_and_metrics
@@ -77,13 +77,14 @@ from speculators_vllm016.train.utils import (
     apply_fully_sharded,
     training_device,
 )
+from speculators_vllm016.utils.errors import InvalidInputError, SpeculatorsError
 
-__all__ = ["Trainer", "TrainerConfig", "TrainingInterrupted", "default_warmup_steps", "tau_sim"]
+__all__ = ["Trainer", "TrainerConfig", "TrainingInterrupted"]
 
 root_logger = logging.getLogger("speculators")
 
 
-class TrainingInterrupted(RuntimeError):
+class TrainingInterrupted(SpeculatorsError, RuntimeError):
     """Training stopped on SIGTERM or Ctrl-C after writing a checkpoint; run the same command to resume."""
 
 
@@ -341,7 +342,9 @@ class Trainer:
                 sampler.set_epoch(epoch, start_step)
             except TypeError:  # a 0.3.0-style sampler without positions
                 if start_step:
-                    raise ValueError("this batch sampler cannot start inside an epoch") from None
+                    raise InvalidInputError(
+                        "this batch sampler cannot start inside an epoch"
+                    ) from None
                 sampler.set_epoch(epoch)
         if hasattr(loader.dataset, "set_epoch"):
             loader.dataset.set_epoch(epoch)

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from speculators_vllm016.utils.errors import InvalidInputError
+
 __all__ = [
     "apply_data_parallel",
     "apply_fully_sharded",
@@ -98,7 +100,7 @@ def apply_fully_sharded(
 
     layers = getattr(model, "layers", None)
     if layers is None:
-        raise ValueError(f"{type(model).__name__} has no `layers` to shard")
+        raise InvalidInputError(f"{type(model).__name__} has no `layers` to shard")
     frozen = {parameter for parameter in model.parameters() if not parameter.requires_grad}
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     units = []

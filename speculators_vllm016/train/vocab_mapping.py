@@ -15,6 +15,7 @@ from speculators_vllm016.data_generation.token_counts import (
     sum_token_counts,
 )
 from speculators_vllm016.train.jobs.vocab_size_rule import draft_vocab_too_large
+from speculators_vllm016.utils.errors import InvalidInputError
 
 __all__ = [
     "build_vocab_mappings_from_distribution",
@@ -49,7 +50,7 @@ def build_vocab_mappings_from_distribution(
     data has fewer distinct tokens than the draft vocabulary, the lowest unused ids fill it.
     """
     if draft_vocab_size > target_vocab_size:
-        raise ValueError(draft_vocab_too_large(draft_vocab_size, target_vocab_size))
+        raise InvalidInputError(draft_vocab_too_large(draft_vocab_size, target_vocab_size))
     ranked = sorted(
         (token for token in token_freq_dict if 0 <= int(token) < target_vocab_size),
         key=lambda token: (-token_freq_dict[token], int(token)),

@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from speculators_vllm016.train.jobs.job_config import TrainSetupError
-from speculators_vllm016.train.jobs.vocab_size_rule import draft_vocab_too_large
 from speculators_vllm016.utils.atomic_files import atomic_write, temporary_path
-from speculators_vllm016.utils.errors import first_line, type_and_first_line
+from speculators_vllm016.utils.errors import InvalidInputError, first_line, type_and_first_line
 
 if TYPE_CHECKING:
     import torch
@@ -29,7 +28,6 @@ __all__ = [
     "D2T_FILE",
     "T2D_FILE",
     "VocabMaps",
-    "draft_vocab_too_large",  # from train.jobs.vocab_size_rule
     "load_vocab_maps",
     "read_folder_token_counts",
     "resolve_vocab_paths",
@@ -62,7 +60,7 @@ def target_vocab_size_of(target_model_path: str) -> int:
 
     size = find_vocab_size(load_verifier_config_dict(target_model_path))
     if not isinstance(size, int) or size < 1:
-        raise ValueError(
+        raise InvalidInputError(
             f"the config of {target_model_path} has no vocab_size; pass --target-vocab-size"
         )
     return size
@@ -128,7 +126,9 @@ def write_vocab_mappings_from_counts(
     )
     folder = Path(output_path)
     if folder.exists() and not folder.is_dir():
-        raise ValueError(f"--output-path {folder} is a file; give a folder for d2t.npy and t2d.npy")
+        raise InvalidInputError(
+            f"--output-path {folder} is a file; give a folder for d2t.npy and t2d.npy"
+        )
     folder.mkdir(parents=True, exist_ok=True)
     paths = folder / D2T_FILE, folder / T2D_FILE
     # Both maps are first written whole under temporary names (the package's scheme), then

@@ -7,6 +7,8 @@ import pkgutil
 import sys
 from typing import ClassVar
 
+from speculators_vllm016.utils.errors import InvalidInputError
+
 __all__ = ["AutoImporterMixin"]
 
 
@@ -24,7 +26,7 @@ class AutoImporterMixin:
     @classmethod
     def auto_import_package_modules(cls) -> None:
         if cls.auto_package is None:
-            raise ValueError(
+            raise InvalidInputError(
                 "The class variable 'auto_package' must be set to the package name to import "
                 f"modules from. {cls.__name__}.auto_package is None"
             )

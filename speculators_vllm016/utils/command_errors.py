@@ -1,7 +1,8 @@
 """How every command (the CLI's and the demo's) reports a failure it expects: one line on
 stderr and an exit status.
 
-`--debug` re-raises instead, for the traceback. Imports nothing heavy (no vLLM, no torch).
+`--debug` re-raises instead, for the traceback. Imports nothing heavy (no vLLM, no torch; pydantic
+is loaded by every command anyway).
 """
 
 from __future__ import annotations
@@ -10,16 +11,16 @@ import errno
 import sys
 from collections.abc import Callable
 
-from speculators_vllm016.utils.errors import first_line
+from pydantic import ValidationError
+
+from speculators_vllm016.utils.errors import SpeculatorsError, first_line
 
 __all__ = ["DEBUG_HINT", "EXPECTED_ERRORS", "describe_error", "error_line", "report_errors"]
 
-EXPECTED_ERRORS: tuple[type[BaseException], ...] = (
-    ValueError,
-    OSError,
-    NotImplementedError,
-    RuntimeError,
-)
+# The package's own errors; the file system's (a missing file, a full disk, no permission);
+# pydantic's, which 0.3.0's configs raise for a value that does not validate (`--algorithm-kwargs`).
+# Any other exception is a bug: it keeps its traceback.
+EXPECTED_ERRORS: tuple[type[BaseException], ...] = (SpeculatorsError, OSError, ValidationError)
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130  # Ctrl-C
 EXIT_STOPPED = 143  # stopped by a signal (SIGTERM, a first Ctrl-C) after saving what resumes it

@@ -1,4 +1,9 @@
-"""Errors in one line: what a report, a skipped-file list or a wrapped error shows of a failure.
+"""The package's error base, and errors in one line.
+
+`SpeculatorsError` is the base of every error the package raises for its user (a wrong flag,
+setting or file, a run that cannot go on): the commands print those as one line, while any other
+exception (a bug) keeps its traceback. Each subclass also keeps the built-in type the same failure
+had before (and in 0.3.0), so an existing `except ValueError` still catches it.
 
 torch, pickle, zip and transformers errors often carry several lines, and some carry none
 (`EOFError()`); taking `str(error).splitlines()[0]` by hand raised an `IndexError` of its own on
@@ -7,7 +12,50 @@ the empty ones. Imports nothing heavy.
 
 from __future__ import annotations
 
-__all__ = ["first_line", "type_and_first_line"]
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = [
+    "InvalidInputError",
+    "RunFailedError",
+    "SpeculatorsError",
+    "UnsupportedError",
+    "library_refusals_as_ours",
+    "first_line",
+    "type_and_first_line",
+]
+
+
+class SpeculatorsError(Exception):
+    """A failure the package explains to its user in one line (no traceback needed)."""
+
+
+class InvalidInputError(SpeculatorsError, ValueError):
+    """An argument, flag, setting or input file is wrong; the message says which and why."""
+
+
+class RunFailedError(SpeculatorsError, RuntimeError):
+    """A run cannot go on (an engine, a worker, a process it needs failed); the message says what
+    to do."""
+
+
+class UnsupportedError(SpeculatorsError, NotImplementedError):
+    """The request is valid but this package does not do it (a model kind, a decoding mode)."""
+
+
+@contextmanager
+def library_refusals_as_ours() -> Iterator[None]:
+    """Around a call where another library (vLLM starting an engine) checks settings the user
+    gave: its `ValueError`/`RuntimeError` becomes ours, same message, so the command prints it as
+    one line. Elsewhere such errors are bugs and keep their traceback."""
+    try:
+        yield
+    except SpeculatorsError:
+        raise
+    except ValueError as error:
+        raise InvalidInputError(str(error)) from error
+    except RuntimeError as error:
+        raise RunFailedError(str(error)) from error
 
 
 def first_line(error: BaseException) -> str:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from speculators_vllm016.utils.errors import InvalidInputError
+
 __all__ = ["LANGUAGE_MODEL_LAYOUTS", "LanguageModelLayout", "find_language_model_layout"]
 
 
@@ -30,7 +32,9 @@ class LanguageModelLayout:
             return self.head_prefix + causal_name.removeprefix("lm_head.")
         if causal_name.startswith("model."):
             return self.model_prefix + causal_name.removeprefix("model.")
-        raise ValueError(f"{causal_name!r} is not a causal LM tensor name (model.* or lm_head.*)")
+        raise InvalidInputError(
+            f"{causal_name!r} is not a causal LM tensor name (model.* or lm_head.*)"
+        )
 
     def causal_name(self, stored_name: str) -> str | None:
         """The causal LM's name of a stored tensor; None for tensors outside the language model

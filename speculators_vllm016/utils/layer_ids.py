@@ -13,7 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["datagen_to_vllm_layer_ids", "default_layer_ids", "eagle3_aux_layer_ids"]
+from speculators_vllm016.utils.errors import InvalidInputError
+
+__all__ = [
+    "datagen_to_vllm_layer_ids",
+    "default_layer_ids",
+    "eagle3_aux_layer_ids",
+    "normalize_layer_ids",
+]
 
 
 def eagle3_aux_layer_ids(num_layers: int) -> list[int]:
@@ -37,3 +44,25 @@ def datagen_to_vllm_layer_ids(layer_ids: Sequence[int]) -> list[int]:
     serves it the very states it was trained on.
     """
     return [int(i) + 1 for i in layer_ids]
+
+
+def normalize_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
+    """Resolve negative ids from the end and refuse ids out of range.
+
+    A layer may appear twice (0.3.0's defaults repeat one on models of fewer than 6 layers); each
+    occurrence gets its own copy in the output.
+    """
+    if len(layer_ids) == 0:
+        raise InvalidInputError("layer_ids is empty: name at least one decoder layer to capture")
+    resolved: list[int] = []
+    for layer_id in layer_ids:
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int):
+            raise InvalidInputError(f"layer id {layer_id!r} is not an integer")
+        index = layer_id + num_layers if layer_id < 0 else layer_id
+        if not 0 <= index < num_layers:
+            raise InvalidInputError(
+                f"layer id {layer_id} is out of range for a model with {num_layers} decoder "
+                f"layers (valid: {-num_layers}..{num_layers - 1})"
+            )
+        resolved.append(index)
+    return resolved

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from speculators_vllm016.utils.errors import first_line
+from speculators_vllm016.utils.errors import InvalidInputError, first_line
 
 __all__ = [
     "checkpoint_tensor_names",
@@ -87,19 +87,19 @@ def read_weights_file(
                 wanted = keys if names is None else [n for n in keys if n in names]
                 return {name: handle.get_tensor(name) for name in wanted}
         except SafetensorError as err:
-            raise ValueError(f"{path} is not a readable safetensors file: {err}") from err
+            raise InvalidInputError(f"{path} is not a readable safetensors file: {err}") from err
     try:
         # weights_only: a checkpoint is data; refuse pickled code.
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # torch raises RuntimeError, UnpicklingError, EOFError, ...
-        raise ValueError(
+        raise InvalidInputError(
             f"{path} is not a readable PyTorch checkpoint ({first_line(err)}); "
             "re-save it or convert it to safetensors"
         ) from err
     if not isinstance(state, dict) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
     ):
-        raise ValueError(f"{path} does not hold a flat name -> tensor state dict")
+        raise InvalidInputError(f"{path} does not hold a flat name -> tensor state dict")
     return {k: v for k, v in state.items() if names is None or k in names}
 
 
@@ -112,7 +112,7 @@ def _weights_location(
         if index is not None:
             weight_map = json.loads(index.read_text()).get("weight_map")
             if not isinstance(weight_map, dict):
-                raise ValueError(f"{index} has no weight_map: re-save the checkpoint")
+                raise InvalidInputError(f"{index} has no weight_map: re-save the checkpoint")
             return index, weight_map
         single = _resolve_file(model_path, single_name, cache_dir)
         if single is not None:
@@ -164,7 +164,7 @@ def checkpoint_tensor_names(
         with safe_open(str(location), framework="pt", device="cpu") as handle:
             return sorted(handle.keys())
     except SafetensorError as err:
-        raise ValueError(f"{location} is not a readable safetensors file: {err}") from err
+        raise InvalidInputError(f"{location} is not a readable safetensors file: {err}") from err
 
 
 def load_model_layers(
@@ -177,7 +177,7 @@ def load_model_layers(
     """
     found = read_checkpoint_tensors(model_path, layer_names, cache_dir=cache_dir)
     if not found:
-        raise ValueError(f"{model_path} holds none of the tensors {sorted(layer_names)}")
+        raise InvalidInputError(f"{model_path} holds none of the tensors {sorted(layer_names)}")
     lacking = sorted(set(layer_names) - set(found))
     if lacking:
         logger.debug("%s has no %s", model_path, lacking)

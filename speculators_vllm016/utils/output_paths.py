@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from speculators_vllm016.utils.errors import InvalidInputError
+
 __all__ = ["check_output_file", "check_output_folder"]
 
 
@@ -24,23 +26,23 @@ def check_output_folder(path: str | os.PathLike, flag: str) -> None:
     """`path` is, or can be created as, a writable folder."""
     path = Path(path)
     if path.exists() and not path.is_dir():
-        raise ValueError(f"{flag} {path} is a file; give a folder")
+        raise InvalidInputError(f"{flag} {path} is a file; give a folder")
     probe = _existing_ancestor(path)
     if not probe.is_dir():
-        raise ValueError(
+        raise InvalidInputError(
             f"{flag} {path} cannot be created: {probe} is a file; choose another folder"
         )
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path} is not writable ({probe}); choose another folder")
+        raise InvalidInputError(f"{flag} {path} is not writable ({probe}); choose another folder")
 
 
 def check_output_file(path: str | os.PathLike, flag: str) -> None:
     """`path` is, or can be created as, a writable file (its folder is created when written)."""
     path = Path(path)
     if path.is_dir():
-        raise ValueError(f"{flag} {path} is a folder; give a file path")
+        raise InvalidInputError(f"{flag} {path} is a folder; give a file path")
     if path.exists():
         if not os.access(path, os.W_OK):
-            raise ValueError(f"{flag} {path} is not writable; choose another place")
+            raise InvalidInputError(f"{flag} {path} is not writable; choose another place")
         return
     check_output_folder(path.parent, flag)

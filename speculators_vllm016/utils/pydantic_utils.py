@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, GetCoreSchemaHandler
 from pydantic_core import CoreSchema, SchemaValidator, core_schema
 
+from speculators_vllm016.utils.errors import InvalidInputError
 from speculators_vllm016.utils.registry import ClassRegistryMixin
 
 __all__ = ["PydanticClassRegistryMixin", "ReloadableBaseModel"]
@@ -134,7 +135,7 @@ class PydanticClassRegistryMixin(ReloadableBaseModel, ABC, ClassRegistryMixin):
             tag = getattr(value, discriminator, None)
         subclass = cls.registry.get(tag) if isinstance(tag, str) else None
         if subclass is None:
-            raise ValueError(
+            raise InvalidInputError(
                 f"{discriminator}={tag!r} names no registered {cls.__name__}; "
                 f"use one of {sorted(cls.registry)}"
             )

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from speculators_vllm016.utils.auto_importer import AutoImporterMixin
+from speculators_vllm016.utils.errors import InvalidInputError
 
 __all__ = ["ClassRegistryMixin"]
 
@@ -24,7 +25,7 @@ class ClassRegistryMixin(AutoImporterMixin):
     @classmethod
     def register(cls, name: str | None = None) -> Callable[[type[Any]], type[Any]]:
         if name is not None and not isinstance(name, str):
-            raise ValueError(
+            raise InvalidInputError(
                 "ClassRegistryMixin.register() name must be a string or None. "
                 f"{cls.__name__}.register() got {name!r}"
             )
@@ -40,7 +41,7 @@ class ClassRegistryMixin(AutoImporterMixin):
         if name is None or name == "":
             name = clazz.__name__
         if not isinstance(name, str):
-            raise ValueError(
+            raise InvalidInputError(
                 "ClassRegistryMixin.register_decorator must be used as a class decorator and "
                 f"without invocation. Registry names are strings, got {name!r}"
             )
@@ -48,7 +49,9 @@ class ClassRegistryMixin(AutoImporterMixin):
             cls.registry = {}
         existing = cls.registry.get(name)
         if existing is not None and existing is not clazz:
-            raise ValueError(f"{name!r} is already registered on {cls.__name__} to {existing}")
+            raise InvalidInputError(
+                f"{name!r} is already registered on {cls.__name__} to {existing}"
+            )
         cls.registry[name] = clazz
         return clazz
 
@@ -56,7 +59,7 @@ class ClassRegistryMixin(AutoImporterMixin):
     def auto_populate_registry(cls) -> bool:
         """Import `auto_package` once; True if this call did the import."""
         if not cls.registry_auto_discovery:
-            raise ValueError(
+            raise InvalidInputError(
                 "ClassRegistryMixin.auto_populate_registry() cannot be called because "
                 f"registry_auto_discovery is set to False. {cls.__name__} does not auto-discover; "
                 "set registry_auto_discovery = True on it"
@@ -72,7 +75,7 @@ class ClassRegistryMixin(AutoImporterMixin):
         if cls.registry_auto_discovery:
             cls.auto_populate_registry()
         if cls.registry is None:
-            raise ValueError(
+            raise InvalidInputError(
                 "ClassRegistryMixin.registered_classes() must be called after registering "
                 f"classes with ClassRegistryMixin.register(). Nothing is registered on "
                 f"{cls.__name__} yet"

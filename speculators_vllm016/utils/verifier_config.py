@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from speculators_vllm016.utils.errors import first_line
+from speculators_vllm016.utils.errors import InvalidInputError, first_line
 from speculators_vllm016.utils.text_config import text_config_of
 
 if TYPE_CHECKING:
@@ -37,11 +37,11 @@ def looks_local(model: str) -> bool:
     )
 
 
-def remote_code_hint(error: BaseException, model: str) -> ValueError | None:
+def remote_code_hint(error: BaseException, model: str) -> InvalidInputError | None:
     """A one-line error naming the flag when `error` is transformers/vLLM asking for remote code."""
     text = str(error)
     if "trust_remote_code" in text or "trust-remote-code" in text:
-        return ValueError(
+        return InvalidInputError(
             f"{model} needs the Python code shipped in its folder; pass {REMOTE_CODE_FLAG} if you "
             "trust it (off by default since 0.3.0 ran it unasked)"
         )
@@ -54,13 +54,13 @@ def load_verifier_config(path: str, trust_remote_code: bool = False) -> Pretrain
     vLLM has config classes of its own for models transformers does not know (`kimi_k25`,
     `deepseek_v32`, ...), so a target vLLM serves is read here even where transformers alone
     would need the folder's code. That code runs only with `trust_remote_code`, and only where
-    neither library has a class for the model type. Errors are one-line `ValueError`s.
+    neither library has a class for the model type. Errors are one-line `InvalidInputError`s.
     """
     local = Path(path).expanduser()
     if local.is_file():
-        raise ValueError(f"{path} is a file, not a model folder")
+        raise InvalidInputError(f"{path} is a file, not a model folder")
     if not local.exists() and looks_local(path):
-        raise ValueError(f"no model folder at {path}")
+        raise InvalidInputError(f"no model folder at {path}")
     from vllm.transformers_utils.config import get_config
 
     try:
@@ -72,7 +72,7 @@ def load_verifier_config(path: str, trust_remote_code: bool = False) -> Pretrain
         cause = (
             error.__cause__ if "Invalid repository ID" in str(error) and error.__cause__ else error
         )
-        raise ValueError(
+        raise InvalidInputError(
             f"cannot read the model config of {path!r} ({first_line(cause)})"
         ) from None
 
@@ -84,7 +84,9 @@ def load_verifier_config_dict(base_model: str) -> dict:
     try:
         config_dict, _ = PretrainedConfig.get_config_dict(base_model)
     except Exception as err:
-        raise ValueError(f"cannot read the verifier config of {base_model!r}: {err}") from err
+        raise InvalidInputError(
+            f"cannot read the verifier config of {base_model!r}: {err}"
+        ) from err
     return config_dict
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from speculators_vllm016.utils.errors import InvalidInputError
 from speculators_vllm016.utils.language_model_layout import (
     LANGUAGE_MODEL_LAYOUTS,
     find_language_model_layout,
@@ -56,7 +57,7 @@ VERIFIER_WEIGHT_LAYOUTS: tuple[tuple[str, str, str], ...] = tuple(
 )
 
 
-class QuantizedVerifierWeight(ValueError):
+class QuantizedVerifierWeight(InvalidInputError):
     """A tensor the draft copies is stored quantized: it cannot be used as it is stored."""
 
 
@@ -99,7 +100,7 @@ def locate_verifier_weights(path: str, config_dict: dict | None = None) -> Verif
     names = checkpoint_tensor_names(path)
     layout = find_language_model_layout(names)
     if layout is None:
-        raise ValueError(
+        raise InvalidInputError(
             f"{path} has no token embeddings (looked for {[lay[0] for lay in VERIFIER_WEIGHT_LAYOUTS]})"
         )
     if config_dict is None:

@@ -35,6 +35,7 @@ from vllm.model_executor.models.kimi_k25 import KimiK25ForConditionalGeneration
 from vllm.sequence import IntermediateTensors
 
 from speculators_vllm016.data_generation.layer_capture import residual_scale
+from speculators_vllm016.utils.errors import InvalidInputError, RunFailedError
 from speculators_vllm016.utils.layer_ids import eagle3_aux_layer_ids
 
 __all__ = [
@@ -113,7 +114,7 @@ def _checked_layers(layers: Any, num_layers: int) -> tuple[int, ...]:
     ids = tuple(int(i) for i in layers)
     wrong = [i for i in ids if not 0 <= i <= num_layers]
     if wrong:
-        raise ValueError(
+        raise InvalidInputError(
             f"EAGLE-3 aux layer ids {wrong} are out of range for a target with {num_layers} "
             f"decoder layers (0..{num_layers}: id i is the input of layer i)"
         )
@@ -151,7 +152,7 @@ class Eagle3KimiK25ForConditionalGeneration(KimiK25ForConditionalGeneration, Sup
     def _eagle3_language_model(self) -> Eagle3DeepseekV2ForCausalLM:
         model = self.language_model
         if not supports_eagle3(model):
-            raise RuntimeError(
+            raise RunFailedError(
                 f"Kimi-K2.5's language model is {type(model).__name__}, which lacks EAGLE-3 "
                 "support: the speculators plugin did not register its DeepSeek class here"
             )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from benchmarks.paths import ExtractionPath
 from benchmarks.presets import build_settings
-from speculators_vllm016.data_generation import offline
+from speculators_vllm016.data_generation import extraction
 from tests.data_generation.test_extract_and_write import ReversedGenerator
 
 
@@ -13,13 +13,13 @@ def test_extraction_path_runs_datagens_extract_and_write(tmp_path, monkeypatch) 
     path = ExtractionPath(settings, "unused", tmp_path / "samples")
     path.generator = ReversedGenerator()
     calls = []
-    real = offline.extract_and_write
+    real = extraction.extract_and_write
 
     def spy(*args, **kwargs):
         calls.append(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(offline, "extract_and_write", spy)
+    monkeypatch.setattr(extraction, "extract_and_write", spy)
     sequences = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11]]
 
     measurement = path.run(sequences, repeat=0)

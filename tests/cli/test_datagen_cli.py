@@ -195,12 +195,13 @@ def test_vllms_start_up_lines_are_kept_out_of_the_way_unless_verbose(tmp_path, m
 
     from speculators_vllm016.cli import datagen as cli
     from speculators_vllm016.data_generation import offline
+    from speculators_vllm016.utils.errors import InvalidInputError
 
     seen = []
 
     def fake_run(options):
         seen.append((os.environ.get("VLLM_LOGGING_LEVEL"), logging.getLogger("vllm").level))
-        raise ValueError("stopped before the engine")
+        raise InvalidInputError("stopped before the engine")  # an expected failure: one line
 
     monkeypatch.setattr(offline, "run_datagen", fake_run)
     argv = [

@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from speculators_vllm016.convert import convert_model
-from speculators_vllm016.convert.eagle import Eagle3Converter, EagleConverter
+from speculators_vllm016.convert.eagle import EagleConverter
+from speculators_vllm016.convert.eagle.eagle3_converter import Eagle3Converter
 from speculators_vllm016.convert.eagle.utils import (
     detect_fusion_bias_and_layernorms,
     ensure_checkpoint_is_local,

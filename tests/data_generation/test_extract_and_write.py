@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from speculators_vllm016.data_generation.offline import SampleRequest, extract_and_write
+from speculators_vllm016.data_generation.extraction import SampleRequest, extract_and_write
 from speculators_vllm016.data_generation.sample_io import (
     existing_sample_indices,
     load_sample,

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from speculators_vllm016.data_generation.offline import DatagenOptions, run_datagen
+from speculators_vllm016.data_generation.offline import run_datagen
+from speculators_vllm016.data_generation.options import DatagenOptions
 from speculators_vllm016.data_generation.sample_io import load_sample
 from speculators_vllm016.demo import demo_conversations_path
 from tests.data_generation.test_preprocessing import runs_of_ones
@@ -161,10 +162,8 @@ def test_sample_ids_and_masks_are_the_preprocessing_output_row_by_row(
     the masked tokens decode to the assistant turns of the source conversation."""
     from transformers import AutoTokenizer
 
-    from speculators_vllm016.data_generation.preprocessing import (
-        load_and_preprocess_dataset,
-        normalize_conversation,
-    )
+    from speculators_vllm016.data_generation.conversations import normalize_conversation
+    from speculators_vllm016.data_generation.preprocessing import load_and_preprocess_dataset
 
     output, _ = reference_run
     options = options_for(tiny_llama, chat_file, output)

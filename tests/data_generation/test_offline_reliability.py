@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from speculators_vllm016.data_generation.manifest import read_manifest
-from speculators_vllm016.data_generation.offline import DatagenOptions, run_datagen
+from speculators_vllm016.data_generation.offline import run_datagen
+from speculators_vllm016.data_generation.options import DatagenOptions
 from speculators_vllm016.data_generation.sample_io import load_sample
 from speculators_vllm016.data_generation.token_counts import load_token_freq, shard_token_freq_path
 from speculators_vllm016.demo import demo_conversations_path

@@ -9,13 +9,13 @@ import pytest
 import torch
 from datasets import Dataset
 
+from speculators_vllm016.data_generation.conversations import normalize_conversation
 from speculators_vllm016.data_generation.preprocessing import (
     build_eagle3_dataset,
     drop_turns,
     load_and_preprocess,
     load_and_preprocess_dataset,
     load_raw_dataset,
-    normalize_conversation,
     preprocess_conversations,
 )
 from speculators_vllm016.tiny_models import build_tokenizer

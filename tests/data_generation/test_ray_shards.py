@@ -23,7 +23,8 @@ import torch
 
 from speculators_vllm016.cli.datagen import main
 from speculators_vllm016.data_generation.manifest import ManifestWriter, SampleRecord, read_manifest
-from speculators_vllm016.data_generation.offline import DatagenOptions, run_datagen
+from speculators_vllm016.data_generation.offline import run_datagen
+from speculators_vllm016.data_generation.options import DatagenOptions
 from speculators_vllm016.data_generation.ray_shards import (
     RAY_MISSING,
     FolderProgress,

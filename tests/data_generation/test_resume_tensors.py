@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from speculators_vllm016.data_generation import offline, output_folder
-from speculators_vllm016.data_generation.offline import DatagenOptions, run_datagen
+from speculators_vllm016.data_generation.offline import run_datagen
+from speculators_vllm016.data_generation.options import DatagenOptions
 from speculators_vllm016.data_generation.sample_io import load_sample
 from speculators_vllm016.data_generation.vllm_hidden_states_generator import HiddenStatesResult
 from speculators_vllm016.demo import demo_conversations_path

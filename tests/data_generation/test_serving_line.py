@@ -10,7 +10,8 @@ import logging
 
 import pytest
 
-from speculators_vllm016.data_generation.offline import DatagenOptions, run_datagen
+from speculators_vllm016.data_generation.offline import run_datagen
+from speculators_vllm016.data_generation.options import DatagenOptions
 
 
 def refused_run(model, tmp_path, caplog) -> str:

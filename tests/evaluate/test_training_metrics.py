@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from speculators_vllm016.evaluate.training_metrics import find_training_estimate, simulated_tau
+from speculators_vllm016.evaluate.training_metrics import find_training_estimate
+from speculators_vllm016.train.metrics_log import simulated_tau
 
 
 def write_lines(path, records, garbage=False):

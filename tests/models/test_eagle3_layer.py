@@ -9,8 +9,9 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from speculators_vllm016.models.eagle3.attention import ATTENTION_INTERFACE_NAME
-from speculators_vllm016.models.eagle3.core import WeightGradSink, _StepKeyValues, linear_kl_loss
+from speculators_vllm016.models.eagle3.fused_loss import WeightGradSink, linear_kl_loss
 from speculators_vllm016.models.eagle3.model_definitions import LlamaDecoderEagle3FirstLayer
+from speculators_vllm016.models.eagle3.packed_row import StepKeyValues
 
 H = 32
 
@@ -56,7 +57,7 @@ def two_ttt_steps(layer, step, embeds, hidden):
     masks = [causal, torch.cat([causal, torch.eye(length, dtype=torch.bool)], dim=-1)]
     positions = torch.arange(1, length + 1)[None]
     rotary = LlamaRotaryEmbedding(config=layer.self_attn.config)
-    cache = _StepKeyValues()
+    cache = StepKeyValues()
     outputs = []
     for index, mask in enumerate(masks):
         position_embeddings = rotary(hidden, positions + index)

@@ -8,12 +8,10 @@ import pytest
 import torch
 
 from speculators_vllm016.models.eagle3 import Eagle3DraftModel
-from speculators_vllm016.models.eagle3.core import (
+from speculators_vllm016.models.eagle3.core import compute_metrics, loss_function
+from speculators_vllm016.models.eagle3.fused_loss import WeightGradSink, linear_kl_loss
+from speculators_vllm016.models.eagle3.scoring import (
     TTTStepInput,
-    WeightGradSink,
-    compute_metrics,
-    linear_kl_loss,
-    loss_function,
     score_ttt_step,
     scored_position_counts,
 )
@@ -194,7 +192,7 @@ def test_skipping_unscored_rows_in_the_forward_changes_nothing(tiny_llama):
 def test_used_positions_by_hand():
     """Step k's output at i is read where a step >= k scores i, and before the last step also
     where the loss mask (the conditional accuracies' seed) holds."""
-    from speculators_vllm016.models.eagle3.core import used_positions
+    from speculators_vllm016.models.eagle3.scoring import used_positions
 
     # target positions 0-7 (+2 spare), one sample of 7 real positions; masks indexed by target
     loss_mask = torch.tensor([0, 1, 1, 0, 0, 1, 1, 0, 0, 0], dtype=torch.bool)
@@ -224,7 +222,7 @@ def test_skipping_unused_positions_changes_no_loss_metric_or_gradient(
     """`skip_unused_positions` (the trainer's choice on accelerators) against every position run:
     same loss, metrics and gradients; the same draft tokens where anything reads them, -1 at
     the others. Three samples, prompts masked in spans as chat data is."""
-    from speculators_vllm016.models.eagle3.core import used_positions
+    from speculators_vllm016.models.eagle3.scoring import used_positions
 
     d2t, t2d = build_vocab_mappings_from_distribution(
         {t: 1 for t in range(DRAFT_VOCAB)}, DRAFT_VOCAB, 512

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from speculators_vllm016.model import SpeculatorModel
 from speculators_vllm016.models.eagle3 import Eagle3DraftModel
-from speculators_vllm016.models.eagle3.core import Eagle3DraftOutput
+from speculators_vllm016.models.eagle3.output import Eagle3DraftOutput
 from speculators_vllm016.train.vocab_mapping import build_vocab_mappings_from_distribution
 from tests.models.test_eagle3 import DRAFT_VOCAB, batch, eagle3_config
 

@@ -15,6 +15,7 @@ from speculators_vllm016.cli.gen_and_train import plan_from_argv
 from speculators_vllm016.data_generation import offline
 from speculators_vllm016.data_generation.token_counts import save_token_counts
 from speculators_vllm016.pipeline.gen_and_train import DATAGEN_DONE, run_gen_and_train
+from speculators_vllm016.utils.errors import InvalidInputError
 
 
 def _argv(root: Path, *extra: str) -> list[str]:
@@ -41,7 +42,7 @@ def stand_ins(monkeypatch):
 
     def datagen(options):
         if failing:
-            raise ValueError("the chat file has no usable row")
+            raise InvalidInputError("the chat file has no usable row")
         calls["datagen"].append(options.max_samples)
         folder = Path(options.output_dir)
         save_token_counts({i: 100 - i for i in range(40)}, folder / "token_freq/shard-0-of-1.pth")

@@ -9,10 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from speculators_vllm016.data_generation.preprocessing import (
-    normalize_conversation,
-    tokenize_conversation,
-)
+from speculators_vllm016.data_generation.conversations import normalize_conversation
+from speculators_vllm016.data_generation.preprocessing import tokenize_conversation
 from speculators_vllm016.data_generation.sample_io import write_sample
 from speculators_vllm016.tiny_models import build_tokenizer
 from speculators_vllm016.train.data import (

@@ -10,17 +10,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from speculators_vllm016.cli.train import _verifier_text_config, build_draft_config, build_parser
+from speculators_vllm016.cli.train import build_parser
 from speculators_vllm016.models.eagle3 import Eagle3DraftModel
 from speculators_vllm016.train.data import Eagle3SampleFileDataset, create_collate_fn, split_files
 from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+from speculators_vllm016.train.jobs.setup import build_draft_config, verifier_text_config
 from tests.training_fixtures import cli_env, free_port, gloo_group, train_args, train_command
 
 
 def reference_step(argv: list[str]) -> dict[str, torch.Tensor]:
     """One optimizer step in this process on both ranks' rows, losses averaged (what DP computes)."""
     args = build_parser().parse_args(argv)
-    verifier_config, text = _verifier_text_config(args.verifier_name_or_path)
+    verifier_config, text = verifier_text_config(args.verifier_name_or_path)
     d2t = torch.from_numpy(np.load(args.d2t_path)).long()
     t2d = torch.from_numpy(np.load(args.t2d_path)).bool()
     torch.manual_seed(args.seed)

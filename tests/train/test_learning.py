@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from speculators_vllm016.cli.train import main
-from speculators_vllm016.data_generation.offline import DatagenOptions, run_datagen
+from speculators_vllm016.data_generation.offline import run_datagen
+from speculators_vllm016.data_generation.options import DatagenOptions
 from speculators_vllm016.demo import build_demo_model, demo_conversations_path
 
 

@@ -9,9 +9,8 @@ import pytest
 
 from speculators_vllm016.evaluate import training_metrics
 from speculators_vllm016.train import trainer
-from speculators_vllm016.train.logger import JsonlHandler
+from speculators_vllm016.train.logger import METRICS_LOGGER, JsonlHandler
 from speculators_vllm016.train.metrics_log import (
-    METRICS_LOGGER,
     MetricsLog,
     log_train_step,
     log_validation,

@@ -43,7 +43,7 @@ def _log_one_step_on_two_ranks(rank: int, port: int, save: str, out: str) -> Non
 
     import torch
 
-    from speculators_vllm016.train.metrics_log import METRICS_LOGGER
+    from speculators_vllm016.train.logger import METRICS_LOGGER
     from tests.training_fixtures import gloo_group
 
     records: list[dict] = []
@@ -154,7 +154,7 @@ def test_the_logged_data_wait_is_the_loaders_not_the_steps(tmp_path):
 
     from torch.utils.data import Dataset
 
-    from speculators_vllm016.train.metrics_log import METRICS_LOGGER
+    from speculators_vllm016.train.logger import METRICS_LOGGER
 
     loader_sleep, step_sleep = 0.05, 0.4
 

@@ -6,9 +6,8 @@ from transformers import LlamaConfig, LlavaConfig
 
 from speculators_vllm016.convert.eagle.utils import find_vocab_size
 from speculators_vllm016.data_generation.cpu_defaults import uses_mla
-from speculators_vllm016.data_generation.vllm_hidden_states_generator import default_layer_ids
+from speculators_vllm016.utils.layer_ids import default_layer_ids, eagle3_aux_layer_ids
 from speculators_vllm016.utils.layer_ids import default_layer_ids as the_definition
-from speculators_vllm016.utils.layer_ids import eagle3_aux_layer_ids
 from speculators_vllm016.utils.text_config import text_config_of
 
 

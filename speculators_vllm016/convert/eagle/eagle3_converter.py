@@ -24,6 +24,7 @@ from speculators_vllm016.convert.eagle.eagle_converter import greedy_speculators
 from speculators_vllm016.convert.eagle.utils import find_vocab_size, read_research_checkpoint
 from speculators_vllm016.convert.eagle.validation import check_reloaded_weights
 from speculators_vllm016.utils.atomic_files import give_usual_modes
+from speculators_vllm016.utils.errors import InvalidInputError
 from speculators_vllm016.utils.loading import load_model_layers
 from speculators_vllm016.utils.verifier_config import load_verifier_config_dict
 
@@ -100,11 +101,11 @@ class Eagle3Converter:
         else:
             target_vocab = find_vocab_size(verifier_dict)
             if target_vocab is None:
-                raise ValueError(f"cannot find vocab_size in the config of {base_model!r}")
+                raise InvalidInputError(f"cannot find vocab_size in the config of {base_model!r}")
         draft_vocab = int(renamed["lm_head.weight"].shape[0])
         declared = research_config.get("draft_vocab_size")
         if declared is not None and declared != draft_vocab:
-            raise ValueError(
+            raise InvalidInputError(
                 f"config draft_vocab_size={declared} but lm_head.weight has {draft_vocab} rows"
             )
         self.fill_vocab_maps(renamed, draft_vocab, target_vocab)
@@ -139,10 +140,12 @@ class Eagle3Converter:
             else:
                 unknown.append(name)
         if unknown:
-            raise ValueError(f"not an EAGLE-3 checkpoint: unexpected weights {sorted(unknown)[:8]}")
+            raise InvalidInputError(
+                f"not an EAGLE-3 checkpoint: unexpected weights {sorted(unknown)[:8]}"
+            )
         missing = [name for name in REQUIRED if name not in renamed]
         if missing or not any(k.startswith("layers.0.") for k in renamed):
-            raise ValueError(
+            raise InvalidInputError(
                 f"not an EAGLE-3 checkpoint: missing {missing or ['midlayer.* / layers.0.*']}"
             )
         return renamed
@@ -153,10 +156,10 @@ class Eagle3Converter:
     ) -> None:
         """Identity d2t/t2d when the draft predicts the whole target vocabulary."""
         if ("d2t" in weights) != ("t2d" in weights):
-            raise ValueError("the checkpoint has only one of d2t/t2d; both are needed")
+            raise InvalidInputError("the checkpoint has only one of d2t/t2d; both are needed")
         if "d2t" not in weights:
             if draft_vocab != target_vocab:
-                raise ValueError(
+                raise InvalidInputError(
                     f"draft vocab ({draft_vocab}) differs from the target's ({target_vocab}) "
                     "but the checkpoint has no d2t/t2d mapping"
                 )
@@ -165,7 +168,7 @@ class Eagle3Converter:
         weights["d2t"] = weights["d2t"].to(torch.long)
         weights["t2d"] = weights["t2d"].to(torch.bool)
         if weights["d2t"].shape != (draft_vocab,) or weights["t2d"].shape != (target_vocab,):
-            raise ValueError(
+            raise InvalidInputError(
                 f"d2t {tuple(weights['d2t'].shape)} / t2d {tuple(weights['t2d'].shape)} do not "
                 f"match draft vocab {draft_vocab} / target vocab {target_vocab}"
             )
@@ -176,7 +179,7 @@ class Eagle3Converter:
     ) -> LlamaConfig:
         get = research_config.get
         if "hidden_size" not in research_config:
-            raise ValueError("the checkpoint's config.json has no hidden_size")
+            raise InvalidInputError("the checkpoint's config.json has no hidden_size")
         dtype = get("torch_dtype") or get("dtype")
         return LlamaConfig(
             vocab_size=target_vocab,
@@ -220,7 +223,7 @@ class Eagle3Converter:
             not isinstance(eagle_aux_hidden_state_layer_ids, list)
             or not all(isinstance(i, int) for i in eagle_aux_hidden_state_layer_ids)
         ):
-            raise ValueError("eagle_aux_hidden_state_layer_ids must be a list of ints")
+            raise InvalidInputError("eagle_aux_hidden_state_layer_ids must be a list of ints")
         speculators_config = greedy_speculators_config("eagle3", base_model)
         return Eagle3SpeculatorConfig(
             transformer_layer_config=self.layer_config_from(
@@ -289,7 +292,7 @@ class Eagle3Converter:
             if name in weights and tuple(weights[name].shape) != shape
         }
         if missing or unexpected or mismatched:
-            raise ValueError(
+            raise InvalidInputError(
                 "weights do not match the config: "
                 + "; ".join(
                     part
@@ -323,7 +326,7 @@ class Eagle3Converter:
             if name in weights and tuple(weights[name].shape) != shape
         }
         if wrong:
-            raise ValueError(f"weights do not match the config (got, expected): {wrong}")
+            raise InvalidInputError(f"weights do not match the config (got, expected): {wrong}")
 
     @staticmethod
     def save(config, weights: dict[str, torch.Tensor], output_dir: str | Path) -> Path:

@@ -27,6 +27,7 @@ from transformers.models.llama.modeling_llama import (
 from speculators_vllm016.model import SpeculatorModel
 from speculators_vllm016.models.eagle import causal_attention_mask
 from speculators_vllm016.models.eagle3.config import Eagle3SpeculatorConfig
+from speculators_vllm016.utils.errors import InvalidInputError
 
 __all__ = ["Eagle3Speculator"]
 
@@ -175,7 +176,7 @@ class Eagle3Speculator(SpeculatorModel):
         has_drafter_embedding: bool = True,
     ):
         if not isinstance(config, Eagle3SpeculatorConfig):
-            raise ValueError(
+            raise InvalidInputError(
                 f"config must be an Eagle3SpeculatorConfig, got {type(config).__name__}"
             )
         super().__init__(
@@ -227,9 +228,11 @@ class Eagle3Speculator(SpeculatorModel):
         """
         embed = getattr(self, "embed_tokens", None)
         if embed is None:
-            raise ValueError("this draft was built without embed_tokens (has_drafter_embedding)")
+            raise InvalidInputError(
+                "this draft was built without embed_tokens (has_drafter_embedding)"
+            )
         if hidden_states.shape[:2] != input_ids.shape:
-            raise ValueError(
+            raise InvalidInputError(
                 f"hidden_states {list(hidden_states.shape)} do not pair with input_ids "
                 f"{list(input_ids.shape)}"
             )

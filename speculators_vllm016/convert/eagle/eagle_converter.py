@@ -24,6 +24,7 @@ from speculators_vllm016.convert.eagle.validation import check_reloaded_weights
 from speculators_vllm016.models.eagle import EagleSpeculator, EagleSpeculatorConfig
 from speculators_vllm016.proposals.greedy import GreedyTokenProposalConfig
 from speculators_vllm016.utils.atomic_files import give_usual_modes
+from speculators_vllm016.utils.errors import InvalidInputError
 from speculators_vllm016.utils.verifier_config import load_verifier_config_dict
 
 __all__ = ["EagleConverter"]
@@ -98,7 +99,7 @@ class EagleConverter:
         """The single decoder layer's config from the research config.json."""
         get = research_config.get
         if "hidden_size" not in research_config:
-            raise ValueError("the checkpoint's config.json has no hidden_size")
+            raise InvalidInputError("the checkpoint's config.json has no hidden_size")
         return LlamaConfig(
             vocab_size=get("vocab_size", 32000),
             hidden_size=get("hidden_size"),
@@ -164,7 +165,7 @@ class EagleConverter:
                 continue
             unknown.append(name)
         if unknown:
-            raise ValueError(
+            raise InvalidInputError(
                 f"not an EAGLE-1/HASS checkpoint: unexpected weights {sorted(unknown)[:8]}"
             )
         return renamed
@@ -193,9 +194,9 @@ class EagleConverter:
         try:
             result = model.load_state_dict(weights, strict=False)
         except RuntimeError as err:
-            raise ValueError(f"checkpoint weights do not fit the config: {err}") from err
+            raise InvalidInputError(f"checkpoint weights do not fit the config: {err}") from err
         if result.missing_keys or result.unexpected_keys:
-            raise ValueError(
+            raise InvalidInputError(
                 "checkpoint does not match an EAGLE layer of its config: missing "
                 f"{sorted(result.missing_keys)}, unexpected {sorted(result.unexpected_keys)}"
             )

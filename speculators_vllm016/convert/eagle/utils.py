@@ -11,10 +11,9 @@ import torch
 from huggingface_hub import snapshot_download
 from safetensors import safe_open
 
-from speculators_vllm016.convert.eagle.validation import loaded_on
-from speculators_vllm016.utils.errors import first_line
+from speculators_vllm016.utils.errors import InvalidInputError, first_line
 from speculators_vllm016.utils.loading import read_checkpoint_tensors, read_weights_file
-from speculators_vllm016.utils.verifier_config import find_vocab_size, load_verifier_config_dict
+from speculators_vllm016.utils.verifier_config import find_vocab_size
 
 __all__ = [
     "detect_fusion_bias_and_layernorms",
@@ -25,9 +24,6 @@ __all__ = [
     "load_checkpoint_weights",
     "read_research_checkpoint",
     "ResearchCheckpoint",
-    # Re-exported from their homes (earlier releases and the train CLI import them from here).
-    "load_verifier_config_dict",
-    "loaded_on",
 ]
 
 logger = logging.getLogger(__name__)
@@ -87,7 +83,7 @@ def load_checkpoint_config(checkpoint_dir: Path) -> dict:
             f"{path} is not valid JSON: {err.msg}", err.doc, err.pos
         ) from err
     if not isinstance(config, dict):
-        raise ValueError(f"{path} must hold a JSON object")
+        raise InvalidInputError(f"{path} must hold a JSON object")
     return config
 
 
@@ -143,7 +139,7 @@ def read_research_checkpoint(
     # A speculators folder (what convert and train write) has no research layout to read: say so
     # rather than fail on the first research key it lacks.
     if "speculators_config" in config or "speculators_model_type" in config:
-        raise ValueError(
+        raise InvalidInputError(
             f"{input_path} is already in the speculators format (its config.json has "
             "speculators_config): nothing to convert; serve it with vLLM or evaluate it as it is"
         )

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from speculators_vllm016.utils.errors import InvalidInputError
+
 __all__ = ["check_reloaded_weights", "loaded_on"]
 
 logger = logging.getLogger(__name__)
@@ -30,7 +32,7 @@ def loaded_on(model: torch.nn.Module, device: str) -> dict[str, torch.Tensor]:
             if not tensor.is_meta
         }
     except (RuntimeError, AssertionError) as err:
-        raise ValueError(f"cannot validate on --validate-device {device!r}: {err}") from err
+        raise InvalidInputError(f"cannot validate on --validate-device {device!r}: {err}") from err
 
 
 def check_reloaded_weights(

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from speculators_vllm016.models.eagle3.model_definitions import maybe_compiled
+from speculators_vllm016.utils.errors import InvalidInputError
 
 __all__ = [
     "ATTENTION_INTERFACE_NAME",
@@ -54,7 +55,7 @@ def document_ids(lengths: torch.Tensor, total_seq_len: int) -> torch.Tensor:
     message = f"lengths of the packed samples sum past total_seq_len {total_seq_len}"
     if lengths.device.type == "cpu":
         if int(used) > total_seq_len:
-            raise ValueError(
+            raise InvalidInputError(
                 f"{message} ({int(used)}); pass the lengths of the samples packed in this row"
             )
     else:
@@ -99,7 +100,7 @@ def build_step_zero_mask(
     dense boolean `[1, 1, T, T]` tensor. `documents` as in `create_combined_mask_mod`."""
     device = device or lengths.device
     if flex and total_seq_len % FLEX_BLOCK_SIZE:
-        raise ValueError(
+        raise InvalidInputError(
             f"flex masks need a row length that is a multiple of {FLEX_BLOCK_SIZE}, got "
             f"{total_seq_len}; pad the row"
         )
@@ -132,7 +133,7 @@ def _extend_block_mask(block_mask: BlockMask) -> BlockMask:
     q_len, kv_len = block_mask.seq_lengths
     q_block, kv_block = block_mask.BLOCK_SIZE
     if q_block != kv_block or q_len % q_block:
-        raise ValueError(
+        raise InvalidInputError(
             f"cannot extend a block mask with blocks {block_mask.BLOCK_SIZE} over {q_len} queries; "
             "build it with create_combined_mask_mod on a row padded to a multiple of the block size"
         )

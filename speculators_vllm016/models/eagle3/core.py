@@ -15,8 +15,8 @@ packed samples is not scored.
 The model lives here; its parts each have a module: the typed output (`output`), the scoring of
 the TTT steps and the choice of positions (`scoring`), the fused loss kernel (`fused_loss`),
 0.3.0's eager loss and metrics (`metrics`), and the verifier weights it copies
-(`verifier_weights`). Their public names are re-exported here, where 0.3.0 and earlier
-releases of this package had them.
+(`verifier_weights`). 0.3.0's loss and metric functions still import from here
+(`align_for_step`, `compute_accuracy`, `compute_metrics`, `loss_function`).
 """
 
 from __future__ import annotations
@@ -35,9 +35,8 @@ from speculators_vllm016.models.eagle3.attention import (
     extend_mask_for_draft_tokens,
 )
 from speculators_vllm016.models.eagle3.config import Eagle3SpeculatorConfig
-from speculators_vllm016.models.eagle3.fused_loss import WeightGradSink, linear_kl_loss
+from speculators_vllm016.models.eagle3.fused_loss import WeightGradSink
 from speculators_vllm016.models.eagle3.metrics import (
-    accuracy_from_ids,
     compute_accuracy,
     compute_metrics,
     loss_function,
@@ -52,47 +51,27 @@ from speculators_vllm016.models.eagle3.output import Eagle3DraftOutput
 from speculators_vllm016.models.eagle3.packed_row import PackedRow, StepKeyValues, pack_row
 from speculators_vllm016.models.eagle3.proposer import Eagle3Proposer
 from speculators_vllm016.models.eagle3.scoring import (
-    MAX_USED_FRACTION_TO_SKIP,
     ScoringPass,
-    StepScore,
-    TTTStepInput,
     align_for_step,
-    score_ttt_step,
-    scored_position_counts,
-    used_positions,
 )
+from speculators_vllm016.utils.errors import InvalidInputError
 from speculators_vllm016.utils.layer_ids import eagle3_aux_layer_ids
 from speculators_vllm016.utils.verifier_weights import (
-    VERIFIER_WEIGHT_LAYOUTS,
     read_verifier_weights,
     verifier_rms_norm_eps,
 )
 
 __all__ = [
-    "MAX_USED_FRACTION_TO_SKIP",
-    "VERIFIER_WEIGHT_LAYOUTS",
     "AttentionBackend",
     "DraftLMHead",
     "Eagle3DraftModel",
-    "Eagle3DraftOutput",
-    "StepScore",
-    "TTTStepInput",
-    "WeightGradSink",
-    "accuracy_from_ids",
     "align_for_step",
     "compute_accuracy",
     "compute_metrics",
-    "linear_kl_loss",
     "loss_function",
-    "score_ttt_step",
-    "scored_position_counts",
-    "used_positions",
 ]
 
 AttentionBackend = Literal["auto", "flex", "sdpa"]
-
-# The name the layer tests (and earlier releases) import the step cache under.
-_StepKeyValues = StepKeyValues
 
 
 class DraftLMHead(nn.Linear):
@@ -194,7 +173,7 @@ class Eagle3DraftModel(SpeculatorModel):
         self.loss_chunk_size = 4096
         self.flex_row_length: int | None = None
         if layer_config.model_type not in model_classes:
-            raise ValueError(
+            raise InvalidInputError(
                 f"no EAGLE-3 layer for transformer type {layer_config.model_type!r}; "
                 f"supported: {sorted(model_classes)}"
             )
@@ -206,7 +185,7 @@ class Eagle3DraftModel(SpeculatorModel):
         target_vocab = layer_config.vocab_size
         from_verifier = t2d is not None or d2t is not None
         if from_verifier and (t2d is None or d2t is None):
-            raise ValueError("pass both t2d and d2t (or neither, to load from a checkpoint)")
+            raise InvalidInputError("pass both t2d and d2t (or neither, to load from a checkpoint)")
         if t2d is None:
             t2d = torch.zeros(target_vocab, dtype=torch.bool)
             d2t = torch.zeros(self.draft_vocab_size, dtype=torch.long)
@@ -250,13 +229,13 @@ class Eagle3DraftModel(SpeculatorModel):
         self, t2d: torch.Tensor, d2t: torch.Tensor, target_vocab: int, strict: bool
     ) -> None:
         if t2d.shape != (target_vocab,):
-            raise ValueError(f"t2d has shape {tuple(t2d.shape)}, expected ({target_vocab},)")
+            raise InvalidInputError(f"t2d has shape {tuple(t2d.shape)}, expected ({target_vocab},)")
         if d2t.shape != (self.draft_vocab_size,):
-            raise ValueError(
+            raise InvalidInputError(
                 f"d2t has shape {tuple(d2t.shape)}, expected ({self.draft_vocab_size},)"
             )
         if strict and int(t2d.sum()) != self.draft_vocab_size:
-            raise ValueError(
+            raise InvalidInputError(
                 f"t2d marks {int(t2d.sum())} tokens, expected draft_vocab_size="
                 f"{self.draft_vocab_size}"
             )
@@ -269,13 +248,13 @@ class Eagle3DraftModel(SpeculatorModel):
         )
         path = verifier_path or (verifier.name_or_path if verifier else None)
         if not path:
-            raise ValueError(
+            raise InvalidInputError(
                 "the config names no verifier (speculators_config.verifier.name_or_path)"
             )
         found = read_verifier_weights(path)
         embeddings, head = found.embeddings, found.head
         if embeddings.shape != self.embed_tokens.weight.shape:
-            raise ValueError(
+            raise InvalidInputError(
                 f"verifier embeddings {tuple(embeddings.shape)} do not fit the draft's "
                 f"{tuple(self.embed_tokens.weight.shape)} (vocab size and hidden size must match)"
             )
@@ -290,12 +269,12 @@ class Eagle3DraftModel(SpeculatorModel):
             return
         norm = found.norm
         if norm is None:
-            raise ValueError(
+            raise InvalidInputError(
                 f"{path} has no final norm {found.norm_name!r}; pass use_verifier_norm=False to "
                 "score against the LM head alone (0.3.0's behaviour)"
             )
         if norm.shape != self.verifier_norm.weight.shape:
-            raise ValueError(
+            raise InvalidInputError(
                 f"verifier norm {tuple(norm.shape)} does not fit target_hidden_size "
                 f"{self.target_hidden_size}"
             )
@@ -323,7 +302,7 @@ class Eagle3DraftModel(SpeculatorModel):
         final norm (what datagen stores); the frozen norm and LM head rows turn it into logits.
         """
         if self.verifier_lm_head.weight.is_meta:
-            raise ValueError(
+            raise InvalidInputError(
                 "the verifier's LM head is not loaded (checkpoints do not hold it); call "
                 "load_verifier_weights() before training or scoring"
             )
@@ -344,7 +323,7 @@ class Eagle3DraftModel(SpeculatorModel):
     def resolved_attention_backend(self, device: torch.device) -> Literal["flex", "sdpa"]:
         """The attention path a forward on `device` takes."""
         if self.attention_backend not in ("auto", "flex", "sdpa"):
-            raise ValueError(
+            raise InvalidInputError(
                 f"attention_backend must be 'auto', 'flex' or 'sdpa', got {self.attention_backend!r}"
             )
         if self.attention_backend == "auto":
@@ -469,7 +448,7 @@ class Eagle3DraftModel(SpeculatorModel):
     ) -> ScoringPass:
         """The targets, the head in the compute dtype, and the positions every step scores."""
         if verifier_last_hidden_states.shape[:2] != (1, row.total):
-            raise ValueError(
+            raise InvalidInputError(
                 f"verifier_last_hidden_states must be [1, {row.total}, hidden], got "
                 f"{tuple(verifier_last_hidden_states.shape)}"
             )
@@ -554,7 +533,7 @@ class Eagle3DraftModel(SpeculatorModel):
         position_embeddings = self.rotary_emb(hidden, position_ids)
         first_layer, *later_layers = self.layers
         if positions is not None and later_layers:
-            raise ValueError("only a one-layer draft runs over a subset of positions")
+            raise InvalidInputError("only a one-layer draft runs over a subset of positions")
         hidden = first_layer(
             hidden,
             input_embeds=embeds,

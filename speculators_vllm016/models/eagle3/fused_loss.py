@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from speculators_vllm016.models.eagle3.model_definitions import maybe_compiled
+from speculators_vllm016.utils.errors import InvalidInputError
 
 __all__ = ["WeightGradSink", "linear_kl_loss"]
 
@@ -72,7 +73,7 @@ class WeightGradSink:
         """The buffer a new call accumulates into (zeros at the first call)."""
         if owner:
             if self.has_owner:
-                raise ValueError(
+                raise InvalidInputError(
                     "a WeightGradSink hands its total to one call: pass the weight itself to "
                     "one linear_kl_loss call and weight.detach() to the others"
                 )
@@ -204,7 +205,7 @@ def linear_kl_loss(
     `scored_rows`) and their count; the others get none (-1).
     """
     if used is not None and (scored_rows is None or used_rows is None):
-        raise ValueError("`used` needs its count `used_rows` and `scored_rows`")
+        raise InvalidInputError("`used` needs its count `used_rows` and `scored_rows`")
     return _LinearKL.apply(
         hidden,
         weight,

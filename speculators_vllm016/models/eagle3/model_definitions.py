@@ -17,6 +17,8 @@ from transformers.models.llama.modeling_llama import (
     eager_attention_forward,
 )
 
+from speculators_vllm016.utils.errors import InvalidInputError
+
 __all__ = [
     "FirstLayerWeightCache",
     "FirstLayerWeights",
@@ -480,7 +482,7 @@ class LlamaDecoderEagle3FirstLayer(LlamaDecoderLayer):
         queries' side: attention output, output projection and MLP.
         """
         if position_embeddings is None:
-            raise ValueError("the EAGLE-3 layer needs position_embeddings (cos, sin)")
+            raise InvalidInputError("the EAGLE-3 layer needs position_embeddings (cos, sin)")
         if weights is None:
             weights = self.compute_weights(autocast_dtype(hidden.device.type))
         compiled = self.compile_blocks

@@ -15,6 +15,7 @@ from speculators_vllm016.models.eagle3.attention import (
     build_step_zero_mask,
     document_ids,
 )
+from speculators_vllm016.utils.errors import InvalidInputError
 
 __all__ = ["PackedRow", "StepKeyValues", "pack_row"]
 
@@ -60,13 +61,13 @@ def pack_row(
     to whole flex blocks when `flex`, and then to at least `pad_to` positions (rounded up to whole
     blocks): rows of one padded length share one compiled shape."""
     if hidden_states.dim() != 3 or hidden_states.shape[0] != 1:
-        raise ValueError(
+        raise InvalidInputError(
             f"hidden_states must be [1, seq, 3*hidden], got {tuple(hidden_states.shape)}"
         )
     device = hidden_states.device
     total = hidden_states.shape[1]
     if input_ids.shape != (1, total):
-        raise ValueError(f"input_ids must be [1, {total}], got {tuple(input_ids.shape)}")
+        raise InvalidInputError(f"input_ids must be [1, {total}], got {tuple(input_ids.shape)}")
     if lengths is None:
         lengths = torch.tensor([total], device=device)
     if position_ids is None:

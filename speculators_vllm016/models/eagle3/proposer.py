@@ -24,6 +24,7 @@ from speculators_vllm016.models.eagle3.model_definitions import (
     FirstLayerWeightCache,
     autocast_dtype,
 )
+from speculators_vllm016.utils.errors import InvalidInputError
 
 __all__ = ["Eagle3Proposer", "ProposingDraft"]
 
@@ -107,7 +108,7 @@ class Eagle3Proposer:
 
     def __init__(self, draft: ProposingDraft, count: int) -> None:
         if count < 1:
-            raise ValueError(f"the draft must propose at least 1 token, got {count}")
+            raise InvalidInputError(f"the draft must propose at least 1 token, got {count}")
         self.draft = draft
         self.count = count
         self.cache = _RoundKeyValues()
@@ -140,11 +141,11 @@ class Eagle3Proposer:
         valid = valid.to(device=device, dtype=torch.bool)
         rows, new = valid.shape
         if tokens.shape != (rows, new):
-            raise ValueError(
+            raise InvalidInputError(
                 f"tokens must be [{rows}, {new}] like valid, got {tuple(tokens.shape)}"
             )
         if not bool(valid.any(dim=1).all()):
-            raise ValueError("every row needs at least one new position to propose from")
+            raise InvalidInputError("every row needs at least one new position to propose from")
         draft.prepare_blocks(device)
         if self.slots is None:
             self.slots = valid.new_zeros(rows, 0)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from speculators_vllm016.models.eagle3.fused_loss import WeightGradSink, linear_kl_loss
+from speculators_vllm016.utils.errors import InvalidInputError
 
 __all__ = [
     "MAX_USED_FRACTION_TO_SKIP",
@@ -126,7 +127,7 @@ def score_ttt_step(step: TTTStepInput) -> StepScore:
     row_weights = aligned_mask.float() * (step.ttt_step_loss_decay**k) / denominator
     step_targets = step.target_logits[k : k + rows]
     if step_targets.shape[0] < rows:
-        raise ValueError(f"target_logits needs at least {rows + k} rows for step {k}")
+        raise InvalidInputError(f"target_logits needs at least {rows + k} rows for step {k}")
     loss, predicted = linear_kl_loss(
         step.hidden,
         step.head_weight,

@@ -1,7 +1,7 @@
 """Writing and reading a checkpoint's files so that their failures say what happened.
 
 torch's zip writer swallows the `OSError` of a full disk and fails with "unexpected pos" instead;
-`utils.atomic_files.torch_save` (re-exported here) keeps the real error, and `is_disk_full`
+`utils.atomic_files.torch_save` keeps the real error, and `is_disk_full`
 recognises it (or safetensors' message of it). `reading` turns the zip, header or pickle error of a
 damaged file into one line that names the file and its checkpoint and says how to go on from the
 checkpoint before it; a file that holds more than tensors and plain values (a planted pickle) is
@@ -17,10 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from speculators_vllm016.train.errors import CheckpointReadError
-from speculators_vllm016.utils.atomic_files import torch_save
 from speculators_vllm016.utils.errors import type_and_first_line
 
-__all__ = ["is_disk_full", "reading", "torch_save", "weights_only_refusal"]
+__all__ = ["is_disk_full", "reading", "weights_only_refusal"]
 
 _NO_SPACE = os.strerror(errno.ENOSPC)  # "No space left on device": what Rust's errors quote
 

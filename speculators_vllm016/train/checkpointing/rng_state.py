@@ -19,14 +19,14 @@ import numpy as np
 import torch
 
 from speculators_vllm016.train.checkpointing.checkpoint_files import weights_only_refusal
-from speculators_vllm016.utils.errors import first_line
+from speculators_vllm016.utils.errors import SpeculatorsError, first_line
 
 __all__ = ["RngStateUnsafe", "capture_rng_state", "load_rng_state", "restore_rng_state"]
 
 FORMAT = 2  # 1: 0.x checkpoints of this package (NumPy's state as an array, Python's as a tuple)
 
 
-class RngStateUnsafe(pickle.UnpicklingError):
+class RngStateUnsafe(SpeculatorsError, pickle.UnpicklingError):
     """The file needs code to load (it is not an RNG state this package writes)."""
 
 

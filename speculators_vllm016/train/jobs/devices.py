@@ -19,6 +19,8 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from speculators_vllm016.utils.errors import InvalidInputError
+
 __all__ = [
     "TrainDevices",
     "TrainDevicesError",
@@ -32,7 +34,7 @@ FLAG = "--train-devices"
 _CUDA = re.compile(r"cuda:(\d+)")
 
 
-class TrainDevicesError(ValueError):
+class TrainDevicesError(InvalidInputError):
     """A `--train-devices` value that cannot work; the message names the flag and the fix."""
 
 

@@ -40,6 +40,7 @@ from speculators_vllm016.data_generation.options import (
     PreprocessingOptions,
 )
 from speculators_vllm016.utils.atomic_files import atomic_write_text
+from speculators_vllm016.utils.errors import InvalidInputError
 from speculators_vllm016.utils.field_docs import field_docs
 
 __all__ = [
@@ -70,7 +71,7 @@ CONFIG_FILE = "train_config.yaml"  # the resolved config, beside the checkpoints
 CHECKPOINT_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-class TrainSetupError(ValueError):
+class TrainSetupError(InvalidInputError):
     """Bad input found before training starts; the message names the fix."""
 
 

@@ -24,6 +24,7 @@ import torch
 from speculators_vllm016.train.data import MODEL_INPUTS
 from speculators_vllm016.train.draft_contract import FusesVerifierStates
 from speculators_vllm016.train.loading.row_slots import HOST_SLOT_KEY
+from speculators_vllm016.utils.errors import InvalidInputError
 
 __all__ = ["StepRow", "empty_row", "prefetch_to_device", "to_step_row"]
 
@@ -41,7 +42,7 @@ class StepRow:
 def empty_row(model: torch.nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
     """A one-token row with nothing to learn, for a step whose samples were all unusable."""
     if not isinstance(model, FusesVerifierStates):
-        raise ValueError("every sample of a packed row was unusable")
+        raise InvalidInputError("every sample of a packed row was unusable")
     zeros = torch.zeros(1, 1, dtype=torch.long, device=device)
     return {
         "input_ids": zeros,

@@ -41,6 +41,7 @@ from speculators_vllm016.train.data import (
     pack_samples,
     shared_empty,
 )
+from speculators_vllm016.utils.errors import InvalidInputError
 
 __all__ = [
     "HOST_SLOT_KEY",
@@ -135,7 +136,7 @@ class HostRowSlots:
         self, count: int, max_len: int, layout: dict[str, tuple[tuple[int, ...], torch.dtype]]
     ) -> None:
         if count < MIN_SLOTS:
-            raise ValueError(f"at least {MIN_SLOTS} row slots are needed, got {count}")
+            raise InvalidInputError(f"at least {MIN_SLOTS} row slots are needed, got {count}")
         self.count = int(count)
         self.max_len = int(max_len)
         self.buffers = {

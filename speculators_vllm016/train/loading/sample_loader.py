@@ -20,6 +20,7 @@ from speculators_vllm016.train.loading.row_slots import (
     packed_row_collate,
 )
 from speculators_vllm016.train.noise_transforms import RowNoise
+from speculators_vllm016.utils.errors import InvalidInputError
 
 __all__ = ["RunThroughBatchSampler", "SampleFileLoader", "main_process_noise"]
 
@@ -101,7 +102,9 @@ class SampleFileLoader(DataLoader):
         self._pin_slots = False
         if row_slots is not None:
             if batch_sampler is None:
-                raise ValueError("row slots need a batch sampler (rows are numbered per batch)")
+                raise InvalidInputError(
+                    "row slots need a batch sampler (rows are numbered per batch)"
+                )
             batch_sampler.slots = row_slots
             dataset = SlotPackingDataset(dataset, row_slots)
             kwargs["collate_fn"] = packed_row_collate(kwargs.get("collate_fn") or default_collate)

@@ -36,7 +36,7 @@ from speculators_vllm016.train.data import (
     PackedBatch,
     SampleFileError,
 )
-from speculators_vllm016.utils.errors import first_line, type_and_first_line
+from speculators_vllm016.utils.errors import InvalidInputError, first_line, type_and_first_line
 
 if TYPE_CHECKING:
     from speculators_vllm016.data_generation.options import DatagenOptions
@@ -65,7 +65,7 @@ class ExtractionFailed(DataSourceError):
     """The target model's engine failed while producing samples."""
 
 
-class CacheFolderError(ValueError):
+class CacheFolderError(InvalidInputError):
     """The --cache-dir folder cannot be used (another run's, in use, not creatable)."""
 
 

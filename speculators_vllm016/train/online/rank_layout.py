@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from speculators_vllm016.train.jobs.job_config import TrainSetupError
+from speculators_vllm016.utils.errors import InvalidInputError
 
 __all__ = ["FLAG", "RankLayout", "plan_rank_layout"]
 
@@ -56,7 +57,7 @@ class RankLayout:
     def training_rank(self) -> int:
         """This rank's place among the training ranks (its rank in their process group)."""
         if self.extracts:
-            raise ValueError(f"rank {self.rank} extracts: it has no training rank")
+            raise InvalidInputError(f"rank {self.rank} extracts: it has no training rank")
         return self.rank - self.extraction_ranks
 
     def global_rank_of_training_rank(self, training_rank: int) -> int:

@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from speculators_vllm016.cli.train import main as train_main
-from speculators_vllm016.data_generation.offline import DatagenOptions, run_datagen
+from speculators_vllm016.data_generation.offline import run_datagen
+from speculators_vllm016.data_generation.options import DatagenOptions
 from speculators_vllm016.data_generation.sample_io import TEMP_DIR
 from speculators_vllm016.data_generation.vllm_hidden_states_generator import HiddenStatesResult
 from speculators_vllm016.demo import demo_conversations_path
@@ -708,7 +709,7 @@ def test_an_unusable_cache_dir_is_a_one_line_setup_error(
     tiny_llama, tmp_path, monkeypatch, capsys, problem
 ):
     from speculators_vllm016.data_generation import offline
-    from speculators_vllm016.data_generation.offline import ShardLock
+    from speculators_vllm016.data_generation.output_folder import ShardLock
 
     cache = tmp_path / "cache"
     held = None
