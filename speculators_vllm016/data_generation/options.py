@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from speculators_vllm016.data_generation.sample_io import SAMPLE_PATTERNS
+from speculators_vllm016.utils.fp8_storage import STORAGE_DTYPES
 
 __all__ = [
     "DTYPES",
@@ -90,6 +91,9 @@ class OutputOptions:
     """Folder of the sample files (train's `--cache-dir`; "" when online training keeps none)."""
     output_format: str = "pt"
     """Sample file format, a key of `SAMPLE_PATTERNS`."""
+    storage_dtype: str = "bf16"
+    """How hidden states are stored: "bf16" as the engine makes them, "fp8" as e4m3 with a scale
+    per token and layer (half the bytes; `utils.fp8_storage`)."""
     start_idx: int = 0
     """Index of the first sample file; row i becomes `data_{start_idx + i}`."""
     layer_ids: list[int] | None = None
@@ -229,6 +233,10 @@ class DatagenOptions:
             )
         if output.output_format not in SAMPLE_PATTERNS:
             raise ValueError(f"--output-format must be one of {sorted(SAMPLE_PATTERNS)}")
+        if output.storage_dtype not in STORAGE_DTYPES:
+            raise ValueError(
+                f"--storage-dtype {output.storage_dtype!r} is not one of {', '.join(STORAGE_DTYPES)}"
+            )
         if output.batch_size < 1:
             raise ValueError(f"--batch-size must be at least 1, got {output.batch_size}")
         if data.seq_length < 1:

@@ -57,6 +57,7 @@ __all__ = [
     "Eagle3SampleFileDataset",
     "IncompleteDataError",
     "PackedBatch",
+    "STATE_SCALES",
     "SampleFileError",
     "check_sample_shapes",
     "create_collate_fn",
@@ -89,6 +90,13 @@ MODEL_INPUTS = (
     "position_ids",
     "lengths",
 )
+STATE_SCALES = {
+    "hidden_states": "hidden_states_scale",
+    "verifier_last_hidden_states": "verifier_last_hidden_states_scale",
+}
+"""The scale key of each state of a row read from fp8 files by a dataset with
+`device_dequantize=True`: the state is then fp8 (`[1, T, k*H]`) and its scale `[1, T, k]` (one
+per layer, of the dtype the states return to); `device_rows` dequantizes them on the device."""
 
 
 class PackedBatch(TypedDict):
@@ -233,7 +241,12 @@ def sample_widths(
             return [meta(item) for item in value]
         return value
 
-    data = standardize_fn({key: meta(value) for key, value in load_sample(path, mmap=True).items()})
+    raw = load_sample(path, mmap=True, dequantize=False)
+    if "hidden_states_fp8" in raw:  # an fp8 file: the payloads have the states' shapes
+        raw = {**raw, "hidden_states": raw["hidden_states_fp8"]}
+    data = standardize_fn(
+        {key: meta(raw[key]) for key in ("input_ids", "hidden_states", "loss_mask")}
+    )
     return int(data["hidden_states"].shape[-1]), int(data["verifier_last_hidden_states"].shape[-1])
 
 
@@ -248,7 +261,7 @@ def shift_batch(batch: BatchType, *, legacy_loss_mask_shift: bool = False) -> Ba
         shifted_mask = loss_mask[1:]
     else:
         shifted_mask = torch.cat([loss_mask[2:], loss_mask.new_zeros(min(1, len(loss_mask) - 1))])
-    return {
+    shifted = {
         "input_ids": batch["input_ids"][1:],
         "hidden_states": batch["hidden_states"][:-1],
         "verifier_last_hidden_states": batch["verifier_last_hidden_states"][1:],
@@ -256,6 +269,11 @@ def shift_batch(batch: BatchType, *, legacy_loss_mask_shift: bool = False) -> Ba
         "lengths": batch["lengths"] - 1,
         "position_ids": batch["position_ids"][1:],
     }
+    if STATE_SCALES["hidden_states"] in batch:  # fp8 states: each scale moves with its state
+        shifted[STATE_SCALES["hidden_states"]] = batch[STATE_SCALES["hidden_states"]][:-1]
+        last = STATE_SCALES["verifier_last_hidden_states"]
+        shifted[last] = batch[last][1:]
+    return shifted
 
 
 def _read_length(path: Path) -> int:
@@ -340,6 +358,29 @@ def _all_finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(tensor).all())
 
 
+def _is_fp8(tensor: torch.Tensor) -> bool:
+    return tensor.dtype == torch.float8_e4m3fn
+
+
+def _standardize_fp8(raw: dict[str, Any], standardize_fn: StandardizeFnSig) -> dict[str, Any]:
+    """A stored fp8 sample standardized as its bf16 form would be: the payloads and the scales
+    each through `standardize_fn`, so a scale sits where its layer does (`STATE_SCALES`)."""
+    base = {"input_ids": raw["input_ids"], "loss_mask": raw["loss_mask"]}
+    data = standardize_fn({**base, "hidden_states": raw["hidden_states_fp8"]})
+    scales = standardize_fn({**base, "hidden_states": raw["hidden_states_scale"]})
+    for key, scale_key in STATE_SCALES.items():
+        data[scale_key] = scales[key]
+    return data
+
+
+def _states_finite(data: dict[str, Any], key: str) -> bool:
+    """Whether a standardized state is finite; an fp8 state through its scale (fp8 e4m3 has NaN
+    but no inf, and a non-finite token's scale is non-finite)."""
+    if not _is_fp8(data[key]):
+        return _all_finite(data[key])
+    return _all_finite(data[STATE_SCALES[key]]) and not bool(torch.isnan(data[key]).any())
+
+
 def prepare_sample(
     raw: dict[str, Any],
     index: int,
@@ -353,6 +394,7 @@ def prepare_sample(
     legacy_loss_mask_shift: bool = False,
     output_dtype: torch.dtype | None = None,
     widths: tuple[int, int] | None = None,
+    keep_fp8: bool = False,
 ) -> BatchType:
     """One raw sample (a file's dict, or the generator's result) -> the shifted training sample.
 
@@ -362,22 +404,32 @@ def prepare_sample(
     `hidden_states_dtype`, store the states as `output_dtype`, shift. Without a transform the
     states go straight to `output_dtype` (or `hidden_states_dtype`): no copy when the file already
     has it. `name` says which sample in error messages.
+
+    A sample stored as fp8 (`sample_io.FP8_KEYS`) is dequantized here, unless `keep_fp8` and no
+    transform runs here: then its states stay fp8 and carry their scales (`STATE_SCALES`, in
+    the dtype the states would have had), for the trainer to dequantize on its device.
     """
+    from speculators_vllm016.data_generation.sample_io import dequantized_sample, is_fp8_sample
+
+    fp8 = is_fp8_sample(raw)
+    if fp8 and not (keep_fp8 and transform is None):
+        raw, fp8 = dequantized_sample(raw), False
     try:
-        data = standardize_fn(raw)
+        data = _standardize_fp8(raw, standardize_fn) if fp8 else standardize_fn(raw)
         check_sample_shapes(data, widths)
     except SampleFileError as error:
         raise SampleFileError(f"{name}: {error}") from None
     except Exception as error:  # noqa: BLE001 - a malformed sample surfaces here, in a worker
         raise SampleFileError(f"{name}: unreadable ({type(error).__name__}: {error})") from None
     for key in ("hidden_states", "verifier_last_hidden_states"):
-        if not _all_finite(data[key]):
+        if not _states_finite(data, key):
             raise SampleFileError(f"{name}: {key} holds NaN or inf values")
     working = (
         hidden_states_dtype if transform is not None else (output_dtype or hidden_states_dtype)
     )
     data = {
-        key: value.to(working) if "hidden_states" in key else value for key, value in data.items()
+        key: value.to(working) if "hidden_states" in key and not _is_fp8(value) else value
+        for key, value in data.items()
     }
     length = int(data["input_ids"].shape[0])
     data["lengths"] = torch.tensor([length], dtype=torch.long)
@@ -410,6 +462,10 @@ class Eagle3SampleFileDataset(Dataset):
     `widths` (fused, teacher) is what every sample must have (the model's); by default, when the
     files are scanned (`lengths` not given), the widths of the lowest-index readable file.
 
+    Files stored as fp8 are dequantized here, or, with `device_dequantize=True` (the trainer's
+    offline loader), on the training device: items then hold the fp8 states and their scales
+    (`prepare_sample`), which `device_rows` turns back once the row is there.
+
     With `device_noise=True` (the trainer's offline loader) items are not noised here: each carries
     its `sample_index`, the packed row its `sample_indices`, and `SampleFileLoader` attaches the
     `RowNoise` that the trainer applies on the training device. Nothing an item holds then depends
@@ -432,6 +488,7 @@ class Eagle3SampleFileDataset(Dataset):
         output_dtype: torch.dtype | None = None,
         widths: tuple[int, int] | None = None,
         device_noise: bool = False,
+        device_dequantize: bool = False,
     ) -> None:
         if (datapath is None) == (file_list is None):
             raise ValueError("give exactly one of `datapath` (a folder to scan) or `file_list`")
@@ -446,6 +503,7 @@ class Eagle3SampleFileDataset(Dataset):
         self.legacy_loss_mask_shift = legacy_loss_mask_shift
         self.output_dtype = output_dtype
         self.device_noise = device_noise
+        self.device_dequantize = device_dequantize
         self.unreadable: list[tuple[Path, str]] = []
         if lengths is None:
             raw, self.unreadable = sample_lengths(files)
@@ -477,6 +535,22 @@ class Eagle3SampleFileDataset(Dataset):
                 continue
         return None
 
+    def fp8_row_layers(self) -> tuple[int, int] | None:
+        """(fused layers, teacher layers) of this dataset's rows when they carry fp8 states to
+        the device (`device_dequantize` and the first file stored as fp8); None otherwise."""
+        from speculators_vllm016.data_generation.sample_io import is_fp8_sample, load_sample
+
+        if not self.device_dequantize or not self.data:
+            return None
+        try:
+            raw = load_sample(self.data[0], mmap=True, dequantize=False)
+        except Exception:  # noqa: BLE001 - an unusable file is refused when it is read
+            return None
+        if not is_fp8_sample(raw):
+            return None
+        data = _standardize_fp8(raw, self.standardize_fn)
+        return tuple(int(data[STATE_SCALES[key]].shape[-1]) for key in STATE_SCALES)  # type: ignore[return-value]
+
     @property
     def approx_lengths(self) -> list[int]:
         """0.3.0's name; the lengths here are exact."""
@@ -500,7 +574,7 @@ class Eagle3SampleFileDataset(Dataset):
 
         path = self.data[index]
         try:
-            raw = load_sample(path, mmap=True)
+            raw = load_sample(path, mmap=True, dequantize=not self.device_dequantize)
         except Exception as error:  # noqa: BLE001 - a corrupt file surfaces here, in a worker
             raise SampleFileError(f"{path}: unreadable ({type(error).__name__}: {error})") from None
         return self.prepare(raw, index, str(path))
@@ -520,6 +594,7 @@ class Eagle3SampleFileDataset(Dataset):
             legacy_loss_mask_shift=self.legacy_loss_mask_shift,
             output_dtype=self.output_dtype,
             widths=self.widths,
+            keep_fp8=self.device_dequantize,
         )
         if deferred:
             sample["sample_index"] = int(index)
@@ -589,6 +664,12 @@ def pack_samples(
     skipped = torch.tensor(len(samples) - len(usable), dtype=torch.long)
     if not usable:
         return {"skipped_samples": skipped}  # type: ignore[typeddict-item]
+    keys = set(usable[0])
+    if any(set(sample) != keys for sample in usable[1:]):
+        raise SampleFileError(
+            "one packed row holds samples stored as fp8 and others stored as bf16; train on "
+            "folders of one --storage-dtype"
+        )
     row: dict[str, Any] = {}
     for key in usable[0]:
         if key == "sample_index":

@@ -332,6 +332,9 @@ class OnlineConfig:
     """Processes for tokenizing."""
     output_format: str = field(default="pt", metadata={"choices": ["pt", "safetensors"]})
     """Sample file format of the --cache-dir files."""
+    storage_dtype: str = field(default="bf16", metadata={"choices": ["bf16", "fp8"]})
+    """How the --cache-dir files store hidden states: bf16 as the engine makes them, fp8 (e4m3,
+    a scale per token and layer) in half the bytes; the rows train on what the cache holds."""
     start_idx: int = 0
     """Index of the first sample file."""
     layer_ids: list[int] | None = None

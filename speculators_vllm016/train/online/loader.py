@@ -214,7 +214,7 @@ class OnlineExtractor:
                 self.stats.extracted_tokens += len(input_ids[k])
                 self.stats.extracted_samples += 1
                 if self._cache is not None:
-                    self._cache.write(indices[k], sample)
+                    sample = self._cache.write(indices[k], sample)
                 yield k, sample
                 clock = time.perf_counter()
         finally:
@@ -376,6 +376,7 @@ class _Cache:
                 max_pending=64,
                 slot=self._folder.slot,
                 manifest=manifest,
+                storage_dtype=options.output.storage_dtype,
             )
         except BaseException:
             self._folder.close()
@@ -401,15 +402,27 @@ class _Cache:
         except OSError as error:
             raise CacheWriteFailed.of(self.folder, error) from error
 
-    def write(self, index: int, sample: dict) -> None:
-        from speculators_vllm016.data_generation.sample_io import sample_path
+    def write(self, index: int, sample: dict) -> dict:
+        """Cache `sample`; returns the sample the training rows get: the one the file holds
+        (with --storage-dtype fp8 dequantized from it, as a later read of the file gives)."""
+        from speculators_vllm016.data_generation.sample_io import (
+            dequantized_sample,
+            quantized_sample,
+            sample_path,
+        )
 
+        if self.options.output.storage_dtype == "fp8":
+            stored = quantized_sample(sample)
+            sample = dequantized_sample(stored)
+        else:
+            stored = sample
         try:
             self._writers.submit(
-                sample_path(self.folder, index, self.options.output.output_format), sample, index
+                sample_path(self.folder, index, self.options.output.output_format), stored, index
             )
         except Exception as error:  # an earlier write of the pool failed
             raise CacheWriteFailed.of(self.folder, error) from error
+        return sample
 
     def complete(self) -> set[int]:
         """Indices whose files are whole and listed in the manifest (pending writes finished)."""
