@@ -110,3 +110,29 @@ def test_a_folder_recorded_before_the_flag_resumes_as_bf16_only(tmp_path):
     assert check_identity(tmp_path, _identity("bf16"), False) is False
     with pytest.raises(ValueError, match="storage_dtype: was 'bf16', now 'fp8'"):
         check_identity(tmp_path, _identity("fp8"), False)
+
+
+def test_the_run_identity_compares_the_storage_dtype():
+    """What makes a resume with another --storage-dtype a different run (the engine test
+    `test_offline.py::test_fp8_storage...` runs the refusal end to end)."""
+    from speculators_vllm016.data_generation.options import DatagenOptions
+    from speculators_vllm016.data_generation.preflight import ModelFacts
+    from speculators_vllm016.data_generation.resume import run_identity
+
+    facts = ModelFacts(
+        path="x", num_layers=4, hidden_size=8, layer_ids=[0, 1, 2, 3], config_dict={}
+    )
+    options = {"target_model_path": "x", "train_data_path": "y", "output_dir": "z"}
+    fp8 = run_identity(DatagenOptions(**options, storage_dtype="fp8"), facts, "d")
+    bf16 = run_identity(DatagenOptions(**options), facts, "d")
+    assert fp8.compared["storage_dtype"] == "fp8" and bf16.compared["storage_dtype"] == "bf16"
+
+
+def test_an_unknown_storage_dtype_is_refused_naming_the_flag():
+    from speculators_vllm016.data_generation.options import DatagenOptions
+
+    options = DatagenOptions(
+        target_model_path="x", train_data_path="y", output_dir="z", storage_dtype="int4"
+    )
+    with pytest.raises(ValueError, match="--storage-dtype 'int4' is not one of bf16, fp8"):
+        options.validate()
