@@ -48,6 +48,7 @@ from torch.utils.data import Dataset
 from typing_extensions import NotRequired
 
 from speculators_vllm016.data_generation.sample_io import SAMPLE_FILE  # the one home of the name
+from speculators_vllm016.train import stored_states
 from speculators_vllm016.train.noise_transforms import RowNoise, TransformTensors, noise_seed
 from speculators_vllm016.utils.errors import type_and_first_line
 
@@ -57,7 +58,6 @@ __all__ = [
     "Eagle3SampleFileDataset",
     "IncompleteDataError",
     "PackedBatch",
-    "STATE_SCALES",
     "SampleFileError",
     "check_sample_shapes",
     "create_collate_fn",
@@ -90,13 +90,6 @@ MODEL_INPUTS = (
     "position_ids",
     "lengths",
 )
-STATE_SCALES = {
-    "hidden_states": "hidden_states_scale",
-    "verifier_last_hidden_states": "verifier_last_hidden_states_scale",
-}
-"""The scale key of each state of a row read from fp8 files by a dataset with
-`device_dequantize=True`: the state is then fp8 (`[1, T, k*H]`) and its scale `[1, T, k]` (one
-per layer, of the dtype the states return to); `device_rows` dequantizes them on the device."""
 
 
 class PackedBatch(TypedDict):
@@ -241,9 +234,7 @@ def sample_widths(
             return [meta(item) for item in value]
         return value
 
-    raw = load_sample(path, mmap=True, dequantize=False)
-    if "hidden_states_fp8" in raw:  # an fp8 file: the payloads have the states' shapes
-        raw = {**raw, "hidden_states": raw["hidden_states_fp8"]}
+    raw = stored_states.payload_as_states(load_sample(path, mmap=True, dequantize=False))
     data = standardize_fn(
         {key: meta(raw[key]) for key in ("input_ids", "hidden_states", "loss_mask")}
     )
@@ -269,11 +260,7 @@ def shift_batch(batch: BatchType, *, legacy_loss_mask_shift: bool = False) -> Ba
         "lengths": batch["lengths"] - 1,
         "position_ids": batch["position_ids"][1:],
     }
-    if STATE_SCALES["hidden_states"] in batch:  # fp8 states: each scale moves with its state
-        shifted[STATE_SCALES["hidden_states"]] = batch[STATE_SCALES["hidden_states"]][:-1]
-        last = STATE_SCALES["verifier_last_hidden_states"]
-        shifted[last] = batch[last][1:]
-    return shifted
+    return stored_states.shift_scales(batch, shifted)
 
 
 def _read_length(path: Path) -> int:
@@ -345,40 +332,7 @@ def _file_index(path: Path) -> int:
 
 
 _noise_seed = noise_seed  # the old private name
-
-
-def _all_finite(tensor: torch.Tensor) -> bool:
-    """Whether every value is finite, in the tensor's own dtype (no fp32 copy).
-
-    The sum is one fast pass and is finite when every value is; only a non-finite sum (a NaN or
-    inf, or an overflow of large finite values) pays for the exact check.
-    """
-    if bool(torch.isfinite(tensor.sum())):
-        return True
-    return bool(torch.isfinite(tensor).all())
-
-
-def _is_fp8(tensor: torch.Tensor) -> bool:
-    return tensor.dtype == torch.float8_e4m3fn
-
-
-def _standardize_fp8(raw: dict[str, Any], standardize_fn: StandardizeFnSig) -> dict[str, Any]:
-    """A stored fp8 sample standardized as its bf16 form would be: the payloads and the scales
-    each through `standardize_fn`, so a scale sits where its layer does (`STATE_SCALES`)."""
-    base = {"input_ids": raw["input_ids"], "loss_mask": raw["loss_mask"]}
-    data = standardize_fn({**base, "hidden_states": raw["hidden_states_fp8"]})
-    scales = standardize_fn({**base, "hidden_states": raw["hidden_states_scale"]})
-    for key, scale_key in STATE_SCALES.items():
-        data[scale_key] = scales[key]
-    return data
-
-
-def _states_finite(data: dict[str, Any], key: str) -> bool:
-    """Whether a standardized state is finite; an fp8 state through its scale (fp8 e4m3 has NaN
-    but no inf, and a non-finite token's scale is non-finite)."""
-    if not _is_fp8(data[key]):
-        return _all_finite(data[key])
-    return _all_finite(data[STATE_SCALES[key]]) and not bool(torch.isnan(data[key]).any())
+_all_finite = stored_states.all_finite  # the old private name
 
 
 def prepare_sample(
@@ -406,7 +360,7 @@ def prepare_sample(
     has it. `name` says which sample in error messages.
 
     A sample stored as fp8 (`sample_io.FP8_KEYS`) is dequantized here, unless `keep_fp8` and no
-    transform runs here: then its states stay fp8 and carry their scales (`STATE_SCALES`, in
+    transform runs here: then its states stay fp8 and carry their scales (`stored_states`, in
     the dtype the states would have had), for the trainer to dequantize on its device.
     """
     from speculators_vllm016.data_generation.sample_io import dequantized_sample, is_fp8_sample
@@ -415,20 +369,22 @@ def prepare_sample(
     if fp8 and not (keep_fp8 and transform is None):
         raw, fp8 = dequantized_sample(raw), False
     try:
-        data = _standardize_fp8(raw, standardize_fn) if fp8 else standardize_fn(raw)
+        data = stored_states.standardize_fp8(raw, standardize_fn) if fp8 else standardize_fn(raw)
         check_sample_shapes(data, widths)
     except SampleFileError as error:
         raise SampleFileError(f"{name}: {error}") from None
     except Exception as error:  # noqa: BLE001 - a malformed sample surfaces here, in a worker
         raise SampleFileError(f"{name}: unreadable ({type(error).__name__}: {error})") from None
     for key in ("hidden_states", "verifier_last_hidden_states"):
-        if not _states_finite(data, key):
+        if not stored_states.states_finite(data, key):
             raise SampleFileError(f"{name}: {key} holds NaN or inf values")
     working = (
         hidden_states_dtype if transform is not None else (output_dtype or hidden_states_dtype)
     )
     data = {
-        key: value.to(working) if "hidden_states" in key and not _is_fp8(value) else value
+        key: value.to(working)
+        if "hidden_states" in key and not stored_states.is_fp8(value)
+        else value
         for key, value in data.items()
     }
     length = int(data["input_ids"].shape[0])
@@ -462,9 +418,8 @@ class Eagle3SampleFileDataset(Dataset):
     `widths` (fused, teacher) is what every sample must have (the model's); by default, when the
     files are scanned (`lengths` not given), the widths of the lowest-index readable file.
 
-    Files stored as fp8 are dequantized here, or, with `device_dequantize=True` (the trainer's
-    offline loader), on the training device: items then hold the fp8 states and their scales
-    (`prepare_sample`), which `device_rows` turns back once the row is there.
+    fp8 files are dequantized here, or with `device_dequantize=True` (the trainer's offline
+    loader) on the training device: items then hold fp8 states and scales (`prepare_sample`).
 
     With `device_noise=True` (the trainer's offline loader) items are not noised here: each carries
     its `sample_index`, the packed row its `sample_indices`, and `SampleFileLoader` attaches the
@@ -534,22 +489,6 @@ class Eagle3SampleFileDataset(Dataset):
             except Exception:  # noqa: BLE001 - an unusable file is refused when it is read
                 continue
         return None
-
-    def fp8_row_layers(self) -> tuple[int, int] | None:
-        """(fused layers, teacher layers) of this dataset's rows when they carry fp8 states to
-        the device (`device_dequantize` and the first file stored as fp8); None otherwise."""
-        from speculators_vllm016.data_generation.sample_io import is_fp8_sample, load_sample
-
-        if not self.device_dequantize or not self.data:
-            return None
-        try:
-            raw = load_sample(self.data[0], mmap=True, dequantize=False)
-        except Exception:  # noqa: BLE001 - an unusable file is refused when it is read
-            return None
-        if not is_fp8_sample(raw):
-            return None
-        data = _standardize_fp8(raw, self.standardize_fn)
-        return tuple(int(data[STATE_SCALES[key]].shape[-1]) for key in STATE_SCALES)  # type: ignore[return-value]
 
     @property
     def approx_lengths(self) -> list[int]:

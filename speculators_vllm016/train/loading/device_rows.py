@@ -9,7 +9,7 @@ and the plan stays the same on every rank and on resume; it trains nothing and w
 On CUDA `prefetch_to_device` copies row n + 1 on a side stream while row n trains (the loader
 pins its rows, so the copy is asynchronous); a row read from a reused host slot (`row_slots`)
 records that copy, so that the slot is written again only once it is done. A row of fp8 states
-(read from `--storage-dtype fp8` files: `train.data.STATE_SCALES`) is dequantized here, on the
+(read from `--storage-dtype fp8` files: `train.stored_states.STATE_SCALES`) is dequantized here, on the
 device, once copied: the host moves half the bytes. A row that carries its `row_noise` (the offline
 loader's) is noised there, on the device, once copied: per sample, seeded by
 `(seed, epoch, sample index)` (`noise_transforms.RowNoise`); on the CPU it is noised on the CPU.
@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
-from speculators_vllm016.train.data import MODEL_INPUTS, STATE_SCALES
+from speculators_vllm016.train.data import MODEL_INPUTS
 from speculators_vllm016.train.draft_contract import FusesVerifierStates
 from speculators_vllm016.train.loading.row_slots import HOST_SLOT_KEY
+from speculators_vllm016.train.stored_states import STATE_SCALES
 from speculators_vllm016.utils.fp8_storage import dequantize_fused
 
 __all__ = ["StepRow", "empty_row", "prefetch_to_device", "to_step_row"]

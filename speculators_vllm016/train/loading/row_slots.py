@@ -41,6 +41,7 @@ from speculators_vllm016.train.data import (
     pack_samples,
     shared_empty,
 )
+from speculators_vllm016.train.stored_states import fp8_row_layers
 
 __all__ = [
     "HOST_SLOT_KEY",
@@ -168,7 +169,7 @@ class HostRowSlots:
         states = getattr(dataset, "output_dtype", None) or dataset.hidden_states_dtype
         stored = states
         layout: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-        layers = getattr(dataset, "fp8_row_layers", lambda: None)()
+        layers = fp8_row_layers(dataset)
         if layers is not None:  # fp8 states and their scales (one per layer) travel to the device
             stored = torch.float8_e4m3fn
             layout["hidden_states_scale"] = ((layers[0],), states)

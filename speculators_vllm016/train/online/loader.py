@@ -403,26 +403,22 @@ class _Cache:
             raise CacheWriteFailed.of(self.folder, error) from error
 
     def write(self, index: int, sample: dict) -> dict:
-        """Cache `sample`; returns the sample the training rows get: the one the file holds
-        (with --storage-dtype fp8 dequantized from it, as a later read of the file gives)."""
+        """Cache `sample`; returns what the file holds (fp8: dequantized, as a read gives)."""
         from speculators_vllm016.data_generation.sample_io import (
             dequantized_sample,
             quantized_sample,
             sample_path,
         )
 
-        if self.options.output.storage_dtype == "fp8":
-            stored = quantized_sample(sample)
-            sample = dequantized_sample(stored)
-        else:
-            stored = sample
+        fp8 = self.options.output.storage_dtype == "fp8"
+        stored = quantized_sample(sample) if fp8 else sample
         try:
             self._writers.submit(
                 sample_path(self.folder, index, self.options.output.output_format), stored, index
             )
         except Exception as error:  # an earlier write of the pool failed
             raise CacheWriteFailed.of(self.folder, error) from error
-        return sample
+        return dequantized_sample(stored) if fp8 else sample
 
     def complete(self) -> set[int]:
         """Indices whose files are whole and listed in the manifest (pending writes finished)."""

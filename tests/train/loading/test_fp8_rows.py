@@ -19,6 +19,7 @@ from speculators_vllm016.train.loading.device_rows import to_step_row
 from speculators_vllm016.train.loading.row_slots import HostRowSlots
 from speculators_vllm016.train.loading.sample_loader import SampleFileLoader
 from speculators_vllm016.train.noise_transforms import AddGaussianNoise
+from speculators_vllm016.train.stored_states import fp8_row_layers
 from speculators_vllm016.utils.fp8_storage import dequantize
 
 HIDDEN = 8
@@ -102,7 +103,7 @@ def test_collated_rows_are_dequantized_on_the_device_to_the_files_values(tmp_pat
 def test_worker_rows_through_host_slots_carry_fp8_and_dequantize_on_the_device(tmp_path):
     write_files(tmp_path)
     data = dataset(tmp_path, torch.bfloat16, device_dequantize=True)
-    assert data.fp8_row_layers() == (3, 1)
+    assert fp8_row_layers(data) == (3, 1)
     sampler = MultipackDistributedBatchSamplerV2(MAX_LEN, data.lengths, 1, 0, seed=3)
     slots = HostRowSlots.for_dataset(data, MAX_LEN, rows_in_flight=4, count=4)
     assert slots.buffers["hidden_states"].dtype == torch.float8_e4m3fn
