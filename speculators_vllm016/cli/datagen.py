@@ -133,6 +133,16 @@ def add_sample_file_arguments(group) -> None:
     group.add_argument(
         "--output-format", choices=["pt", "safetensors"], default="pt", help="sample file format"
     )
+    group.add_argument(
+        "--storage-dtype",
+        choices=["bf16", "fp8"],
+        default="bf16",
+        help=(
+            "how hidden states are stored: bf16 as the engine makes them; fp8 (e4m3, one scale "
+            "per token and layer) takes half the bytes, read back by `speculators train` only "
+            "(docs/storage-dtype.md measures what it costs)"
+        ),
+    )
     group.add_argument("--start-idx", type=int, default=0, help="index of the first file")
     group.add_argument(
         "--layer-ids",

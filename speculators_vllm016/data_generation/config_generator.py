@@ -114,6 +114,9 @@ class FormatConfig:
     file_pattern: str
     data_format_version: int
     schema: dict[str, dict[str, Any]]
+    storage_dtype: str = "bf16"
+    """`--storage-dtype`: "bf16" (the engine's states as they are) or "fp8" (e4m3 payloads and
+    scales, `sample_io`'s `FP8_KEYS`). A file written before the field existed means "bf16"."""
 
     @classmethod
     def create_default(
@@ -123,22 +126,46 @@ class FormatConfig:
         *,
         file_pattern: str = "data_{idx}.pt",
         hidden_dtype: str = "torch.bfloat16",
+        storage_dtype: str = "bf16",
     ) -> FormatConfig:
+        states: dict[str, dict[str, Any]] = {
+            "hidden_states": {
+                "dtype": f"list[{hidden_dtype}]",
+                "shape": f"list of [seq_len, {hidden_size}]",
+                "num_tensors": num_layers,
+                "description": f"Hidden states from {num_layers} layers",
+            }
+        }
+        if storage_dtype == "fp8":
+            states = {
+                "hidden_states_fp8": {
+                    "dtype": "list[torch.float8_e4m3fn]",
+                    "shape": f"list of [seq_len, {hidden_size}]",
+                    "num_tensors": num_layers,
+                    "description": f"Hidden states from {num_layers} layers, divided by the scale",
+                },
+                "hidden_states_scale": {
+                    "dtype": "list[torch.float32]",
+                    "shape": "list of [seq_len, 1]",
+                    "num_tensors": num_layers,
+                    "description": "Per token and layer: the largest magnitude / 448",
+                },
+                "hidden_states_dtype": {
+                    "dtype": "str",
+                    "description": f"The engine's dtype, {hidden_dtype}, the states return to",
+                },
+            }
         return cls(
             file_pattern=file_pattern,
             data_format_version=1,
+            storage_dtype=storage_dtype,
             schema={
                 "input_ids": {
                     "dtype": "torch.long",
                     "shape": "[seq_len]",
                     "description": "Tokenized input sequence",
                 },
-                "hidden_states": {
-                    "dtype": f"list[{hidden_dtype}]",
-                    "shape": f"list of [seq_len, {hidden_size}]",
-                    "num_tensors": num_layers,
-                    "description": f"Hidden states from {num_layers} layers",
-                },
+                **states,
                 "loss_mask": {
                     "dtype": "torch.long",
                     "shape": "[seq_len]",
@@ -212,6 +239,7 @@ class DataGenerationConfig:
         seed: int = 0,
         *,
         file_pattern: str = "data_{idx}.pt",
+        storage_dtype: str = "bf16",
     ) -> DataGenerationConfig:
         versions = PackageVersions.from_environment()
         return cls(
@@ -243,6 +271,7 @@ class DataGenerationConfig:
                 hidden_size=generator.hidden_size,
                 file_pattern=file_pattern,
                 hidden_dtype=str(generator.dtype),
+                storage_dtype=storage_dtype,
             ),
         )
 

@@ -50,6 +50,7 @@ def extract_and_write(
     manifest: ManifestWriter | None = None,
     total: int | None = None,
     show_progress: bool = True,
+    storage_dtype: str = "bf16",
 ) -> StreamTotals:
     """Each batch through `generate_stream`, every finished sample handed at once to writer
     threads, so extraction of the rest overlaps the writing.
@@ -70,6 +71,7 @@ def extract_and_write(
             max_pending=2 * batch_size,
             slot=slot,
             manifest=manifest,
+            storage_dtype=storage_dtype,
         ) as writers:
             for batch in batches:
                 for offset, result in generator.generate_stream([r.input_ids for r in batch]):

@@ -301,6 +301,7 @@ class ShardExtraction:
                     manifest=folder.manifest,
                     total=sum(len(batch) for batch in todo),
                     show_progress=output.show_progress,
+                    storage_dtype=output.storage_dtype,
                 )
                 written, tokens = totals.samples_written, totals.tokens_extracted
                 extraction_seconds = time.perf_counter() - extraction_started

@@ -21,6 +21,7 @@ from typing import Any
 
 from speculators_vllm016.data_generation.sample_io import SAMPLE_PATTERNS
 from speculators_vllm016.utils.errors import InvalidInputError
+from speculators_vllm016.utils.fp8_storage import STORAGE_DTYPES
 
 __all__ = [
     "DTYPES",
@@ -98,6 +99,9 @@ class OutputOptions:
     # --online`'s help for these flags too (its sample files are those of --cache-dir).
     output_format: str = field(default="pt", metadata={"choices": tuple(SAMPLE_PATTERNS)})
     """Sample file format."""
+    storage_dtype: str = field(default="bf16", metadata={"choices": STORAGE_DTYPES})
+    """How hidden states are stored: "bf16" as the engine makes them, "fp8" as e4m3 with a scale
+    per token and layer (half the bytes; training reads either)."""
     start_idx: int = 0
     """Index of the first sample file: row i becomes data_<start-idx + i>."""
     layer_ids: list[int] | None = None
@@ -238,6 +242,10 @@ class DatagenOptions:
             )
         if output.output_format not in SAMPLE_PATTERNS:
             raise InvalidInputError(f"--output-format must be one of {sorted(SAMPLE_PATTERNS)}")
+        if output.storage_dtype not in STORAGE_DTYPES:
+            raise InvalidInputError(
+                f"--storage-dtype {output.storage_dtype!r} is not one of {', '.join(STORAGE_DTYPES)}"
+            )
         if output.batch_size < 1:
             raise InvalidInputError(f"--batch-size must be at least 1, got {output.batch_size}")
         if data.seq_length < 1:

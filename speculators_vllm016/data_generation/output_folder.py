@@ -261,4 +261,5 @@ def data_config_of(
         max_samples=data.max_samples,
         seed=data.seed,
         file_pattern=SAMPLE_PATTERNS[options.output.output_format],
+        storage_dtype=options.output.storage_dtype,
     )

@@ -55,6 +55,8 @@ logger = logging.getLogger(__name__)
 STATE_FILE = ".datagen_state.json"
 IDENTITY_VERSION = 2
 # Changes of these change the samples, so the digest catches them; they explain a refusal.
+# What a record written before a compared key existed meant by it (a folder of bf16 files).
+RECORD_DEFAULTS = {"storage_dtype": "bf16"}
 CAUSES = ("seq_length", "seed", "max_samples", "assistant_pattern", "turn_dropout", "train_data")
 
 
@@ -83,6 +85,7 @@ def run_identity(
             "layer_ids": facts.layer_ids,
             "dtype": options.engine.dtype,
             "output_format": options.output.output_format,
+            "storage_dtype": options.output.storage_dtype,
             "start_idx": options.output.start_idx,
             "num_shards": options.output.num_shards,
             "samples_sha256": digest,
@@ -182,9 +185,9 @@ def check_identity(
             f"and pass {adopt_flag} to check and keep its files"
         )
     differing = {
-        key: (recorded.get(key), value)
+        key: (recorded.get(key, RECORD_DEFAULTS.get(key)), value)
         for key, value in identity.compared.items()
-        if recorded.get(key) != value
+        if recorded.get(key, RECORD_DEFAULTS.get(key)) != value
     }
     if not differing:
         return False

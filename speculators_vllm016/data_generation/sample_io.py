@@ -15,6 +15,14 @@ final norm: no captured state is ever normalized. The last captured layer (the m
 decoder layer by default) is the input of the final norm, so `lm_head(final_norm(state))` of it
 is the verifier's own logits; the trainer applies the verifier's frozen final norm and LM head to
 it to make its targets (`Eagle3DraftModel.target_logits`).
+
+With `--storage-dtype fp8` (`utils.fp8_storage`) a file holds the states as `hidden_states_fp8`
+(one e4m3 tensor per layer), `hidden_states_scale` (one fp32 `[T, 1]` per layer) and
+`hidden_states_dtype` (the engine's dtype, as text) instead of `hidden_states`: 0.3.0's trainer,
+which reads `data["hidden_states"]`, stops with `KeyError: 'hidden_states'` instead of training on
+bytes it cannot interpret. `load_sample` gives such a file back in the 0.3.0 layout (dequantized
+to the engine's dtype), or as stored (`dequantize=False`: the trainer's own loader, which turns
+the states back on the training device).
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ from speculators_vllm016.utils.atomic_files import (
 )
 from speculators_vllm016.utils.errors import InvalidInputError
 from speculators_vllm016.utils.file_lock import try_lock_file
+from speculators_vllm016.utils.fp8_storage import STORAGE_DTYPES, quantize
+from speculators_vllm016.utils.fp8_storage import dequantize as dequantize_layer
 
 if TYPE_CHECKING:  # torch is imported where a sample is read or written: `--help` needs none
     import torch
@@ -43,9 +53,13 @@ if TYPE_CHECKING:  # torch is imported where a sample is read or written: `--hel
 __all__ = [
     "SAMPLE_FILE",
     "SAMPLE_PATTERNS",
+    "FP8_KEYS",
     "WriterSlot",
     "WrittenFile",
+    "dequantized_sample",
+    "is_fp8_sample",
     "load_sample",
+    "quantized_sample",
     "remove_partial_files",
     "sample_path",
     "write_sample",
@@ -63,6 +77,8 @@ _LOOSE_TEMP = re.compile(
 )
 TEMP_DIR = ".tmp"
 _LOCK_NAME = ".lock"
+FP8_KEYS = ("hidden_states_fp8", "hidden_states_scale", "hidden_states_dtype")
+"""A file stored as fp8 holds these keys where a bf16 file holds `hidden_states`."""
 _PART_SUFFIX = ".part"  # never ends in "pt": 0.3.0's trainer reads every file ending in "pt"
 
 
@@ -159,15 +175,59 @@ def _independent_layers(layers: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def write_sample(
-    path: Path, sample: dict[str, Any], output_format: str = "pt", fsync: bool = False
+    path: Path,
+    sample: dict[str, Any],
+    output_format: str = "pt",
+    fsync: bool = False,
+    storage_dtype: str = "bf16",
 ) -> int:
     """Write one sample atomically in the 0.3.0 layout (or as safetensors); return its bytes.
 
     The file appears under its name only when whole (temporary file + rename), which holds
     through a crash or SIGKILL of this process; `fsync=True` also makes it survive power loss.
-    `hidden_states` are stored as independent tensors, one per captured layer.
+    `hidden_states` are stored as independent tensors, one per captured layer; with
+    `storage_dtype="fp8"` as fp8 payloads and scales (see the module docstring).
     """
-    return write_sample_file(path, sample, output_format, fsync).bytes
+    return write_sample_file(path, sample, output_format, fsync, storage_dtype=storage_dtype).bytes
+
+
+def _stored_tensors(
+    sample: dict[str, Any], storage_dtype: str
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The tensors a file holds (pt layout: lists per layer) and its text facts."""
+    import torch
+
+    if storage_dtype not in STORAGE_DTYPES:
+        raise InvalidInputError(
+            f"unknown storage dtype {storage_dtype!r}; use one of {STORAGE_DTYPES}"
+        )
+    stored: dict[str, Any] = {
+        "input_ids": torch.as_tensor(sample["input_ids"], dtype=torch.long).contiguous(),
+        "loss_mask": torch.as_tensor(sample["loss_mask"], dtype=torch.long).contiguous(),
+    }
+    if storage_dtype == "bf16":
+        if is_fp8_sample(sample):
+            raise InvalidInputError("a sample quantized to fp8 cannot be stored as bf16")
+        stored["hidden_states"] = _independent_layers(list(sample["hidden_states"]))
+        return stored, {}
+    quantized = sample if is_fp8_sample(sample) else quantized_sample(sample)
+    stored["hidden_states_fp8"] = list(quantized["hidden_states_fp8"])
+    stored["hidden_states_scale"] = list(quantized["hidden_states_scale"])
+    return stored, {"hidden_states_dtype": str(quantized["hidden_states_dtype"])}
+
+
+def quantized_sample(sample: dict[str, Any]) -> dict[str, Any]:
+    """A sample in the 0.3.0 layout as an fp8 file stores it (`FP8_KEYS`); `write_sample_file`
+    with `storage_dtype="fp8"` writes it unchanged, `dequantized_sample` turns it back."""
+    layers = list(sample["hidden_states"])
+    quantized = [quantize(layer) for layer in layers]
+    return {
+        "input_ids": sample["input_ids"],
+        "hidden_states_fp8": [payload for payload, _ in quantized],
+        "hidden_states_scale": [scale for _, scale in quantized],
+        "hidden_states_dtype": str(layers[0].dtype).removeprefix("torch."),
+        "loss_mask": sample["loss_mask"],
+    }
 
 
 def write_sample_file(
@@ -176,22 +236,26 @@ def write_sample_file(
     output_format: str = "pt",
     fsync: bool = False,
     slot: WriterSlot | None = None,
+    storage_dtype: str = "bf16",
 ) -> WrittenFile:
     """`write_sample`, with the temporary file in the writer's own folder; size and hash back."""
     import torch
 
-    input_ids = torch.as_tensor(sample["input_ids"], dtype=torch.long).contiguous()
-    loss_mask = torch.as_tensor(sample["loss_mask"], dtype=torch.long).contiguous()
-    hidden_states = _independent_layers(list(sample["hidden_states"]))
+    stored, facts = _stored_tensors(sample, storage_dtype)
     if output_format == "pt":
-        payload = {"input_ids": input_ids, "hidden_states": hidden_states, "loss_mask": loss_mask}
+        payload = {**stored, **facts}
         digest = _write_hashed(path, lambda handle: torch.save(payload, handle), fsync, slot)
     elif output_format == "safetensors":
         from safetensors.torch import save
 
-        tensors = {"input_ids": input_ids, "loss_mask": loss_mask}
-        tensors.update({f"hidden_states.{i}": layer for i, layer in enumerate(hidden_states)})
-        blob = save(tensors, metadata={"num_hidden_states": str(len(hidden_states))})
+        tensors: dict[str, torch.Tensor] = {}
+        for key, value in stored.items():
+            if isinstance(value, list):
+                tensors.update({f"{key}.{i}": layer for i, layer in enumerate(value)})
+                count = len(value)
+            else:
+                tensors[key] = value
+        blob = save(tensors, metadata={"num_hidden_states": str(count), **facts})
         digest = _write_hashed(path, lambda handle: handle.write(blob), fsync, slot)
     else:
         raise InvalidInputError(
@@ -200,22 +264,61 @@ def write_sample_file(
     return WrittenFile(path=path, bytes=path.stat().st_size, sha256=digest)
 
 
-def load_sample(path: str | os.PathLike, mmap: bool = True) -> dict[str, Any]:
-    """Read a sample file of either format into the 0.3.0 dict layout."""
-    path = Path(path)
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+def _read_safetensors(path: Path) -> dict[str, Any]:
+    """A safetensors sample in the pt layout (lists per layer, text facts as values)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
 
-        tensors = load_file(str(path))
-        count = sum(1 for name in tensors if name.startswith("hidden_states."))
-        return {
-            "input_ids": tensors["input_ids"],
-            "hidden_states": [tensors[f"hidden_states.{i}"] for i in range(count)],
-            "loss_mask": tensors["loss_mask"],
-        }
+    tensors = load_file(str(path))
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    data: dict[str, Any] = {"input_ids": tensors["input_ids"], "loss_mask": tensors["loss_mask"]}
+    for key in ("hidden_states", "hidden_states_fp8", "hidden_states_scale"):
+        count = sum(1 for name in tensors if name.startswith(f"{key}."))
+        if count:
+            data[key] = [tensors[f"{key}.{i}"] for i in range(count)]
+    if "hidden_states_dtype" in metadata:
+        data["hidden_states_dtype"] = metadata["hidden_states_dtype"]
+    return data
+
+
+def is_fp8_sample(data: dict[str, Any]) -> bool:
+    """Whether a sample as stored holds fp8 states (`FP8_KEYS`) rather than `hidden_states`."""
+    return "hidden_states_fp8" in data
+
+
+def dequantized_sample(data: dict[str, Any]) -> dict[str, Any]:
+    """A stored fp8 sample in the 0.3.0 layout, its states back in the engine's dtype."""
     import torch
 
-    return torch.load(path, weights_only=True, mmap=mmap)
+    dtype = getattr(torch, str(data["hidden_states_dtype"]))
+    layers = [
+        dequantize_layer(payload, scale, dtype)
+        for payload, scale in zip(
+            data["hidden_states_fp8"], data["hidden_states_scale"], strict=True
+        )
+    ]
+    return {"input_ids": data["input_ids"], "hidden_states": layers, "loss_mask": data["loss_mask"]}
+
+
+def load_sample(
+    path: str | os.PathLike, mmap: bool = True, dequantize: bool = True
+) -> dict[str, Any]:
+    """Read a sample file of either format into the 0.3.0 dict layout.
+
+    A file stored as fp8 comes back dequantized to the engine's dtype, or, with
+    `dequantize=False`, as stored (`FP8_KEYS`), for a reader that turns it back later.
+    """
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        data = _read_safetensors(path)
+    else:
+        import torch
+
+        data = torch.load(path, weights_only=True, mmap=mmap)
+    if dequantize and is_fp8_sample(data):
+        return dequantized_sample(data)
+    return data
 
 
 def existing_sample_indices(output_dir: Path, output_format: str) -> set[int]:

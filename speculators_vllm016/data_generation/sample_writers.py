@@ -30,8 +30,10 @@ class SampleWriterPool:
         max_pending: int = 64,
         slot: WriterSlot | None = None,
         manifest: ManifestWriter | None = None,
+        storage_dtype: str = "bf16",
     ) -> None:
         self.output_format = output_format
+        self.storage_dtype = storage_dtype
         self.fsync = fsync
         self.slot = slot
         self.manifest = manifest
@@ -41,7 +43,9 @@ class SampleWriterPool:
         self.written = 0
 
     def _write(self, path: Path, sample: dict, index: int) -> WrittenFile:
-        written = write_sample_file(path, sample, self.output_format, self.fsync, self.slot)
+        written = write_sample_file(
+            path, sample, self.output_format, self.fsync, self.slot, self.storage_dtype
+        )
         if self.manifest is not None:  # the file is whole under its name: now it is listed
             length = int(torch.as_tensor(sample["input_ids"]).numel())
             self.manifest.append(

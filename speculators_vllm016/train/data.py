@@ -48,6 +48,7 @@ from torch.utils.data import Dataset
 from typing_extensions import NotRequired
 
 from speculators_vllm016.data_generation.sample_io import SAMPLE_FILE  # the one home of the name
+from speculators_vllm016.train import stored_states
 from speculators_vllm016.train.noise_transforms import RowNoise, TransformTensors, noise_seed
 from speculators_vllm016.utils.errors import InvalidInputError, RunFailedError, type_and_first_line
 
@@ -233,7 +234,10 @@ def sample_widths(
             return [meta(item) for item in value]
         return value
 
-    data = standardize_fn({key: meta(value) for key, value in load_sample(path, mmap=True).items()})
+    raw = stored_states.payload_as_states(load_sample(path, mmap=True, dequantize=False))
+    data = standardize_fn(
+        {key: meta(raw[key]) for key in ("input_ids", "hidden_states", "loss_mask")}
+    )
     return int(data["hidden_states"].shape[-1]), int(data["verifier_last_hidden_states"].shape[-1])
 
 
@@ -248,7 +252,7 @@ def shift_batch(batch: BatchType, *, legacy_loss_mask_shift: bool = False) -> Ba
         shifted_mask = loss_mask[1:]
     else:
         shifted_mask = torch.cat([loss_mask[2:], loss_mask.new_zeros(min(1, len(loss_mask) - 1))])
-    return {
+    shifted = {
         "input_ids": batch["input_ids"][1:],
         "hidden_states": batch["hidden_states"][:-1],
         "verifier_last_hidden_states": batch["verifier_last_hidden_states"][1:],
@@ -256,6 +260,7 @@ def shift_batch(batch: BatchType, *, legacy_loss_mask_shift: bool = False) -> Ba
         "lengths": batch["lengths"] - 1,
         "position_ids": batch["position_ids"][1:],
     }
+    return stored_states.shift_scales(batch, shifted)
 
 
 def _read_length(path: Path) -> int:
@@ -326,17 +331,6 @@ def _file_index(path: Path) -> int:
     return int(match.group(1)) if match else -1
 
 
-def _all_finite(tensor: torch.Tensor) -> bool:
-    """Whether every value is finite, in the tensor's own dtype (no fp32 copy).
-
-    The sum is one fast pass and is finite when every value is; only a non-finite sum (a NaN or
-    inf, or an overflow of large finite values) pays for the exact check.
-    """
-    if bool(torch.isfinite(tensor.sum())):
-        return True
-    return bool(torch.isfinite(tensor).all())
-
-
 def prepare_sample(
     raw: dict[str, Any],
     index: int,
@@ -350,6 +344,7 @@ def prepare_sample(
     legacy_loss_mask_shift: bool = False,
     output_dtype: torch.dtype | None = None,
     widths: tuple[int, int] | None = None,
+    keep_fp8: bool = False,
 ) -> BatchType:
     """One raw sample (a file's dict, or the generator's result) -> the shifted training sample.
 
@@ -359,22 +354,34 @@ def prepare_sample(
     `hidden_states_dtype`, store the states as `output_dtype`, shift. Without a transform the
     states go straight to `output_dtype` (or `hidden_states_dtype`): no copy when the file already
     has it. `name` says which sample in error messages.
+
+    A sample stored as fp8 (`sample_io.FP8_KEYS`) is dequantized here, unless `keep_fp8` and no
+    transform runs here: then its states stay fp8 and carry their scales (`stored_states`, in
+    the dtype the states would have had), for the trainer to dequantize on its device.
     """
+    from speculators_vllm016.data_generation.sample_io import dequantized_sample, is_fp8_sample
+
+    fp8 = is_fp8_sample(raw)
+    if fp8 and not (keep_fp8 and transform is None):
+        raw, fp8 = dequantized_sample(raw), False
     try:
-        data = standardize_fn(raw)
+        data = stored_states.standardize_fp8(raw, standardize_fn) if fp8 else standardize_fn(raw)
         check_sample_shapes(data, widths)
     except SampleFileError as error:
         raise SampleFileError(f"{name}: {error}") from None
     except Exception as error:  # noqa: BLE001 - a malformed sample surfaces here, in a worker
         raise SampleFileError(f"{name}: unreadable ({type(error).__name__}: {error})") from None
     for key in ("hidden_states", "verifier_last_hidden_states"):
-        if not _all_finite(data[key]):
+        if not stored_states.states_finite(data, key):
             raise SampleFileError(f"{name}: {key} holds NaN or inf values")
     working = (
         hidden_states_dtype if transform is not None else (output_dtype or hidden_states_dtype)
     )
     data = {
-        key: value.to(working) if "hidden_states" in key else value for key, value in data.items()
+        key: value.to(working)
+        if "hidden_states" in key and not stored_states.is_fp8(value)
+        else value
+        for key, value in data.items()
     }
     length = int(data["input_ids"].shape[0])
     data["lengths"] = torch.tensor([length], dtype=torch.long)
@@ -407,6 +414,9 @@ class Eagle3SampleFileDataset(Dataset):
     `widths` (fused, teacher) is what every sample must have (the model's); by default, when the
     files are scanned (`lengths` not given), the widths of the lowest-index readable file.
 
+    fp8 files are dequantized here, or with `device_dequantize=True` (the trainer's offline
+    loader) on the training device: items then hold fp8 states and scales (`prepare_sample`).
+
     With `device_noise=True` (the trainer's offline loader) items are not noised here: each carries
     its `sample_index`, the packed row its `sample_indices`, and `SampleFileLoader` attaches the
     `RowNoise` that the trainer applies on the training device. Nothing an item holds then depends
@@ -429,6 +439,7 @@ class Eagle3SampleFileDataset(Dataset):
         output_dtype: torch.dtype | None = None,
         widths: tuple[int, int] | None = None,
         device_noise: bool = False,
+        device_dequantize: bool = False,
     ) -> None:
         if (datapath is None) == (file_list is None):
             raise InvalidInputError(
@@ -445,6 +456,7 @@ class Eagle3SampleFileDataset(Dataset):
         self.legacy_loss_mask_shift = legacy_loss_mask_shift
         self.output_dtype = output_dtype
         self.device_noise = device_noise
+        self.device_dequantize = device_dequantize
         self.unreadable: list[tuple[Path, str]] = []
         if lengths is None:
             raw, self.unreadable = sample_lengths(files)
@@ -499,7 +511,7 @@ class Eagle3SampleFileDataset(Dataset):
 
         path = self.data[index]
         try:
-            raw = load_sample(path, mmap=True)
+            raw = load_sample(path, mmap=True, dequantize=not self.device_dequantize)
         except Exception as error:  # noqa: BLE001 - a corrupt file surfaces here, in a worker
             raise SampleFileError(f"{path}: unreadable ({type(error).__name__}: {error})") from None
         return self.prepare(raw, index, str(path))
@@ -519,6 +531,7 @@ class Eagle3SampleFileDataset(Dataset):
             legacy_loss_mask_shift=self.legacy_loss_mask_shift,
             output_dtype=self.output_dtype,
             widths=self.widths,
+            keep_fp8=self.device_dequantize,
         )
         if deferred:
             sample["sample_index"] = int(index)
@@ -588,6 +601,12 @@ def pack_samples(
     skipped = torch.tensor(len(samples) - len(usable), dtype=torch.long)
     if not usable:
         return {"skipped_samples": skipped}  # type: ignore[typeddict-item]
+    keys = set(usable[0])
+    if any(set(sample) != keys for sample in usable[1:]):
+        raise SampleFileError(
+            "one packed row holds samples stored as fp8 and others stored as bf16; train on "
+            "folders of one --storage-dtype"
+        )
     row: dict[str, Any] = {}
     for key in usable[0]:
         if key == "sample_index":

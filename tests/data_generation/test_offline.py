@@ -324,3 +324,36 @@ def test_resume_of_a_finished_run_does_nothing_and_a_different_run_is_refused(
     } == before
     with pytest.raises(ValueError, match="different run.*seq_length"):
         run_datagen(options_for(tiny_llama, chat_file, reference, seq_length=128))
+
+
+def test_fp8_storage_holds_the_bf16_runs_states_within_the_fp8_bound_and_is_not_mixed(
+    reference_run, tiny_llama, chat_file, tmp_path
+):
+    """`--storage-dtype fp8` on the real engine: the same samples as the bf16 run within the
+    stated bound, half the bytes, recorded in data_config.json; a bf16 resume is refused."""
+    from speculators_vllm016.data_generation.config_generator import read_data_config
+    from speculators_vllm016.utils.fp8_storage import error_bound
+
+    reference, _ = reference_run
+    output = tmp_path / "fp8"
+    run_datagen(options_for(tiny_llama, chat_file, output, storage_dtype="fp8"))
+    assert sample_files(output) == sample_files(reference)
+    assert read_data_config(output).format.storage_dtype == "fp8"
+    assert read_data_config(reference).format.storage_dtype == "bf16"
+    for name in sample_files(reference):
+        got, want = load_sample(output / name), load_sample(reference / name)
+        stored = load_sample(output / name, dequantize=False)
+        assert torch.equal(got["input_ids"], want["input_ids"]), name
+        assert torch.equal(got["loss_mask"], want["loss_mask"]), name
+        for a, b, scale in zip(
+            got["hidden_states"], want["hidden_states"], stored["hidden_states_scale"], strict=True
+        ):
+            assert a.dtype == b.dtype == torch.float32
+            assert ((a - b).abs() <= error_bound(b, scale)).all(), name
+    fp8_bytes = sum((output / n).stat().st_size for n in sample_files(output))
+    bf16_bytes = sum((reference / n).stat().st_size for n in sample_files(reference))
+    assert fp8_bytes < 0.3 * bf16_bytes + 2048 * len(sample_files(output))  # 1 byte vs float32's 4
+    before = {n: (output / n).stat().st_mtime_ns for n in sample_files(output)}
+    with pytest.raises(ValueError, match="storage_dtype: was 'fp8', now 'bf16'"):
+        run_datagen(options_for(tiny_llama, chat_file, output))
+    assert {n: (output / n).stat().st_mtime_ns for n in sample_files(output)} == before

@@ -137,7 +137,7 @@ def test_prefetch_applies_the_same_noise_as_the_plain_copy(tmp_path):
 
 
 def test_the_finiteness_check_in_bf16_refuses_nan_and_inf_but_not_large_values():
-    from speculators_vllm016.train.data import _all_finite
+    from speculators_vllm016.train.stored_states import all_finite as _all_finite
 
     large = torch.full((64, 8), 3e38, dtype=torch.bfloat16)  # finite; their sum is not
     assert _all_finite(large)

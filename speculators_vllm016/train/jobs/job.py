@@ -250,6 +250,8 @@ def run_train_job(
                 widths=(3 * hidden_size, hidden_size),
                 # Rows are noised on the training device (the workers only read and pack).
                 device_noise=True,
+                # fp8 files: dequantized on the device (online rows come dequantized already).
+                device_dequantize=extractor is None,
             )
             sampler = MultipackDistributedBatchSamplerV2(
                 training.total_seq_len, dataset.lengths, world_size, rank, seed=training.seed

@@ -338,7 +338,14 @@ class OnlineConfig:
     output: OutputOptions = datagen_part(
         lambda: OutputOptions(output_dir=""),
         DatagenPart(
-            names=("output_format", "start_idx", "layer_ids", "num_writer_threads", "fsync"),
+            names=(
+                "output_format",
+                "storage_dtype",
+                "start_idx",
+                "layer_ids",
+                "num_writer_threads",
+                "fsync",
+            ),
             notes={
                 "layer_ids": "Offline: the layers --data-path holds, needed only for a folder "
                 "without datagen's data_config.json (0.3.0's layout from elsewhere), whose layers "

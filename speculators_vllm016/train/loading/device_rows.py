@@ -8,7 +8,9 @@ and the plan stays the same on every rank and on resume; it trains nothing and w
 
 On CUDA `prefetch_to_device` copies row n + 1 on a side stream while row n trains (the loader
 pins its rows, so the copy is asynchronous); a row read from a reused host slot (`row_slots`)
-records that copy, so that the slot is written again only once it is done. A row that carries its `row_noise` (the offline
+records that copy, so that the slot is written again only once it is done. A row of fp8 states
+(read from `--storage-dtype fp8` files: `train.stored_states.STATE_SCALES`) is dequantized here, on the
+device, once copied: the host moves half the bytes. A row that carries its `row_noise` (the offline
 loader's) is noised there, on the device, once copied: per sample, seeded by
 `(seed, epoch, sample index)` (`noise_transforms.RowNoise`); on the CPU it is noised on the CPU.
 """
@@ -24,7 +26,9 @@ import torch
 from speculators_vllm016.train.data import MODEL_INPUTS
 from speculators_vllm016.train.draft_contract import FusesVerifierStates
 from speculators_vllm016.train.loading.row_slots import HOST_SLOT_KEY
+from speculators_vllm016.train.stored_states import STATE_SCALES
 from speculators_vllm016.utils.errors import InvalidInputError
+from speculators_vllm016.utils.fp8_storage import dequantize_fused
 
 __all__ = ["StepRow", "empty_row", "prefetch_to_device", "to_step_row"]
 
@@ -61,9 +65,16 @@ def _skipped(batch: Mapping[str, Any]) -> torch.Tensor:
 def _device_inputs(batch: Mapping[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
     """The row's model inputs on `device`, noised there when the row carries its `row_noise`."""
     inputs = {key: batch[key].to(device, non_blocking=True) for key in MODEL_INPUTS if key in batch}
+    scales = {
+        key: batch[scale].to(device, non_blocking=True)
+        for key, scale in STATE_SCALES.items()
+        if scale in batch
+    }
     claim = batch.get(HOST_SLOT_KEY)
     if claim is not None:  # the loader reuses the row's host slot once this copy is done
         claim.record_copy()
+    for key, scale in scales.items():  # fp8 states: back to the scale's dtype, here
+        inputs[key] = dequantize_fused(inputs[key], scale, scale.dtype)
     noise = batch.get("row_noise")
     if noise is not None:
         if inputs["hidden_states"] is batch["hidden_states"]:  # already there: keep the row as read

@@ -41,6 +41,7 @@ from speculators_vllm016.train.data import (
     pack_samples,
     shared_empty,
 )
+from speculators_vllm016.train.stored_states import fp8_row_layers
 from speculators_vllm016.utils.errors import InvalidInputError
 
 __all__ = [
@@ -63,6 +64,7 @@ DEFAULT_BUDGET_BYTES = 8 * 2**30
 MIN_SLOTS = 3
 VALIDATION_ROW_SLOTS = 4  # validation runs a few rows once an epoch: no reason to hold more
 _INLINE_NUMEL = 1 << 16
+_NOT_NUMPY = (torch.bfloat16, torch.float8_e4m3fn)  # travel as shared tensors, never inline
 _NEVER_WAIT = 1 << 62  # small tensors travel inside the pickled `SlotRow`, not as shared memory
 
 
@@ -166,13 +168,22 @@ class HostRowSlots:
         if widths is None:
             return None
         states = getattr(dataset, "output_dtype", None) or dataset.hidden_states_dtype
-        layout: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
-            "input_ids": ((), torch.long),
-            "hidden_states": ((int(widths[0]),), states),
-            "verifier_last_hidden_states": ((int(widths[1]),), states),
-            "loss_mask": ((), torch.long),
-            "position_ids": ((), torch.long),
-        }
+        stored = states
+        layout: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        layers = fp8_row_layers(dataset)
+        if layers is not None:  # fp8 states and their scales (one per layer) travel to the device
+            stored = torch.float8_e4m3fn
+            layout["hidden_states_scale"] = ((layers[0],), states)
+            layout["verifier_last_hidden_states_scale"] = ((layers[1],), states)
+        layout.update(
+            {
+                "input_ids": ((), torch.long),
+                "hidden_states": ((int(widths[0]),), stored),
+                "verifier_last_hidden_states": ((int(widths[1]),), stored),
+                "loss_mask": ((), torch.long),
+                "position_ids": ((), torch.long),
+            }
+        )
         per_token = sum(
             (width[0] if width else 1) * dtype.itemsize for width, dtype in layout.values()
         )
@@ -299,7 +310,7 @@ class HostRowSlots:
         for key, value in packed.items():
             if key in written:
                 continue
-            if value.numel() <= _INLINE_NUMEL and value.dtype != torch.bfloat16:
+            if value.numel() <= _INLINE_NUMEL and value.dtype not in _NOT_NUMPY:
                 sent.inline[key] = value.numpy()
             else:
                 sent.shared[key] = value

@@ -214,7 +214,7 @@ class OnlineExtractor:
                 self.stats.extracted_tokens += len(input_ids[k])
                 self.stats.extracted_samples += 1
                 if self._cache is not None:
-                    self._cache.write(indices[k], sample)
+                    sample = self._cache.write(indices[k], sample)
                 yield k, sample
                 clock = time.perf_counter()
         finally:
@@ -376,6 +376,7 @@ class _Cache:
                 max_pending=64,
                 slot=self._folder.slot,
                 manifest=manifest,
+                storage_dtype=options.output.storage_dtype,
             )
         except BaseException:
             self._folder.close()
@@ -401,15 +402,23 @@ class _Cache:
         except OSError as error:
             raise CacheWriteFailed.of(self.folder, error) from error
 
-    def write(self, index: int, sample: dict) -> None:
-        from speculators_vllm016.data_generation.sample_io import sample_path
+    def write(self, index: int, sample: dict) -> dict:
+        """Cache `sample`; returns what the file holds (fp8: dequantized, as a read gives)."""
+        from speculators_vllm016.data_generation.sample_io import (
+            dequantized_sample,
+            quantized_sample,
+            sample_path,
+        )
 
+        fp8 = self.options.output.storage_dtype == "fp8"
+        stored = quantized_sample(sample) if fp8 else sample
         try:
             self._writers.submit(
-                sample_path(self.folder, index, self.options.output.output_format), sample, index
+                sample_path(self.folder, index, self.options.output.output_format), stored, index
             )
         except Exception as error:  # an earlier write of the pool failed
             raise CacheWriteFailed.of(self.folder, error) from error
+        return dequantized_sample(stored) if fp8 else sample
 
     def complete(self) -> set[int]:
         """Indices whose files are whole and listed in the manifest (pending writes finished)."""

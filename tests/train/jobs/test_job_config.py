@@ -39,7 +39,14 @@ def test_every_engine_and_preprocessing_option_of_datagen_is_an_online_key():
             assert specs[name].doc.startswith(docs[item.name]), name
             if item.default is not dataclasses.MISSING:
                 assert specs[name].default == item.default, name
-    sample_files = ["output_format", "start_idx", "layer_ids", "num_writer_threads", "fsync"]
+    sample_files = [
+        "output_format",
+        "storage_dtype",
+        "start_idx",
+        "layer_ids",
+        "num_writer_threads",
+        "fsync",
+    ]
     assert [
         name for name in specs if name in {f.name for f in dataclasses.fields(OutputOptions)}
     ] == (sample_files)

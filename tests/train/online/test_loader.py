@@ -644,7 +644,9 @@ class _WidthEight:
         self.closed += 1
 
 
-def _loader_over(tmp_path, monkeypatch, samples: int, cache: bool = True):
+def _loader_over(
+    tmp_path, monkeypatch, samples: int, cache: bool = True, storage_dtype: str = "bf16"
+):
     """An OnlineLoader of `samples` short samples over a stand-in engine (no model, no trainer)."""
     from datasets import Dataset
 
@@ -673,6 +675,7 @@ def _loader_over(tmp_path, monkeypatch, samples: int, cache: bool = True):
         train_data_path="y",
         output_dir=str(tmp_path / "cache"),
         seq_length=64,
+        storage_dtype=storage_dtype,
     )
     facts = ModelFacts(
         path="x", num_layers=4, hidden_size=8, layer_ids=[0, 1, 2, 3], config_dict={}
@@ -812,6 +815,37 @@ def test_online_rows_of_several_samples_of_different_lengths_equal_offline_rows(
             assert torch.equal(row_online[key], row_offline[key]), key
     packed = [row["lengths"].tolist() for row in online]
     assert all(len(lengths) >= 3 and len(set(lengths)) >= 2 for lengths in packed), packed
+
+
+def test_an_fp8_cache_gives_the_rows_what_it_holds_fresh_or_read_back(tmp_path, monkeypatch):
+    """--cache-dir with --storage-dtype fp8: a sample fresh from the engine trains on the values
+    its cache file holds, so the rows equal those read back from the folder later (a resumed or
+    second epoch), and the files are fp8."""
+    from speculators_vllm016.data_generation import offline
+    from speculators_vllm016.data_generation.sample_io import load_sample
+    from speculators_vllm016.train.data import Eagle3SampleFileDataset, create_collate_fn
+
+    class Varied(_WidthEight):  # values fp8 cannot hold exactly (a constant row it would)
+        def generate_stream(self, sequences):
+            for k, ids in enumerate(sequences):
+                values = torch.arange(len(ids) * 8, dtype=torch.float32).view(len(ids), 8)
+                states = [(values / 7 + ids[0] + layer).sin() for layer in range(4)]
+                yield k, HiddenStatesResult(input_ids=torch.tensor(ids), hidden_states=states)
+
+    loader, _ = _loader_over(tmp_path, monkeypatch, 12, storage_dtype="fp8")
+    monkeypatch.setattr(offline, "start_generator", lambda o, f: Varied())
+    online = list(loader)
+    loader.extractor.close()
+    stored = load_sample(tmp_path / "cache" / "data_0.pt", dequantize=False)
+    assert stored["hidden_states_fp8"][0].dtype == torch.float8_e4m3fn
+    offline_data = Eagle3SampleFileDataset(64, datapath=str(tmp_path / "cache"))
+    collate = create_collate_fn(64)
+    offline = [collate([offline_data[item] for item in step]) for step in loader.batch_sampler]
+    assert len(online) == len(offline) > 0
+    for row_online, row_offline in zip(online, offline, strict=True):
+        assert row_online.keys() == row_offline.keys()
+        for key in row_online:
+            assert torch.equal(row_online[key], row_offline[key]), key
 
 
 @pytest.mark.parametrize("ranks", [False, True])
