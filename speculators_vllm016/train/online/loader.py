@@ -36,6 +36,7 @@ from speculators_vllm016.train.data import (
     PackedBatch,
     SampleFileError,
 )
+from speculators_vllm016.train.loading.loader_contract import ReportsProgress, TrainingLoader
 from speculators_vllm016.utils.errors import first_line, type_and_first_line
 
 if TYPE_CHECKING:
@@ -497,8 +498,9 @@ def _failure_message(error: BaseException, died: bool) -> str:
     )
 
 
-class OnlineLoader:
-    """What the trainer needs of a DataLoader: `batch_sampler`, `dataset`, `len()`, iteration.
+class OnlineLoader(TrainingLoader, ReportsProgress):
+    """What the trainer needs of a DataLoader (`TrainingLoader`): `batch_sampler`, `dataset`,
+    `len()`, iteration; and the extraction's figures for the progress bar.
 
     `dataset` is an `Eagle3SampleFileDataset` over the samples' (cache) file names, so cached
     samples are read exactly as offline; extracted ones go through the same `prepare`.
