@@ -340,9 +340,7 @@ class Trainer:
         return metrics
 
     # -- epochs --------------------------------------------------------------------------------
-    def _epoch_batches(
-        self, loader: TrainingLoader, epoch: int, start_step: int
-    ) -> Iterator[Any]:
+    def _epoch_batches(self, loader: TrainingLoader, epoch: int, start_step: int) -> Iterator[Any]:
         if isinstance(loader, ReadsAcrossEpochs):
             return loader.epoch_rows(epoch, start_step, last_epoch=self.config.num_epochs - 1)
         sampler = loader.batch_sampler
