@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from speculators_vllm016.train.jobs.draft_build import build_draft_config
+from speculators_vllm016.train.jobs.draft_build import build_model as _build_model
 from speculators_vllm016.train.jobs.job_config import (
     CHECKPOINT_DTYPES,
     FieldSpec,
@@ -27,13 +29,7 @@ from speculators_vllm016.train.jobs.job_config import (
     config_fields,
     load_job_config,
 )
-from speculators_vllm016.train.jobs.setup import (
-    OnlineSetup,
-    TrainSetup,
-    build_draft_config,
-    verifier_text_config,
-)
-from speculators_vllm016.train.jobs.setup import build_model as _build_model
+from speculators_vllm016.train.jobs.setup import OnlineSetup, TrainSetup, verifier_text_config
 from speculators_vllm016.train.jobs.setup import prepare as _prepare
 from speculators_vllm016.train.vocab_maps import VocabMaps
 
@@ -140,7 +136,7 @@ def prepare(args: argparse.Namespace | TrainJobConfig) -> TrainSetup:
 
 
 def build_model(args: argparse.Namespace | TrainJobConfig, setup: TrainSetup) -> Eagle3DraftModel:
-    """`train.jobs.setup.build_model` for a parsed command line (or a config)."""
+    """`train.jobs.draft_build.build_model` for a parsed command line (or a config)."""
     return _build_model(_as_config(args), setup)
 
 

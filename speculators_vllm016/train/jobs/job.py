@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from speculators_vllm016.train.checkpointer import TrainingState
+from speculators_vllm016.train.jobs.draft_build import build_model
 from speculators_vllm016.train.jobs.job_config import CONFIG_FILE, TrainJobConfig, save_job_config
 from speculators_vllm016.train.jobs.loaders import JobLoaders, build_loaders
 from speculators_vllm016.train.jobs.rank_plan import RankPlan, join_ranks
-from speculators_vllm016.train.jobs.setup import TrainSetup, build_model, prepare
+from speculators_vllm016.train.jobs.setup import TrainSetup, prepare
 from speculators_vllm016.train.logger import METRICS_FILE, setup_metric_logger, setup_root_logger
 from speculators_vllm016.train.online.loader import OnlineStats
 from speculators_vllm016.train.online.remote_loader import finish_extraction

@@ -26,11 +26,15 @@ from speculators_vllm016.train.data import (
 from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 from speculators_vllm016.train.jobs.job_config import TrainJobConfig, TrainSetupError
 from speculators_vllm016.train.jobs.rank_plan import RankPlan
-from speculators_vllm016.train.jobs.setup import OnlineSetup, TrainSetup, noise_transform
+from speculators_vllm016.train.jobs.setup import OnlineSetup, TrainSetup
 from speculators_vllm016.train.loading.loader_contract import Closes, TrainingLoader
 from speculators_vllm016.train.loading.row_slots import VALIDATION_ROW_SLOTS, HostRowSlots
 from speculators_vllm016.train.loading.sample_loader import SampleFileLoader, main_process_noise
-from speculators_vllm016.train.noise_transforms import TransformTensors
+from speculators_vllm016.train.noise_transforms import (
+    AddGaussianNoise,
+    AddUniformNoise,
+    TransformTensors,
+)
 from speculators_vllm016.train.online.loader import (
     CacheFolderError,
     OnlineExtractor,
@@ -46,7 +50,7 @@ from speculators_vllm016.train.online.remote_loader import (
 from speculators_vllm016.train.train_step import collective_device
 from speculators_vllm016.train.utils import training_device
 
-__all__ = ["JobLoaders", "JobRows", "build_loaders"]
+__all__ = ["JobLoaders", "JobRows", "build_loaders", "noise_transform"]
 
 
 @dataclass
@@ -225,6 +229,20 @@ def split_online_loaders(
         )
 
     return _pair(rows, _split_indices(rows.config, extractor), loader, noise)
+
+
+def noise_transform(config: TrainJobConfig) -> TransformTensors | None:
+    """The noise added to each training sample's states (--noise-type), or None for none."""
+    training = config.training
+    if training.noise_type == "none" or training.noise_std == 0:
+        return None
+    tensors = (
+        ("hidden_states", "verifier_last_hidden_states")
+        if config.legacy.noise_on_targets
+        else ("hidden_states",)
+    )
+    cls = AddUniformNoise if training.noise_type == "uniform" else AddGaussianNoise
+    return cls(std=training.noise_std, tensors=tensors)
 
 
 def _open_extractor(
