@@ -415,26 +415,8 @@ class Trainer:
                 data_wait = time.perf_counter() - waiting  # the loader's share of step_seconds
                 metrics = self.train_step(row)
                 metrics["data_wait_seconds"] = data_wait
-                if isinstance(self.train_loader, ReportsStepMetrics):  # split online: bytes moved
-                    metrics.update(self.train_loader.step_metrics())
-                # A float averaged over ranks and multiplied back: 5 on 3 ranks is 4.9999998.
-                skipped = round(metrics.pop("skipped_samples"))
-                if skipped:  # named in the log where it happened; counted here and in the metrics
-                    self.state.skipped_samples += skipped
-                    metrics["skipped_samples"] = skipped
-                self.state.last_loss = metrics.get("loss")
-                trained += metrics.pop("trained_tokens", metrics["tokens"])
-                tokens += metrics["tokens"]
-                # Wall-clock seconds since the previous step ended, waiting for data included
-                # (train_step returns after its metrics reached the host: the step is done).
-                now = time.perf_counter()
-                metrics["step_seconds"], last_end = now - last_end, now
-                if self.device.type == "cuda":
-                    metrics["peak_memory_gib"] = (
-                        torch.cuda.max_memory_allocated(self.device) / 2**30
-                    )
-                lr = metrics.pop("lr")
-                log_train_step(self.state.global_step, epoch, lr, metrics)  # step counts from 0
+                step_trained, last_end = self._log_step(metrics, epoch, last_end)
+                trained, tokens = trained + step_trained, tokens + metrics["tokens"]
                 self.state.step_in_epoch = step + 1
                 self.state.global_step += 1
                 rate = tokens / max(time.perf_counter() - started, 1e-9)
@@ -447,19 +429,7 @@ class Trainer:
                 )
                 progress.update(1)
                 last = step + 1 == steps
-                if self.shutdown.requested_on_any_rank(
-                    self.is_distributed, collective_device(self.device)
-                ):
-                    if self.replaces_earlier_run:
-                        raise TrainingInterrupted(
-                            f"stopped by {self.shutdown.reason} at step {self.state.global_step}; "
-                            f"{self._kept_earlier_run()}"
-                        )
-                    path = self._save_mid_epoch()
-                    raise TrainingInterrupted(
-                        f"stopped by {self.shutdown.reason} at step {self.state.global_step}; "
-                        f"checkpoint {path}; run the same command again to resume"
-                    )
+                self._stop_if_asked()
                 if (
                     self.config.max_steps is not None
                     and self.state.global_step >= self.config.max_steps
@@ -474,6 +444,48 @@ class Trainer:
             progress.close()
         self._check_trained(epoch, start_step, steps, trained)
         return True
+
+    def _log_step(
+        self, metrics: dict[str, float], epoch: int, last_end: float
+    ) -> tuple[float, float]:
+        """Count one step's metrics into the run's state and log them; returns the tokens the
+        step trained on and when it ended (`last_end`: when the step before it ended)."""
+        if isinstance(self.train_loader, ReportsStepMetrics):  # split online: bytes moved
+            metrics.update(self.train_loader.step_metrics())
+        # A float averaged over ranks and multiplied back: 5 on 3 ranks is 4.9999998.
+        skipped = round(metrics.pop("skipped_samples"))
+        if skipped:  # named in the log where it happened; counted here and in the metrics
+            self.state.skipped_samples += skipped
+            metrics["skipped_samples"] = skipped
+        self.state.last_loss = metrics.get("loss")
+        trained = metrics.pop("trained_tokens", metrics["tokens"])
+        # Wall-clock seconds since the previous step ended, waiting for data included
+        # (train_step returns after its metrics reached the host: the step is done).
+        now = time.perf_counter()
+        metrics["step_seconds"] = now - last_end
+        if self.device.type == "cuda":
+            metrics["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        lr = metrics.pop("lr")
+        log_train_step(self.state.global_step, epoch, lr, metrics)  # step counts from 0
+        return trained, now
+
+    def _stop_if_asked(self) -> None:
+        """After a step: a SIGTERM or Ctrl-C on any rank stops the run with a checkpoint (none
+        while an earlier run's checkpoints would be replaced: those stay as they were)."""
+        if not self.shutdown.requested_on_any_rank(
+            self.is_distributed, collective_device(self.device)
+        ):
+            return
+        if self.replaces_earlier_run:
+            raise TrainingInterrupted(
+                f"stopped by {self.shutdown.reason} at step {self.state.global_step}; "
+                f"{self._kept_earlier_run()}"
+            )
+        path = self._save_mid_epoch()
+        raise TrainingInterrupted(
+            f"stopped by {self.shutdown.reason} at step {self.state.global_step}; "
+            f"checkpoint {path}; run the same command again to resume"
+        )
 
     def _check_trained(self, epoch: int, first: int, end: int, trained: float) -> None:
         """Refuse to go on (and to save) after steps `first`..`end` of `epoch` trained no token:
