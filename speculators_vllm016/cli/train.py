@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from speculators_vllm016.train.jobs.draft_build import build_model as _build_model
 from speculators_vllm016.train.jobs.job_config import (
     FieldSpec,
     JobConfigError,
@@ -25,10 +26,7 @@ from speculators_vllm016.train.jobs.job_config import (
     config_fields,
     load_job_config,
 )
-from speculators_vllm016.train.jobs.setup import (
-    TrainSetup,
-)
-from speculators_vllm016.train.jobs.setup import build_model as _build_model
+from speculators_vllm016.train.jobs.setup import TrainSetup
 from speculators_vllm016.train.jobs.setup import prepare as _prepare
 
 if TYPE_CHECKING:
@@ -126,7 +124,7 @@ def prepare(args: argparse.Namespace | TrainJobConfig) -> TrainSetup:
 
 
 def build_model(args: argparse.Namespace | TrainJobConfig, setup: TrainSetup) -> Eagle3DraftModel:
-    """`train.jobs.setup.build_model` for a parsed command line (or a config)."""
+    """`train.jobs.draft_build.build_model` for a parsed command line (or a config)."""
     return _build_model(_as_config(args), setup)
 
 

@@ -4,7 +4,7 @@
 2. datagen: its hidden states for the conversations (`data_generation.offline.run_datagen`);
 3. vocab: the draft vocabulary maps from datagen's token counts (`train.vocab_maps`);
 4. draft: the draft with its initial weights, built by the trainer's own construction
-   (`train.jobs.setup`);
+   (`train.jobs.setup`, `train.jobs.draft_build`);
 5. train: the job `speculators train` runs (`train.jobs.job.run_train_job`, in this process), from
    a `TrainJobConfig`;
 6. eval: both drafts with `evaluate.runner.run_evaluation` (hf engine), side by side.
@@ -219,7 +219,8 @@ def _save_initial_draft(config: TrainJobConfig, output: Path) -> None:
     import torch
 
     from speculators_vllm016.train.checkpointer import convert_float_dtype
-    from speculators_vllm016.train.jobs.setup import build_model, prepare
+    from speculators_vllm016.train.jobs.draft_build import build_model
+    from speculators_vllm016.train.jobs.setup import prepare
 
     model = build_model(config, prepare(config))
     temporary = output.with_name(f".{output.name}.partial")

@@ -1,7 +1,9 @@
 """The training loop: packed rows in, optimizer steps, validation, checkpoints, exact resume.
 
 `Trainer(model, config, train_loader, val_loader)` is 0.3.0's API (`TrainerConfig` lives in
-`trainer_config`; 0.3.0 imported it from here, so it still imports from here). The loaders yield
+`trainer_config`; 0.3.0 imported it from here, so it still imports from here). What the trainer
+asks of a loader is the `TrainingLoader` Protocol and its optional capabilities
+(`loading.loader_contract`). The loaders yield
 `PackedBatch` rows (`speculators_vllm016.train.data`); the model returns its loss and metrics
 (`train.draft_contract`: a `DraftOutput`, or 0.3.0's `(draft_tokens, loss, metrics)` tuple).
 
@@ -31,7 +33,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
@@ -57,6 +58,14 @@ from speculators_vllm016.train.jobs.resume import (
     training_data_digest,
 )
 from speculators_vllm016.train.loading.device_rows import StepRow, prefetch_to_device, to_step_row
+from speculators_vllm016.train.loading.loader_contract import (
+    ReadsAcrossEpochs,
+    ReportsProgress,
+    ReportsStepMetrics,
+    SetsEpoch,
+    TrainingLoader,
+    unreadable_files,
+)
 from speculators_vllm016.train.lr_schedule import build_lr_scheduler, default_warmup_steps
 from speculators_vllm016.train.metrics_log import (
     MetricsLog,
@@ -95,8 +104,8 @@ class Trainer:
         self,
         model: PreTrainedModel,
         config: TrainerConfig,
-        train_loader: DataLoader,
-        val_loader: DataLoader | None = None,
+        train_loader: TrainingLoader,
+        val_loader: TrainingLoader | None = None,
     ) -> None:
         self.config = config
         self.model = model
@@ -333,11 +342,11 @@ class Trainer:
         return metrics
 
     # -- epochs --------------------------------------------------------------------------------
-    def _epoch_batches(self, loader: DataLoader, epoch: int, start_step: int) -> Iterator[Any]:
-        if callable(getattr(loader, "epoch_rows", None)):  # reads ahead across epoch boundaries
+    def _epoch_batches(self, loader: TrainingLoader, epoch: int, start_step: int) -> Iterator[Any]:
+        if isinstance(loader, ReadsAcrossEpochs):
             return loader.epoch_rows(epoch, start_step, last_epoch=self.config.num_epochs - 1)
         sampler = loader.batch_sampler
-        if hasattr(sampler, "set_epoch"):
+        if isinstance(sampler, SetsEpoch):
             try:
                 sampler.set_epoch(epoch, start_step)
             except TypeError:  # a 0.3.0-style sampler without positions
@@ -346,7 +355,7 @@ class Trainer:
                         "this batch sampler cannot start inside an epoch"
                     ) from None
                 sampler.set_epoch(epoch)
-        if hasattr(loader.dataset, "set_epoch"):
+        if isinstance(loader.dataset, SetsEpoch):
             loader.dataset.set_epoch(epoch)
         return iter(loader)
 
@@ -410,54 +419,21 @@ class Trainer:
                 data_wait = time.perf_counter() - waiting  # the loader's share of step_seconds
                 metrics = self.train_step(row)
                 metrics["data_wait_seconds"] = data_wait
-                from_loader = getattr(
-                    self.train_loader, "step_metrics", None
-                )  # split online: bytes moved
-                if callable(from_loader):
-                    metrics.update(from_loader())
-                # A float averaged over ranks and multiplied back: 5 on 3 ranks is 4.9999998.
-                skipped = round(metrics.pop("skipped_samples"))
-                if skipped:  # named in the log where it happened; counted here and in the metrics
-                    self.state.skipped_samples += skipped
-                    metrics["skipped_samples"] = skipped
-                self.state.last_loss = metrics.get("loss")
-                trained += metrics.pop("trained_tokens", metrics["tokens"])
-                tokens += metrics["tokens"]
-                # Wall-clock seconds since the previous step ended, waiting for data included
-                # (train_step returns after its metrics reached the host: the step is done).
-                now = time.perf_counter()
-                metrics["step_seconds"], last_end = now - last_end, now
-                if self.device.type == "cuda":
-                    metrics["peak_memory_gib"] = (
-                        torch.cuda.max_memory_allocated(self.device) / 2**30
-                    )
-                lr = metrics.pop("lr")
-                log_train_step(self.state.global_step, epoch, lr, metrics)  # step counts from 0
+                step_trained, last_end = self._log_step(metrics, epoch, last_end)
+                trained, tokens = trained + step_trained, tokens + metrics["tokens"]
                 self.state.step_in_epoch = step + 1
                 self.state.global_step += 1
                 rate = tokens / max(time.perf_counter() - started, 1e-9)
-                source = getattr(self.train_loader, "progress_fields", None)  # online: both sides
+                loader = self.train_loader  # online: the extraction's side too
                 progress.set_postfix(
                     loss=f"{metrics.get('loss', float('nan')):.3f}",
                     acc=f"{metrics.get('full_acc_0', float('nan')):.3f}",
                     tok_s=f"{rate:,.0f}",
-                    **(source() if source is not None else {}),
+                    **(loader.progress_fields() if isinstance(loader, ReportsProgress) else {}),
                 )
                 progress.update(1)
                 last = step + 1 == steps
-                if self.shutdown.requested_on_any_rank(
-                    self.is_distributed, collective_device(self.device)
-                ):
-                    if self.replaces_earlier_run:
-                        raise TrainingInterrupted(
-                            f"stopped by {self.shutdown.reason} at step {self.state.global_step}; "
-                            f"{self._kept_earlier_run()}"
-                        )
-                    path = self._save_mid_epoch()
-                    raise TrainingInterrupted(
-                        f"stopped by {self.shutdown.reason} at step {self.state.global_step}; "
-                        f"checkpoint {path}; run the same command again to resume"
-                    )
+                self._stop_if_asked()
                 if (
                     self.config.max_steps is not None
                     and self.state.global_step >= self.config.max_steps
@@ -472,6 +448,48 @@ class Trainer:
             progress.close()
         self._check_trained(epoch, start_step, steps, trained)
         return True
+
+    def _log_step(
+        self, metrics: dict[str, float], epoch: int, last_end: float
+    ) -> tuple[float, float]:
+        """Count one step's metrics into the run's state and log them; returns the tokens the
+        step trained on and when it ended (`last_end`: when the step before it ended)."""
+        if isinstance(self.train_loader, ReportsStepMetrics):  # split online: bytes moved
+            metrics.update(self.train_loader.step_metrics())
+        # A float averaged over ranks and multiplied back: 5 on 3 ranks is 4.9999998.
+        skipped = round(metrics.pop("skipped_samples"))
+        if skipped:  # named in the log where it happened; counted here and in the metrics
+            self.state.skipped_samples += skipped
+            metrics["skipped_samples"] = skipped
+        self.state.last_loss = metrics.get("loss")
+        trained = metrics.pop("trained_tokens", metrics["tokens"])
+        # Wall-clock seconds since the previous step ended, waiting for data included
+        # (train_step returns after its metrics reached the host: the step is done).
+        now = time.perf_counter()
+        metrics["step_seconds"] = now - last_end
+        if self.device.type == "cuda":
+            metrics["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        lr = metrics.pop("lr")
+        log_train_step(self.state.global_step, epoch, lr, metrics)  # step counts from 0
+        return trained, now
+
+    def _stop_if_asked(self) -> None:
+        """After a step: a SIGTERM or Ctrl-C on any rank stops the run with a checkpoint (none
+        while an earlier run's checkpoints would be replaced: those stay as they were)."""
+        if not self.shutdown.requested_on_any_rank(
+            self.is_distributed, collective_device(self.device)
+        ):
+            return
+        if self.replaces_earlier_run:
+            raise TrainingInterrupted(
+                f"stopped by {self.shutdown.reason} at step {self.state.global_step}; "
+                f"{self._kept_earlier_run()}"
+            )
+        path = self._save_mid_epoch()
+        raise TrainingInterrupted(
+            f"stopped by {self.shutdown.reason} at step {self.state.global_step}; "
+            f"checkpoint {path}; run the same command again to resume"
+        )
 
     def _check_trained(self, epoch: int, first: int, end: int, trained: float) -> None:
         """Refuse to go on (and to save) after steps `first`..`end` of `epoch` trained no token:
@@ -562,17 +580,10 @@ class Trainer:
         finally:
             self.save_lock.release()  # the run is over: another may use the save path
 
-    def _unreadable_files(self) -> int:
-        """Sample files the loaders' datasets left out when listing the data (named in the log)."""
-        loaders = (self.train_loader, self.val_loader)
-        return sum(
-            len(getattr(getattr(loader, "dataset", None), "unreadable", ())) for loader in loaders
-        )
-
     def _run(self) -> TrainingState:
         self._pending_rng = None
         self._first_step = self.state.global_step  # where this run starts
-        self.state.unreadable_files = self._unreadable_files()
+        self.state.unreadable_files = unreadable_files(self.train_loader, self.val_loader)
         moved_metrics = False
         if self.resume_ref is None:
             moved_metrics = self.metrics_log.start(

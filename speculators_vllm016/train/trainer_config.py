@@ -1,7 +1,8 @@
 """`TrainerConfig`: how the trainer trains, one documented field per knob (0.3.0's fields first).
 
-The CLI (`speculators train`), online training, the demo and the benchmarks build it; the
-trainer reads nothing else. Imported as `speculators_vllm016.train.trainer.TrainerConfig` too
+A training job builds it from its `TrainJobConfig` in one place, `TrainerConfig.from_job_config`
+(each setting is defined once, in the job config's sections); 0.3.0's callers and the benchmarks
+build it field by field. The trainer reads nothing else. Imported as `speculators_vllm016.train.trainer.TrainerConfig` too
 (0.3.0's path).
 """
 
@@ -9,11 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from speculators_vllm016.train.draft_contract import DraftCallOptions
+from speculators_vllm016.train.jobs.job_config import CHECKPOINT_DTYPES
+
+if TYPE_CHECKING:
+    from speculators_vllm016.train.jobs.job_config import TrainJobConfig
 
 __all__ = ["TrainerConfig"]
 
@@ -93,6 +98,53 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         for name in ("train_call_kwargs", "val_call_kwargs"):
             object.__setattr__(self, name, DraftCallOptions.coerce(getattr(self, name)))
+
+    @classmethod
+    def from_job_config(
+        cls,
+        config: TrainJobConfig,
+        *,
+        save_path: str,
+        is_distributed: bool,
+        local_rank: int,
+        device: str | None,
+    ) -> TrainerConfig:
+        """The trainer's settings of a job: the job config's, plus where this process trains
+        (known once its process group is joined)."""
+        training, runtime, checkpoint = config.training, config.runtime, config.checkpoint
+        call = DraftCallOptions(
+            ttt_steps=config.model.ttt_steps,
+            ttt_step_loss_decay=config.model.ttt_step_loss_decay,
+            use_off_policy_tokens=training.teacher_forcing,
+        )
+        return cls(
+            lr=training.lr,
+            num_epochs=training.epochs,
+            save_path=save_path,
+            resume_from_checkpoint=not checkpoint.no_resume_from_checkpoint,
+            is_distributed=is_distributed,
+            local_rank=local_rank,
+            train_call_kwargs=call,
+            val_call_kwargs=call,
+            scheduler_type=training.scheduler_type,
+            scheduler_warmup_steps=training.scheduler_warmup_steps,
+            scheduler_total_steps=training.scheduler_total_steps,
+            scheduler_num_cosine_cycles=training.scheduler_num_cosine_cycles,
+            weight_decay=training.weight_decay,
+            max_grad_norm=training.max_grad_norm,
+            seed=training.seed,
+            precision=runtime.precision,
+            parallel=runtime.parallel,
+            device=device,
+            checkpoint_freq=checkpoint.checkpoint_freq,
+            max_steps=training.max_steps,
+            checkpoint_dtype=getattr(torch, CHECKPOINT_DTYPES[checkpoint.checkpoint_dtype]),
+            optimizer_state_dtype=torch.bfloat16 if config.legacy.bf16_optimizer_state else None,
+            keep_mid_epoch_checkpoints=checkpoint.keep_mid_epoch_checkpoints,
+            fsdp_bf16_params=runtime.fsdp_bf16_params,
+            deterministic=runtime.deterministic,
+            show_progress=not config.logging.no_progress,
+        )
 
     def _replace(self, **changes: Any) -> TrainerConfig:
         """NamedTuple-style copy with changes (0.3.0's config was a NamedTuple)."""

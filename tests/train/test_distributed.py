@@ -14,7 +14,8 @@ from speculators_vllm016.cli.train import build_parser
 from speculators_vllm016.models.eagle3 import Eagle3DraftModel
 from speculators_vllm016.train.data import Eagle3SampleFileDataset, create_collate_fn, split_files
 from speculators_vllm016.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
-from speculators_vllm016.train.jobs.setup import build_draft_config, verifier_text_config
+from speculators_vllm016.train.jobs.draft_build import build_draft_config
+from speculators_vllm016.train.jobs.setup import verifier_text_config
 from tests.training_fixtures import cli_env, free_port, gloo_group, train_args, train_command
 
 

@@ -115,7 +115,7 @@ def write_draft(folder: Path, target: Path) -> Path:
     from transformers import DeepseekV3Config
 
     from speculators_vllm016.models.eagle3 import Eagle3DraftModel
-    from speculators_vllm016.train.jobs.setup import build_draft_config
+    from speculators_vllm016.train.jobs.draft_build import build_draft_config
     from speculators_vllm016.train.vocab_mapping import build_vocab_mappings_from_distribution
 
     config = json.loads((target / "config.json").read_text())

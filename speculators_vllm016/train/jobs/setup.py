@@ -1,9 +1,10 @@
-"""Everything a training job checks and builds before its first step.
+"""Everything a training job checks before anything is written.
 
 `prepare(config)` makes every check that can be made before anything is written (the flags, the
 data or the online set-up, the verifier, the vocabulary maps) and returns a `TrainSetup`;
-`build_model(config, setup)` builds the draft with its initial weights. `speculators train`,
-`gen-and-train`, the demo and `train.jobs.job.run_train_job` all go through these two.
+`draft_build.build_model(config, setup)` then builds the draft with its initial weights.
+`speculators train`, `gen-and-train`, the demo and `train.jobs.job.run_train_job` all go through
+these two.
 """
 
 from __future__ import annotations
@@ -23,14 +24,13 @@ from speculators_vllm016.train.jobs.job_config import TrainJobConfig, TrainSetup
 from speculators_vllm016.train.jobs.pretrained_draft import (
     check_draft_weights,
     draft_vocab_maps,
-    fine_tune_config,
-    load_draft_weights,
     read_pretrained_draft,
 )
 from speculators_vllm016.train.jobs.verifier_identity import (
     check_same_verifier,
     data_model,
     fingerprint_of_verifier,
+    recorded_verifier_path,
 )
 from speculators_vllm016.train.vocab_maps import (
     D2T_FILE,
@@ -48,18 +48,13 @@ if TYPE_CHECKING:
 
     from speculators_vllm016.data_generation.offline import DatagenOptions
     from speculators_vllm016.data_generation.preflight import ModelFacts
-    from speculators_vllm016.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators_vllm016.train.jobs.devices import TrainDevices
     from speculators_vllm016.train.jobs.pretrained_draft import PretrainedDraft, ResearchReader
-    from speculators_vllm016.train.noise_transforms import TransformTensors
 
 __all__ = [
     "OnlineSetup",
     "TrainSetup",
     "TrainSetupError",
-    "build_draft_config",
-    "build_model",
-    "noise_transform",
     "prepare",
     "verifier_text_config",
 ]
@@ -469,7 +464,7 @@ def prepare(config: TrainJobConfig, research_reader: ResearchReader | None = Non
 
     `research_reader`: how a research-format `--from-pretrained` draft is converted (the
     converter lives above this layer; `speculators train` passes it)."""
-    from speculators_vllm016.train.data import list_files, standardize_data_v0, standardize_data_v1
+    from speculators_vllm016.train.data import standardize_data_v0, standardize_data_v1
 
     if not config.model.verifier_name_or_path:
         raise TrainSetupError("--verifier-name-or-path is required (the target model of the data)")
@@ -482,65 +477,26 @@ def prepare(config: TrainJobConfig, research_reader: ResearchReader | None = Non
         )
     _check_extraction_ranks(config)
     online = _check_online(config) if config.online.enabled else None
-    if online is None:
-        if not data_path.is_dir():
-            raise TrainSetupError(
-                f"--data-path {data_path} is not a folder; run `speculators datagen` first"
-            )
-        files = list_files(data_path)
-        if not files:
-            raise TrainSetupError(
-                f"no sample files (data_<i>.pt / data_<i>.safetensors) under {data_path}; "
-                "point --data-path at datagen's --output-dir"
-            )
+    files = _check_data_folder(data_path) if online is None else []
     _check_save_path(save_path)
-    verifier_path = config.model.verifier_name_or_path
+    verifier = config.model.verifier_name_or_path
     verifier_config, text_config = verifier_text_config(
-        verifier_path, config.online.engine.trust_remote_code
+        verifier, config.online.engine.trust_remote_code
     )
-    _check_verifier_weights(verifier_path)
+    _check_verifier_weights(verifier)
     hidden_size, target_vocab = int(text_config.hidden_size), int(text_config.vocab_size)
     standardize = (
         standardize_data_v1 if config.data.data_format_version == 1 else standardize_data_v0
     )
-    verifier = config.model.verifier_name_or_path
-    allow = config.model.allow_other_verifier
     fingerprint = fingerprint_of_verifier(verifier)
     if online is None:
         _check_sample(files[0], standardize, hidden_size)
         layer_ids = _offline_layer_ids(data_path, config.online.output.layer_ids)
-        recorded = data_model(data_path)
-        if recorded is not None:
-            check_same_verifier(
-                verifier,
-                fingerprint,
-                recorded.target_model_path,
-                recorded.verifier_fingerprint,
-                f"{data_path}/data_config.json",
-                allow,
-            )
+        _check_data_verifier(config, data_path, fingerprint)
     else:
         layer_ids = _check_online_model(online, hidden_size)
-        target = online.options.target_model_path
-        if recorded_verifier_path(target) != recorded_verifier_path(verifier):
-            check_same_verifier(
-                verifier,
-                fingerprint,
-                target,
-                fingerprint_of_verifier(target),
-                "--target-model-path",
-                allow,
-            )
-    aux_ids = None
-    if layer_ids is not None:
-        num_target_layers = int(text_config.num_hidden_layers)
-        if max(layer_ids) >= num_target_layers:
-            raise TrainSetupError(
-                f"the data's layer ids are {layer_ids}, but the verifier has "
-                f"{num_target_layers} layers: --verifier-name-or-path must be the model of the data"
-            )
-        # The last captured layer is the teacher's; the others are fused (D8: vLLM's numbering).
-        aux_ids = datagen_to_vllm_layer_ids(layer_ids[:-1])
+        _check_online_verifier(config, online, fingerprint)
+    aux_ids = _aux_layer_ids(layer_ids, text_config)
     pretrained = _pretrained_draft(config, save_path, research_reader)
     vocab, vocab_source = _run_vocab(config, online, data_path, save_path, target_vocab, pretrained)
     if pretrained is not None:
@@ -548,7 +504,7 @@ def prepare(config: TrainJobConfig, research_reader: ResearchReader | None = Non
         check_draft_fits(
             pretrained,
             RunFacts(
-                verifier=config.model.verifier_name_or_path,
+                verifier=verifier,
                 architectures=list(getattr(verifier_config, "architectures", None) or []),
                 hidden_size=hidden_size,
                 vocab_size=target_vocab,
@@ -558,7 +514,7 @@ def prepare(config: TrainJobConfig, research_reader: ResearchReader | None = Non
                 aux_ids=aux_ids,
                 num_layers=config.model.num_layers,
                 norm_before_residual=config.model.norm_before_residual,
-                embeddings=verifier_embeddings(config.model.verifier_name_or_path),
+                embeddings=verifier_embeddings(verifier),
             ),
         )
     return TrainSetup(
@@ -576,152 +532,60 @@ def prepare(config: TrainJobConfig, research_reader: ResearchReader | None = Non
     )
 
 
-def _draft_rope_scaling(rope_scaling: dict | None) -> dict | None:
-    """The verifier's RoPE scaling for the draft's Llama layer. vLLM's config reader copies
-    `rope_theta` into it (its `rope_parameters` share the dict); the draft keeps `rope_theta` as
-    its own field, as transformers 4.57's Llama expects."""
-    if not rope_scaling:
-        return rope_scaling
-    return {key: value for key, value in rope_scaling.items() if key != "rope_theta"}
+def _check_data_folder(data_path: Path) -> list[Path]:
+    """The sample files of --data-path (offline training), at least one."""
+    from speculators_vllm016.train.data import list_files
 
-
-def build_draft_config(
-    verifier_path: str,
-    verifier_config: Any,
-    text_config: Any,
-    *,
-    draft_vocab: int,
-    num_layers: int,
-    norm_before_residual: bool,
-    ttt_steps: int,
-    aux_layer_ids: list[int] | None,
-    verifier_fingerprint: str | None = None,
-) -> Eagle3SpeculatorConfig:
-    """The EAGLE-3 draft's config: a Llama decoder layer shaped like the verifier."""
-    from transformers import LlamaConfig
-
-    from speculators_vllm016.models.eagle3 import Eagle3SpeculatorConfig
-
-    get = lambda name, default=None: getattr(text_config, name, default)  # noqa: E731
-    heads = get("num_attention_heads")
-    hidden = get("hidden_size")
-    llama_like = get("model_type") in {"llama", "mistral", "qwen2", "qwen3"}
-    layer = LlamaConfig(
-        vocab_size=get("vocab_size"),
-        hidden_size=hidden,
-        intermediate_size=get("intermediate_size"),
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=get("num_key_value_heads") or heads,
-        head_dim=(get("head_dim") if llama_like else None) or hidden // heads,
-        max_position_embeddings=get("max_position_embeddings", 4096),
-        rms_norm_eps=get("rms_norm_eps", 1e-6),
-        rope_theta=get("rope_theta", 10000.0),
-        rope_scaling=_draft_rope_scaling(get("rope_scaling")) if llama_like else None,
-        hidden_act="silu",
-        tie_word_embeddings=False,
-        torch_dtype="bfloat16",
-    )
-    return Eagle3SpeculatorConfig(
-        transformer_layer_config=layer,
-        draft_vocab_size=draft_vocab,
-        norm_before_residual=norm_before_residual,
-        target_hidden_size=hidden,
-        eagle_aux_hidden_state_layer_ids=aux_layer_ids,
-        speculators_config=_speculators_config(
-            verifier_path, verifier_config, ttt_steps, verifier_fingerprint
-        ),
-    )
-
-
-def _speculators_config(
-    verifier_path: str,
-    verifier_config: Any,
-    ttt_steps: int,
-    verifier_fingerprint: str | None = None,
-) -> Any:
-    """The draft's `speculators_config`: greedy proposals of `ttt_steps` tokens, for this verifier."""
-    from speculators_vllm016.config import SpeculatorsConfig, VerifierConfig
-    from speculators_vllm016.proposals import GreedyTokenProposalConfig
-
-    return SpeculatorsConfig(
-        algorithm="eagle3",
-        proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=ttt_steps)],
-        default_proposal_method="greedy",
-        verifier=VerifierConfig(
-            name_or_path=verifier_path,
-            architectures=list(getattr(verifier_config, "architectures", None) or []),
-            weights_fingerprint=verifier_fingerprint,
-        ),
-    )
-
-
-def recorded_verifier_path(name_or_path: str) -> str:
-    """The verifier as a checkpoint names it: a local folder absolute (`eval` and vLLM then find
-    it from any working folder), a hub id as given."""
-    path = Path(name_or_path).expanduser()
-    return str(path.resolve()) if path.exists() else name_or_path
-
-
-def build_model(config: TrainJobConfig, setup: TrainSetup) -> Eagle3DraftModel:
-    """The draft with its initial weights: seeded by --seed, or the `--from-pretrained` draft's
-    exactly (the verifier's final norm and LM head rows, which drafts do not hold, are read
-    from the verifier either way). What training starts from."""
-    import torch
-
-    from speculators_vllm016.models.eagle3 import Eagle3DraftModel
-
-    model_config = config.model
-    torch.manual_seed(config.training.seed)
-    verifier_path = recorded_verifier_path(model_config.verifier_name_or_path)
-    if setup.pretrained is not None:
-        draft_config = fine_tune_config(
-            setup.pretrained,
-            _speculators_config(
-                verifier_path,
-                setup.verifier_config,
-                model_config.ttt_steps,
-                setup.verifier_fingerprint,
-            ),
-            setup.aux_ids,
+    if not data_path.is_dir():
+        raise TrainSetupError(
+            f"--data-path {data_path} is not a folder; run `speculators datagen` first"
         )
-    else:
-        draft_config = build_draft_config(
-            verifier_path,
-            setup.verifier_config,
-            setup.text_config,
-            draft_vocab=int(setup.vocab.d2t.shape[0]),
-            num_layers=model_config.num_layers,
-            norm_before_residual=model_config.norm_before_residual,
-            ttt_steps=model_config.ttt_steps,
-            aux_layer_ids=setup.aux_ids,
-            verifier_fingerprint=setup.verifier_fingerprint,
+    files = list_files(data_path)
+    if not files:
+        raise TrainSetupError(
+            f"no sample files (data_<i>.pt / data_<i>.safetensors) under {data_path}; "
+            "point --data-path at datagen's --output-dir"
         )
-    model_kwargs = {}
-    if config.legacy.no_verifier_norm:
-        model_kwargs["use_verifier_norm"] = False
-    model = Eagle3DraftModel(draft_config, t2d=setup.vocab.t2d, d2t=setup.vocab.d2t, **model_kwargs)
-    if setup.pretrained is not None:
-        load_draft_weights(model, setup.pretrained)
-    # Training reads only the loss: on CUDA each TTT step's layer skips the positions
-    # whose output no loss term or metric reads (the draft tokens there are not needed).
-    model.skip_unused_positions = None
-    # Every row padded to --total-seq-len (flex only): one compiled shape for the whole run.
-    model.flex_row_length = config.training.total_seq_len
-    return model
+    return files
 
 
-def noise_transform(config: TrainJobConfig) -> TransformTensors | None:
-    """The noise added to each training sample's states (--noise-type), or None for none."""
-    from speculators_vllm016.train.noise_transforms import AddGaussianNoise, AddUniformNoise
+def _check_data_verifier(config: TrainJobConfig, data_path: Path, fingerprint: str) -> None:
+    """The verifier against the model `data_config.json` says the data comes from."""
+    recorded = data_model(data_path)
+    if recorded is not None:
+        check_same_verifier(
+            config.model.verifier_name_or_path,
+            fingerprint,
+            recorded.target_model_path,
+            recorded.verifier_fingerprint,
+            f"{data_path}/data_config.json",
+            config.model.allow_other_verifier,
+        )
 
-    training = config.training
-    if training.noise_type == "none" or training.noise_std == 0:
+
+def _check_online_verifier(config: TrainJobConfig, online: OnlineSetup, fingerprint: str) -> None:
+    """The verifier against --target-model-path, the model online training extracts from."""
+    verifier, target = config.model.verifier_name_or_path, online.options.target_model_path
+    if recorded_verifier_path(target) != recorded_verifier_path(verifier):
+        check_same_verifier(
+            verifier,
+            fingerprint,
+            target,
+            fingerprint_of_verifier(target),
+            "--target-model-path",
+            config.model.allow_other_verifier,
+        )
+
+
+def _aux_layer_ids(layer_ids: list[int] | None, text_config: Any) -> list[int] | None:
+    """The fused layers in vLLM's numbering (D8); the captured ids must exist in the verifier."""
+    if layer_ids is None:
         return None
-    tensors = (
-        ("hidden_states", "verifier_last_hidden_states")
-        if config.legacy.noise_on_targets
-        else ("hidden_states",)
-    )
-    cls = AddUniformNoise if training.noise_type == "uniform" else AddGaussianNoise
-    return cls(std=training.noise_std, tensors=tensors)
+    num_target_layers = int(text_config.num_hidden_layers)
+    if max(layer_ids) >= num_target_layers:
+        raise TrainSetupError(
+            f"the data's layer ids are {layer_ids}, but the verifier has "
+            f"{num_target_layers} layers: --verifier-name-or-path must be the model of the data"
+        )
+    # The last captured layer is the teacher's; the others are fused.
+    return datagen_to_vllm_layer_ids(layer_ids[:-1])

@@ -15,7 +15,12 @@ from typing import Any
 from speculators_vllm016.train.jobs.job_config import TrainSetupError
 from speculators_vllm016.utils.errors import first_line
 
-__all__ = ["check_same_verifier", "data_model", "fingerprint_of_verifier"]
+__all__ = [
+    "check_same_verifier",
+    "data_model",
+    "fingerprint_of_verifier",
+    "recorded_verifier_path",
+]
 
 
 def data_model(data_path: Path) -> Any:
@@ -60,3 +65,10 @@ def check_same_verifier(
         logging.getLogger("speculators").warning(
             "%s; training against it (--allow-other-verifier)", message
         )
+
+
+def recorded_verifier_path(name_or_path: str) -> str:
+    """The verifier as a checkpoint names it: a local folder absolute (`eval` and vLLM then find
+    it from any working folder), a hub id as given."""
+    path = Path(name_or_path).expanduser()
+    return str(path.resolve()) if path.exists() else name_or_path

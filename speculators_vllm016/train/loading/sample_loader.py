@@ -14,6 +14,11 @@ from torch.utils.data import DataLoader, default_collate
 
 from speculators_vllm016.train.data import BatchType, Eagle3SampleFileDataset, PackedBatch
 from speculators_vllm016.train.graceful_shutdown import ignore_stop_signals, stop_signals_held
+from speculators_vllm016.train.loading.loader_contract import (
+    Closes,
+    ReadsAcrossEpochs,
+    TrainingLoader,
+)
 from speculators_vllm016.train.loading.row_slots import (
     HostRowSlots,
     SlotPackingDataset,
@@ -65,7 +70,7 @@ class RunThroughBatchSampler:
             yield from self.batch_sampler.batches(current)[step if current == epoch else 0 :]
 
 
-class SampleFileLoader(DataLoader):
+class SampleFileLoader(DataLoader, TrainingLoader, ReadsAcrossEpochs, Closes):
     """The trainer's offline loader: a `DataLoader` whose rows carry their `RowNoise`.
 
     The noise needs the epoch, which the main process knows (`set_epoch` reaches the dataset

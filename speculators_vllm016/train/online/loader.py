@@ -36,7 +36,14 @@ from speculators_vllm016.train.data import (
     PackedBatch,
     SampleFileError,
 )
-from speculators_vllm016.utils.errors import InvalidInputError, first_line, type_and_first_line
+from speculators_vllm016.train.loading.loader_contract import ReportsProgress, TrainingLoader
+from speculators_vllm016.train.online.errors import (
+    CacheFolderError,
+    CacheOfOtherTensors,
+    CacheWriteFailed,
+    ExtractionFailed,
+)
+from speculators_vllm016.utils.errors import first_line, type_and_first_line
 
 if TYPE_CHECKING:
     from speculators_vllm016.data_generation.options import DatagenOptions
@@ -44,10 +51,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PRODUCER_END",
-    "CacheFolderError",
-    "CacheOfOtherTensors",
-    "CacheWriteFailed",
-    "ExtractionFailed",
     "OnlineExtractor",
     "OnlineLoader",
     "OnlineStats",
@@ -59,29 +62,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PRODUCER_END = object()  # the producer's last item: every step was put
-
-
-class ExtractionFailed(DataSourceError):
-    """The target model's engine failed while producing samples."""
-
-
-class CacheFolderError(InvalidInputError):
-    """The --cache-dir folder cannot be used (another run's, in use, not creatable)."""
-
-
-class CacheOfOtherTensors(SampleFileError):
-    """The --cache-dir folder holds hidden states unlike the started engine's (another dtype)."""
-
-
-class CacheWriteFailed(DataSourceError):
-    """Writing a sample into the --cache-dir folder failed (disk full, unwritable, ...)."""
-
-    @classmethod
-    def of(cls, folder: Path, error: BaseException) -> CacheWriteFailed:
-        return cls(
-            f"writing the --cache-dir folder {folder} failed ({type_and_first_line(error)}); "
-            "free space there or give another --cache-dir"
-        )
 
 
 @dataclass
@@ -506,8 +486,9 @@ def _failure_message(error: BaseException, died: bool) -> str:
     )
 
 
-class OnlineLoader:
-    """What the trainer needs of a DataLoader: `batch_sampler`, `dataset`, `len()`, iteration.
+class OnlineLoader(TrainingLoader, ReportsProgress):
+    """What the trainer needs of a DataLoader (`TrainingLoader`): `batch_sampler`, `dataset`,
+    `len()`, iteration; and the extraction's figures for the progress bar.
 
     `dataset` is an `Eagle3SampleFileDataset` over the samples' (cache) file names, so cached
     samples are read exactly as offline; extracted ones go through the same `prepare`.

@@ -24,7 +24,12 @@ import torch
 import torch.distributed as dist
 
 from speculators_vllm016.train.data import Eagle3SampleFileDataset, PackedBatch
-from speculators_vllm016.train.online.loader import ExtractionFailed
+from speculators_vllm016.train.loading.loader_contract import (
+    ReportsProgress,
+    ReportsStepMetrics,
+    TrainingLoader,
+)
+from speculators_vllm016.train.online.errors import ExtractionFailed
 from speculators_vllm016.train.online.rank_layout import RankLayout
 from speculators_vllm016.train.online.sample_transport import (
     REQUEST,
@@ -39,10 +44,10 @@ __all__ = ["RemoteSampleLoader", "TRAIN_ITERATION", "VALIDATION_ITERATION", "fin
 TRAIN_ITERATION, VALIDATION_ITERATION = 0, 1
 
 
-class RemoteSampleLoader:
-    """What the trainer needs of a DataLoader: `batch_sampler`, `dataset`, `len()`, iteration,
-    and the transfer's figures for the progress bar (`progress_fields`) and the metrics
-    (`step_metrics`)."""
+class RemoteSampleLoader(TrainingLoader, ReportsProgress, ReportsStepMetrics):
+    """What the trainer needs of a DataLoader (`TrainingLoader`): `batch_sampler`, `dataset`,
+    `len()`, iteration; and the transfer's figures for the progress bar (`progress_fields`) and
+    the metrics (`step_metrics`)."""
 
     def __init__(
         self,

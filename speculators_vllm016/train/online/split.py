@@ -88,8 +88,9 @@ def run_extraction_rank(
     from speculators_vllm016.train.distributed_batch_sampler import (
         MultipackDistributedBatchSamplerV2,
     )
+    from speculators_vllm016.train.online.errors import CacheFolderError
     from speculators_vllm016.train.online.extraction_rank import ExtractionServer, PlanSource
-    from speculators_vllm016.train.online.loader import CacheFolderError, OnlineExtractor
+    from speculators_vllm016.train.online.loader import OnlineExtractor
     from speculators_vllm016.train.online.remote_loader import TRAIN_ITERATION, VALIDATION_ITERATION
 
     online = setup.online

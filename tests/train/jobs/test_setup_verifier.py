@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from speculators_vllm016.cli.train import config_from_argv
+from speculators_vllm016.train.jobs.draft_build import build_model
 from speculators_vllm016.train.jobs.job_config import TrainSetupError
-from speculators_vllm016.train.jobs.setup import build_model, prepare
+from speculators_vllm016.train.jobs.setup import prepare
 from tests.kimi_variants import (
     REMOTE_CODE_MARKER,
     int4_variant,
@@ -110,7 +111,8 @@ def test_the_drafts_rope_scaling_is_the_verifiers_without_vllms_copy_of_rope_the
     the draft's Llama layer keeps the verifier's scaling as transformers wrote it."""
     from transformers import LlamaConfig
 
-    from speculators_vllm016.train.jobs.setup import build_draft_config, verifier_text_config
+    from speculators_vllm016.train.jobs.draft_build import build_draft_config
+    from speculators_vllm016.train.jobs.setup import verifier_text_config
 
     scaling = {
         "rope_type": "llama3",

@@ -549,10 +549,10 @@ def _full_disk(monkeypatch, fails) -> list[str]:
 
 
 def _closing_spies(monkeypatch) -> list[str]:
-    from speculators_vllm016.train import utils
+    from speculators_vllm016.train.jobs import job
 
     calls = []
-    monkeypatch.setattr(utils, "maybe_destroy_distributed", lambda: calls.append("destroyed"))
+    monkeypatch.setattr(job, "maybe_destroy_distributed", lambda: calls.append("destroyed"))
     return calls
 
 
@@ -601,19 +601,19 @@ def test_a_cache_write_failing_only_at_close_is_a_one_line_error(
     """The validation samples' writes fail; they surface only when the cache closes, after the
     run finished: one line naming the cache folder, exit status 2, closers all run."""
     from speculators_vllm016.data_generation import offline
-    from speculators_vllm016.train import data
+    from speculators_vllm016.train.jobs import loaders
 
     save, cache = tmp_path / "save", tmp_path / "cache"
     argv = [*stand_in_argv(tiny_llama, tmp_path, save), "--cache-dir", str(cache)]
     monkeypatch.setattr(offline, "start_generator", lambda options, facts: StandInGenerator(None))
-    real_split, validation = data.split_items, []
+    real_split, validation = loaders.split_items, []
 
     def split(items, ratio=0.9, seed=0):
         train, val = real_split(items, ratio, seed)
         validation.extend(val)
         return train, val
 
-    monkeypatch.setattr(data, "split_items", split)
+    monkeypatch.setattr(loaders, "split_items", split)
     failed = _full_disk(monkeypatch, lambda index: index in validation)
     destroyed = _closing_spies(monkeypatch)
     assert train_main(argv) == 2
@@ -693,7 +693,7 @@ def test_a_cache_write_failing_in_the_producer_is_not_called_an_engine_failure(
 ):
     """200 samples: more writes than the pool keeps pending, so the failure surfaces in the
     producer thread (the engine's side), and must still be reported as the cache's."""
-    from speculators_vllm016.train.online.loader import CacheWriteFailed
+    from speculators_vllm016.train.online.errors import CacheWriteFailed
 
     loader, _ = _loader_over(tmp_path, monkeypatch, 200)
     _full_disk(monkeypatch, lambda index: True)
@@ -853,7 +853,7 @@ def test_a_cache_of_other_tensors_is_refused_when_the_engine_starts(tmp_path, mo
     """#29 item 15 for the --cache-dir: an engine that makes other hidden states (here bf16)
     than the cached files (fp32) must not add to them. Under torchrun every rank is told."""
     from speculators_vllm016.data_generation import offline
-    from speculators_vllm016.train.online.loader import CacheOfOtherTensors
+    from speculators_vllm016.train.online.errors import CacheOfOtherTensors
 
     first, _ = _loader_over(tmp_path, monkeypatch, 6)
     list(first)
