@@ -1,0 +1,45 @@
+"""What an engine is asked and answers: one prompt (token ids) per turn, one response each.
+
+Both engines, vLLM in this process (`local_engine`) and an OpenAI-compatible server
+(`endpoint_engine`), take the same `TurnRequest`s and sampling options and resolve unset sampling
+fields the same way (the model's generation config, as `vllm serve` does), so a row regenerates
+to the same text on either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from speculators_vllm016.data_generation.regeneration.options import SamplingOptions
+
+__all__ = ["ResponseEngine", "TurnRequest", "TurnResponse"]
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """The prompt of one assistant turn: the conversation so far, rendered and tokenized."""
+
+    prompt_token_ids: list[int]
+    seed: int  # `turns.turn_seed(seed, row, turn)`
+
+
+@dataclass(frozen=True)
+class TurnResponse:
+    """The engine's answer to one turn: its text, or why there is none."""
+
+    text: str | None
+    finish_reason: str | None = None  # "stop" (end of turn) or "length" (hit --max-tokens)
+    error: str | None = None
+    retryable: bool = False  # a server failure a later run may try again
+
+
+class ResponseEngine(Protocol):
+    """Generates one response per request, in request order."""
+
+    def respond(
+        self, requests: Sequence[TurnRequest], sampling: SamplingOptions
+    ) -> list[TurnResponse]: ...
+
+    def close(self) -> None: ...
