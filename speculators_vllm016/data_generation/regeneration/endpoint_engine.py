@@ -3,7 +3,8 @@
 Each turn is one `/v1/completions` request whose prompt is the token ids that the in-process
 engine gets (rendered here with the model's own chat template), so the server samples from the
 same tokens; `/v1/chat/completions` would render the template on the server, with its own
-defaults. Sampling fields left unset are left out of the request: the server fills them from the
+defaults. The reply's token ids (vLLM's `return_token_ids`) are decoded here, as the in-process
+engine's are, so both give the same text. Sampling fields left unset are left out of the request: the server fills them from the
 model's generation config, as the in-process engine does. Requests run `concurrency` at a time;
 a connection error, a timeout, 429 or a 5xx is retried with exponential backoff, and a turn still
 failing is answered with the error (retryable: a later run tries it again).
@@ -16,7 +17,11 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from speculators_vllm016.data_generation.regeneration.engines import TurnRequest, TurnResponse
+from speculators_vllm016.data_generation.regeneration.engines import (
+    TurnRequest,
+    TurnResponse,
+    response_token_ids,
+)
 from speculators_vllm016.data_generation.regeneration.options import (
     RegenerateOptions,
     SamplingOptions,
@@ -37,7 +42,7 @@ def completion_body(model: str, request: TurnRequest, sampling: SamplingOptions)
         "seed": request.seed,
         "n": 1,
         "stream": False,
-        "skip_special_tokens": False,
+        "return_token_ids": True,  # vLLM's field: the run decodes the tokens itself
     }
     for name in ("temperature", "top_p", "top_k"):
         value = getattr(sampling, name)
@@ -132,9 +137,11 @@ class EndpointEngine:
                 )
             try:
                 choice = reply.json()["choices"][0]
-                return TurnResponse(choice["text"], finish_reason=choice.get("finish_reason"))
+                finish = choice.get("finish_reason")
+                ids = response_token_ids([int(t) for t in choice["token_ids"]], finish)
+                return TurnResponse(ids, finish_reason=finish)
             except (ValueError, KeyError, IndexError, TypeError):
-                problem = f"unreadable reply: {reply.text[:200]}"
+                problem = f"reply without token ids (is it vLLM?): {reply.text[:200]}"
         attempts = self.retries + 1
         return TurnResponse(
             None, error=f"server error after {attempts} attempts ({problem})", retryable=True

@@ -14,7 +14,7 @@ from typing import Protocol
 
 from speculators_vllm016.data_generation.regeneration.options import SamplingOptions
 
-__all__ = ["ResponseEngine", "TurnRequest", "TurnResponse"]
+__all__ = ["ResponseEngine", "TurnRequest", "TurnResponse", "response_token_ids"]
 
 
 @dataclass(frozen=True)
@@ -27,9 +27,14 @@ class TurnRequest:
 
 @dataclass(frozen=True)
 class TurnResponse:
-    """The engine's answer to one turn: its text, or why there is none."""
+    """The engine's answer to one turn: the tokens it generated, or why there are none.
 
-    text: str | None
+    Tokens, not the engine's text: vLLM's incremental detokenizer holds back a trailing partial
+    UTF-8 character at the end of a response, so its text can lose bytes that the tokens have;
+    `response_token_ids` and the tokenizer decode what was generated in full.
+    """
+
+    token_ids: list[int] | None
     finish_reason: str | None = None  # "stop" (end of turn) or "length" (hit --max-tokens)
     error: str | None = None
     retryable: bool = False  # a server failure a later run may try again
@@ -43,3 +48,13 @@ class ResponseEngine(Protocol):
     ) -> list[TurnResponse]: ...
 
     def close(self) -> None: ...
+
+
+def response_token_ids(token_ids: list[int], finish_reason: str | None) -> list[int]:
+    """The tokens of the turn itself: without the end-of-turn token that stopped it.
+
+    vLLM lists the stop token among a response's tokens when it ends with finish reason "stop"
+    (and drops it from the text); no stop strings are used here, so "stop" always means a
+    stop token was sampled last.
+    """
+    return list(token_ids[:-1]) if finish_reason == "stop" and token_ids else list(token_ids)

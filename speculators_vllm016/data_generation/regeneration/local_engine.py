@@ -2,9 +2,8 @@
 
 The prompts go in as token ids (`TokensPrompt`), rendered by `turns.prompt_token_ids`. Unset
 sampling fields take the model's generation config (`ModelConfig.get_diff_sampling_param`, what
-`vllm serve` fills unset request fields from), so this engine and a server agree. The text is
-decoded with special tokens kept (a thinking marker may be one); the end-of-turn token that
-stopped a response is not part of it.
+`vllm serve` fills unset request fields from), so this engine and a server agree. Responses come
+back as token ids (the run decodes them); the end-of-turn token that stopped one is not part of it.
 """
 
 from __future__ import annotations
@@ -17,7 +16,11 @@ from typing import Any
 
 from speculators_vllm016.data_generation.cpu_defaults import cpu_defaults_applied, is_cpu_platform
 from speculators_vllm016.data_generation.engine_setup import TEXT_ONLY_MODALITIES
-from speculators_vllm016.data_generation.regeneration.engines import TurnRequest, TurnResponse
+from speculators_vllm016.data_generation.regeneration.engines import (
+    TurnRequest,
+    TurnResponse,
+    response_token_ids,
+)
 from speculators_vllm016.data_generation.regeneration.options import (
     RegenerateOptions,
     SamplingOptions,
@@ -44,7 +47,7 @@ def sampling_params(sampling: SamplingOptions, seed: int, defaults: dict[str, An
         repetition_penalty=defaults.get("repetition_penalty", 1.0),
         max_tokens=sampling.max_tokens,
         seed=seed,
-        skip_special_tokens=False,
+        detokenize=False,  # the run decodes the tokens (see `TurnResponse`)
     )
 
 
@@ -90,10 +93,12 @@ class LocalEngine:
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_token_ids)) for r in requests]
         params = [sampling_params(sampling, r.seed, self.defaults) for r in requests]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [
-            TurnResponse(text=out.outputs[0].text, finish_reason=out.outputs[0].finish_reason)
-            for out in outputs
-        ]
+        answers = []
+        for output in outputs:
+            completion = output.outputs[0]
+            ids = response_token_ids(list(completion.token_ids), completion.finish_reason)
+            answers.append(TurnResponse(ids, finish_reason=completion.finish_reason))
+        return answers
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None

@@ -54,7 +54,14 @@ class ScriptedEngine:
             if self.fail and self.fail in prompt:
                 answers.append(TurnResponse(None, error="HTTP 503", retryable=True))
             else:
-                answers.append(TurnResponse(f"ANSWER{len(self.prompts)}", finish_reason="stop"))
+                answers.append(
+                    TurnResponse(
+                        self.tokenizer.encode(
+                            f"ANSWER{len(self.prompts)}", add_special_tokens=False
+                        ),
+                        finish_reason="length",
+                    )
+                )
         return answers
 
     def close(self):
