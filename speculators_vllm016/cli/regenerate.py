@@ -12,66 +12,27 @@ from collections.abc import Sequence
 
 from speculators_vllm016.cli.datagen import keep_vllm_quiet
 from speculators_vllm016.cli.errors import report_errors
+from speculators_vllm016.cli.regeneration_flags import (
+    add_regeneration_arguments,
+    sampling_from_args,
+)
 from speculators_vllm016.data_generation.options import DTYPES
 from speculators_vllm016.data_generation.regeneration.options import (
-    REASONING_MODES,
-    TOOL_ROW_MODES,
     RegenerateOptions,
-    SamplingOptions,
     parse_template_kwargs,
 )
 
-__all__ = ["add_regeneration_arguments", "build_parser", "main", "regenerate_options_from_args"]
+__all__ = ["build_parser", "main", "regenerate_options_from_args"]
 
 EPILOG = """\
 Multi-turn rows: turn k is generated after the regenerated turns before it; system and user
-turns are kept. Each turn samples with a seed drawn from (--seed, row, turn), so the output does
-not depend on batching, sharding or a resume. A killed run resumes where it stopped when started
-again with the same command; another job in the same --output-dir is refused. Rows that are not
-regenerated (prompt over --max-prompt-tokens, server error, empty response, tool calls) are
-listed with the reason in <output-dir>/failed.jsonl and counted at the end.
+turns are kept. Each turn samples with a seed drawn from (--seed, row, turn). A killed run
+resumes when started again with the same command: it regenerates exactly the batches of
+--batch-size rows that the crash lost, so it ends with the bytes of an uninterrupted run.
+Another job in the same --output-dir is refused. Rows that are not regenerated (prompt over
+--max-prompt-tokens, server error, empty response, tool calls) are listed with the reason in
+<output-dir>/failed.jsonl and counted at the end.
 """
-
-
-def add_regeneration_arguments(group, seed_flag: str = "--seed") -> None:
-    """Sampling, template and limit flags (shared with `datagen --regenerate`, whose own
-    `--seed` shuffles the data: there the sampling seed is `seed_flag="--regenerate-seed"`)."""
-    group.add_argument(
-        "--temperature", type=float, default=None, help="None: the model's generation config"
-    )
-    group.add_argument("--top-p", type=float, default=None, help="None: generation config")
-    group.add_argument("--top-k", type=int, default=None, help="None: generation config")
-    group.add_argument("--max-tokens", type=int, default=2048, help="at most this many per turn")
-    group.add_argument(
-        seed_flag,
-        dest="regenerate_seed",
-        type=int,
-        default=0,
-        help="sampling seed; each turn's own seed is drawn from (seed, row, turn)",
-    )
-    group.add_argument(
-        "--chat-template-kwargs",
-        default=None,
-        help="JSON object for the chat template, e.g. '{\"thinking\": false}'",
-    )
-    group.add_argument(
-        "--reasoning",
-        choices=REASONING_MODES,
-        default="keep",
-        help="keep the thinking block in the turn as generated, or drop it (keep what follows)",
-    )
-    group.add_argument(
-        "--tool-rows",
-        choices=TOOL_ROW_MODES,
-        default="skip",
-        help="rows with tool calls: skip them (listed, counted) or keep them unchanged",
-    )
-    group.add_argument(
-        "--max-prompt-tokens",
-        type=int,
-        default=4096,
-        help="a turn whose prompt is longer fails its row (listed with the reason)",
-    )
 
 
 def build_parser(prog: str = "speculators regenerate") -> argparse.ArgumentParser:
@@ -142,13 +103,7 @@ def regenerate_options_from_args(args: argparse.Namespace) -> RegenerateOptions:
         target_model_path=args.target_model_path,
         train_data_path=args.train_data_path,
         output_dir=args.output_dir,
-        sampling=SamplingOptions(
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            max_tokens=args.max_tokens,
-            seed=args.regenerate_seed,
-        ),
+        sampling=sampling_from_args(args),
         chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs),
         reasoning=args.reasoning,
         tool_rows=args.tool_rows,

@@ -32,7 +32,7 @@ class SamplingOptions:
     top_k: int | None = None
     max_tokens: int = 2048
     seed: int = 0
-    """Each turn's own seed is drawn from (seed, row, turn): output never depends on batching."""
+    """Each turn's own seed is drawn from (seed, row, turn), whatever batch the turn is in."""
 
     def to_json(self) -> dict[str, Any]:
         return {

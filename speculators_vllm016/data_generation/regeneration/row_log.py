@@ -2,13 +2,13 @@
 
     <dir>/regenerate_job.json              what the job is; a rerun must be the same job
     <dir>/.locks/shard-I-of-N.lock          held by the one process running shard I
-    <dir>/rows/shard-I-of-N.jsonl           one line per finished row, appended as rows finish
+    <dir>/rows/shard-I-of-N.jsonl           one line per finished chunk of rows, appended
     <dir>/conversations[.shard-I-of-N].jsonl  the regenerated rows in data order (datagen reads it)
     <dir>/failed[.shard-I-of-N].jsonl       rows not regenerated, each with the reason
 
-A row is logged in one flushed line once all its turns are done, so a killed run leaves whole
-rows or a torn last line (skipped when read). A rerun generates only rows the log lacks (and
-those a server failed, which may succeed now). The final files are written under temporary names
+A chunk of rows is logged in one flushed line once all its turns are done, so a killed run
+leaves whole chunks or a torn last line (skipped when read). A rerun generates only the chunks
+the log lacks (and the rows a server failed, which may succeed now). The final files are written under temporary names
 and renamed, from the log, when every row of the shard is in it: an interrupted run and an
 uninterrupted one write the same bytes.
 """
@@ -92,18 +92,26 @@ class RegenerationFolder:
         self._lock = ShardLock(self.path, self.shard_index, self.num_shards)
         self._lock.__enter__()
 
-    def finished_rows(self) -> dict[int, dict[str, Any]]:
-        """The logged outcome of each finished row (a later line for a row wins)."""
-        done: dict[int, dict[str, Any]] = {}
-        for record in read_json_lines(self.log_path):
-            if isinstance(record, dict) and isinstance(record.get("row"), int):
-                done[record["row"]] = record
-        return done
+    def _chunks(self) -> list[dict[str, Any]]:
+        return [
+            line
+            for line in read_json_lines(self.log_path)
+            if isinstance(line, dict) and isinstance(line.get("rows"), list)
+        ]
 
-    def log_row(self, record: dict[str, Any]) -> None:
+    def logged_chunks(self) -> set[int]:
+        """Numbers of the chunks whose line is in the log (whole)."""
+        return {line["chunk"] for line in self._chunks() if isinstance(line.get("chunk"), int)}
+
+    def finished_rows(self) -> dict[int, dict[str, Any]]:
+        """The logged outcome of each finished row (a later line for a row wins: a retry)."""
+        return {record["row"]: record for line in self._chunks() for record in line["rows"]}
+
+    def log_chunk(self, number: int | None, records: list[dict[str, Any]]) -> None:
+        """One line for a whole chunk: after a crash it is in the log whole, or not at all."""
         if self._log is None:
             self._log = JsonLinesAppender(self.log_path, fsync=self.fsync)
-        self._log.append(record)
+        self._log.append({"chunk": number, "rows": records})
 
     def write_outputs(self, rows: list[dict[str, Any]], failed: list[dict[str, Any]]) -> Path:
         """The shard's final files, each whole or absent; returns the conversations file."""

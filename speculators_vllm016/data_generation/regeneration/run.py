@@ -2,9 +2,9 @@
 
 Rows go in chunks of `batch_size`. Within a chunk, round k asks the engine for the k-th
 assistant turn of every row that has one, all in one call, with the conversation so far holding
-the turns regenerated in rounds before it; a row is logged once its last turn is done. Each turn
-samples with its own seed (`turns.turn_seed`), so a row comes out the same in any chunk, and a
-rerun after a crash regenerates only the rows the log lacks.
+the turns regenerated in rounds before it; a chunk is logged, in one line, once its last round
+is done. Each turn samples with its own seed (`turns.turn_seed`), and a rerun after a crash
+regenerates exactly the chunks the log lacks (`chunks_to_generate`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,14 @@ from speculators_vllm016.data_generation.regeneration.turns import (
 from speculators_vllm016.data_generation.resume import resolve_model_path
 from speculators_vllm016.utils.errors import type_and_first_line
 
-__all__ = ["RegenerateSummary", "job_record", "regenerate_rows", "run_regeneration", "start_engine"]
+__all__ = [
+    "RegenerateSummary",
+    "chunks_to_generate",
+    "job_record",
+    "regenerate_rows",
+    "run_regeneration",
+    "start_engine",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +94,7 @@ def job_record(options: RegenerateOptions, tokenizer: Any, rows: list[SourceRow]
         "reasoning": options.reasoning,
         "tool_rows": options.tool_rows,
         "max_prompt_tokens": options.max_prompt_tokens,
+        "batch_size": options.batch_size,  # which rows share a batch (see `chunks_to_generate`)
     }
 
 
@@ -193,19 +201,14 @@ def run_regeneration(
         with folder:
             folder.lock()
             must_record = folder.check_job(job)
-            done = folder.finished_rows()
-            todo = [
-                row
-                for row in mine
-                if row.messages is not None and (row.row not in done or done[row.row].get("retry"))
-            ]
+            todo = chunks_to_generate(mine, options.batch_size, folder)
+            total = sum(len(chunk) for _, chunk in todo)
             logger.info(
-                "shard %d/%d: %d rows, %d already done, %d to regenerate",
+                "shard %d/%d: %d rows, %d to regenerate",
                 options.shard_index,
                 options.num_shards,
                 len(mine),
-                len(mine) - len(todo),
-                len(todo),
+                total,
             )
             if todo and engine is None:
                 engine = start_engine(options)
@@ -220,25 +223,53 @@ def run_regeneration(
     finally:
         if own_engine and engine is not None:
             engine.close()
-    summary.regenerated = len(todo)
-    summary.already_done = sum(row.messages is not None for row in mine) - len(todo)
+    summary.regenerated = total
+    summary.already_done = sum(row.messages is not None for row in mine) - total
     summary.seconds = time.perf_counter() - started
     return summary
+
+
+def chunks_to_generate(
+    rows: list[SourceRow], batch_size: int, folder: RegenerationFolder
+) -> list[tuple[int | None, list[SourceRow]]]:
+    """(chunk number, rows) a run still has to generate: the unlogged chunks, whole, then the
+    rows a server failed (a later run may succeed), in batches of their own (number None).
+
+    A chunk is always the same rows (the shard's regenerable rows cut every `batch_size`) and is
+    logged in one line, so a rerun after a crash generates exactly the batches the crash lost:
+    vLLM's numerics may depend on a batch's make-up, and the same batches give the same bytes.
+    """
+    regenerable = [row for row in rows if row.messages is not None]
+    chunks = [regenerable[i : i + batch_size] for i in range(0, len(regenerable), batch_size)]
+    logged, outcomes = folder.logged_chunks(), folder.finished_rows()
+    todo: list[tuple[int | None, list[SourceRow]]] = [
+        (number, chunk) for number, chunk in enumerate(chunks) if number not in logged
+    ]
+    retry = [
+        row
+        for number, chunk in enumerate(chunks)
+        if number in logged
+        for row in chunk
+        if outcomes.get(row.row, {}).get("retry")
+    ]
+    todo += [(None, retry[i : i + batch_size]) for i in range(0, len(retry), batch_size)]
+    return todo
 
 
 def _regenerate_todo(engine, tokenizer, todo, options, folder, on_chunk) -> None:
     from tqdm import tqdm
 
     with tqdm(
-        total=len(todo), desc="Regenerating", unit="row", disable=not options.show_progress
+        total=sum(len(chunk) for _, chunk in todo),
+        desc="Regenerating",
+        unit="row",
+        disable=not options.show_progress,
     ) as progress:
-        for start in range(0, len(todo), options.batch_size):
-            chunk = todo[start : start + options.batch_size]
-            for record in regenerate_rows(engine, tokenizer, chunk, options):
-                folder.log_row(record)
+        for number, chunk in todo:
+            folder.log_chunk(number, regenerate_rows(engine, tokenizer, chunk, options))
             progress.update(len(chunk))
             if on_chunk is not None:
-                on_chunk(start + len(chunk))
+                on_chunk(progress.n)
 
 
 def _finish(

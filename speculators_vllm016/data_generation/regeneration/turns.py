@@ -120,7 +120,7 @@ def assistant_positions(messages: list[dict[str, str]]) -> list[int]:
 
 
 def turn_seed(seed: int, row: int, turn: int) -> int:
-    """The sampling seed of one turn: fixed by (seed, row, turn), whatever the batch or resume."""
+    """The sampling seed of one turn: fixed by (seed, row, turn), whatever batch it is in."""
     digest = hashlib.sha256(f"{seed}:{row}:{turn}".encode()).digest()
     return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 

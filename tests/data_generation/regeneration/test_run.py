@@ -190,3 +190,15 @@ def test_user_mistakes_are_one_line_before_anything_is_written(tiny_llama, tmp_p
         error = _error_lines(capsys)
         assert len(error) == 1 and words in error[0], error
     assert not (tmp_path / "out").exists()
+
+
+def test_a_rerun_generates_exactly_the_chunks_the_log_lacks(tiny_llama, tmp_path, tokenizer):
+    options = _options(tiny_llama, tmp_path, batch_size=1)
+    run_regeneration(options, ScriptedEngine(tokenizer))
+    log = next((tmp_path / "out" / "rows").glob("*.jsonl"))
+    first_chunk = log.read_text().splitlines()[0]
+    log.write_text(first_chunk + "\n")  # killed after the first chunk of one row
+    engine = ScriptedEngine(tokenizer)
+    summary = run_regeneration(options, engine)
+    assert len(engine.prompts) == 1 and "alone" in engine.prompts[0]  # row 1's one turn
+    assert summary.regenerated == 1 and summary.already_done == 1
