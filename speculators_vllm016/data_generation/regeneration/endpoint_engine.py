@@ -30,6 +30,7 @@ from speculators_vllm016.data_generation.regeneration.options import (
 __all__ = ["EndpointEngine", "completion_body"]
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+FIRST_BACKOFF_SECONDS = 1.0  # then doubled per retry, up to MAX_BACKOFF_SECONDS, jittered
 MAX_BACKOFF_SECONDS = 30.0
 
 
@@ -119,7 +120,7 @@ class EndpointEngine:
         problem = ""
         for attempt in range(self.retries + 1):
             if attempt:
-                delay = min(MAX_BACKOFF_SECONDS, 2.0 ** (attempt - 1))
+                delay = min(MAX_BACKOFF_SECONDS, FIRST_BACKOFF_SECONDS * 2.0 ** (attempt - 1))
                 await asyncio.sleep(delay * (0.5 + random.random()))  # noqa: S311 - jitter only
             try:
                 reply = await client.post(url, json=body)
@@ -138,10 +139,12 @@ class EndpointEngine:
             try:
                 choice = reply.json()["choices"][0]
                 finish = choice.get("finish_reason")
+                if choice.get("token_ids") is None:  # not vLLM: its text, as it sent it
+                    return TurnResponse(None, finish_reason=finish, text=str(choice["text"]))
                 ids = response_token_ids([int(t) for t in choice["token_ids"]], finish)
                 return TurnResponse(ids, finish_reason=finish)
             except (ValueError, KeyError, IndexError, TypeError):
-                problem = f"reply without token ids (is it vLLM?): {reply.text[:200]}"
+                problem = f"unreadable reply: {reply.text[:200]}"
         attempts = self.retries + 1
         return TurnResponse(
             None, error=f"server error after {attempts} attempts ({problem})", retryable=True

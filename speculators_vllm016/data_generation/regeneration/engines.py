@@ -31,11 +31,13 @@ class TurnResponse:
 
     Tokens, not the engine's text: vLLM's incremental detokenizer holds back a trailing partial
     UTF-8 character at the end of a response, so its text can lose bytes that the tokens have;
-    `response_token_ids` and the tokenizer decode what was generated in full.
+    `response_token_ids` and the tokenizer decode what was generated in full. A server other
+    than vLLM returns no token ids; its text is taken as it is.
     """
 
     token_ids: list[int] | None
     finish_reason: str | None = None  # "stop" (end of turn) or "length" (hit --max-tokens)
+    text: str | None = None  # a server that returns no token ids (not vLLM): its text
     error: str | None = None
     retryable: bool = False  # a server failure a later run may try again
 

@@ -148,10 +148,12 @@ def regenerate_rows(
             requests.append(TurnRequest(ids, turn_seed(options.sampling.seed, row.row, turn)))
         responses = engine.respond(requests, options.sampling)
         for (row, position), response in zip(asked, responses, strict=True):
-            if response.token_ids is None:
+            if response.error is not None:
                 failed[row] = (f"assistant turn {turn}: {response.error}", response.retryable)
                 continue
-            text = tokenizer.decode(response.token_ids, skip_special_tokens=False)
+            text = response.text
+            if response.token_ids is not None:
+                text = tokenizer.decode(response.token_ids, skip_special_tokens=False)
             answer = answer_of(text, options.reasoning)
             if answer is None:
                 failed[row] = (f"assistant turn {turn}: the thinking block never closed", False)
