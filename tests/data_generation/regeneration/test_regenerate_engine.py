@@ -252,13 +252,19 @@ def test_endpoint_output_equals_in_process_output(
     assert (remote / "failed.jsonl").read_text() == ""
 
 
-def _datagen_files(folder: Path) -> dict[str, bytes]:
-    """The sample files, token counts and manifest of a datagen folder, by relative path."""
-    return {
+def _datagen_files(folder: Path) -> dict[str, object]:
+    """The sample files, token counts and manifest of a datagen folder, by relative path.
+
+    The manifest's lines are compared as a set: writer threads append them as files finish.
+    """
+    files: dict[str, object] = {
         str(path.relative_to(folder)): path.read_bytes()
-        for pattern in ("data_*.pt", "token_freq/*", "manifest/*")
+        for pattern in ("data_*.pt", "token_freq/*")
         for path in sorted(folder.glob(pattern))
     }
+    for path in sorted(folder.glob("manifest/*")):
+        files[str(path.relative_to(folder))] = sorted(path.read_text().splitlines())
+    return files
 
 
 @pytest.mark.slow
