@@ -14,7 +14,6 @@ import re
 import shutil
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -173,9 +172,7 @@ def regenerate_rows(
 
 
 def run_regeneration(
-    options: RegenerateOptions,
-    engine: ResponseEngine | None = None,
-    on_chunk: Callable[[int], None] | None = None,
+    options: RegenerateOptions, engine: ResponseEngine | None = None
 ) -> RegenerateSummary:
     """Run (or resume) one shard of a regeneration job. `engine`: one already started (tests
     share one); None starts the one the options name. Checks that need no engine run before
@@ -216,7 +213,7 @@ def run_regeneration(
                 engine = start_engine(options)
             if must_record:
                 folder.record_job(job)
-            _regenerate_todo(engine, tokenizer, todo, options, folder, on_chunk)
+            _regenerate_todo(engine, tokenizer, todo, options, folder)
             summary = _finish(folder, mine, options)
     except BaseException:
         if created and not folder.log_path.exists():
@@ -258,7 +255,7 @@ def chunks_to_generate(
     return todo
 
 
-def _regenerate_todo(engine, tokenizer, todo, options, folder, on_chunk) -> None:
+def _regenerate_todo(engine, tokenizer, todo, options, folder) -> None:
     from tqdm import tqdm
 
     with tqdm(
@@ -270,8 +267,6 @@ def _regenerate_todo(engine, tokenizer, todo, options, folder, on_chunk) -> None
         for number, chunk in todo:
             folder.log_chunk(number, regenerate_rows(engine, tokenizer, chunk, options))
             progress.update(len(chunk))
-            if on_chunk is not None:
-                on_chunk(progress.n)
 
 
 def _finish(
