@@ -202,3 +202,43 @@ def test_a_rerun_generates_exactly_the_chunks_the_log_lacks(tiny_llama, tmp_path
     summary = run_regeneration(options, engine)
     assert len(engine.prompts) == 1 and "alone" in engine.prompts[0]  # row 1's one turn
     assert summary.regenerated == 1 and summary.already_done == 1
+
+
+THINKING_TEMPLATE = (
+    "{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>"
+    "{{ message['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>"
+    "{% if thinking is defined and not thinking %}<think></think>{% else %}<think>{% endif %}"
+    "{% endif %}"
+)
+
+
+def test_template_kwargs_reach_the_prompt_and_reasoning_is_dropped(tiny_llama, tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "thinking_model"
+    shutil.copytree(tiny_llama, model)
+    (model / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+
+    class Thinker(ScriptedEngine):
+        def respond(self, requests, sampling):
+            for request in requests:
+                self.prompts.append(self.tokenizer.decode(request.prompt_token_ids))
+            text = "<think>the sea is wide</think>\n\nWaves."
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            return [TurnResponse(ids, finish_reason="stop") for _ in requests]
+
+    options = _options(model, tmp_path, chat_template_kwargs={"thinking": False})
+    engine = Thinker(tokenizer)
+    run_regeneration(options, engine)
+    assert all(prompt.endswith("<think></think>") for prompt in engine.prompts)
+    kept = _lines(tmp_path / "out" / "conversations.jsonl")[1]["messages"][1]["content"]
+    assert kept == "<think>the sea is wide</think>\n\nWaves."
+    dropped = tmp_path / "dropped"
+    run_regeneration(
+        _options(model, tmp_path, output_dir=str(dropped), reasoning="drop"), Thinker(tokenizer)
+    )
+    assert _lines(dropped / "conversations.jsonl")[1]["messages"][1]["content"] == "Waves."
