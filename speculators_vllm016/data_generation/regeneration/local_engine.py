@@ -24,6 +24,7 @@ from speculators_vllm016.data_generation.regeneration.engines import (
 from speculators_vllm016.data_generation.regeneration.options import (
     RegenerateOptions,
     SamplingOptions,
+    refuse_beyond_model_context,
 )
 
 __all__ = ["LocalEngine", "sampling_params"]
@@ -61,6 +62,7 @@ class LocalEngine:
         config_dict, _ = PretrainedConfig.get_config_dict(
             options.target_model_path, trust_remote_code=options.trust_remote_code
         )
+        refuse_beyond_model_context(options.resolved_max_model_len, config_dict)
         world_size = options.tensor_parallel_size * options.pipeline_parallel_size
         defaults = (
             cpu_defaults_applied(world_size, config_dict) if is_cpu_platform() else nullcontext({})

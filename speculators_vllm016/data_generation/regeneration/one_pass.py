@@ -19,7 +19,10 @@ from speculators_vllm016.data_generation.engine_sampling import capture_paused
 from speculators_vllm016.data_generation.offline import run_datagen, start_generator
 from speculators_vllm016.data_generation.preflight import inspect_model
 from speculators_vllm016.data_generation.regeneration.capture_engine import GeneratorEngine
-from speculators_vllm016.data_generation.regeneration.options import RegenerateOptions
+from speculators_vllm016.data_generation.regeneration.options import (
+    RegenerateOptions,
+    refuse_beyond_model_context,
+)
 from speculators_vllm016.data_generation.regeneration.run import (
     RegenerateSummary,
     run_regeneration,
@@ -64,6 +67,7 @@ def run_datagen_regenerating(
     facts = inspect_model(
         engine.target_model_path, options.output.layer_ids, engine.trust_remote_code
     )
+    refuse_beyond_model_context(engine.max_model_len, facts.config_dict)
     generator = start_generator(options, facts)
     try:
         with capture_paused(generator):

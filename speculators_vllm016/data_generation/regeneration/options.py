@@ -17,6 +17,7 @@ __all__ = [
     "RegenerateOptions",
     "SamplingOptions",
     "parse_template_kwargs",
+    "refuse_beyond_model_context",
 ]
 
 REASONING_MODES = ("keep", "drop")
@@ -132,6 +133,20 @@ class RegenerateOptions:
             raise ValueError(
                 f"--endpoint must be an http:// or https:// URL, got {self.endpoint!r}"
             )
+
+
+def refuse_beyond_model_context(max_model_len: int, config_dict: dict[str, Any]) -> None:
+    """A context longer than the model's (no RoPE scaling to stretch it) refused in one line
+    naming the flags, before vLLM refuses it in a validation error that names neither."""
+    from speculators_vllm016.utils.text_config import text_config_of
+
+    text = text_config_of(config_dict)
+    limit = text.get("max_position_embeddings")
+    if isinstance(limit, int) and not text.get("rope_scaling") and max_model_len > limit:
+        raise ValueError(
+            f"the engine context of {max_model_len} tokens (--max-prompt-tokens + --max-tokens, "
+            f"or --max-model-len) is longer than the model's {limit}; lower them"
+        )
 
 
 def parse_template_kwargs(text: str | None) -> dict[str, Any]:

@@ -190,6 +190,12 @@ def test_user_mistakes_are_one_line_before_anything_is_written(tiny_llama, tmp_p
         error = _error_lines(capsys)
         assert len(error) == 1 and words in error[0], error
     assert not (tmp_path / "out").exists()
+    # Found when the engine is about to start (the model's config): the folder is removed again.
+    data = _options(tiny_llama, tmp_path).train_data_path
+    assert main([*base, "--train-data-path", data, "--max-prompt-tokens", "1020"]) == 2
+    error = _error_lines(capsys)
+    assert len(error) == 1 and "longer than the model's 1024" in error[0], error
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_rerun_generates_exactly_the_chunks_the_log_lacks(tiny_llama, tmp_path, tokenizer):
