@@ -45,6 +45,14 @@ def datagen(ctx: typer.Context) -> None:
 
 
 @app.command(context_settings=_PASSTHROUGH, add_help_option=False)
+def regenerate(ctx: typer.Context) -> None:
+    """Answer the chat data's assistant turns with the target itself (on-policy data). See `regenerate --help`."""
+    from speculators_vllm016.cli.regenerate import main
+
+    raise typer.Exit(main(ctx.args))
+
+
+@app.command(context_settings=_PASSTHROUGH, add_help_option=False)
 def demo(ctx: typer.Context) -> None:
     """The whole job on a tiny local model, offline: data, draft, measured acceptance. See `demo --help`."""
     from speculators_vllm016.demo.cli import main

@@ -10,6 +10,10 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from speculators_vllm016.cli.regeneration_flags import (
+    add_regeneration_arguments,
+    sampling_from_args,
+)
 from speculators_vllm016.data_generation.options import DTYPES, DatagenOptions
 from speculators_vllm016.data_generation.vllm_logging import keep_vllm_quiet
 from speculators_vllm016.utils.command_errors import EXIT_STOPPED, report_errors
@@ -211,6 +215,21 @@ def build_parser(prog: str = "speculators datagen") -> argparse.ArgumentParser:
     )
     output.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_ray_arguments(parser.add_argument_group("Ray (all shards from one command)"))
+    regeneration = parser.add_argument_group(
+        "regeneration (one engine load: answer the turns with the target, then extract)"
+    )
+    regeneration.add_argument(
+        "--regenerate",
+        action="store_true",
+        help="first replace every assistant turn by the target's own response (as `speculators "
+        "regenerate` does), then extract the regenerated conversations",
+    )
+    regeneration.add_argument(
+        "--regenerate-dir",
+        default=None,
+        help="folder of the regenerated conversations; None: <output-dir>/regenerated",
+    )
+    add_regeneration_arguments(regeneration, seed_flag="--regenerate-seed")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     parser.add_argument(
         "--verbose",
@@ -223,6 +242,33 @@ def build_parser(prog: str = "speculators datagen") -> argparse.ArgumentParser:
 def options_from_args(args: argparse.Namespace) -> DatagenOptions:
     """Datagen's parsed flags as options (`DatagenOptions.from_args`, which train's --online uses too)."""
     return DatagenOptions.from_args(args)
+
+
+def regeneration_options(args: argparse.Namespace):
+    """The `--regenerate` half of a datagen command, as `speculators regenerate` options."""
+    from speculators_vllm016.data_generation.regeneration.one_pass import default_regenerate_dir
+    from speculators_vllm016.data_generation.regeneration.options import (
+        RegenerateOptions,
+        parse_template_kwargs,
+    )
+
+    return RegenerateOptions(
+        target_model_path=args.target_model_path,
+        train_data_path=args.train_data_path,
+        output_dir=args.regenerate_dir or default_regenerate_dir(args.output_dir),
+        sampling=sampling_from_args(args),
+        chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs),
+        reasoning=args.reasoning,
+        tool_rows=args.tool_rows,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_samples=args.max_samples,
+        batch_size=args.batch_size,
+        trust_remote_code=args.trust_remote_code,
+        hf_cache_dir=args.hf_cache_dir,
+        num_preprocessing_workers=args.num_preprocessing_workers,
+        fsync=args.fsync,
+        show_progress=not args.no_progress,
+    )
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "speculators datagen") -> int:
@@ -238,7 +284,17 @@ def main(argv: Sequence[str] | None = None, prog: str = "speculators datagen") -
     def run() -> int:
         if args.ray_address is not None:
             return run_on_ray(args)
-        summary = run_datagen(options_from_args(args))
+        if args.regenerate:
+            from speculators_vllm016.data_generation.regeneration.one_pass import (
+                run_datagen_regenerating,
+            )
+
+            regenerated, summary = run_datagen_regenerating(
+                options_from_args(args), regeneration_options(args)
+            )
+            print(f"Regenerated: {regenerated.describe()}")
+        else:
+            summary = run_datagen(options_from_args(args))
         print(f"Done: {summary.describe()}")
         print(f"SUMMARY {summary_json(summary)}")
         return 0

@@ -41,6 +41,7 @@ __all__ = [
     "EngineSettings",
     "HiddenStatesEngine",
     "build_engine",
+    "setup_capture",
     "shutdown_engine",
 ]
 
@@ -182,7 +183,7 @@ def _build(engine_args: Any, settings: EngineSettings) -> HiddenStatesEngine:
         scheduler, block_hasher, num_kv_blocks, kv_block_size = _init_scheduler(
             vllm_config, executor
         )
-        setup = _setup_capture(executor, layer_ids, num_hidden_layers, hidden_size, dtype, transfer)
+        setup = setup_capture(executor, layer_ids, num_hidden_layers, hidden_size, dtype, transfer)
     except BaseException:
         shutdown_engine(executor, transfer)
         raise
@@ -266,7 +267,7 @@ def _init_scheduler(config: Any, executor: Any) -> tuple[Any, Any, int, int]:
     return scheduler, block_hasher, scheduler_kv_cache_config.num_blocks, block_size
 
 
-def _setup_capture(
+def setup_capture(
     executor: Any,
     layer_ids: list[int],
     num_hidden_layers: int,

@@ -16,6 +16,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from speculators_vllm016.utils.json_lines import JsonLinesAppender
+
 __all__ = [
     "MANIFEST_DIR",
     "ManifestWriter",
@@ -75,44 +77,15 @@ def read_manifest(data_dir: str | os.PathLike) -> dict[str, SampleRecord]:
     return records
 
 
-class ManifestWriter:
+class ManifestWriter(JsonLinesAppender):
     """Appends records to one shard's manifest, one flushed line each (thread-safe appends).
 
     A torn last line left by a crash is ended with a newline first, so the next record starts on
     a line of its own.
     """
 
-    def __init__(self, path: str | os.PathLike, fsync: bool = False) -> None:
-        import threading
-
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fsync = fsync
-        self._lock = threading.Lock()
-        self._handle = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 - open while the log lives
-        self._handle.seek(0, os.SEEK_END)
-        if self._handle.tell() > 0:
-            self._handle.seek(self._handle.tell() - 1)
-            last = self._handle.read(1)
-            if last != "\n":
-                self._handle.write("\n")
-                self._handle.flush()
-
-    def append(self, record: SampleRecord) -> None:
-        line = json.dumps(asdict(record), separators=(",", ":")) + "\n"
-        with self._lock:
-            self._handle.write(line)
-            self._handle.flush()
-            if self.fsync:
-                os.fsync(self._handle.fileno())
-
-    def close(self) -> None:
-        with self._lock:
-            if not self._handle.closed:
-                self._handle.close()
+    def append(self, record: SampleRecord) -> None:  # type: ignore[override]
+        super().append(asdict(record))
 
     def __enter__(self) -> ManifestWriter:
         return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()

@@ -144,11 +144,12 @@ def start_generator(options: DatagenOptions, facts: ModelFacts, generator_class=
         raise
 
 
-def run_datagen(options: DatagenOptions) -> DatagenSummary:
+def run_datagen(options: DatagenOptions, generator: Any = None) -> DatagenSummary:
     """Run (or resume) one shard of a datagen job; returns what was done.
 
     Every check that needs no engine runs before anything is written. A folder this call created
-    is removed again when the run fails before writing a sample.
+    is removed again when the run fails before writing a sample. `generator`: an engine already
+    started for these options (`datagen --regenerate` generated with it); the caller closes it.
     """
     options.validate()
     engine, output = options.engine, options.output
@@ -167,7 +168,7 @@ def run_datagen(options: DatagenOptions) -> DatagenSummary:
         with folder:
             folder.lock()
             folder.open_slot()
-            return _run_locked(options, facts, folder, started)
+            return _run_locked(options, facts, folder, started, generator)
     except BaseException:
         if created and not has_sample_files(folder.path):
             shutil.rmtree(folder.path, ignore_errors=True)
@@ -175,7 +176,11 @@ def run_datagen(options: DatagenOptions) -> DatagenSummary:
 
 
 def _run_locked(
-    options: DatagenOptions, facts: ModelFacts, folder: DatagenFolder, started: float
+    options: DatagenOptions,
+    facts: ModelFacts,
+    folder: DatagenFolder,
+    started: float,
+    generator: Any = None,
 ) -> DatagenSummary:
     from speculators_vllm016.data_generation.vllm_hidden_states_generator import (
         VllmHiddenStatesGenerator,
@@ -204,6 +209,7 @@ def _run_locked(
         started=started,
         skipped_rows=preprocessed.skipped_rows,
         generator_class=VllmHiddenStatesGenerator,
+        started_generator=generator,
     ).run()
 
 
@@ -227,6 +233,7 @@ class ShardExtraction:
     started: float  # perf_counter() at the run's start, for the summary
     skipped_rows: int = 0  # chat rows preprocessing dropped
     generator_class: Any = None  # None: VllmHiddenStatesGenerator
+    started_generator: Any = None  # one the caller started (and closes); None: start one
     # (dtype, width) of the kept files' hidden states -> one file of each (`present` fills it)
     kept_signatures: dict = field(default_factory=dict)
 
@@ -280,7 +287,9 @@ class ShardExtraction:
         generator = None
         try:
             if todo:
-                generator = start_generator(options, self.facts, self.generator_class)
+                generator = self.started_generator or start_generator(
+                    options, self.facts, self.generator_class
+                )
                 # Kept files made otherwise (another dtype) would leave the folder mixed.
                 folder.refuse_other_tensors(
                     self.kept_signatures, getattr(generator, "dtype", None), self.facts.hidden_size
@@ -307,7 +316,7 @@ class ShardExtraction:
                 extraction_seconds = time.perf_counter() - extraction_started
             folder.write_data_config(generator, options, len(self.dataset))
         finally:
-            if generator is not None:
+            if generator is not None and generator is not self.started_generator:
                 generator.close()
         return DatagenSummary(
             output_dir=str(folder.path),

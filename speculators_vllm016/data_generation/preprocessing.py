@@ -36,6 +36,7 @@ __all__ = [
     "build_eagle3_dataset",
     "load_and_preprocess",
     "load_and_preprocess_dataset",
+    "load_chat_tokenizer",
     "load_raw_dataset",
     "preprocess_conversations",
 ]
@@ -392,30 +393,14 @@ def load_and_preprocess_dataset(
     return result.dataset, result.tokenizer
 
 
-def load_and_preprocess(
-    target_model_path: str,
-    train_data_path: str,
-    seq_length: int,
-    build_dataset_num_proc: int = 8,
-    seed: int = 0,
-    max_samples: int | None = None,
-    token_freq_path: str | None = "./token_freq.pt",
-    cache_dir: str | None = None,
-    assistant_pattern: str | None = None,
-    turn_dropout: bool = False,
-    trust_remote_code: bool = False,
-) -> PreprocessResult:
-    """Load, shuffle (by `seed`), cap at `max_samples`, tokenize; save token frequencies.
+def load_chat_tokenizer(target_model_path: str, trust_remote_code: bool = False):
+    """The target's tokenizer, with a pad token and a chat template (refused without one).
 
-    `token_freq_path=None` skips the counts (datagen writes them itself, once the run is
-    accepted). The model folder's own Python runs only with `trust_remote_code=True`.
+    A model that needs its own Python is named with the flag that allows it; any other failure
+    is one line naming the model.
     """
     from transformers import AutoTokenizer
 
-    from speculators_vllm016.data_generation.token_counts import (
-        count_trained_tokens,
-        save_token_counts,
-    )
     from speculators_vllm016.utils.verifier_config import remote_code_hint
 
     try:
@@ -435,6 +420,33 @@ def load_and_preprocess(
         raise InvalidInputError(
             f"the tokenizer of {target_model_path} has no chat template; a chat model is needed"
         )
+    return tokenizer
+
+
+def load_and_preprocess(
+    target_model_path: str,
+    train_data_path: str,
+    seq_length: int,
+    build_dataset_num_proc: int = 8,
+    seed: int = 0,
+    max_samples: int | None = None,
+    token_freq_path: str | None = "./token_freq.pt",
+    cache_dir: str | None = None,
+    assistant_pattern: str | None = None,
+    turn_dropout: bool = False,
+    trust_remote_code: bool = False,
+) -> PreprocessResult:
+    """Load, shuffle (by `seed`), cap at `max_samples`, tokenize; save token frequencies.
+
+    `token_freq_path=None` skips the counts (datagen writes them itself, once the run is
+    accepted). The model folder's own Python runs only with `trust_remote_code=True`.
+    """
+    from speculators_vllm016.data_generation.token_counts import (
+        count_trained_tokens,
+        save_token_counts,
+    )
+
+    tokenizer = load_chat_tokenizer(target_model_path, trust_remote_code)
     raw = _ensure_conversations(
         load_raw_dataset(train_data_path, build_dataset_num_proc, cache_dir)
     )

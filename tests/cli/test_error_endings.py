@@ -142,6 +142,15 @@ def test_every_command_ends_its_error_line_the_same_way(files, tmp_path):
             "--output-dir",
             str(tmp_path / "data"),
         ],
+        "regenerate": [
+            "regenerate",
+            "--target-model-path",
+            str(tmp_path / "no-model"),
+            "--train-data-path",
+            str(files / "chat.jsonl"),
+            "--output-dir",
+            str(tmp_path / "regenerated"),
+        ],
         "eval": [
             "eval",
             "--draft",

@@ -11,7 +11,16 @@ import sys
 
 import pytest
 
-COMMANDS = ["train", "datagen", "eval", "convert", "vocab-mapping", "gen-and-train", "demo"]
+COMMANDS = [
+    "train",
+    "datagen",
+    "regenerate",
+    "eval",
+    "convert",
+    "vocab-mapping",
+    "gen-and-train",
+    "demo",
+]
 HEAVY = ("torch", "vllm", "transformers")
 
 _PROBE = """

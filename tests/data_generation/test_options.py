@@ -46,7 +46,19 @@ def test_every_datagen_flag_lands_in_exactly_one_part():
     assert len(names) == len(set(names))
     flags = set(vars(args)) - {"debug", "no_progress", "verbose"}  # console-only flags
     flags -= {"ray_address", "ray_max_retries"}  # how the shards are started, not what they make
+    flags -= regeneration_flags()  # `--regenerate`'s own options (`RegenerateOptions`)
     assert flags == set(names) - {"show_progress"}
+
+
+def regeneration_flags() -> set[str]:
+    """The destinations of datagen's `--regenerate` flags, which make `RegenerateOptions`."""
+    import argparse
+
+    from speculators_vllm016.cli.regeneration_flags import add_regeneration_arguments
+
+    parser = argparse.ArgumentParser()
+    add_regeneration_arguments(parser, seed_flag="--regenerate-seed")
+    return set(vars(parser.parse_args([]))) | {"regenerate", "regenerate_dir"}
 
 
 def test_overrides_win_and_unknown_names_are_refused():

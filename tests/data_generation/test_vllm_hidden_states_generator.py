@@ -446,7 +446,7 @@ def test_failure_during_startup_leaves_no_worker(tiny_llama, monkeypatch):
         assert len(live_children()) >= 1  # the workers were running
         raise RuntimeError("injected start-up failure")
 
-    monkeypatch.setattr(engine_setup, "_setup_capture", broken_setup)
+    monkeypatch.setattr(engine_setup, "setup_capture", broken_setup)
     with pytest.raises(RuntimeError, match="injected start-up failure"):
         VllmHiddenStatesGenerator(str(tiny_llama), max_model_len=64, dtype="float32")
     assert wait_for_no_children() == []

@@ -1,0 +1,170 @@
+"""What a regeneration run is asked to do: sampling, chat template, limits, shards, engine.
+
+The fields are the flags of `speculators regenerate --help` without the dashes. Sampling fields
+left as None take the model's `generation_config.json` value, as `vllm serve` does, so the
+in-process engine and a server started on the same model sample alike.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from speculators_vllm016.utils.errors import InvalidInputError
+
+__all__ = [
+    "REASONING_MODES",
+    "TOOL_ROW_MODES",
+    "RegenerateOptions",
+    "SamplingOptions",
+    "parse_template_kwargs",
+    "refuse_beyond_model_context",
+]
+
+REASONING_MODES = ("keep", "drop")
+TOOL_ROW_MODES = ("skip", "keep")
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How each response is sampled; None: the model's generation config, else vLLM's default."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_tokens: int = 2048
+    seed: int = 0
+    """Each turn's own seed is drawn from (seed, row, turn), whatever batch the turn is in."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_tokens": self.max_tokens,
+            "seed": self.seed,
+        }
+
+
+@dataclass
+class RegenerateOptions:
+    """One regeneration job (one shard of it)."""
+
+    target_model_path: str
+    train_data_path: str
+    output_dir: str
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    reasoning: str = "keep"
+    """keep: the response as generated, thinking block included; drop: only what follows it."""
+    tool_rows: str = "skip"
+    """Rows with tool calls: skip (listed and counted) or keep (copied unchanged, counted)."""
+    max_prompt_tokens: int = 4096
+    max_samples: int | None = None
+    num_shards: int = 1
+    shard_index: int = 0
+    batch_size: int = 256
+    """Rows whose turns are generated together; a killed run loses at most these."""
+    endpoint: str | None = None
+    """Base URL of an OpenAI-compatible server; None: vLLM in this process."""
+    endpoint_model: str | None = None
+    concurrency: int = 64
+    request_timeout: float = 600.0
+    retries: int = 4
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    max_model_len: int | None = None
+    """None: max_prompt_tokens + max_tokens, so no response is cut short by the context."""
+    gpu_memory_utilization: float = 0.8
+    dtype: str = "auto"
+    max_num_seqs: int = 256
+    trust_remote_code: bool = False
+    hf_cache_dir: str | None = None
+    num_preprocessing_workers: int = 8
+    fsync: bool = False
+    show_progress: bool = True
+
+    @property
+    def resolved_max_model_len(self) -> int:
+        if self.max_model_len is not None:
+            return self.max_model_len
+        return self.max_prompt_tokens + self.sampling.max_tokens
+
+    def validate(self) -> None:
+        """Every check the flags alone allow; a ValueError names the flag and what it needs."""
+        sampling = self.sampling
+        for flag, value in (
+            ("--max-tokens", sampling.max_tokens),
+            ("--max-prompt-tokens", self.max_prompt_tokens),
+            ("--max-samples", self.max_samples),
+            ("--num-shards", self.num_shards),
+            ("--batch-size", self.batch_size),
+            ("--concurrency", self.concurrency),
+            ("--tensor-parallel-size", self.tensor_parallel_size),
+            ("--pipeline-parallel-size", self.pipeline_parallel_size),
+            ("--max-num-seqs", self.max_num_seqs),
+            ("--num-preprocessing-workers", self.num_preprocessing_workers),
+        ):
+            if value is not None and value < 1:
+                raise InvalidInputError(f"{flag} must be at least 1, got {value}")
+        if not 0 <= self.shard_index < self.num_shards:
+            raise InvalidInputError(
+                f"--shard-index must be in [0, {self.num_shards}), got {self.shard_index}"
+            )
+        if sampling.temperature is not None and sampling.temperature < 0:
+            raise InvalidInputError(f"--temperature must be 0 or more, got {sampling.temperature}")
+        if sampling.top_p is not None and not 0 < sampling.top_p <= 1:
+            raise InvalidInputError(f"--top-p must be in (0, 1], got {sampling.top_p}")
+        if sampling.top_k is not None and sampling.top_k < -1:
+            raise InvalidInputError(
+                f"--top-k must be -1 or 0 (off) or a count, got {sampling.top_k}"
+            )
+        if self.reasoning not in REASONING_MODES:
+            raise InvalidInputError(f"--reasoning must be one of {', '.join(REASONING_MODES)}")
+        if self.tool_rows not in TOOL_ROW_MODES:
+            raise InvalidInputError(f"--tool-rows must be one of {', '.join(TOOL_ROW_MODES)}")
+        if self.retries < 0:
+            raise InvalidInputError(f"--retries must be 0 or more, got {self.retries}")
+        if self.request_timeout <= 0:
+            raise InvalidInputError(
+                f"--request-timeout must be positive, got {self.request_timeout}"
+            )
+        if self.resolved_max_model_len <= self.max_prompt_tokens:
+            raise InvalidInputError(
+                f"--max-model-len {self.max_model_len} leaves no room for a response after a "
+                f"prompt of --max-prompt-tokens {self.max_prompt_tokens}"
+            )
+        if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
+            raise InvalidInputError(
+                f"--endpoint must be an http:// or https:// URL, got {self.endpoint!r}"
+            )
+
+
+def refuse_beyond_model_context(max_model_len: int, config_dict: dict[str, Any]) -> None:
+    """A context longer than the model's (no RoPE scaling to stretch it) refused in one line
+    naming the flags, before vLLM refuses it in a validation error that names neither."""
+    from speculators_vllm016.utils.text_config import text_config_of
+
+    text = text_config_of(config_dict)
+    limit = text.get("max_position_embeddings")
+    if isinstance(limit, int) and not text.get("rope_scaling") and max_model_len > limit:
+        raise InvalidInputError(
+            f"the engine context of {max_model_len} tokens (--max-prompt-tokens + --max-tokens, "
+            f"or --max-model-len) is longer than the model's {limit}; lower them"
+        )
+
+
+def parse_template_kwargs(text: str | None) -> dict[str, Any]:
+    """`--chat-template-kwargs` as a dict; anything but a JSON object is refused in one line."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise InvalidInputError(
+            f"--chat-template-kwargs is not JSON ({error.msg}): {text!r}"
+        ) from None
+    if not isinstance(value, dict):
+        raise InvalidInputError(f"--chat-template-kwargs must be a JSON object, got {text!r}")
+    return value

@@ -1,0 +1,250 @@
+"""The round logic of a regeneration run, with a scripted engine (pure logic; the real engine is
+tested in test_regenerate_engine.py): order of turns, failures listed, resume, refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from speculators_vllm016.cli.regenerate import main
+from speculators_vllm016.data_generation.regeneration.engines import TurnResponse
+from speculators_vllm016.data_generation.regeneration.options import (
+    RegenerateOptions,
+    SamplingOptions,
+)
+from speculators_vllm016.data_generation.regeneration.run import run_regeneration
+
+ROWS = [
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "first question"},
+            {"role": "assistant", "content": "ORIGINAL one"},
+            {"role": "user", "content": "second question"},
+            {"role": "assistant", "content": "ORIGINAL two"},
+        ]
+    },
+    {"conversations": [{"from": "human", "value": "alone"}, {"from": "gpt", "value": "ORIGINAL"}]},
+    {
+        "messages": [
+            {"role": "user", "content": "use the tool"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "t"}]},
+            {"role": "tool", "content": "42"},
+            {"role": "assistant", "content": "It is 42"},
+        ]
+    },
+]
+
+
+class ScriptedEngine:
+    """Answers each turn with a name of its own and the prompt it saw (decoded)."""
+
+    def __init__(self, tokenizer, fail_rows_containing: str | None = None):
+        self.tokenizer = tokenizer
+        self.prompts: list[str] = []
+        self.fail = fail_rows_containing
+
+    def respond(self, requests, sampling):
+        answers = []
+        for request in requests:
+            prompt = self.tokenizer.decode(request.prompt_token_ids)
+            self.prompts.append(prompt)
+            if self.fail and self.fail in prompt:
+                answers.append(TurnResponse(None, error="HTTP 503", retryable=True))
+            else:
+                answers.append(
+                    TurnResponse(
+                        self.tokenizer.encode(
+                            f"ANSWER{len(self.prompts)}", add_special_tokens=False
+                        ),
+                        finish_reason="length",
+                    )
+                )
+        return answers
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def tokenizer(tiny_llama: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llama)
+
+
+def _options(tiny_llama: Path, tmp_path: Path, **changes) -> RegenerateOptions:
+    data = tmp_path / "chat.jsonl"
+    if not data.exists():
+        data.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    fields = {
+        "target_model_path": str(tiny_llama),
+        "train_data_path": str(data),
+        "output_dir": str(tmp_path / "out"),
+        "sampling": SamplingOptions(temperature=0.0, max_tokens=8),
+        "num_preprocessing_workers": 1,
+        "show_progress": False,
+    }
+    fields.update(changes)
+    return RegenerateOptions(**fields)
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _error_lines(capsys) -> list[str]:
+    """The lines of stderr that report an error (progress bars of the data loader aside)."""
+    return [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+
+
+def test_turn_k_is_asked_after_the_regenerated_turns_before_it(tiny_llama, tmp_path, tokenizer):
+    engine = ScriptedEngine(tokenizer)
+    summary = run_regeneration(_options(tiny_llama, tmp_path), engine=engine)
+    rows = _lines(tmp_path / "out" / "conversations.jsonl")
+    assert [row["row"] for row in rows] == [0, 1]
+    first = rows[0]["messages"]
+    # System and user turns kept; each assistant turn replaced.
+    assert [m["content"] for m in first] == [
+        "Be brief.",
+        "first question",
+        "ANSWER1",
+        "second question",
+        "ANSWER3",
+    ]
+    # Round 0 asked both rows' first turns together; round 1's prompt holds round 0's answer.
+    assert "ANSWER1" in engine.prompts[2] and "ORIGINAL" not in engine.prompts[2]
+    assert not any("ORIGINAL" in prompt for prompt in engine.prompts)
+    failed = _lines(tmp_path / "out" / "failed.jsonl")
+    assert failed == [{"row": 2, "reason": "has tool calls"}]
+    assert summary.tool_rows == 1 and summary.failed == 1 and summary.regenerated == 2
+
+
+def test_tool_rows_kept_unchanged(tiny_llama, tmp_path, tokenizer):
+    run_regeneration(_options(tiny_llama, tmp_path, tool_rows="keep"), ScriptedEngine(tokenizer))
+    rows = _lines(tmp_path / "out" / "conversations.jsonl")
+    assert rows[2] == {"row": 2, "messages": ROWS[2]["messages"]}
+    assert _lines(tmp_path / "out" / "failed.jsonl") == []
+
+
+def test_failed_rows_listed_and_server_failures_retried_by_a_rerun(tiny_llama, tmp_path, tokenizer):
+    options = _options(tiny_llama, tmp_path, max_prompt_tokens=24)
+    summary = run_regeneration(options, ScriptedEngine(tokenizer, fail_rows_containing="alone"))
+    failed = {row["row"]: row["reason"] for row in _lines(tmp_path / "out" / "failed.jsonl")}
+    assert "over --max-prompt-tokens 24" in failed[0]
+    assert failed[1] == "assistant turn 0: HTTP 503"
+    assert summary.failed == 3
+    # The rerun asks again only for the row the server failed.
+    engine = ScriptedEngine(tokenizer)
+    summary = run_regeneration(options, engine)
+    assert len(engine.prompts) == 1 and "alone" in engine.prompts[0]
+    assert [row["row"] for row in _lines(tmp_path / "out" / "conversations.jsonl")] == [1]
+    assert summary.regenerated == 1 and summary.already_done == 1
+
+
+def test_rerun_generates_nothing_and_writes_the_same_bytes(tiny_llama, tmp_path, tokenizer):
+    options = _options(tiny_llama, tmp_path)
+    run_regeneration(options, ScriptedEngine(tokenizer))
+    before = (tmp_path / "out" / "conversations.jsonl").read_bytes()
+    # A torn last line (a kill during the append) is skipped, not read as a row.
+    log = next((tmp_path / "out" / "rows").glob("*.jsonl"))
+    with open(log, "a") as handle:
+        handle.write('{"row": 1, "messa')
+    engine = ScriptedEngine(tokenizer)
+    summary = run_regeneration(options, engine)
+    assert engine.prompts == [] and summary.regenerated == 0 and summary.already_done == 2
+    assert (tmp_path / "out" / "conversations.jsonl").read_bytes() == before
+
+
+def test_another_job_in_the_same_folder_is_refused_in_one_line(
+    tiny_llama, tmp_path, tokenizer, capsys
+):
+    options = _options(tiny_llama, tmp_path)
+    run_regeneration(options, ScriptedEngine(tokenizer))
+    listing = sorted(p.name for p in (tmp_path / "out").rglob("*"))
+    code = main(
+        [
+            "--target-model-path", str(tiny_llama),
+            "--train-data-path", options.train_data_path,
+            "--output-dir", options.output_dir,
+            "--temperature", "0.7",
+        ]
+    )  # fmt: skip
+    error = _error_lines(capsys)
+    assert code == 2 and len(error) == 1
+    assert "holds another regeneration job" in error[0] and "temperature" in error[0]
+    assert sorted(p.name for p in (tmp_path / "out").rglob("*")) == listing
+
+
+def test_user_mistakes_are_one_line_before_anything_is_written(tiny_llama, tmp_path, capsys):
+    base = ["--target-model-path", str(tiny_llama), "--output-dir", str(tmp_path / "out")]
+    for extra, words in (
+        (["--train-data-path", str(tmp_path / "missing.jsonl")], "no data file"),
+        (["--train-data-path", "x.jsonl", "--chat-template-kwargs", "[1]"], "JSON object"),
+        (["--train-data-path", "x.jsonl", "--max-tokens", "0"], "--max-tokens"),
+        (["--train-data-path", "x.jsonl", "--endpoint", "localhost:8000"], "--endpoint"),
+    ):
+        assert main(base + extra) == 2
+        error = _error_lines(capsys)
+        assert len(error) == 1 and words in error[0], error
+    assert not (tmp_path / "out").exists()
+    # Found when the engine is about to start (the model's config): the folder is removed again.
+    data = _options(tiny_llama, tmp_path).train_data_path
+    assert main([*base, "--train-data-path", data, "--max-prompt-tokens", "1020"]) == 2
+    error = _error_lines(capsys)
+    assert len(error) == 1 and "longer than the model's 1024" in error[0], error
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_rerun_generates_exactly_the_chunks_the_log_lacks(tiny_llama, tmp_path, tokenizer):
+    options = _options(tiny_llama, tmp_path, batch_size=1)
+    run_regeneration(options, ScriptedEngine(tokenizer))
+    log = next((tmp_path / "out" / "rows").glob("*.jsonl"))
+    first_chunk = log.read_text().splitlines()[0]
+    log.write_text(first_chunk + "\n")  # killed after the first chunk of one row
+    engine = ScriptedEngine(tokenizer)
+    summary = run_regeneration(options, engine)
+    assert len(engine.prompts) == 1 and "alone" in engine.prompts[0]  # row 1's one turn
+    assert summary.regenerated == 1 and summary.already_done == 1
+
+
+THINKING_TEMPLATE = (
+    "{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>"
+    "{{ message['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>"
+    "{% if thinking is defined and not thinking %}<think></think>{% else %}<think>{% endif %}"
+    "{% endif %}"
+)
+
+
+def test_template_kwargs_reach_the_prompt_and_reasoning_is_dropped(tiny_llama, tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "thinking_model"
+    shutil.copytree(tiny_llama, model)
+    (model / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+
+    class Thinker(ScriptedEngine):
+        def respond(self, requests, sampling):
+            for request in requests:
+                self.prompts.append(self.tokenizer.decode(request.prompt_token_ids))
+            text = "<think>the sea is wide</think>\n\nWaves."
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            return [TurnResponse(ids, finish_reason="stop") for _ in requests]
+
+    options = _options(model, tmp_path, chat_template_kwargs={"thinking": False})
+    engine = Thinker(tokenizer)
+    run_regeneration(options, engine)
+    assert all(prompt.endswith("<think></think>") for prompt in engine.prompts)
+    kept = _lines(tmp_path / "out" / "conversations.jsonl")[1]["messages"][1]["content"]
+    assert kept == "<think>the sea is wide</think>\n\nWaves."
+    dropped = tmp_path / "dropped"
+    run_regeneration(
+        _options(model, tmp_path, output_dir=str(dropped), reasoning="drop"), Thinker(tokenizer)
+    )
+    assert _lines(dropped / "conversations.jsonl")[1]["messages"][1]["content"] == "Waves."
