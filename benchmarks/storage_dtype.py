@@ -290,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             model["quality"] = train_and_eval(target, folders, root / name, args)
             print(name, "quality", json.dumps(model["quality"]["summary"]), flush=True)
         result["targets"][name] = model
+        Path(args.results_dir).mkdir(parents=True, exist_ok=True)
         stem = Path(args.results_dir) / f"storage-dtype-{result['date'].replace('-', '')}"
         stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
         stem.with_suffix(".md").write_text(markdown(result))
