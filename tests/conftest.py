@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,29 @@ def _hf_home(tmp_path_factory: pytest.TempPathFactory) -> None:
     home = tmp_path_factory.mktemp("hf_home")
     os.environ["HF_HOME"] = str(home)
     os.environ["HF_MODULES_CACHE"] = str(home / "modules")
+
+
+# The handlers the suite started with (Python's own Ctrl-C handler, the default SIGTERM).
+_SUITE_SIGNAL_HANDLERS = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _restore_suite_signal_handlers() -> None:
+    for sig, handler in _SUITE_SIGNAL_HANDLERS.items():
+        if handler is not None and signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """Each test runs with the SIGINT and SIGTERM handlers the suite started with.
+
+    Libraries started in process (vLLM's engine, Ray's driver, in tests or their shared
+    fixtures) install handlers of their own and leave them; a later test of Ctrl-C handling, or a
+    subprocess that inherits an ignored SIGINT, would then depend on which tests ran before it.
+    """
+    _restore_suite_signal_handlers()
+    yield
+    _restore_suite_signal_handlers()
 
 
 @pytest.fixture(scope="session")
