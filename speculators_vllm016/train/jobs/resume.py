@@ -22,6 +22,7 @@ from typing import Any
 
 from speculators_vllm016.train.checkpointer import CheckpointRef, TrainingState
 from speculators_vllm016.train.data import Eagle3SampleFileDataset
+from speculators_vllm016.train.loading.loader_contract import TrainingLoader
 
 __all__ = [
     "apply_resumed_settings",
@@ -44,10 +45,10 @@ SETTING_FLAGS = {
 logger = logging.getLogger("speculators")
 
 
-def training_data_digest(loader: Any) -> str | None:
+def training_data_digest(loader: TrainingLoader) -> str | None:
     """A hash of the training files' names and token counts, in order (the sampler's plans
-    depend on them); None when the loader's dataset does not list them."""
-    dataset = getattr(loader, "dataset", None)
+    depend on them); None when the loader's dataset is not a list of sample files."""
+    dataset = loader.dataset
     if not isinstance(dataset, Eagle3SampleFileDataset):
         return None
     digest = hashlib.sha256()
