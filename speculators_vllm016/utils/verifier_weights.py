@@ -40,6 +40,7 @@ __all__ = [
     "QuantizedVerifierWeight",
     "VerifierWeightNames",
     "VerifierWeights",
+    "fingerprint_of",
     "locate_verifier_weights",
     "read_verifier_weights",
     "verifier_fingerprint",
@@ -171,6 +172,19 @@ def fingerprint_of(weights: VerifierWeights) -> str:
 
 
 def verifier_fingerprint(path: str) -> str:
-    """The identity of the verifier at `path` (a folder or a hub id): `fingerprint_of` its
-    tensors, found by `read_verifier_weights` (plain, multimodal and Kimi-K2.5 layouts)."""
-    return fingerprint_of(read_verifier_weights(path))
+    """The identity of the verifier at `path` (a folder or a hub id): `fingerprint_of` its final
+    norm and LM head, found as `read_verifier_weights` finds them (plain, multimodal and
+    Kimi-K2.5 layouts). Only those two are read: the embeddings of a large vocabulary are
+    gigabytes (Kimi-K2.5: 2.3 GB), read once more when the draft copies them."""
+    located = locate_verifier_weights(path)
+    stored = set(checkpoint_tensor_names(path))
+    head_name = located.head if located.head in stored else located.embeddings  # tied
+    weights = load_model_layers([located.norm, head_name], path)
+    for name, tensor in weights.items():
+        _check_full_precision(path, name, tensor)
+    head = weights[head_name]
+    return fingerprint_of(
+        VerifierWeights(
+            embeddings=head, head=head, norm=weights.get(located.norm), norm_name=located.norm
+        )
+    )

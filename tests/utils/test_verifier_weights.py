@@ -3,13 +3,21 @@ its NVFP4 names, the INT4 release) and refused in one line when one of them is s
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
+from speculators_vllm016.utils import verifier_weights
 from speculators_vllm016.utils.verifier_weights import (
     QuantizedVerifierWeight,
+    fingerprint_of,
     locate_verifier_weights,
     read_verifier_weights,
+    verifier_fingerprint,
 )
 from tests.kimi_variants import int4_variant, without_inner_model
 
@@ -72,3 +80,42 @@ def test_full_precision_is_checked_on_the_tensors_read(tiny_deepseek_v3, tmp_pat
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(QuantizedVerifierWeight, match="LM head lm_head .*float8_e4m3fn"):
         read_verifier_weights(str(folder))
+
+
+def _tied_variant(model: Path, folder: Path) -> Path:
+    """`model` with its LM head removed and tied to the embeddings."""
+    shutil.copytree(model, folder)
+    for file in folder.glob("*.safetensors"):
+        tensors = {k: v for k, v in load_file(file).items() if k != "lm_head.weight"}
+        save_file(tensors, file, metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        content = json.loads(index.read_text())
+        content["weight_map"].pop("lm_head.weight", None)
+        index.write_text(json.dumps(content))
+    config = json.loads((folder / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("name", ["tiny_llama", "tiny_kimi_k25", "tied"])
+def test_the_fingerprint_reads_only_the_norm_and_the_head(name, request, tmp_path, monkeypatch):
+    """Same value as hashing everything `read_verifier_weights` reads (folders recorded before
+    keep matching), without reading the embeddings unless the head is tied to them."""
+    if name == "tied":
+        path = _tied_variant(request.getfixturevalue("tiny_llama"), tmp_path / "tied")
+    else:
+        path = request.getfixturevalue(name)
+    expected = fingerprint_of(read_verifier_weights(str(path)))
+    located = locate_verifier_weights(str(path))
+    asked: list[str] = []
+    real = verifier_weights.load_model_layers
+
+    def spy(names, model_path, **kwargs):
+        asked.extend(names)
+        return real(names, model_path, **kwargs)
+
+    monkeypatch.setattr(verifier_weights, "load_model_layers", spy)
+    assert verifier_fingerprint(str(path)) == expected
+    assert (located.embeddings in asked) == (name == "tied")
