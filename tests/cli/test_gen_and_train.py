@@ -72,6 +72,52 @@ def test_bad_flags_are_one_line_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--temperature", "0.6"], "--temperature: a regeneration flag, used only with --regen"),
+        (
+            ["--max-tokens", "64", "--regenerate-seed", "3"],
+            "--max-tokens, --regenerate-seed: regeneration flags, used only with --regenerate; "
+            "add --regenerate or leave them out",
+        ),
+        (["--regenerate", "--num-shards", "2"], "--regenerate runs unsharded"),
+        (["--regenerate", "--ray-address", "local"], "--regenerate runs in this process"),
+        (["--regenerate", "--regenerate-dir", "x"], "--regenerate-dir is set by gen-and-train"),
+        (["--regenerate", "--temperature", "-1"], "--temperature must be 0 or more, got -1.0"),
+        (["--regenerate", "--chat-template-kwargs", "[1]"], "must be a JSON object"),
+    ],
+)
+def test_regeneration_mistakes_are_one_line_errors_before_anything_is_written(
+    extra, message, tmp_path, capsys
+):
+    argv = ["--target-model-path", "model", "--train-data-path", "chat.jsonl"]
+    assert main([*argv, "--output-dir", str(tmp_path / "out"), *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_regenerate_flags_go_to_the_one_pass_run_into_data_regenerated():
+    plan = plan_from_argv(
+        BASE + ["--regenerate", "--temperature", "0.6", "--regenerate-seed", "5", "--epochs", "2"]
+    )
+    assert plan.regenerate is not None and plan.datagen.regenerate
+    assert plan.regenerate.output_dir == str(Path("out") / "data" / "regenerated")
+    assert plan.regenerate.sampling.temperature == 0.6 and plan.regenerate.sampling.seed == 5
+    assert plan.regenerate.sampling.max_tokens == 2048  # datagen --regenerate's default
+    assert plan.train.flat()["epochs"] == 2
+    assert plan_from_argv(BASE).regenerate is None
+
+
+def test_help_lists_the_regeneration_flags_with_datagens_defaults(capsys):
+    assert main(["--help"]) == 0
+    printed = capsys.readouterr().out
+    for flag in ("--regenerate ", "--temperature", "--regenerate-seed", "--reasoning {keep,drop}"):
+        assert flag in printed
+    assert "at most this many per turn (default: 2048)" in printed
+
+
 def test_a_draft_vocabulary_larger_than_the_targets_is_refused_before_datagen(
     tiny_llama, tmp_path, capsys, monkeypatch
 ):
