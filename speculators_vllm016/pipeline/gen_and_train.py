@@ -138,25 +138,35 @@ def check_vocab_sizes(plan: PipelinePlan) -> None:
         raise InvalidInputError(draft_vocab_too_large(plan.draft_vocab_size, size))
 
 
+def _own_checkpoints(plan: PipelinePlan) -> Path | None:
+    """The checkpoint folder when it lies inside the output folder (the default), apart from
+    data/ and vocab/; None where `--save-path` put it elsewhere, which is the user's to clear."""
+    checkpoints = Path(plan.train.checkpoint.save_path).resolve()
+    root = plan.root.resolve()
+    data = Path(plan.datagen.output_dir).resolve()
+    holds_the_rest = data.is_relative_to(checkpoints)  # e.g. --save-path is the output folder
+    if not checkpoints.is_relative_to(root) or holds_the_rest:
+        return None
+    return Path(plan.train.checkpoint.save_path)
+
+
 def _earlier_run_files(plan: PipelinePlan, data: Path) -> tuple[Path, ...]:
     """What a changed one-pass run removes: the checkpoints and maps made from the old rows,
     then the data folder, its record last (a crash midway keeps the record, so the next call
     removes the rest)."""
     done = data / DATAGEN_DONE
-    files = [plan.vocab_dir]
-    checkpoints = Path(plan.train.checkpoint.save_path)
-    if checkpoints.resolve().is_relative_to(plan.root.resolve()):
-        files.insert(0, checkpoints)
+    checkpoints = _own_checkpoints(plan)
+    files = ([] if checkpoints is None else [checkpoints]) + [plan.vocab_dir]
     if data.is_dir():
         files += sorted(path for path in data.iterdir() if path != done)
     return (*files, done)
 
 
 def _refuse_checkpoints_elsewhere(plan: PipelinePlan) -> None:
-    """Checkpoints outside the output folder (--save-path) are the user's to remove."""
+    """Checkpoints that are not the output folder's own (`--save-path`) are not removed: a
+    changed run is refused while that folder holds anything."""
     checkpoints = Path(plan.train.checkpoint.save_path)
-    inside = checkpoints.resolve().is_relative_to(plan.root.resolve())
-    if not inside and checkpoints.is_dir() and any(checkpoints.iterdir()):
+    if _own_checkpoints(plan) is None and checkpoints.is_dir() and any(checkpoints.iterdir()):
         raise InvalidInputError(
             f"--save-path {checkpoints} holds checkpoints trained on the earlier run's data; "
             "remove them or choose another --save-path"

@@ -220,11 +220,12 @@ def test_an_interrupted_one_pass_run_resumes_what_it_left(tmp_path, capsys, one_
     assert calls["one_pass"][1]["found"] == ["data/regenerated/conversations.jsonl"]  # kept
 
 
+@pytest.mark.parametrize("save", ["elsewhere", "out"])  # another folder; the output folder
 def test_checkpoints_outside_the_output_folder_are_not_removed_but_refused(
-    tmp_path, capsys, one_pass
+    save, tmp_path, capsys, one_pass
 ):
     calls, train, _ = one_pass
-    elsewhere = tmp_path / "elsewhere"
+    elsewhere = tmp_path / save
     argv = _argv(tmp_path / "out", "--regenerate", "--save-path", str(elsewhere))
     assert run_gen_and_train(plan_from_argv(argv), train) == 0
     checkpoint = _old_checkpoint(elsewhere)
