@@ -271,3 +271,16 @@ def test_a_mistake_in_the_changed_flags_is_refused_before_the_old_run_is_removed
     assert checkpoint.exists() and (tmp_path / "data" / DATAGEN_DONE).is_file()
     assert (tmp_path / "data" / "regenerated" / "conversations.jsonl").is_file()
     assert len(calls["one_pass"]) == 1
+
+
+def test_a_mistake_in_a_plain_run_after_a_regenerated_one_keeps_the_old_run(
+    tmp_path, capsys, one_pass
+):
+    calls, train, _ = one_pass
+    assert run_gen_and_train(plan_from_argv(_argv(tmp_path, "--regenerate")), train) == 0
+    checkpoint = _old_checkpoint(tmp_path / "checkpoints")
+    capsys.readouterr()
+    assert run_gen_and_train(plan_from_argv(_argv(tmp_path, "--max-samples", "0")), train) == 2
+    assert "--max-samples must be at least 1, got 0" in capsys.readouterr().err
+    assert checkpoint.exists() and (tmp_path / "data" / "regenerated").is_dir()
+    assert calls["datagen"] == []
