@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from speculators_vllm016.cli.regeneration_flags import (
     add_regeneration_arguments,
+    refuse_misplaced_regeneration_flags,
     sampling_from_args,
 )
 from speculators_vllm016.data_generation.options import DTYPES, DatagenOptions
@@ -26,6 +27,8 @@ __all__ = [
     "build_parser",
     "main",
     "options_from_args",
+    "refuse_misplaced_flags",
+    "regeneration_options",
 ]
 
 EPILOG = """\
@@ -244,6 +247,13 @@ def options_from_args(args: argparse.Namespace) -> DatagenOptions:
     return DatagenOptions.from_args(args)
 
 
+def refuse_misplaced_flags(args: argparse.Namespace) -> None:
+    """Regeneration flags without --regenerate, or --regenerate with shards: one-line errors."""
+    refuse_misplaced_regeneration_flags(
+        args, seed_flag="--regenerate-seed", extra={"regenerate_dir": "--regenerate-dir"}
+    )
+
+
 def regeneration_options(args: argparse.Namespace):
     """The `--regenerate` half of a datagen command, as `speculators regenerate` options."""
     from speculators_vllm016.data_generation.regeneration.one_pass import default_regenerate_dir
@@ -282,6 +292,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "speculators datagen") -
     )
 
     def run() -> int:
+        refuse_misplaced_flags(args)
         if args.ray_address is not None:
             return run_on_ray(args)
         if args.regenerate:

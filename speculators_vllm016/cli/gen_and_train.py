@@ -5,8 +5,10 @@ every other flag belongs to `speculators datagen` or `speculators train` and is 
 stage unchanged. Layout under --output-dir: `data/` (datagen), `vocab/{d2t,t2d}.npy`,
 `checkpoints/` (training). Run the same command again after a crash: datagen computes only missing
 samples, the maps are kept while their sizes match the flags, and training resumes from its newest
-checkpoint, ending bit-identical to an uninterrupted run. This module only parses the command
-line into a `PipelinePlan`; the stages are `pipeline.gen_and_train`'s.
+checkpoint, ending bit-identical to an uninterrupted run. With `--regenerate` (and datagen's
+regeneration flags) the target first answers the chat turns itself, in the same engine load as
+datagen (`data/regenerated/`). This module only parses the command line into a `PipelinePlan`;
+the stages are `pipeline.gen_and_train`'s.
 """
 
 from __future__ import annotations
@@ -16,10 +18,15 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from speculators_vllm016.pipeline.gen_and_train import PipelinePlan
 from speculators_vllm016.train.jobs.job_config import JobConfigError
 from speculators_vllm016.train.jobs.vocab_size_rule import draft_vocab_too_large
+from speculators_vllm016.utils.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from speculators_vllm016.data_generation.regeneration.options import RegenerateOptions
 
 __all__ = ["build_parser", "main", "plan_from_argv"]
 
@@ -30,7 +37,9 @@ def build_parser(prog: str = "speculators gen-and-train") -> argparse.ArgumentPa
         description=(
             "Generate hidden states, build the draft vocabulary maps and train an EAGLE-3 draft, "
             "each stage resumable. Any other flag of `speculators datagen --help` or "
-            "`speculators train --help` is passed to that stage."
+            "`speculators train --help` is passed to that stage; with datagen's --regenerate "
+            "(and its regeneration flags) the target first answers the chat turns itself, in "
+            "the same engine load as datagen."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         add_help=False,
@@ -95,6 +104,7 @@ def plan_from_argv(argv: Sequence[str]) -> PipelinePlan:
         "--verifier-name-or-path",
         "--d2t-path",
         "--t2d-path",
+        "--regenerate-dir",
     ):
         if flag in rest:
             raise SystemExit(
@@ -109,7 +119,9 @@ def plan_from_argv(argv: Sequence[str]) -> PipelinePlan:
         str(root / "data"),
         *shared,
     ]
-    datagen_args, rest = _strict(datagen_cli.build_parser()).parse_known_args(datagen_argv + rest)
+    datagen_parser = _strict(datagen_cli.build_parser())
+    datagen_args, rest = datagen_parser.parse_known_args(datagen_argv + rest)
+    regenerate = _regeneration_of(datagen_args)
     train_argv = [
         "--verifier-name-or-path",
         own.target_model_path,
@@ -141,7 +153,25 @@ def plan_from_argv(argv: Sequence[str]) -> PipelinePlan:
         draft_vocab_size=own.draft_vocab_size,
         target_vocab_size=own.target_vocab_size,
         debug=own.debug,
+        regenerate=regenerate,
+        datagen_defaults={name: datagen_parser.get_default(name) for name in vars(datagen_args)},
     )
+
+
+def _regeneration_of(datagen_args: argparse.Namespace) -> RegenerateOptions | None:
+    """The regeneration job of `--regenerate` (into `data/regenerated/`), its flags checked;
+    None without it (then no regeneration flag may be given)."""
+    from speculators_vllm016.cli import datagen as datagen_cli
+
+    try:
+        datagen_cli.refuse_misplaced_flags(datagen_args)
+        if not datagen_args.regenerate:
+            return None
+        regenerate = datagen_cli.regeneration_options(datagen_args)
+        regenerate.validate()
+    except InvalidInputError as error:
+        raise SystemExit(f"error: {error}") from None
+    return regenerate
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "speculators gen-and-train") -> int:
@@ -154,7 +184,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "speculators gen-and-tra
     if "-h" in argv or "--help" in argv:
         build_parser(prog).print_help()
         print(
-            "\n--- datagen stage (flags other than --target-model-path/--train-data-path/--output-dir) ---"
+            "\n--- datagen stage (flags other than --target-model-path/--train-data-path/--output-dir"
+            "/--regenerate-dir) ---"
         )
         datagen_cli.build_parser().print_help()
         print("\n--- training stage (data, maps and --save-path are set from --output-dir) ---")

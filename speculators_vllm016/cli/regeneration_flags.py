@@ -1,5 +1,6 @@
-"""The regeneration flags that `speculators regenerate` and `speculators datagen --regenerate`
-share: sampling, chat template, reasoning, tool rows, prompt cap."""
+"""The regeneration flags that `speculators regenerate`, `speculators datagen --regenerate` and
+`speculators gen-and-train --regenerate` share: sampling, chat template, reasoning, tool rows,
+prompt cap; and the check that they are given only where they are used."""
 
 from __future__ import annotations
 
@@ -10,8 +11,13 @@ from speculators_vllm016.data_generation.regeneration.options import (
     TOOL_ROW_MODES,
     SamplingOptions,
 )
+from speculators_vllm016.utils.errors import InvalidInputError
 
-__all__ = ["add_regeneration_arguments", "sampling_from_args"]
+__all__ = [
+    "add_regeneration_arguments",
+    "refuse_misplaced_regeneration_flags",
+    "sampling_from_args",
+]
 
 
 def add_regeneration_arguments(group, seed_flag: str = "--seed") -> None:
@@ -63,3 +69,40 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingOptions:
         max_tokens=args.max_tokens,
         seed=args.regenerate_seed,
     )
+
+
+def refuse_misplaced_regeneration_flags(
+    args: argparse.Namespace, seed_flag: str = "--seed", extra: dict[str, str] | None = None
+) -> None:
+    """A regeneration flag without `--regenerate` would be ignored, and `--regenerate` with
+    shards or Ray would be (the one-pass run is unsharded): both refused in one line.
+
+    `extra` names the command's own regeneration flags beyond the shared ones ({dest: flag}),
+    each unset (None) unless `--regenerate` is given.
+    """
+    if args.regenerate:
+        if getattr(args, "num_shards", 1) > 1:
+            raise InvalidInputError(
+                "--regenerate runs unsharded; for shards, run `speculators regenerate "
+                "--num-shards N` per machine, join its files, and pass them as --train-data-path"
+            )
+        if getattr(args, "ray_address", None) is not None:
+            raise InvalidInputError(
+                "--regenerate runs in this process; leave out --ray-address (for Ray shards, "
+                "run `speculators regenerate` first)"
+            )
+        return
+    shared = argparse.ArgumentParser(add_help=False)
+    add_regeneration_arguments(shared, seed_flag=seed_flag)
+    defaults = {
+        action.dest: (action.option_strings[0], action.default) for action in shared._actions
+    }
+    defaults.update({dest: (flag, None) for dest, flag in (extra or {}).items()})
+    given = [flag for dest, (flag, default) in defaults.items() if getattr(args, dest) != default]
+    if given:
+        what = "a regeneration flag" if len(given) == 1 else "regeneration flags"
+        them = "it" if len(given) == 1 else "them"
+        raise InvalidInputError(
+            f"{', '.join(given)}: {what}, used only with --regenerate; add --regenerate or "
+            f"leave {them} out"
+        )

@@ -1,24 +1,38 @@
 """The chain `speculators gen-and-train` runs: datagen, the vocabulary maps, training.
 
-Layout under the output folder: `data/` (datagen), `vocab/{d2t,t2d}.npy`, `checkpoints/`.
+Layout under the output folder: `data/` (datagen; with `--regenerate` the regenerated
+conversations in `data/regenerated/`), `vocab/{d2t,t2d}.npy`, `checkpoints/`.
 Each stage keeps the record it has always kept, so folders written by earlier versions resume:
 datagen's flags in `data/.datagen_done.json` once it finished (a data folder moved or copied
-elsewhere stays done; an unfinished one resumes in datagen itself), the maps' sizes in the maps
-themselves (kept while they match the flags and datagen did not run again), and none for
-training, which always starts and resumes from its newest checkpoint.
+elsewhere stays done; an unfinished one resumes in datagen itself; a flag the record lacks
+counts as its default), the maps' sizes in the maps themselves (kept while they match the flags
+and datagen did not run again), and none for training, which always starts and resumes from its
+newest checkpoint.
+
+With `--regenerate` the datagen stage is one pass (`run_datagen_regenerating`: one engine load
+answers the turns, then extracts them), and its record holds the regeneration flags too. When a
+finished one-pass run's flags change (or a plain run follows one), the stage starts over: the
+checkpoints, maps and data of the old rows are removed first, so nothing trained on them is
+resumed or mixed with the new rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from speculators_vllm016.pipeline.ledgers import DoneFile, NoRecord
-from speculators_vllm016.pipeline.runner import Rerun, Stage, StageEntry, StageRunner
+from speculators_vllm016.pipeline.runner import (
+    Rerun,
+    Stage,
+    StageEntry,
+    StageRunner,
+    changed_options,
+)
 from speculators_vllm016.train.jobs.vocab_size_rule import draft_vocab_too_large
 from speculators_vllm016.train.vocab_maps import (
     D2T_FILE,
@@ -31,6 +45,7 @@ from speculators_vllm016.utils.errors import InvalidInputError
 
 if TYPE_CHECKING:
     from speculators_vllm016.data_generation.offline import DatagenSummary
+    from speculators_vllm016.data_generation.regeneration.options import RegenerateOptions
     from speculators_vllm016.train.jobs.job_config import TrainJobConfig
 
 __all__ = [
@@ -38,6 +53,7 @@ __all__ = [
     "PipelinePlan",
     "STAGES",
     "TrainCommand",
+    "check_datagen_flags",
     "check_vocab_sizes",
     "datagen_stage",
     "run_datagen_stage",
@@ -76,17 +92,35 @@ class PipelinePlan:
     draft_vocab_size: int
     target_vocab_size: int | None
     debug: bool
+    regenerate: RegenerateOptions | None = None
+    """`--regenerate`: the target answers the turns first, in datagen's engine load."""
+    datagen_defaults: dict[str, Any] = field(default_factory=dict)
+    """Datagen's flag defaults, by name: what a record written before a flag existed meant."""
 
     @property
     def vocab_dir(self) -> Path:
         return self.root / "vocab"
 
 
-def _datagen_record(plan: PipelinePlan) -> dict:
+def _datagen_record(flags: Mapping[str, Any]) -> dict:
     # The folder itself is not recorded: a data folder moved or copied elsewhere stays done.
     skip = ("no_progress", "debug", "output_dir", "verbose")
-    values = {k: v for k, v in vars(plan.datagen).items() if k not in skip}
+    values = {k: v for k, v in flags.items() if k not in skip}
     return json.loads(json.dumps(values, default=str))
+
+
+def check_datagen_flags(plan: PipelinePlan) -> None:
+    """Before the datagen stage (which may first remove an earlier run): every check of its
+    flags and of the target's config that needs no engine."""
+    from speculators_vllm016.data_generation.options import DatagenOptions
+
+    options = DatagenOptions.from_args(plan.datagen)
+    if plan.regenerate is None:
+        options.validate()
+        return
+    from speculators_vllm016.data_generation.regeneration.one_pass import prepare_one_pass
+
+    prepare_one_pass(options, plan.regenerate)
 
 
 def check_vocab_sizes(plan: PipelinePlan) -> None:
@@ -104,28 +138,94 @@ def check_vocab_sizes(plan: PipelinePlan) -> None:
         raise InvalidInputError(draft_vocab_too_large(plan.draft_vocab_size, size))
 
 
+def _own_checkpoints(plan: PipelinePlan) -> Path | None:
+    """The checkpoint folder when it lies inside the output folder (the default), apart from
+    data/ and vocab/; None where `--save-path` put it elsewhere, which is the user's to clear."""
+    checkpoints = Path(plan.train.checkpoint.save_path).resolve()
+    root = plan.root.resolve()
+    data = Path(plan.datagen.output_dir).resolve()
+    holds_the_rest = data.is_relative_to(checkpoints)  # e.g. --save-path is the output folder
+    if not checkpoints.is_relative_to(root) or holds_the_rest:
+        return None
+    return Path(plan.train.checkpoint.save_path)
+
+
+def _earlier_run_files(plan: PipelinePlan, data: Path) -> tuple[Path, ...]:
+    """What a changed one-pass run removes: the checkpoints and maps made from the old rows,
+    then the data folder, its record last (a crash midway keeps the record, so the next call
+    removes the rest)."""
+    done = data / DATAGEN_DONE
+    checkpoints = _own_checkpoints(plan)
+    files = ([] if checkpoints is None else [checkpoints]) + [plan.vocab_dir]
+    if data.is_dir():
+        files += sorted(path for path in data.iterdir() if path != done)
+    return (*files, done)
+
+
+def _refuse_checkpoints_elsewhere(plan: PipelinePlan) -> None:
+    """Checkpoints that are not the output folder's own (`--save-path`) are not removed: a
+    changed run is refused while that folder holds anything."""
+    checkpoints = Path(plan.train.checkpoint.save_path)
+    if _own_checkpoints(plan) is None and checkpoints.is_dir() and any(checkpoints.iterdir()):
+        raise InvalidInputError(
+            f"--save-path {checkpoints} holds checkpoints trained on the earlier run's data; "
+            "remove them or choose another --save-path"
+        )
+
+
 def datagen_stage(plan: PipelinePlan) -> Stage[DatagenSummary]:
-    """Datagen into `data/`, skipped while its record says the same flags finished there."""
+    """Datagen into `data/` (one pass with regeneration under `--regenerate`), skipped while its
+    record says the same flags finished there."""
     data = Path(plan.datagen.output_dir)
+    ledger = DoneFile(data / DATAGEN_DONE, defaults=_datagen_record(plan.datagen_defaults))
+    earlier = ledger.read("datagen")
+    regenerated_earlier = earlier is not None and bool((earlier.options or {}).get("regenerate"))
+    # A regenerated folder holds a regeneration job that refuses other flags, and its rows
+    # must not mix with others: a changed one-pass run starts over.
+    starts_over = plan.regenerate is not None or regenerated_earlier
+    what = "regeneration + datagen" if plan.regenerate is not None else "datagen"
 
     def run() -> DatagenSummary:
         from speculators_vllm016.data_generation.offline import run_datagen
         from speculators_vllm016.data_generation.options import DatagenOptions
         from speculators_vllm016.data_generation.vllm_logging import keep_vllm_quiet
 
-        print(f"{_step('datagen')} datagen -> {data}")
+        unfinished = earlier is None and data.is_dir() and any(data.iterdir())
+        note = " (resuming the unfinished run there)" if unfinished else ""
+        print(f"{_step('datagen')} {what} -> {data}{note}")
         if not getattr(plan.datagen, "verbose", False):
             keep_vllm_quiet()
-        summary = run_datagen(DatagenOptions.from_args(plan.datagen))
+        options = DatagenOptions.from_args(plan.datagen)
+        if plan.regenerate is None:
+            summary = run_datagen(options)
+        else:
+            from speculators_vllm016.data_generation.regeneration.one_pass import (
+                run_datagen_regenerating,
+            )
+
+            regenerated, summary = run_datagen_regenerating(options, plan.regenerate)
+            print(f"      regenerated: {regenerated.describe()}")
         print(f"      {summary.describe()}")
         return summary
+
+    def rerun(why: Rerun) -> None:
+        if not starts_over:
+            return  # plain datagen resumes or refuses its folder itself
+        _refuse_checkpoints_elsewhere(plan)
+        print(
+            f"{_step('datagen')} {what}: the flags differ from the finished run's "
+            f"({changed_options(why.before, why.now)}); removing its data, maps and "
+            "checkpoints and starting over"
+        )
 
     return Stage(
         name="datagen",
         run=run,
-        ledger=DoneFile(data / DATAGEN_DONE),
-        options=_datagen_record(plan),
-        on_reuse=lambda _: print(f"{_step('datagen')} datagen: done earlier in {data}"),
+        ledger=ledger,
+        options=_datagen_record(vars(plan.datagen)),
+        clear_on_change=_earlier_run_files(plan, data) if starts_over else (),
+        on_reuse=lambda _: print(f"{_step('datagen')} {what}: done earlier in {data}"),
+        on_rerun=rerun,
     )
 
 
@@ -219,6 +319,7 @@ def run_gen_and_train(plan: PipelinePlan, train: TrainCommand) -> int:
 
     def data_stages() -> int:
         check_vocab_sizes(plan)
+        check_datagen_flags(plan)
         runner.run(datagen_stage(plan))
         runner.run(vocab_stage(plan))
         return 0

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -58,15 +59,22 @@ class StateFile:
 
 
 class DoneFile:
-    """One stage's options in a file of their own, written once the stage finished."""
+    """One stage's options in a file of their own, written once the stage finished.
 
-    def __init__(self, path: Path) -> None:
+    `defaults`: what a record written before an option existed meant by it (the value that
+    option's default gives, which is how that run behaved), so that adding an option to the
+    stage does not make every earlier record look like another run.
+    """
+
+    def __init__(self, path: Path, defaults: Mapping[str, Any] | None = None) -> None:
         self.path = path
+        self.defaults = dict(defaults or {})
 
     def read(self, name: str) -> StageEntry | None:
         if not self.path.is_file():
             return None
-        return StageEntry(options=json.loads(self.path.read_text()), finished=True)
+        recorded = json.loads(self.path.read_text())
+        return StageEntry(options={**self.defaults, **recorded}, finished=True)
 
     def started(self, name: str, options: dict[str, Any]) -> None:
         """Nothing: the stage's own work resumes after a crash, whatever its options."""

@@ -72,6 +72,52 @@ def test_bad_flags_are_one_line_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--temperature", "0.6"], "--temperature: a regeneration flag, used only with --regen"),
+        (
+            ["--max-tokens", "64", "--regenerate-seed", "3"],
+            "--max-tokens, --regenerate-seed: regeneration flags, used only with --regenerate; "
+            "add --regenerate or leave them out",
+        ),
+        (["--regenerate", "--num-shards", "2"], "--regenerate runs unsharded"),
+        (["--regenerate", "--ray-address", "local"], "--regenerate runs in this process"),
+        (["--regenerate", "--regenerate-dir", "x"], "--regenerate-dir is set by gen-and-train"),
+        (["--regenerate", "--temperature", "-1"], "--temperature must be 0 or more, got -1.0"),
+        (["--regenerate", "--chat-template-kwargs", "[1]"], "must be a JSON object"),
+    ],
+)
+def test_regeneration_mistakes_are_one_line_errors_before_anything_is_written(
+    extra, message, tmp_path, capsys
+):
+    argv = ["--target-model-path", "model", "--train-data-path", "chat.jsonl"]
+    assert main([*argv, "--output-dir", str(tmp_path / "out"), *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_regenerate_flags_go_to_the_one_pass_run_into_data_regenerated():
+    plan = plan_from_argv(
+        BASE + ["--regenerate", "--temperature", "0.6", "--regenerate-seed", "5", "--epochs", "2"]
+    )
+    assert plan.regenerate is not None and plan.datagen.regenerate
+    assert plan.regenerate.output_dir == str(Path("out") / "data" / "regenerated")
+    assert plan.regenerate.sampling.temperature == 0.6 and plan.regenerate.sampling.seed == 5
+    assert plan.regenerate.sampling.max_tokens == 2048  # datagen --regenerate's default
+    assert plan.train.flat()["epochs"] == 2
+    assert plan_from_argv(BASE).regenerate is None
+
+
+def test_help_lists_the_regeneration_flags_with_datagens_defaults(capsys):
+    assert main(["--help"]) == 0
+    printed = capsys.readouterr().out
+    for flag in ("--regenerate ", "--temperature", "--regenerate-seed", "--reasoning {keep,drop}"):
+        assert flag in printed
+    assert "at most this many per turn (default: 2048)" in printed
+
+
 def test_a_draft_vocabulary_larger_than_the_targets_is_refused_before_datagen(
     tiny_llama, tmp_path, capsys, monkeypatch
 ):
@@ -234,3 +280,122 @@ def test_killed_in_training_and_run_again_ends_with_the_uninterrupted_checkpoint
     assert "[2/3] vocabulary maps: done earlier" in again.stdout
     assert "resuming from" in again.stderr
     assert_same_checkpoint(last, resumed / "checkpoints" / "2")
+
+
+QUESTIONS = ["What is the capital of France?", "Numbers 0 1 2 3", "The quick brown fox"]
+
+
+def _chat_rows(count: int) -> list[dict]:
+    """Short rows whose shipped answers the target would never write."""
+    rows = []
+    for index in range(count):
+        turns = [
+            {"role": "user", "content": QUESTIONS[index % 3]},
+            {"role": "assistant", "content": "a shipped answer"},
+        ]
+        if index % 2 == 0:
+            turns += [
+                {"role": "user", "content": QUESTIONS[(index + 1) % 3]},
+                {"role": "assistant", "content": "another shipped answer"},
+            ]
+        rows.append({"messages": turns})
+    return rows
+
+
+def _regenerating(root: Path, target: Path, chat: Path) -> list[str]:
+    return [
+        "--target-model-path", str(target), "--train-data-path", str(chat),
+        "--output-dir", str(root), "--regenerate", "--temperature", "0", "--max-tokens", "8",
+        "--max-prompt-tokens", "128", "--seq-length", "192", "--dtype", "float32",
+        "--draft-vocab-size", "64", "--layer-ids", "0", "1", "2", "3", "--batch-size", "4",
+        "--num-preprocessing-workers", "1", "--total-seq-len", "256", "--epochs", "1",
+        "--lr", "1e-3", "--num-workers", "0", "--no-progress", "--log-dir", str(root / "logs"),
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def regenerated_run(tiny_llama, tmp_path_factory):
+    """`gen-and-train --regenerate` on the tiny Llama, then the same command again: what each
+    call printed, how many hidden-states generators it started, the checkpoints' files after it."""
+    import contextlib
+    import io
+
+    from speculators_vllm016.data_generation import vllm_hidden_states_generator as generator_module
+
+    root = tmp_path_factory.mktemp("gen-and-train-regenerate") / "out"
+    chat = root.parent / "chat.jsonl"
+    chat.write_text("".join(json.dumps(row) + "\n" for row in _chat_rows(6)))
+    started = []
+    real_init = generator_module.VllmHiddenStatesGenerator.__init__
+
+    def recording_init(self, *args, **kwargs):  # a spy: the real generator still starts
+        started.append(kwargs)
+        real_init(self, *args, **kwargs)
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(generator_module.VllmHiddenStatesGenerator, "__init__", recording_init)
+    calls = []
+    try:
+        for _ in range(2):
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                status = main(_regenerating(root, tiny_llama, chat))
+            checkpoints = {  # the checkpoint folders' files (not the run's log and config)
+                str(path.relative_to(root)): path.stat().st_mtime_ns
+                for path in sorted((root / "checkpoints").glob("*/*"))
+            }
+            calls.append(
+                {
+                    "status": status,
+                    "printed": printed.getvalue(),
+                    "generators": len(started),
+                    "checkpoints": checkpoints,
+                }
+            )
+    finally:
+        patch.undo()
+    return root, calls
+
+
+@pytest.mark.engine
+def test_regenerate_trains_on_the_targets_own_answers_with_one_engine_load(
+    regenerated_run, tiny_llama
+):
+    from transformers import AutoTokenizer
+
+    from speculators_vllm016.data_generation.sample_io import load_sample
+
+    root, (first, _) = regenerated_run
+    assert first["status"] == 0, first["printed"][-3000:]
+    assert first["generators"] == 1  # one engine answered the turns and extracted them
+    assert f"[1/3] regeneration + datagen -> {root / 'data'}" in first["printed"]
+    assert "regenerated: " in first["printed"]
+    lines = (root / "data" / "regenerated" / "conversations.jsonl").read_text().splitlines()
+    conversations = [json.loads(line)["messages"] for line in lines]
+    assert len(conversations) == 6
+    answers = [turn["content"] for c in conversations for turn in c if turn["role"] == "assistant"]
+    assert len(answers) == 9 and not {"a shipped answer", "another shipped answer"} & set(answers)
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    rendered = sorted(
+        tuple(
+            tokenizer(
+                tokenizer.apply_chat_template(c, tokenize=False), add_special_tokens=False
+            ).input_ids[:192]
+        )
+        for c in conversations
+    )
+    samples = sorted((root / "data").glob("data_*.pt"))
+    assert len(samples) == 6
+    assert sorted(tuple(load_sample(path)["input_ids"].tolist()) for path in samples) == rendered
+    assert "0" in finished_checkpoints(root / "checkpoints")  # one epoch trained
+
+
+@pytest.mark.engine
+def test_regenerate_run_again_reuses_every_stage(regenerated_run):
+    _, (first, second) = regenerated_run
+    assert second["status"] == 0, second["printed"][-3000:]
+    assert second["generators"] == 1  # no engine started by the second call
+    assert "[1/3] regeneration + datagen: done earlier" in second["printed"]
+    assert "[2/3] vocabulary maps: done earlier" in second["printed"]
+    assert first["checkpoints"] and second["checkpoints"] == first["checkpoints"]  # no step more

@@ -6,6 +6,7 @@ tests/cli/test_gen_and_train.py's engine test); the vocabulary maps are built fo
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 
 from speculators_vllm016.cli.gen_and_train import plan_from_argv
 from speculators_vllm016.data_generation import offline
+from speculators_vllm016.data_generation.regeneration.one_pass import prepare_one_pass
 from speculators_vllm016.data_generation.token_counts import save_token_counts
 from speculators_vllm016.pipeline.gen_and_train import DATAGEN_DONE, run_gen_and_train
 from speculators_vllm016.utils.errors import InvalidInputError
@@ -88,3 +90,197 @@ def test_a_failed_datagen_is_one_line_and_neither_recorded_nor_followed_by_train
     assert "the chat file has no usable row" in capsys.readouterr().err
     assert not (tmp_path / "data" / DATAGEN_DONE).exists()
     assert calls["train"] == [] and not (tmp_path / "vocab").exists()
+
+
+@pytest.fixture
+def one_pass(monkeypatch, stand_ins):
+    """The one-pass run (`run_datagen_regenerating`) as a stand-in: it notes its temperature and
+    what the output folder held when it started, writes a conversations file and token counts,
+    and fails on request; the engine-free checks pass unless a test sets its own."""
+    from speculators_vllm016.data_generation.regeneration import one_pass as module
+    from speculators_vllm016.data_generation.regeneration.run import RegenerateSummary
+
+    calls, train, _ = stand_ins
+    calls["one_pass"] = []
+    interrupted = []
+
+    def run(options, regenerate):
+        data = Path(options.output_dir)
+        root = data.parent
+        calls["one_pass"].append(
+            {
+                "temperature": regenerate.sampling.temperature,
+                "regenerate_dir": regenerate.output_dir,
+                "found": sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()),
+            }
+        )
+        folder = Path(regenerate.output_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "conversations.jsonl").write_text(f"{regenerate.sampling.temperature}\n")
+        if interrupted:
+            raise InvalidInputError("stopped half-way")
+        save_token_counts({i: 100 - i for i in range(40)}, data / "token_freq/shard-0-of-1.pth")
+        regenerated = RegenerateSummary(str(folder / "conversations.jsonl"), 4, 4, 0, 0)
+        return regenerated, offline.DatagenSummary(str(data), 4, 4, 0, 40, 1.0, 0.5)
+
+    monkeypatch.setattr(module, "run_datagen_regenerating", run)
+    monkeypatch.setattr(module, "prepare_one_pass", lambda options, regenerate: (options, None))
+    return calls, train, interrupted
+
+
+def _old_checkpoint(save: Path) -> Path:
+    """A checkpoint of an earlier call's training in `save`."""
+    checkpoint = save / "0" / "training_state.json"
+    checkpoint.parent.mkdir(parents=True)
+    checkpoint.write_text("{}")
+    return checkpoint
+
+
+def test_regenerate_runs_one_pass_into_data_and_a_rerun_reuses_it(tmp_path, capsys, one_pass):
+    calls, train, _ = one_pass
+    argv = _argv(tmp_path, "--regenerate", "--temperature", "0.6")
+    assert run_gen_and_train(plan_from_argv(argv), train) == 0
+    out = capsys.readouterr().out
+    assert f"[1/3] regeneration + datagen -> {tmp_path / 'data'}" in out
+    assert "      regenerated: 4 rows regenerated" in out
+    assert f"[2/3] vocabulary maps: 16 of 64 tokens -> {tmp_path / 'vocab'}" in out
+    assert [call["regenerate_dir"] for call in calls["one_pass"]] == [
+        str(tmp_path / "data" / "regenerated")
+    ]
+    assert calls["datagen"] == []  # plain datagen never ran
+
+    assert run_gen_and_train(plan_from_argv(argv), train) == 0
+    out = capsys.readouterr().out
+    assert "[1/3] regeneration + datagen: done earlier" in out
+    assert "[2/3] vocabulary maps: done earlier" in out
+    assert len(calls["one_pass"]) == 1 and len(calls["train"]) == 2
+
+
+def test_changed_regeneration_flags_remove_the_old_run_then_regenerate_extract_and_train_anew(
+    tmp_path, capsys, one_pass
+):
+    calls, train, _ = one_pass
+    assert run_gen_and_train(plan_from_argv(_argv(tmp_path, "--regenerate")), train) == 0
+    checkpoint = _old_checkpoint(tmp_path / "checkpoints")
+    capsys.readouterr()
+
+    argv = _argv(tmp_path, "--regenerate", "--temperature", "0")
+    assert run_gen_and_train(plan_from_argv(argv), train) == 0
+    out = capsys.readouterr().out
+    assert (
+        "[1/3] regeneration + datagen: the flags differ from the finished run's "
+        "(temperature: None -> 0.0); removing its data, maps and checkpoints and starting over"
+    ) in out
+    assert calls["one_pass"][1]["found"] == []  # no old row, map or checkpoint was left
+    assert not checkpoint.exists()  # training starts from scratch
+    assert f"[2/3] vocabulary maps: 16 of 64 tokens -> {tmp_path / 'vocab'}" in out  # built anew
+    regenerated = tmp_path / "data" / "regenerated" / "conversations.jsonl"
+    assert regenerated.read_text() == "0.0\n"
+
+    assert run_gen_and_train(plan_from_argv(argv), train) == 0
+    assert "[1/3] regeneration + datagen: done earlier" in capsys.readouterr().out
+    assert len(calls["one_pass"]) == 2
+
+
+def test_switching_between_plain_and_regenerated_data_starts_over_both_ways(
+    tmp_path, capsys, one_pass
+):
+    calls, train, _ = one_pass
+    assert run_gen_and_train(plan_from_argv(_argv(tmp_path)), train) == 0
+    _old_checkpoint(tmp_path / "checkpoints")
+    assert run_gen_and_train(plan_from_argv(_argv(tmp_path, "--regenerate")), train) == 0
+    assert "(regenerate: False -> True)" in capsys.readouterr().out
+    assert calls["one_pass"][0]["found"] == []
+
+    _old_checkpoint(tmp_path / "checkpoints")
+    assert run_gen_and_train(plan_from_argv(_argv(tmp_path)), train) == 0
+    out = capsys.readouterr().out
+    assert (
+        "[1/3] datagen: the flags differ from the finished run's (regenerate: True -> False)" in out
+    )
+    assert not (tmp_path / "data" / "regenerated").exists()
+    assert not (tmp_path / "checkpoints" / "0").exists()
+    assert calls["datagen"] == [None, None]
+
+
+def test_an_interrupted_one_pass_run_resumes_what_it_left(tmp_path, capsys, one_pass):
+    calls, train, interrupted = one_pass
+    argv = _argv(tmp_path, "--regenerate")
+    interrupted.append(True)
+    assert run_gen_and_train(plan_from_argv(argv), train) == 2
+    assert not (tmp_path / "data" / DATAGEN_DONE).exists() and calls["train"] == []
+    capsys.readouterr()
+
+    interrupted.clear()
+    assert run_gen_and_train(plan_from_argv(argv), train) == 0
+    out = capsys.readouterr().out
+    assert (
+        "[1/3] regeneration + datagen -> " in out and "(resuming the unfinished run there)" in out
+    )
+    assert calls["one_pass"][1]["found"] == ["data/regenerated/conversations.jsonl"]  # kept
+
+
+@pytest.mark.parametrize("save", ["elsewhere", "out"])  # another folder; the output folder
+def test_checkpoints_outside_the_output_folder_are_not_removed_but_refused(
+    save, tmp_path, capsys, one_pass
+):
+    calls, train, _ = one_pass
+    elsewhere = tmp_path / save
+    argv = _argv(tmp_path / "out", "--regenerate", "--save-path", str(elsewhere))
+    assert run_gen_and_train(plan_from_argv(argv), train) == 0
+    checkpoint = _old_checkpoint(elsewhere)
+    capsys.readouterr()
+    changed = [*argv, "--temperature", "0"]
+    assert run_gen_and_train(plan_from_argv(changed), train) == 2
+    err = capsys.readouterr().err
+    assert f"--save-path {elsewhere} holds checkpoints trained on the earlier run's data" in err
+    assert (tmp_path / "out" / "data" / DATAGEN_DONE).is_file() and checkpoint.exists()
+    assert len(calls["one_pass"]) == 1
+
+
+def test_a_record_written_before_the_newer_datagen_flags_is_still_done(tmp_path, capsys, stand_ins):
+    calls, train, _ = stand_ins
+    assert run_gen_and_train(plan_from_argv(_argv(tmp_path)), train) == 0
+    record = tmp_path / "data" / DATAGEN_DONE
+    older = json.loads(record.read_text())
+    newer = ("regenerate", "temperature", "max_tokens", "reasoning", "storage_dtype")
+    newer += ("ray_address", "ray_max_retries")
+    record.write_text(json.dumps({k: v for k, v in older.items() if k not in newer}))
+    capsys.readouterr()
+    assert run_gen_and_train(plan_from_argv(_argv(tmp_path)), train) == 0
+    out = capsys.readouterr().out
+    assert "[1/3] datagen: done earlier" in out and "[2/3] vocabulary maps: done earlier" in out
+    assert calls["datagen"] == [None]
+
+
+def test_a_mistake_in_the_changed_flags_is_refused_before_the_old_run_is_removed(
+    tmp_path, capsys, one_pass, monkeypatch
+):
+    from speculators_vllm016.data_generation.regeneration import one_pass as module
+
+    calls, train, _ = one_pass
+    argv = _argv(tmp_path, "--regenerate", "--seq-length", "32")
+    assert run_gen_and_train(plan_from_argv(argv), train) == 0
+    checkpoint = _old_checkpoint(tmp_path / "checkpoints")
+    monkeypatch.setattr(module, "prepare_one_pass", prepare_one_pass)  # the real checks
+    capsys.readouterr()
+    changed = [*argv, "--max-model-len", "100", "--max-prompt-tokens", "64", "--max-tokens", "64"]
+    assert run_gen_and_train(plan_from_argv(changed), train) == 2
+    err = capsys.readouterr().err
+    assert "--max-model-len 100 is shorter than --max-prompt-tokens + --max-tokens (128)" in err
+    assert checkpoint.exists() and (tmp_path / "data" / DATAGEN_DONE).is_file()
+    assert (tmp_path / "data" / "regenerated" / "conversations.jsonl").is_file()
+    assert len(calls["one_pass"]) == 1
+
+
+def test_a_mistake_in_a_plain_run_after_a_regenerated_one_keeps_the_old_run(
+    tmp_path, capsys, one_pass
+):
+    calls, train, _ = one_pass
+    assert run_gen_and_train(plan_from_argv(_argv(tmp_path, "--regenerate")), train) == 0
+    checkpoint = _old_checkpoint(tmp_path / "checkpoints")
+    capsys.readouterr()
+    assert run_gen_and_train(plan_from_argv(_argv(tmp_path, "--max-samples", "0")), train) == 2
+    assert "--max-samples must be at least 1, got 0" in capsys.readouterr().err
+    assert checkpoint.exists() and (tmp_path / "data" / "regenerated").is_dir()
+    assert calls["datagen"] == []

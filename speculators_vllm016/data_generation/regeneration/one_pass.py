@@ -32,8 +32,14 @@ from speculators_vllm016.utils.errors import InvalidInputError
 if TYPE_CHECKING:
     from speculators_vllm016.data_generation.offline import DatagenSummary
     from speculators_vllm016.data_generation.options import DatagenOptions
+    from speculators_vllm016.data_generation.preflight import ModelFacts
 
-__all__ = ["REGENERATED_DIR", "run_datagen_regenerating"]
+__all__ = [
+    "REGENERATED_DIR",
+    "default_regenerate_dir",
+    "prepare_one_pass",
+    "run_datagen_regenerating",
+]
 
 REGENERATED_DIR = "regenerated"
 
@@ -42,11 +48,12 @@ def default_regenerate_dir(output_dir: str) -> str:
     return str(Path(output_dir) / REGENERATED_DIR)
 
 
-def run_datagen_regenerating(
+def prepare_one_pass(
     options: DatagenOptions, regenerate: RegenerateOptions
-) -> tuple[RegenerateSummary, DatagenSummary]:
-    """Regenerate `regenerate.train_data_path` into `regenerate.output_dir`, then run datagen
-    (`options`) on the result; one engine for both."""
+) -> tuple[DatagenOptions, ModelFacts]:
+    """Every check of a one-pass run that needs no engine, and the engine's context: a mistake
+    is refused in one line before anything is loaded or written (gen-and-train asks before it
+    clears an earlier run's folders). Returns the options with the context set, and the model."""
     options = copy.deepcopy(options)
     options.validate()
     regenerate.validate()
@@ -69,6 +76,15 @@ def run_datagen_regenerating(
         engine.target_model_path, options.output.layer_ids, engine.trust_remote_code
     )
     refuse_beyond_model_context(engine.max_model_len, facts.config_dict)
+    return options, facts
+
+
+def run_datagen_regenerating(
+    options: DatagenOptions, regenerate: RegenerateOptions
+) -> tuple[RegenerateSummary, DatagenSummary]:
+    """Regenerate `regenerate.train_data_path` into `regenerate.output_dir`, then run datagen
+    (`options`) on the result; one engine for both."""
+    options, facts = prepare_one_pass(options, regenerate)
     generator = start_generator(options, facts)
     try:
         with capture_paused(generator):
