@@ -18,7 +18,6 @@ from speculators_vllm016.cli.regeneration_flags import (
 from speculators_vllm016.data_generation.options import DTYPES, DatagenOptions
 from speculators_vllm016.data_generation.vllm_logging import keep_vllm_quiet
 from speculators_vllm016.utils.command_errors import EXIT_STOPPED, report_errors
-from speculators_vllm016.utils.errors import InvalidInputError
 
 __all__ = [
     "add_preprocessing_arguments",
@@ -320,8 +319,6 @@ def run_on_ray(args: argparse.Namespace) -> int:
 
     from speculators_vllm016.data_generation.ray_shards import StopRequested, run_shards_on_ray
 
-    if args.shard_index != 0:
-        raise InvalidInputError("--ray-address runs every shard itself; leave out --shard-index")
     try:
         summary = run_shards_on_ray(
             options_from_args(args), args.ray_address, args.ray_max_retries, verbose=args.verbose

@@ -238,6 +238,8 @@ def run_shards_on_ray(
 ) -> ShardedRunSummary:
     """Run every shard of the job `options` describe on the Ray cluster at `address`."""
     options.validate()
+    if options.output.shard_index != 0:
+        raise InvalidInputError("--ray-address runs every shard itself; leave out --shard-index")
     if max_retries < 0:
         raise InvalidInputError(f"--ray-max-retries must be at least 0, got {max_retries}")
     ray = require_ray()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +41,7 @@ from speculators_vllm016.train.vocab_maps import (
     target_vocab_size_of,
     write_vocab_mappings_from_counts,
 )
-from speculators_vllm016.utils.command_errors import report_errors
+from speculators_vllm016.utils.command_errors import EXIT_STOPPED, report_errors
 from speculators_vllm016.utils.errors import InvalidInputError
 
 if TYPE_CHECKING:
@@ -103,8 +104,9 @@ class PipelinePlan:
 
 
 def _datagen_record(flags: Mapping[str, Any]) -> dict:
-    # The folder itself is not recorded: a data folder moved or copied elsewhere stays done.
-    skip = ("no_progress", "debug", "output_dir", "verbose")
+    # The folder itself is not recorded: a data folder moved or copied elsewhere stays done;
+    # nor where the shards ran (the same files either way).
+    skip = ("no_progress", "debug", "output_dir", "verbose", "ray_address", "ray_max_retries")
     values = {k: v for k, v in flags.items() if k not in skip}
     return json.loads(json.dumps(values, default=str))
 
@@ -196,7 +198,17 @@ def datagen_stage(plan: PipelinePlan) -> Stage[DatagenSummary]:
         if not getattr(plan.datagen, "verbose", False):
             keep_vllm_quiet()
         options = DatagenOptions.from_args(plan.datagen)
-        if plan.regenerate is None:
+        ray_address = getattr(plan.datagen, "ray_address", None)
+        if ray_address is not None:  # every shard as a Ray task; the folder then holds them all
+            from speculators_vllm016.data_generation.ray_shards import run_shards_on_ray
+
+            summary = run_shards_on_ray(
+                options,
+                ray_address,
+                plan.datagen.ray_max_retries,
+                verbose=getattr(plan.datagen, "verbose", False),
+            )
+        elif plan.regenerate is None:
             summary = run_datagen(options)
         else:
             from speculators_vllm016.data_generation.regeneration.one_pass import (
@@ -324,7 +336,16 @@ def run_gen_and_train(plan: PipelinePlan, train: TrainCommand) -> int:
         runner.run(vocab_stage(plan))
         return 0
 
-    status = report_errors(data_stages, plan.debug)
+    def data_stages_until_stopped() -> int:
+        from speculators_vllm016.data_generation.ray_shards import StopRequested
+
+        try:
+            return data_stages()
+        except StopRequested as stop:  # SIGTERM while Ray shards ran: they resume on a rerun
+            print(f"stopped: {stop}", file=sys.stderr)
+            return EXIT_STOPPED
+
+    status = report_errors(data_stages_until_stopped, plan.debug)
     if status != 0:
         return status
     return runner.run(train_stage(plan, train)).output or 0

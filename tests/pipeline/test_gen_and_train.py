@@ -284,3 +284,66 @@ def test_a_mistake_in_a_plain_run_after_a_regenerated_one_keeps_the_old_run(
     assert "--max-samples must be at least 1, got 0" in capsys.readouterr().err
     assert checkpoint.exists() and (tmp_path / "data" / "regenerated").is_dir()
     assert calls["datagen"] == []
+
+
+@pytest.fixture
+def ray_stand_in(monkeypatch, stand_ins):
+    """Ray's shard runner as a stand-in (the real one on a local cluster: tests/data_generation/
+    test_ray_shards.py): it notes the address and writes two shards' token counts, or stops as
+    SIGTERM makes it stop."""
+    from speculators_vllm016.data_generation import ray_shards
+
+    calls, train, _ = stand_ins
+    calls["ray"] = []
+    stopping = []
+
+    def run(options, address, max_retries=2, verbose=False):
+        if options.output.shard_index != 0:
+            raise InvalidInputError(
+                "--ray-address runs every shard itself; leave out --shard-index"
+            )
+        if stopping:
+            raise ray_shards.StopRequested("SIGTERM: shards cancelled")
+        calls["ray"].append((address, max_retries, options.output.num_shards))
+        data = Path(options.output_dir)
+        for shard in range(options.output.num_shards):
+            counts = {i + shard: 100 - i for i in range(40)}
+            save_token_counts(counts, data / f"token_freq/shard-{shard}-of-2.pth")
+        return offline.DatagenSummary(str(data), 4, 4, 0, 40, 1.0, 0.5)
+
+    monkeypatch.setattr(ray_shards, "run_shards_on_ray", run)
+    return calls, train, stopping
+
+
+def test_ray_address_runs_every_shard_then_maps_and_training_read_them_all(
+    tmp_path, capsys, ray_stand_in
+):
+    calls, train, _ = ray_stand_in
+    ray = ["--ray-address", "local", "--num-shards", "2", "--ray-max-retries", "1"]
+    assert run_gen_and_train(plan_from_argv(_argv(tmp_path, *ray)), train) == 0
+    assert calls["ray"] == [("local", 1, 2)] and calls["datagen"] == []
+    assert len(calls["train"]) == 1
+    # Where the shards ran is not part of the result: another address reuses the finished data.
+    other = ["--ray-address", "10.0.0.1:6379", "--num-shards", "2"]
+    assert run_gen_and_train(plan_from_argv(_argv(tmp_path, *other)), train) == 0
+    assert "[1/3] datagen: done earlier" in capsys.readouterr().out
+    assert calls["ray"] == [("local", 1, 2)]
+
+
+def test_a_shard_index_with_ray_address_is_one_line_and_trains_nothing(tmp_path, capsys, stand_ins):
+    """The real shard runner refuses it (before Ray is needed)."""
+    calls, train, _ = stand_ins
+    flags = ["--ray-address", "local", "--num-shards", "2", "--shard-index", "1"]
+    assert run_gen_and_train(plan_from_argv(_argv(tmp_path, *flags)), train) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "leave out --shard-index" in err[0], err
+    assert calls["train"] == [] and not (tmp_path / "data" / DATAGEN_DONE).exists()
+
+
+def test_sigterm_during_ray_shards_exits_143_without_training(tmp_path, capsys, ray_stand_in):
+    calls, train, stopping = ray_stand_in
+    stopping.append(True)
+    flags = ["--ray-address", "local", "--num-shards", "2"]
+    assert run_gen_and_train(plan_from_argv(_argv(tmp_path, *flags)), train) == 143
+    assert "stopped: SIGTERM" in capsys.readouterr().err
+    assert calls["train"] == [] and not (tmp_path / "data" / DATAGEN_DONE).exists()
