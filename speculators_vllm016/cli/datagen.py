@@ -130,6 +130,13 @@ def add_preprocessing_arguments(
     group.add_argument(
         "--num-preprocessing-workers", type=int, default=8, help="processes for tokenizing"
     )
+    group.add_argument(
+        "--chat-template-kwargs",
+        default=None,
+        help="JSON object of arguments for the chat template, e.g. '{\"thinking\": false}' "
+        "(Kimi-K2.5); with --regenerate the target answers with them too. None: the "
+        "template's defaults (0.3.0's rendering)",
+    )
 
 
 def add_sample_file_arguments(group) -> None:
@@ -229,7 +236,8 @@ def build_parser(prog: str = "speculators datagen") -> argparse.ArgumentParser:
         default=None,
         help="folder of the regenerated conversations; None: <output-dir>/regenerated",
     )
-    add_regeneration_arguments(regeneration, seed_flag="--regenerate-seed")
+    # --chat-template-kwargs is the data group's: one flag for both halves of a --regenerate run.
+    add_regeneration_arguments(regeneration, seed_flag="--regenerate-seed", template_kwargs=False)
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     parser.add_argument(
         "--verbose",
@@ -246,11 +254,9 @@ def options_from_args(args: argparse.Namespace) -> DatagenOptions:
 
 def regeneration_options(args: argparse.Namespace):
     """The `--regenerate` half of a datagen command, as `speculators regenerate` options."""
+    from speculators_vllm016.data_generation.options import parse_template_kwargs
     from speculators_vllm016.data_generation.regeneration.one_pass import default_regenerate_dir
-    from speculators_vllm016.data_generation.regeneration.options import (
-        RegenerateOptions,
-        parse_template_kwargs,
-    )
+    from speculators_vllm016.data_generation.regeneration.options import RegenerateOptions
 
     return RegenerateOptions(
         target_model_path=args.target_model_path,

@@ -14,9 +14,13 @@ from speculators_vllm016.data_generation.regeneration.options import (
 __all__ = ["add_regeneration_arguments", "sampling_from_args"]
 
 
-def add_regeneration_arguments(group, seed_flag: str = "--seed") -> None:
+def add_regeneration_arguments(
+    group, seed_flag: str = "--seed", template_kwargs: bool = True
+) -> None:
     """Sampling, template and limit flags (shared with `datagen --regenerate`, whose own
-    `--seed` shuffles the data: there the sampling seed is `seed_flag="--regenerate-seed"`)."""
+    `--seed` shuffles the data: there the sampling seed is `seed_flag="--regenerate-seed"`, and
+    `--chat-template-kwargs` is a data flag of datagen's that both halves use:
+    `template_kwargs=False`)."""
     group.add_argument(
         "--temperature", type=float, default=None, help="None: the model's generation config"
     )
@@ -30,11 +34,12 @@ def add_regeneration_arguments(group, seed_flag: str = "--seed") -> None:
         default=0,
         help="sampling seed; each turn's own seed is drawn from (seed, row, turn)",
     )
-    group.add_argument(
-        "--chat-template-kwargs",
-        default=None,
-        help="JSON object for the chat template, e.g. '{\"thinking\": false}'",
-    )
+    if template_kwargs:
+        group.add_argument(
+            "--chat-template-kwargs",
+            default=None,
+            help="JSON object for the chat template, e.g. '{\"thinking\": false}'",
+        )
     group.add_argument(
         "--reasoning",
         choices=REASONING_MODES,

@@ -5,7 +5,8 @@ The hidden-states generator is started once, with a context long enough for both
 capture paused it answers the turns (`GeneratorEngine`), into a regeneration folder with all of
 `speculators regenerate`'s guarantees; then datagen extracts the regenerated conversations with
 the same engine, into the same files (and with the same guarantees) as a plain datagen run on
-them. Each half resumes on its own: a rerun of the same command regenerates only missing rows
+them. Both halves render with the same chat-template arguments (`--chat-template-kwargs`, one
+flag), so the tokens extracted are the ones the target answered to. Each half resumes on its own: a rerun of the same command regenerates only missing rows
 and extracts only missing samples.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from speculators_vllm016.data_generation.engine_sampling import capture_paused
 from speculators_vllm016.data_generation.offline import run_datagen, start_generator
@@ -43,13 +44,20 @@ def default_regenerate_dir(output_dir: str) -> str:
 
 
 def run_datagen_regenerating(
-    options: DatagenOptions, regenerate: RegenerateOptions
+    options: DatagenOptions, regenerate: RegenerateOptions, generator: Any = None
 ) -> tuple[RegenerateSummary, DatagenSummary]:
     """Regenerate `regenerate.train_data_path` into `regenerate.output_dir`, then run datagen
-    (`options`) on the result; one engine for both."""
+    (`options`) on the result; one engine for both. `generator`: one already started, with a
+    context long enough for both (tests share one); the caller closes it."""
     options = copy.deepcopy(options)
     options.validate()
     regenerate.validate()
+    if regenerate.chat_template_kwargs != options.preprocessing.template_kwargs():
+        raise InvalidInputError(
+            f"the regeneration's chat template arguments {regenerate.chat_template_kwargs} differ "
+            f"from the extraction's {options.preprocessing.template_kwargs()}; the samples would "
+            "not be the tokens the target answered to"
+        )
     if options.output.num_shards > 1:
         raise InvalidInputError(
             "datagen --regenerate runs unsharded; for shards, run `speculators regenerate` with "
@@ -69,12 +77,15 @@ def run_datagen_regenerating(
         engine.target_model_path, options.output.layer_ids, engine.trust_remote_code
     )
     refuse_beyond_model_context(engine.max_model_len, facts.config_dict)
-    generator = start_generator(options, facts)
+    own_generator = generator is None
+    if own_generator:
+        generator = start_generator(options, facts)
     try:
         with capture_paused(generator):
             regenerated = run_regeneration(regenerate, engine=GeneratorEngine(generator))
         options.preprocessing.train_data_path = regenerated.output_file
         extracted = run_datagen(options, generator=generator)
     finally:
-        generator.close()
+        if own_generator:
+            generator.close()
     return regenerated, extracted
