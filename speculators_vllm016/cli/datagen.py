@@ -31,7 +31,9 @@ __all__ = [
 EPILOG = """\
 Sharding: run one process per machine with the same flags and --num-shards N --shard-index I,
 all into one --output-dir; shard I extracts rows I, I+N, I+2N, ... and names files by their
-global index, so the shards' files together are exactly the unsharded run's. A killed run resumes
+global index, so the shards' files together are exactly the unsharded run's. With --regenerate,
+shard I regenerates rows I, I+N, ... of the data, then waits for the other shards' regenerated
+rows (samples are numbered over all of them): start every shard at once. A killed run resumes
 where it stopped when started again with the same command. Token counts go to
 <output-dir>/token_freq/shard-I-of-N.pth, the lengths index to <output-dir>/manifest/.
 With --ray-address (a cluster's address, or 'local') one command runs all N shards as Ray tasks,
@@ -268,6 +270,8 @@ def regeneration_options(args: argparse.Namespace):
         tool_rows=args.tool_rows,
         max_prompt_tokens=args.max_prompt_tokens,
         max_samples=args.max_samples,
+        num_shards=args.num_shards,
+        shard_index=args.shard_index,
         batch_size=args.batch_size,
         trust_remote_code=args.trust_remote_code,
         hf_cache_dir=args.hf_cache_dir,
@@ -288,6 +292,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "speculators datagen") -
     )
 
     def run() -> int:
+        if args.ray_address is not None and args.regenerate:
+            raise InvalidInputError(
+                "--regenerate does not run on Ray (--ray-address); start one datagen --regenerate "
+                "per shard, all at once, with --num-shards N --shard-index I"
+            )
         if args.ray_address is not None:
             return run_on_ray(args)
         if args.regenerate:

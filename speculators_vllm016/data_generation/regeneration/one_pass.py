@@ -5,7 +5,9 @@ The hidden-states generator is started once, with a context long enough for both
 capture paused it answers the turns (`GeneratorEngine`), into a regeneration folder with all of
 `speculators regenerate`'s guarantees; then datagen extracts the regenerated conversations with
 the same engine, into the same files (and with the same guarantees) as a plain datagen run on
-them. Both halves render with the same chat-template arguments (`--chat-template-kwargs`, one
+them. Sharded (`--num-shards`), shard I regenerates rows I, I+N, ... of the data, waits for the
+other shards' rows (`shard_join`), and extracts samples I, I+N, ... of them all, so all shards
+together write the unsharded run's files. Both halves render with the same chat-template arguments (`--chat-template-kwargs`, one
 flag), so the tokens extracted are the ones the target answered to. Each half resumes on its own: a rerun of the same command regenerates only missing rows
 and extracts only missing samples.
 """
@@ -27,6 +29,10 @@ from speculators_vllm016.data_generation.regeneration.options import (
 from speculators_vllm016.data_generation.regeneration.run import (
     RegenerateSummary,
     run_regeneration,
+)
+from speculators_vllm016.data_generation.regeneration.shard_join import (
+    join_shard_files,
+    wait_for_shards,
 )
 from speculators_vllm016.utils.errors import InvalidInputError
 
@@ -52,17 +58,7 @@ def run_datagen_regenerating(
     options = copy.deepcopy(options)
     options.validate()
     regenerate.validate()
-    if regenerate.chat_template_kwargs != options.preprocessing.template_kwargs():
-        raise InvalidInputError(
-            f"the regeneration's chat template arguments {regenerate.chat_template_kwargs} differ "
-            f"from the extraction's {options.preprocessing.template_kwargs()}; the samples would "
-            "not be the tokens the target answered to"
-        )
-    if options.output.num_shards > 1:
-        raise InvalidInputError(
-            "datagen --regenerate runs unsharded; for shards, run `speculators regenerate` with "
-            "--num-shards, join its files, and run datagen on them"
-        )
+    _refuse_halves_that_differ(options, regenerate)
     engine = options.engine
     if engine.max_model_len is None:  # room for the longest prompt and response, and a sample
         engine.max_model_len = max(
@@ -84,8 +80,29 @@ def run_datagen_regenerating(
         with capture_paused(generator):
             regenerated = run_regeneration(regenerate, engine=GeneratorEngine(generator))
         options.preprocessing.train_data_path = regenerated.output_file
+        if regenerate.num_shards > 1:  # samples are numbered over every shard's rows
+            folder = Path(regenerate.output_dir)
+            wait_for_shards(folder, regenerate.num_shards)
+            joined = join_shard_files(folder, regenerate.num_shards, regenerate.fsync)
+            options.preprocessing.train_data_path = str(joined)
         extracted = run_datagen(options, generator=generator)
     finally:
         if own_generator:
             generator.close()
     return regenerated, extracted
+
+
+def _refuse_halves_that_differ(options: DatagenOptions, regenerate: RegenerateOptions) -> None:
+    """The two halves must render alike and shard alike (a library caller builds both)."""
+    if regenerate.chat_template_kwargs != options.preprocessing.template_kwargs():
+        raise InvalidInputError(
+            f"the regeneration's chat template arguments {regenerate.chat_template_kwargs} differ "
+            f"from the extraction's {options.preprocessing.template_kwargs()}; the samples would "
+            "not be the tokens the target answered to"
+        )
+    shards = (regenerate.num_shards, regenerate.shard_index)
+    if shards != (options.output.num_shards, options.output.shard_index):
+        raise InvalidInputError(
+            f"the regeneration is shard {shards[1]} of {shards[0]}, the extraction shard "
+            f"{options.output.shard_index} of {options.output.num_shards}; give both the same"
+        )

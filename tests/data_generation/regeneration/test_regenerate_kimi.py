@@ -98,43 +98,63 @@ def kimi_thinking(tiny_kimi_k25, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(kimi_thinking, tmp_path_factory) -> dict[str, Run]:
-    """Both commands of the page, in order, on one generator; keyed "off" and "on"."""
-    from speculators_vllm016.cli.datagen import build_parser, options_from_args
-    from speculators_vllm016.cli.datagen import regeneration_options as regeneration_of
+def folder(tmp_path_factory) -> Path:
+    """The working folder of the page's commands, with their chat.jsonl."""
+    folder = tmp_path_factory.mktemp("kimi-regen")
+    (folder / "chat.jsonl").write_text("".join(json.dumps({"messages": r}) + "\n" for r in ROWS))
+    return folder
+
+
+def parsed_page_commands(target: Path, folder: Path, *extra: str) -> list:
+    """The page's commands as datagen's parser reads them, `extra` flags added."""
+    from speculators_vllm016.cli.datagen import build_parser
+
+    return [
+        build_parser().parse_args([*substituted(argv, target, folder), *extra])
+        for argv in page_commands()
+    ]
+
+
+@pytest.fixture(scope="module")
+def generator(kimi_thinking, folder):
+    """One hidden-states generator for every command of the module, as the page's first command
+    starts it (with a context long enough for both halves of every command)."""
+    from speculators_vllm016.cli.datagen import options_from_args
     from speculators_vllm016.data_generation.offline import start_generator
     from speculators_vllm016.data_generation.preflight import inspect_model
+
+    first = options_from_args(parsed_page_commands(kimi_thinking, folder)[0])
+    first.engine.max_model_len = SEQ_LENGTH + 1
+    engine = start_generator(first, inspect_model(str(kimi_thinking), None, True))
+    yield engine
+    engine.close()
+
+
+def run_command(args, generator):
+    """`speculators datagen --regenerate ...` as `main` runs it, on the shared generator."""
+    from speculators_vllm016.cli.datagen import options_from_args, regeneration_options
     from speculators_vllm016.data_generation.regeneration.one_pass import (
         run_datagen_regenerating,
     )
 
-    folder = tmp_path_factory.mktemp("kimi-regen")
-    (folder / "chat.jsonl").write_text("".join(json.dumps({"messages": r}) + "\n" for r in ROWS))
-    parsed = [
-        build_parser().parse_args(substituted(argv, kimi_thinking, folder))
-        for argv in page_commands()
-    ]
-    first = options_from_args(parsed[0])
-    first.engine.max_model_len = SEQ_LENGTH + 1  # room for both halves of both commands
-    facts = inspect_model(str(kimi_thinking), None, trust_remote_code=True)
-    generator = start_generator(first, facts)
+    options = options_from_args(args)
+    options.engine.max_model_len = SEQ_LENGTH + 1
+    return run_datagen_regenerating(options, regeneration_options(args), generator=generator)
+
+
+@pytest.fixture(scope="module")
+def runs(kimi_thinking, folder, generator) -> dict[str, Run]:
+    """Both commands of the page, in order; keyed "off" and "on"."""
     done = {}
-    try:
-        for name, args in zip(("off", "on"), parsed):
-            options = options_from_args(args)
-            options.engine.max_model_len = SEQ_LENGTH + 1
-            regenerated, _ = run_datagen_regenerating(
-                options, regeneration_of(args), generator=generator
-            )
-            assert regenerated.failed == 0, regenerated.describe()
-            lines = Path(regenerated.output_file).read_text().splitlines()
-            done[name] = Run(
-                kwargs=json.loads(args.chat_template_kwargs),
-                output_dir=Path(args.output_dir),
-                regenerated=[json.loads(line)["messages"] for line in lines],
-            )
-    finally:
-        generator.close()
+    for name, args in zip(("off", "on"), parsed_page_commands(kimi_thinking, folder)):
+        regenerated, _ = run_command(args, generator)
+        assert regenerated.failed == 0, regenerated.describe()
+        lines = Path(regenerated.output_file).read_text().splitlines()
+        done[name] = Run(
+            kwargs=json.loads(args.chat_template_kwargs),
+            output_dir=Path(args.output_dir),
+            regenerated=[json.loads(line)["messages"] for line in lines],
+        )
     return done
 
 
@@ -261,3 +281,42 @@ def test_a_resume_with_other_template_arguments_is_refused(runs, kimi_thinking):
     with pytest.raises(InvalidInputError, match="different run.*chat_template_kwargs"):
         run_datagen(options)
     assert sample_ids(off.output_dir) == before
+
+
+def test_shards_of_a_one_pass_run_write_the_unsharded_runs_files(
+    kimi_thinking, folder, generator, tmp_path
+):
+    """`datagen --regenerate --num-shards 2`: shard I regenerates rows I, I+2 and extracts
+    samples I, I+2 of all the regenerated rows; together the shards write the unsharded run's
+    sample files, conversations and token counts. Batches of one row, so every turn is computed
+    in a batch of the same make-up either way (vLLM is not batch-invariant bit for bit).
+
+    The shards run one after the other on the shared engine: shard 1's regeneration (the first
+    half of its command) runs first, so shard 0 finds its rows and need not wait."""
+    from speculators_vllm016.cli.datagen import regeneration_options
+    from speculators_vllm016.data_generation.engine_sampling import capture_paused
+    from speculators_vllm016.data_generation.regeneration.capture_engine import GeneratorEngine
+    from speculators_vllm016.data_generation.regeneration.run import run_regeneration
+    from speculators_vllm016.data_generation.token_counts import load_token_freq
+
+    def command(output: str, *shard: str):
+        off = parsed_page_commands(kimi_thinking, folder, "--batch-size", "1", *shard)[0]
+        off.output_dir = str(tmp_path / output)
+        return off
+
+    run_command(command("whole"), generator)
+    shards = [command("sharded", "--num-shards", "2", "--shard-index", str(i)) for i in (0, 1)]
+    with capture_paused(generator):
+        run_regeneration(regeneration_options(shards[1]), GeneratorEngine(generator))
+    run_command(shards[0], generator)
+    regenerated, extracted = run_command(shards[1], generator)
+    assert regenerated.regenerated == 0 and extracted.samples_total == 2
+    whole, sharded = tmp_path / "whole", tmp_path / "sharded"
+    conversations = Path("regenerated") / "conversations.jsonl"
+    assert (sharded / conversations).read_bytes() == (whole / conversations).read_bytes()
+    files = sorted(path.name for path in whole.glob("data_*.pt"))
+    assert len(files) == len(ROWS)
+    assert sorted(path.name for path in sharded.glob("data_*.pt")) == files
+    for name in files:
+        assert (sharded / name).read_bytes() == (whole / name).read_bytes(), name
+    assert load_token_freq(sharded) == load_token_freq(whole)
