@@ -17,11 +17,28 @@ import torch
 from speculators_vllm016.tiny_models import save_checkpoint, seeded_model
 
 __all__ = [
+    "THINKING_TEMPLATE",
     "build_taught_tiny_deepseek_v3",
     "build_tiny_deepseek_v3",
     "build_tiny_kimi_k25",
     "build_tiny_qwen3",
+    "copy_with_thinking_template",
 ]
+
+# Llama-3 style with Kimi-K2.5's kind of switch: `thinking=False` closes an empty thinking block
+# right after the assistant header, in the generation prompt and in every assistant turn, so the
+# target answers after it and the finished conversation renders it again; unset or true: none.
+THINKING_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set no_thinking = thinking is defined and not thinking %}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}"
+    "{% if message['role'] == 'assistant' and no_thinking %}{{ '<think></think>' }}{% endif %}"
+    "{{ message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{% if no_thinking %}{{ '<think></think>' }}{% endif %}{% endif %}"
+)
 
 
 def build_tiny_qwen3(
@@ -276,4 +293,19 @@ def build_tiny_kimi_k25(path: str | Path, *, language_model: str | Path | None =
             indent=2,
         )
     )
+    return out
+
+
+def copy_with_thinking_template(source: str | Path, path: str | Path) -> Path:
+    """A copy of the checkpoint folder `source` whose tokenizer renders with `THINKING_TEMPLATE`
+    (the same weights: the template is all that changes)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    out = Path(path)
+    shutil.copytree(source, out)
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    tokenizer.chat_template = THINKING_TEMPLATE
+    tokenizer.save_pretrained(str(out))
     return out

@@ -33,7 +33,9 @@ __all__ = [
 EPILOG = """\
 Sharding: run one process per machine with the same flags and --num-shards N --shard-index I,
 all into one --output-dir; shard I extracts rows I, I+N, I+2N, ... and names files by their
-global index, so the shards' files together are exactly the unsharded run's. A killed run resumes
+global index, so the shards' files together are exactly the unsharded run's. With --regenerate,
+shard I regenerates rows I, I+N, ... of the data, then waits for the other shards' regenerated
+rows (samples are numbered over all of them): start every shard at once. A killed run resumes
 where it stopped when started again with the same command. Token counts go to
 <output-dir>/token_freq/shard-I-of-N.pth, the lengths index to <output-dir>/manifest/.
 With --ray-address (a cluster's address, or 'local') one command runs all N shards as Ray tasks,
@@ -131,6 +133,13 @@ def add_preprocessing_arguments(
     )
     group.add_argument(
         "--num-preprocessing-workers", type=int, default=8, help="processes for tokenizing"
+    )
+    group.add_argument(
+        "--chat-template-kwargs",
+        default=None,
+        help="JSON object of arguments for the chat template, e.g. '{\"thinking\": false}' "
+        "(Kimi-K2.5); with --regenerate the target answers with them too. None: the "
+        "template's defaults (0.3.0's rendering)",
     )
 
 
@@ -231,7 +240,8 @@ def build_parser(prog: str = "speculators datagen") -> argparse.ArgumentParser:
         default=None,
         help="folder of the regenerated conversations; None: <output-dir>/regenerated",
     )
-    add_regeneration_arguments(regeneration, seed_flag="--regenerate-seed")
+    # --chat-template-kwargs is the data group's: one flag for both halves of a --regenerate run.
+    add_regeneration_arguments(regeneration, seed_flag="--regenerate-seed", template_kwargs=False)
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     parser.add_argument(
         "--verbose",
@@ -246,20 +256,22 @@ def options_from_args(args: argparse.Namespace) -> DatagenOptions:
     return DatagenOptions.from_args(args)
 
 
-def refuse_misplaced_flags(args: argparse.Namespace) -> None:
-    """Regeneration flags without --regenerate, or --regenerate with shards: one-line errors."""
+def refuse_misplaced_flags(args: argparse.Namespace, allow_shards: bool = True) -> None:
+    """Regeneration flags without --regenerate, or --regenerate on Ray (or with shards, unless
+    `allow_shards`): one-line errors."""
     refuse_misplaced_regeneration_flags(
-        args, seed_flag="--regenerate-seed", extra={"regenerate_dir": "--regenerate-dir"}
+        args,
+        seed_flag="--regenerate-seed",
+        extra={"regenerate_dir": "--regenerate-dir"},
+        allow_shards=allow_shards,
     )
 
 
 def regeneration_options(args: argparse.Namespace):
     """The `--regenerate` half of a datagen command, as `speculators regenerate` options."""
+    from speculators_vllm016.data_generation.options import parse_template_kwargs
     from speculators_vllm016.data_generation.regeneration.one_pass import default_regenerate_dir
-    from speculators_vllm016.data_generation.regeneration.options import (
-        RegenerateOptions,
-        parse_template_kwargs,
-    )
+    from speculators_vllm016.data_generation.regeneration.options import RegenerateOptions
 
     return RegenerateOptions(
         target_model_path=args.target_model_path,
@@ -271,6 +283,8 @@ def regeneration_options(args: argparse.Namespace):
         tool_rows=args.tool_rows,
         max_prompt_tokens=args.max_prompt_tokens,
         max_samples=args.max_samples,
+        num_shards=args.num_shards,
+        shard_index=args.shard_index,
         batch_size=args.batch_size,
         trust_remote_code=args.trust_remote_code,
         hf_cache_dir=args.hf_cache_dir,

@@ -164,7 +164,7 @@ def _regeneration_of(datagen_args: argparse.Namespace) -> RegenerateOptions | No
     from speculators_vllm016.cli import datagen as datagen_cli
 
     try:
-        datagen_cli.refuse_misplaced_flags(datagen_args)
+        datagen_cli.refuse_misplaced_flags(datagen_args, allow_shards=False)
         if not datagen_args.regenerate:
             return None
         regenerate = datagen_cli.regeneration_options(datagen_args)

@@ -15,11 +15,8 @@ from speculators_vllm016.cli.regeneration_flags import (
     add_regeneration_arguments,
     sampling_from_args,
 )
-from speculators_vllm016.data_generation.options import DTYPES
-from speculators_vllm016.data_generation.regeneration.options import (
-    RegenerateOptions,
-    parse_template_kwargs,
-)
+from speculators_vllm016.data_generation.options import DTYPES, parse_template_kwargs
+from speculators_vllm016.data_generation.regeneration.options import RegenerateOptions
 from speculators_vllm016.utils.command_errors import report_errors
 
 __all__ = ["build_parser", "main", "regenerate_options_from_args"]

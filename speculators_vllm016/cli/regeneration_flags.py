@@ -20,9 +20,13 @@ __all__ = [
 ]
 
 
-def add_regeneration_arguments(group, seed_flag: str = "--seed") -> None:
+def add_regeneration_arguments(
+    group, seed_flag: str = "--seed", template_kwargs: bool = True
+) -> None:
     """Sampling, template and limit flags (shared with `datagen --regenerate`, whose own
-    `--seed` shuffles the data: there the sampling seed is `seed_flag="--regenerate-seed"`)."""
+    `--seed` shuffles the data: there the sampling seed is `seed_flag="--regenerate-seed"`, and
+    `--chat-template-kwargs` is a data flag of datagen's that both halves use:
+    `template_kwargs=False`)."""
     group.add_argument(
         "--temperature", type=float, default=None, help="None: the model's generation config"
     )
@@ -36,11 +40,12 @@ def add_regeneration_arguments(group, seed_flag: str = "--seed") -> None:
         default=0,
         help="sampling seed; each turn's own seed is drawn from (seed, row, turn)",
     )
-    group.add_argument(
-        "--chat-template-kwargs",
-        default=None,
-        help="JSON object for the chat template, e.g. '{\"thinking\": false}'",
-    )
+    if template_kwargs:
+        group.add_argument(
+            "--chat-template-kwargs",
+            default=None,
+            help="JSON object for the chat template, e.g. '{\"thinking\": false}'",
+        )
     group.add_argument(
         "--reasoning",
         choices=REASONING_MODES,
@@ -72,28 +77,34 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingOptions:
 
 
 def refuse_misplaced_regeneration_flags(
-    args: argparse.Namespace, seed_flag: str = "--seed", extra: dict[str, str] | None = None
+    args: argparse.Namespace,
+    seed_flag: str = "--seed",
+    extra: dict[str, str] | None = None,
+    allow_shards: bool = False,
 ) -> None:
-    """A regeneration flag without `--regenerate` would be ignored, and `--regenerate` with
-    shards or Ray would be (the one-pass run is unsharded): both refused in one line.
+    """A regeneration flag without `--regenerate` would be ignored, and `--regenerate` on Ray
+    (or with shards where the command runs them all, `allow_shards` False: gen-and-train) would
+    not regenerate: refused in one line.
 
     `extra` names the command's own regeneration flags beyond the shared ones ({dest: flag}),
     each unset (None) unless `--regenerate` is given.
     """
     if args.regenerate:
-        if getattr(args, "num_shards", 1) > 1:
-            raise InvalidInputError(
-                "--regenerate runs unsharded; for shards, run `speculators regenerate "
-                "--num-shards N` per machine, join its files, and pass them as --train-data-path"
-            )
         if getattr(args, "ray_address", None) is not None:
             raise InvalidInputError(
-                "--regenerate runs in this process; leave out --ray-address (for Ray shards, "
-                "run `speculators regenerate` first)"
+                "--regenerate does not run on Ray (--ray-address); start one datagen --regenerate "
+                "per shard, all at once, with --num-shards N --shard-index I"
+            )
+        if not allow_shards and getattr(args, "num_shards", 1) > 1:
+            raise InvalidInputError(
+                "gen-and-train --regenerate runs unsharded; for shards, start `speculators "
+                "datagen --regenerate --num-shards N --shard-index I` per machine, all at once, "
+                "then `vocab-mapping` and `train` on the folder"
             )
         return
     shared = argparse.ArgumentParser(add_help=False)
-    add_regeneration_arguments(shared, seed_flag=seed_flag)
+    # --chat-template-kwargs is datagen's own data flag (both halves use it), not one of these.
+    add_regeneration_arguments(shared, seed_flag=seed_flag, template_kwargs=False)
     defaults = {
         action.dest: (action.option_strings[0], action.default) for action in shared._actions
     }

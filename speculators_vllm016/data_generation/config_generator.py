@@ -91,6 +91,9 @@ class DataConfig:
     num_samples: int
     seed: int
     chat_template_note: str = "Uses tokenizer's built-in chat template"
+    chat_template_kwargs: dict[str, Any] | None = None
+    """`--chat-template-kwargs`: the arguments the template rendered every sample with (None:
+    none, as 0.3.0 rendered; a file written before the field existed means None)."""
 
 
 @dataclass
@@ -240,6 +243,7 @@ class DataGenerationConfig:
         *,
         file_pattern: str = "data_{idx}.pt",
         storage_dtype: str = "bf16",
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> DataGenerationConfig:
         versions = PackageVersions.from_environment()
         return cls(
@@ -263,6 +267,7 @@ class DataGenerationConfig:
                 max_samples=max_samples,
                 num_samples=num_samples,
                 seed=seed,
+                chat_template_kwargs=chat_template_kwargs or None,
             ),
             hidden_states=HiddenStatesConfig(layer_ids=list(generator.layer_ids)),
             generation=GenerationConfig(cache_dir=cache_dir),

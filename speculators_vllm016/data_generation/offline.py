@@ -113,6 +113,7 @@ def preprocess_samples(options: DatagenOptions, facts: ModelFacts) -> Preprocess
         assistant_pattern=data.assistant_pattern,
         turn_dropout=data.turn_dropout,
         trust_remote_code=options.engine.trust_remote_code,
+        chat_template_kwargs=data.template_kwargs(),
     )
 
 

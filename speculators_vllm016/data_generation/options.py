@@ -14,6 +14,7 @@ keep working as they did when the options were one flat dataclass.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -29,6 +30,7 @@ __all__ = [
     "EngineOptions",
     "OutputOptions",
     "PreprocessingOptions",
+    "parse_template_kwargs",
 ]
 
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
@@ -86,6 +88,13 @@ class PreprocessingOptions:
     """Shuffle seed of the chat data (datagen's --seed, train's --data-seed)."""
     num_preprocessing_workers: int = 8
     """Processes for tokenizing."""
+    chat_template_kwargs: str | None = None
+    """JSON object of arguments for the chat template, e.g. '{"thinking": false}' (Kimi-K2.5's
+    thinking switch); None: the template's own defaults, as 0.3.0 rendered."""
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """`chat_template_kwargs` as the keyword arguments the template is rendered with."""
+        return parse_template_kwargs(self.chat_template_kwargs)
 
 
 @dataclass
@@ -234,6 +243,7 @@ class DatagenOptions:
                 raise InvalidInputError(
                     f"--assistant-pattern is not a valid regular expression ({error})"
                 ) from None
+        data.template_kwargs()  # not a JSON object: refused here, before any work
         if output.num_shards < 1:
             raise InvalidInputError(f"--num-shards must be at least 1, got {output.num_shards}")
         if not 0 <= output.shard_index < output.num_shards:
@@ -276,3 +286,18 @@ class DatagenOptions:
 for _name, _part in _PART_OF.items():
     setattr(DatagenOptions, _name, _FlagView(_part, _name))
 del _name, _part
+
+
+def parse_template_kwargs(text: str | None) -> dict[str, Any]:
+    """`--chat-template-kwargs` as a dict; anything but a JSON object is refused in one line."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise InvalidInputError(
+            f"--chat-template-kwargs is not JSON ({error.msg}): {text!r}"
+        ) from None
+    if not isinstance(value, dict):
+        raise InvalidInputError(f"--chat-template-kwargs must be a JSON object, got {text!r}")
+    return value

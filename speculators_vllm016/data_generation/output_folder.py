@@ -262,4 +262,5 @@ def data_config_of(
         seed=data.seed,
         file_pattern=SAMPLE_PATTERNS[options.output.output_format],
         storage_dtype=options.output.storage_dtype,
+        chat_template_kwargs=data.template_kwargs(),
     )

@@ -18,6 +18,7 @@ import random
 import re
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 from datasets import Dataset as HFDataset
 from transformers import PreTrainedTokenizer
@@ -67,16 +68,25 @@ def drop_turns(messages: list[dict[str, str]], rng: random.Random) -> list[dict[
     return messages[: rng.choice(ends)]
 
 
-def _render(tokenizer: PreTrainedTokenizer, messages: list[dict], generation_prompt: bool) -> str:
+def _render(
+    tokenizer: PreTrainedTokenizer,
+    messages: list[dict],
+    generation_prompt: bool,
+    template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """The template's text; `template_kwargs` (`--chat-template-kwargs`) go to the template as
+    they go to it when the target answers (regeneration), or nothing when there are none."""
     text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=generation_prompt
+        messages, tokenize=False, add_generation_prompt=generation_prompt, **(template_kwargs or {})
     )
     assert isinstance(text, str)
     return text
 
 
 def assistant_spans_from_template(
-    tokenizer: PreTrainedTokenizer, messages: list[dict[str, str]]
+    tokenizer: PreTrainedTokenizer,
+    messages: list[dict[str, str]],
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[str, list[tuple[int, int]]]:
     """Render the conversation; return the text and the character spans of assistant turns.
 
@@ -85,13 +95,13 @@ def assistant_spans_from_template(
     between turns. This needs a template whose renderings of shorter prefixes are prefixes of the
     full text, which holds for the common templates; one that is not raises `MalformedRowError`.
     """
-    text = _render(tokenizer, messages, generation_prompt=False)
+    text = _render(tokenizer, messages, False, template_kwargs)
     spans = []
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:index], True) if index else ""
-        through = _render(tokenizer, messages[: index + 1], False)
+        before = _render(tokenizer, messages[:index], True, template_kwargs) if index else ""
+        through = _render(tokenizer, messages[: index + 1], False, template_kwargs)
         if not (text.startswith(through) and through.startswith(before)):
             raise MalformedRowError(
                 "the chat template does not render this conversation prefix-stably; pass "
@@ -103,10 +113,13 @@ def assistant_spans_from_template(
 
 
 def assistant_spans_from_pattern(
-    tokenizer: PreTrainedTokenizer, messages: list[dict[str, str]], pattern: re.Pattern
+    tokenizer: PreTrainedTokenizer,
+    messages: list[dict[str, str]],
+    pattern: re.Pattern,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[str, list[tuple[int, int]]]:
     """Render the conversation; the pattern's first group (or whole match) is assistant text."""
-    text = _render(tokenizer, messages, generation_prompt=False)
+    text = _render(tokenizer, messages, False, template_kwargs)
     group = 1 if pattern.groups else 0
     spans = [match.span(group) for match in pattern.finditer(text)]
     return text, spans
@@ -132,12 +145,13 @@ def tokenize_conversation(
     messages: list[dict[str, str]],
     max_length: int,
     pattern: re.Pattern | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[list[int], list[int]]:
     """Token ids and loss mask of one conversation, truncated to `max_length` tokens."""
     if pattern is None:
-        text, spans = assistant_spans_from_template(tokenizer, messages)
+        text, spans = assistant_spans_from_template(tokenizer, messages, template_kwargs)
     else:
-        text, spans = assistant_spans_from_pattern(tokenizer, messages, pattern)
+        text, spans = assistant_spans_from_pattern(tokenizer, messages, pattern, template_kwargs)
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = list(encoding["input_ids"])[:max_length]
     mask = tokens_in_spans(list(encoding["offset_mapping"]), spans)[:max_length]
@@ -156,6 +170,7 @@ def _preprocess_rows(
     pattern: str | None,
     turn_dropout: bool,
     seed: int,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, list]:
     compiled = re.compile(pattern, re.DOTALL) if pattern else None
     out: dict[str, list] = {"input_ids": [], "loss_mask": [], ROW_COLUMN: [], "error": []}
@@ -164,7 +179,9 @@ def _preprocess_rows(
             messages = normalize_conversation(turns)
             if turn_dropout:
                 messages = drop_turns(messages, random.Random(f"{seed}:{row}"))
-            input_ids, mask = tokenize_conversation(tokenizer, messages, max_length, compiled)
+            input_ids, mask = tokenize_conversation(
+                tokenizer, messages, max_length, compiled, template_kwargs
+            )
             error = ""
         except MalformedRowError as exc:
             input_ids, mask, error = [], [], str(exc)
@@ -221,8 +238,11 @@ def preprocess_conversations(
     turn_dropout: bool = False,
     *,
     seed: int = 0,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> PreprocessResult:
     """Tokenize conversations into `input_ids` and `loss_mask` (torch format).
+
+    `chat_template_kwargs` go to every rendering of the template (None: none, as in 0.3.0).
 
     Malformed rows are dropped with a warning naming them (by `source_row`, the row's index in
     the raw dataset) and counted in the result; a `ValueError` is raised only when no row is
@@ -248,6 +268,7 @@ def preprocess_conversations(
             "pattern": assistant_pattern,
             "turn_dropout": turn_dropout,
             "seed": seed,
+            "template_kwargs": chat_template_kwargs,
         },
         desc="Tokenizing conversations",
     )
@@ -435,8 +456,10 @@ def load_and_preprocess(
     assistant_pattern: str | None = None,
     turn_dropout: bool = False,
     trust_remote_code: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> PreprocessResult:
-    """Load, shuffle (by `seed`), cap at `max_samples`, tokenize; save token frequencies.
+    """Load, shuffle (by `seed`), cap at `max_samples`, tokenize (the template rendered with
+    `chat_template_kwargs`); save token frequencies.
 
     `token_freq_path=None` skips the counts (datagen writes them itself, once the run is
     accepted). The model folder's own Python runs only with `trust_remote_code=True`.
@@ -466,6 +489,7 @@ def load_and_preprocess(
         assistant_pattern=assistant_pattern,
         turn_dropout=turn_dropout,
         seed=seed,
+        chat_template_kwargs=chat_template_kwargs,
     )
     if token_freq_path is not None:
         save_token_counts(count_trained_tokens(result.dataset), token_freq_path)

@@ -57,7 +57,15 @@ IDENTITY_VERSION = 2
 # Changes of these change the samples, so the digest catches them; they explain a refusal.
 # What a record written before a compared key existed meant by it (a folder of bf16 files).
 RECORD_DEFAULTS = {"storage_dtype": "bf16"}
-CAUSES = ("seq_length", "seed", "max_samples", "assistant_pattern", "turn_dropout", "train_data")
+CAUSES = (
+    "seq_length",
+    "seed",
+    "max_samples",
+    "assistant_pattern",
+    "turn_dropout",
+    "chat_template_kwargs",
+    "train_data",
+)
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,8 @@ def run_identity(
             "max_samples": options.preprocessing.max_samples,
             "assistant_pattern": options.preprocessing.assistant_pattern,
             "turn_dropout": options.preprocessing.turn_dropout,
+            # None when not given: records written before the flag existed read the same.
+            "chat_template_kwargs": options.preprocessing.template_kwargs() or None,
             "num_samples": num_samples,
         },
     )

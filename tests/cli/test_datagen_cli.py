@@ -73,11 +73,12 @@ def assert_refused(code, lines, err, pattern: str, output: Path) -> None:
         (["--layer-ids", "-5", "1"], "--layer-ids: layer id -5 is out of range"),
         (["--assistant-pattern", "(unclosed"], "--assistant-pattern is not a valid regular"),
         (["--transfer-root", "/no/such/folder"], "transfer root /no/such/folder is not a writable"),
-        # Regeneration flags are read only with --regenerate; the one pass runs unsharded.
+        # Regeneration flags are read only with --regenerate, which does not run on Ray.
         (["--temperature", "0"], "--temperature: a regeneration flag, used only with --regen"),
         (["--regenerate-dir", "x"], "--regenerate-dir: a regeneration flag, used only with"),
-        (["--regenerate", "--ray-address", "local"], "--regenerate runs in this process"),
-        (["--regenerate", "--num-shards", "2"], "--regenerate runs unsharded"),
+        (["--chat-template-kwargs", "{thinking"], "--chat-template-kwargs is not JSON"),
+        (["--chat-template-kwargs", "true"], "--chat-template-kwargs must be a JSON object"),
+        (["--regenerate", "--ray-address", "local"], "--regenerate does not run on Ray"),
     ],
 )
 def test_bad_flags_are_refused_before_any_work(capsys, tiny_llama, chats, tmp_path, extra, pattern):

@@ -81,8 +81,8 @@ def test_bad_flags_are_one_line_errors(argv, message, capsys):
             "--max-tokens, --regenerate-seed: regeneration flags, used only with --regenerate; "
             "add --regenerate or leave them out",
         ),
-        (["--regenerate", "--num-shards", "2"], "--regenerate runs unsharded"),
-        (["--regenerate", "--ray-address", "local"], "--regenerate runs in this process"),
+        (["--regenerate", "--num-shards", "2"], "gen-and-train --regenerate runs unsharded"),
+        (["--regenerate", "--ray-address", "local"], "--regenerate does not run on Ray"),
         (["--regenerate", "--regenerate-dir", "x"], "--regenerate-dir is set by gen-and-train"),
         (["--regenerate", "--temperature", "-1"], "--temperature must be 0 or more, got -1.0"),
         (["--regenerate", "--chat-template-kwargs", "[1]"], "must be a JSON object"),

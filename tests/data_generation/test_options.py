@@ -13,6 +13,7 @@ from speculators_vllm016.data_generation.options import (
     OutputOptions,
     PreprocessingOptions,
 )
+from speculators_vllm016.utils.errors import InvalidInputError
 
 REQUIRED = ["--target-model-path", "m", "--train-data-path", "d", "--output-dir", "o"]
 
@@ -57,7 +58,7 @@ def regeneration_flags() -> set[str]:
     from speculators_vllm016.cli.regeneration_flags import add_regeneration_arguments
 
     parser = argparse.ArgumentParser()
-    add_regeneration_arguments(parser, seed_flag="--regenerate-seed")
+    add_regeneration_arguments(parser, seed_flag="--regenerate-seed", template_kwargs=False)
     return set(vars(parser.parse_args([]))) | {"regenerate", "regenerate_dir"}
 
 
@@ -85,3 +86,21 @@ def test_flat_names_read_and_write_the_parts():
     )
     parts.transfer_root = "/x"
     assert parts == options
+
+
+def test_chat_template_kwargs_are_a_data_flag_checked_before_any_work():
+    """One `--chat-template-kwargs` for datagen (plain, and both halves of --regenerate); it is
+    unset by default, so the template renders as in 0.3.0."""
+    from speculators_vllm016.cli.datagen import regeneration_options
+
+    plain = DatagenOptions.from_args(build_parser().parse_args(REQUIRED))
+    assert plain.preprocessing.template_kwargs() == {}
+    argv = [*REQUIRED, "--regenerate", "--chat-template-kwargs", '{"thinking": false}']
+    args = build_parser().parse_args(argv)
+    options = DatagenOptions.from_args(args)
+    assert options.preprocessing.template_kwargs() == {"thinking": False}
+    assert regeneration_options(args).chat_template_kwargs == {"thinking": False}
+    for bad, problem in (("{thinking}", "is not JSON"), ("[1]", "must be a JSON object")):
+        options.preprocessing.chat_template_kwargs = bad
+        with pytest.raises(InvalidInputError, match=problem):
+            options.validate()

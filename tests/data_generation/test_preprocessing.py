@@ -254,3 +254,25 @@ def test_a_file_mixing_both_row_shapes_keeps_every_row(tokenizer, tmp_path):
     assert {"conversations", "messages"} <= set(raw.column_names)
     result = preprocess_conversations(raw, tokenizer, num_proc=1)
     assert len(result.dataset) == 2 and result.skipped_rows == 0
+
+
+def test_chat_template_kwargs_reach_every_rendering(tmp_path):
+    """`--chat-template-kwargs` go to the template: the sample is the conversation rendered with
+    them, and the loss mask still covers only what each assistant turn adds after its prompt.
+    Without them the rendering is the template's default (0.3.0's)."""
+    from tests.tiny_models import THINKING_TEMPLATE
+
+    tokenizer = build_tokenizer(tmp_path, "llama3", corpus=[t["value"] for t in SHAREGPT] * 3)
+    tokenizer.chat_template = THINKING_TEMPLATE
+    messages = normalize_conversation(SHAREGPT)
+    rows = Dataset.from_list([{"conversations": SHAREGPT}])
+    for kwargs, expected_segments in (
+        ({"thinking": False}, ASSISTANT_SEGMENTS["llama3"]),
+        (None, ASSISTANT_SEGMENTS["llama3"]),
+    ):
+        result = preprocess_conversations(rows, tokenizer, num_proc=1, chat_template_kwargs=kwargs)
+        ids, mask = result.dataset[0]["input_ids"].tolist(), result.dataset[0]["loss_mask"].tolist()
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **(kwargs or {}))
+        assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert ("<think></think>" in text) == (kwargs is not None)
+        assert [tokenizer.decode(ids[a:b]) for a, b in runs_of_ones(mask)] == expected_segments

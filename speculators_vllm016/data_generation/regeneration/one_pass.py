@@ -5,15 +5,19 @@ The hidden-states generator is started once, with a context long enough for both
 capture paused it answers the turns (`GeneratorEngine`), into a regeneration folder with all of
 `speculators regenerate`'s guarantees; then datagen extracts the regenerated conversations with
 the same engine, into the same files (and with the same guarantees) as a plain datagen run on
-them. Each half resumes on its own: a rerun of the same command regenerates only missing rows
-and extracts only missing samples.
+them. Sharded (`--num-shards`), shard I regenerates rows I, I+N, ... of the data, waits for the
+other shards' rows (`shard_join`), and extracts samples I, I+N, ... of them all, so all shards
+together write the unsharded run's files. Both halves render with the same chat-template
+arguments (`--chat-template-kwargs`, one flag), so the tokens extracted are the ones the target
+answered to. Each half resumes on its own: a rerun of the same command regenerates only missing
+rows and extracts only missing samples.
 """
 
 from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from speculators_vllm016.data_generation.engine_sampling import capture_paused
 from speculators_vllm016.data_generation.offline import run_datagen, start_generator
@@ -26,6 +30,10 @@ from speculators_vllm016.data_generation.regeneration.options import (
 from speculators_vllm016.data_generation.regeneration.run import (
     RegenerateSummary,
     run_regeneration,
+)
+from speculators_vllm016.data_generation.regeneration.shard_join import (
+    join_shard_files,
+    wait_for_shards,
 )
 from speculators_vllm016.utils.errors import InvalidInputError
 
@@ -57,11 +65,7 @@ def prepare_one_pass(
     options = copy.deepcopy(options)
     options.validate()
     regenerate.validate()
-    if options.output.num_shards > 1:
-        raise InvalidInputError(
-            "datagen --regenerate runs unsharded; for shards, run `speculators regenerate` with "
-            "--num-shards, join its files, and run datagen on them"
-        )
+    _refuse_halves_that_differ(options, regenerate)
     engine = options.engine
     if engine.max_model_len is None:  # room for the longest prompt and response, and a sample
         engine.max_model_len = max(
@@ -80,17 +84,42 @@ def prepare_one_pass(
 
 
 def run_datagen_regenerating(
-    options: DatagenOptions, regenerate: RegenerateOptions
+    options: DatagenOptions, regenerate: RegenerateOptions, generator: Any = None
 ) -> tuple[RegenerateSummary, DatagenSummary]:
     """Regenerate `regenerate.train_data_path` into `regenerate.output_dir`, then run datagen
-    (`options`) on the result; one engine for both."""
+    (`options`) on the result; one engine for both. `generator`: one already started, with a
+    context long enough for both (tests share one); the caller closes it."""
     options, facts = prepare_one_pass(options, regenerate)
-    generator = start_generator(options, facts)
+    own_generator = generator is None
+    if own_generator:
+        generator = start_generator(options, facts)
     try:
         with capture_paused(generator):
             regenerated = run_regeneration(regenerate, engine=GeneratorEngine(generator))
         options.preprocessing.train_data_path = regenerated.output_file
+        if regenerate.num_shards > 1:  # samples are numbered over every shard's rows
+            folder = Path(regenerate.output_dir)
+            wait_for_shards(folder, regenerate.num_shards)
+            joined = join_shard_files(folder, regenerate.num_shards, regenerate.fsync)
+            options.preprocessing.train_data_path = str(joined)
         extracted = run_datagen(options, generator=generator)
     finally:
-        generator.close()
+        if own_generator:
+            generator.close()
     return regenerated, extracted
+
+
+def _refuse_halves_that_differ(options: DatagenOptions, regenerate: RegenerateOptions) -> None:
+    """The two halves must render alike and shard alike (a library caller builds both)."""
+    if regenerate.chat_template_kwargs != options.preprocessing.template_kwargs():
+        raise InvalidInputError(
+            f"the regeneration's chat template arguments {regenerate.chat_template_kwargs} differ "
+            f"from the extraction's {options.preprocessing.template_kwargs()}; the samples would "
+            "not be the tokens the target answered to"
+        )
+    shards = (regenerate.num_shards, regenerate.shard_index)
+    if shards != (options.output.num_shards, options.output.shard_index):
+        raise InvalidInputError(
+            f"the regeneration is shard {shards[1]} of {shards[0]}, the extraction shard "
+            f"{options.output.shard_index} of {options.output.num_shards}; give both the same"
+        )

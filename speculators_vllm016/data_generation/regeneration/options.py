@@ -7,7 +7,6 @@ in-process engine and a server started on the same model sample alike.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +17,6 @@ __all__ = [
     "TOOL_ROW_MODES",
     "RegenerateOptions",
     "SamplingOptions",
-    "parse_template_kwargs",
     "refuse_beyond_model_context",
 ]
 
@@ -153,18 +151,3 @@ def refuse_beyond_model_context(max_model_len: int, config_dict: dict[str, Any])
             f"the engine context of {max_model_len} tokens (--max-prompt-tokens + --max-tokens, "
             f"or --max-model-len) is longer than the model's {limit}; lower them"
         )
-
-
-def parse_template_kwargs(text: str | None) -> dict[str, Any]:
-    """`--chat-template-kwargs` as a dict; anything but a JSON object is refused in one line."""
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise InvalidInputError(
-            f"--chat-template-kwargs is not JSON ({error.msg}): {text!r}"
-        ) from None
-    if not isinstance(value, dict):
-        raise InvalidInputError(f"--chat-template-kwargs must be a JSON object, got {text!r}")
-    return value

@@ -15,6 +15,7 @@ from speculators_vllm016.data_generation.regeneration.options import (
     SamplingOptions,
 )
 from speculators_vllm016.data_generation.regeneration.run import run_regeneration
+from speculators_vllm016.utils.errors import InvalidInputError
 
 ROWS = [
     {
@@ -248,3 +249,23 @@ def test_template_kwargs_reach_the_prompt_and_reasoning_is_dropped(tiny_llama, t
         _options(model, tmp_path, output_dir=str(dropped), reasoning="drop"), Thinker(tokenizer)
     )
     assert _lines(dropped / "conversations.jsonl")[1]["messages"][1]["content"] == "Waves."
+
+
+def test_one_pass_refuses_halves_rendering_with_other_template_arguments(tiny_llama, tmp_path):
+    """`datagen --regenerate` must extract the tokens the target answered to: a library caller
+    whose two halves disagree on the chat-template arguments is refused before anything."""
+    from speculators_vllm016.data_generation.options import DatagenOptions
+    from speculators_vllm016.data_generation.regeneration.one_pass import (
+        run_datagen_regenerating,
+    )
+
+    regenerate = _options(tiny_llama, tmp_path, chat_template_kwargs={"thinking": False})
+    extraction = DatagenOptions(
+        target_model_path=str(tiny_llama),
+        train_data_path=regenerate.train_data_path,
+        output_dir=str(tmp_path / "data"),
+        chat_template_kwargs='{"thinking": true}',
+    )
+    with pytest.raises(InvalidInputError, match="chat template arguments"):
+        run_datagen_regenerating(extraction, regenerate)
+    assert not (tmp_path / "data").exists() and not (tmp_path / "out").exists()
