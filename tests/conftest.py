@@ -24,27 +24,32 @@ def _hf_home(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ["HF_MODULES_CACHE"] = str(home / "modules")
 
 
-# The handlers the suite started with (Python's own Ctrl-C handler, the default SIGTERM).
-_SUITE_SIGNAL_HANDLERS = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+# Python's own handlers: Ctrl-C raises KeyboardInterrupt, SIGTERM ends the process. Not the ones
+# pytest started with: a script's background job (`pytest ... &`, as CI wrappers start it) starts
+# with SIGINT ignored (POSIX), and the Ctrl-C tests, in process or through the subprocesses they
+# start (which inherit an ignored signal), would then fail however correct the trainer is.
+_PYTHON_SIGNAL_HANDLERS = {
+    signal.SIGINT: signal.default_int_handler,
+    signal.SIGTERM: signal.SIG_DFL,
+}
 
 
-def _restore_suite_signal_handlers() -> None:
-    for sig, handler in _SUITE_SIGNAL_HANDLERS.items():
-        if handler is not None and signal.getsignal(sig) is not handler:
+def _restore_python_signal_handlers() -> None:
+    for sig, handler in _PYTHON_SIGNAL_HANDLERS.items():
+        if signal.getsignal(sig) is not handler:
             signal.signal(sig, handler)
 
 
 @pytest.fixture(autouse=True)
 def _signal_handlers_restored():
-    """Each test runs with the SIGINT and SIGTERM handlers the suite started with.
-
-    Libraries started in process (vLLM's engine, Ray's driver, in tests or their shared
-    fixtures) install handlers of their own and leave them; a later test of Ctrl-C handling, or a
-    subprocess that inherits an ignored SIGINT, would then depend on which tests ran before it.
+    """Each test runs with Python's own SIGINT and SIGTERM handlers, whatever the shell that
+    started pytest set and whatever a library started in process (Ray's driver sets SIGTERM's)
+    left behind: a test of Ctrl-C handling does not depend on how the suite was started or on
+    which tests ran before it.
     """
-    _restore_suite_signal_handlers()
+    _restore_python_signal_handlers()
     yield
-    _restore_suite_signal_handlers()
+    _restore_python_signal_handlers()
 
 
 @pytest.fixture(scope="session")

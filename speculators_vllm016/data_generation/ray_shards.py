@@ -91,6 +91,19 @@ def sigterm_flag() -> Iterator[threading.Event]:
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextlib.contextmanager
+def sigterm_handler_kept() -> Iterator[None]:
+    """SIGTERM's handler back as the caller had it when the block ends: Ray's start-up sets one
+    of its own (it exits the process) and its shutdown leaves it: a caller that goes on running (a
+    notebook, a pipeline) would meet Ray's handler at its next SIGTERM instead of its own."""
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
+
+
 def require_ray() -> Any:
     try:
         import ray
@@ -248,12 +261,13 @@ def run_shards_on_ray(
     output.output_dir = os.path.abspath(output.output_dir)
     refuse_unreachable(address)
     started = time.perf_counter()
-    _connect(ray, address)
-    try:
-        with sigterm_flag() as stop:  # after Ray's start-up, which sets a SIGTERM handler too
-            return _run_connected(ray, options, max_retries, verbose, started, stop)
-    finally:
-        ray.shutdown()
+    with sigterm_handler_kept():
+        _connect(ray, address)
+        try:
+            with sigterm_flag() as stop:  # after Ray's start-up, which would replace it
+                return _run_connected(ray, options, max_retries, verbose, started, stop)
+        finally:
+            ray.shutdown()
 
 
 def _run_connected(

@@ -22,12 +22,14 @@ import pytest
 import torch
 
 from speculators_vllm016.cli.datagen import main
+from speculators_vllm016.data_generation import ray_shards
 from speculators_vllm016.data_generation.manifest import ManifestWriter, SampleRecord, read_manifest
 from speculators_vllm016.data_generation.offline import run_datagen
 from speculators_vllm016.data_generation.options import DatagenOptions
 from speculators_vllm016.data_generation.ray_shards import (
     RAY_MISSING,
     FolderProgress,
+    run_shards_on_ray,
     shard_resources,
 )
 from speculators_vllm016.data_generation.resume import STATE_FILE
@@ -157,6 +159,40 @@ def chats(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("chats") / "chats.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+class RunConnected(Exception):
+    """Raised where the run would start its shards: the test needs Ray started, not the run."""
+
+
+def test_the_callers_sigterm_handler_is_back_once_ray_is_down(
+    tiny_llama, chats, tmp_path, monkeypatch
+):
+    """Ray's start-up (in this process) sets a SIGTERM handler of its own and its shutdown
+    leaves it; the run puts the caller's back, and its own flag is the one set while it runs."""
+    seen = {}
+
+    def run_connected(*args: object) -> None:
+        seen["during"] = signal.getsignal(signal.SIGTERM)
+        raise RunConnected
+
+    def callers(*_: object) -> None:
+        pass
+
+    monkeypatch.setattr(ray_shards, "_run_connected", run_connected)
+    monkeypatch.setenv("RAY_DISABLE_USAGE_STATS", "1")
+    options = DatagenOptions(
+        target_model_path=str(tiny_llama),
+        train_data_path=str(chats),
+        output_dir=str(tmp_path / "out"),
+        show_progress=False,
+        **SETTINGS,
+    )
+    signal.signal(signal.SIGTERM, callers)  # the suite's fixture puts the default back
+    with pytest.raises(RunConnected):
+        run_shards_on_ray(options, "local")
+    assert seen["during"] not in (callers, signal.SIG_DFL)
+    assert signal.getsignal(signal.SIGTERM) is callers
 
 
 def ray_command(model: Path, chats: Path, output: Path, *extra: str) -> list[str]:
