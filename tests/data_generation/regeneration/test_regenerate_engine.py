@@ -338,6 +338,50 @@ def _datagen_files(folder: Path) -> dict[str, object]:
     return files
 
 
+# `datagen --regenerate` whose regeneration sends SIGTERM to its process group (its engine's
+# workers included) as the second chunk's first round starts.
+STOPPING_DATAGEN = """
+import os, signal, sys
+from speculators_vllm016.cli.datagen import main
+from speculators_vllm016.data_generation.regeneration.capture_engine import GeneratorEngine
+respond, calls = GeneratorEngine.respond, []
+def respond_then_stop(self, requests, sampling):
+    calls.append(1)
+    if len(calls) == 3:
+        os.killpg(0, signal.SIGTERM)
+    return respond(self, requests, sampling)
+GeneratorEngine.respond = respond_then_stop
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _stopped_by_sigterm_in_its_second_chunk(argv: list[str], regenerated: Path) -> None:
+    """The one-pass command stops with 143 and one line, the first chunk (3 rows) logged and
+    nothing extracted, no process of the run left."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", STOPPING_DATAGEN, *argv],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        stderr = process.communicate(timeout=600)[1]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 143, stderr[-3000:]
+    log = regenerated / "rows" / "shard-0-of-1.jsonl"
+    assert stderr.strip().splitlines()[-1] == (
+        "stopped: SIGTERM: regeneration stopped with 3 of 8 rows of shard 0/1 done, logged in "
+        f"{log}; run the same command again to resume"
+    )
+    assert [json.loads(line)["chunk"] for line in log.read_text().splitlines()] == [0]
+    assert not list(regenerated.parent.glob("data_*.pt"))
+    assert _processes_in_group(process.pid) == []
+
+
 @pytest.mark.slow
 def test_datagen_regenerate_in_one_pass_equals_regenerate_then_datagen(
     tiny_llama, local_engine, tmp_path
@@ -362,7 +406,8 @@ def test_datagen_regenerate_in_one_pass_equals_regenerate_then_datagen(
         "--max-prompt-tokens", str(MAX_PROMPT_TOKENS),
     ]  # fmt: skip
     argv = [*common, "--train-data-path", str(data), "--output-dir", str(one), *regeneration]
-    assert datagen(argv) == 0
+    _stopped_by_sigterm_in_its_second_chunk(argv, one / "regenerated")
+    assert datagen(argv) == 0  # resumes
     assert (one / "regenerated" / "conversations.jsonl").read_bytes() == regenerated.read_bytes()
     files = _datagen_files(two)
     assert len([name for name in files if name.startswith("data_")]) == 8

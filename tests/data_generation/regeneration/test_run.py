@@ -254,11 +254,15 @@ def test_template_kwargs_reach_the_prompt_and_reasoning_is_dropped(tiny_llama, t
     assert _lines(dropped / "conversations.jsonl")[1]["messages"][1]["content"] == "Waves."
 
 
+HOLD_SECONDS = 60  # only a run that fails to give up its chunk waits this long
+
+
 def _echo_server(tokenizer, stop_on: str, signum: int | None):
-    """An OpenAI-style server whose reply depends on the prompt only. With `signum`, the first
-    request whose prompt holds `stop_on` sends it to this process and gets no reply until the
-    server is shut down (a chunk the stop must give up, not wait for)."""
-    release = threading.Event()
+    """An OpenAI-style server whose reply depends on the prompt only. With `signum`, a request
+    whose prompt holds `stop_on` sends it to this process and is held until the server is shut
+    down: a chunk the stop must give up, not wait for. A command that waits for it anyway gets
+    its reply after HOLD_SECONDS, and `waited` says so."""
+    release, waited = threading.Event(), []
 
     class Handler(BaseHTTPRequestHandler):
         def _send(self, payload: dict) -> None:
@@ -276,8 +280,9 @@ def _echo_server(tokenizer, stop_on: str, signum: int | None):
             prompt = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompt"]
             if signum is not None and stop_on in tokenizer.decode(prompt):
                 os.kill(os.getpid(), signum)
-                release.wait()
-                return
+                if release.wait(HOLD_SECONDS):
+                    return
+                waited.append(prompt)
             reply = tokenizer.encode(f"reply to {len(prompt)} tokens", add_special_tokens=False)
             self._send({"choices": [{"token_ids": reply, "finish_reason": "length"}]})
 
@@ -286,24 +291,28 @@ def _echo_server(tokenizer, stop_on: str, signum: int | None):
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, release
+    return server, release, waited
 
 
-def _endpoint_run(tiny_llama, tmp_path, tokenizer, out: Path, signum: int | None = None) -> int:
-    server, release = _echo_server(tokenizer, "alone", signum)
+def _endpoint_run(
+    tiny_llama, tmp_path, tokenizer, out: Path, signum: int | None = None
+) -> tuple[int, list]:
+    """The command's exit status, and the held requests it waited for (see `_echo_server`)."""
+    server, release, waited = _echo_server(tokenizer, "alone", signum)
     try:
-        return main(
+        status = main(
             [
                 "--target-model-path", str(tiny_llama),
                 "--train-data-path", _options(tiny_llama, tmp_path).train_data_path,
                 "--output-dir", str(out), "--endpoint", f"http://127.0.0.1:{server.server_port}",
-                "--batch-size", "1", "--request-timeout", "20", "--retries", "0",
+                "--batch-size", "1", "--request-timeout", str(3 * HOLD_SECONDS), "--retries", "0",
                 "--num-preprocessing-workers", "1", "--no-progress",
             ]
         )  # fmt: skip
     finally:
         release.set()
         server.shutdown()
+    return status, waited
 
 
 @pytest.mark.parametrize(
@@ -313,14 +322,14 @@ def test_a_stop_signal_gives_up_the_chunk_and_the_same_command_resumes(
     tiny_llama, tmp_path, tokenizer, capsys, signum, status, name
 ):
     """--endpoint, in process: SIGTERM or Ctrl-C while the second chunk (row 1) waits on the
-    server ends the command at once with one line and its signal's status; the first chunk is
-    logged, the second is not; the handlers are the caller's again; a rerun equals an
-    uninterrupted run."""
-    assert _endpoint_run(tiny_llama, tmp_path, tokenizer, tmp_path / "whole") == 0
+    server ends the command without waiting for the reply, with one line and its signal's
+    status; the first chunk is logged, the second is not; the handlers are the caller's again;
+    a rerun equals an uninterrupted run."""
+    assert _endpoint_run(tiny_llama, tmp_path, tokenizer, tmp_path / "whole") == (0, [])
     handlers = [signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)]
     capsys.readouterr()
     out = tmp_path / "stopped"
-    assert _endpoint_run(tiny_llama, tmp_path, tokenizer, out, signum) == status
+    assert _endpoint_run(tiny_llama, tmp_path, tokenizer, out, signum) == (status, [])
     assert [signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)] == handlers
     log = out / "rows" / "shard-0-of-1.jsonl"
     last = capsys.readouterr().err.strip().splitlines()[-1]
@@ -330,6 +339,6 @@ def test_a_stop_signal_gives_up_the_chunk_and_the_same_command_resumes(
     )
     assert [line["chunk"] for line in _lines(log)] == [0]
     assert not (out / "conversations.jsonl").exists()
-    assert _endpoint_run(tiny_llama, tmp_path, tokenizer, out) == 0
+    assert _endpoint_run(tiny_llama, tmp_path, tokenizer, out) == (0, [])
     for file_name in ("conversations.jsonl", "failed.jsonl"):
         assert (out / file_name).read_bytes() == (tmp_path / "whole" / file_name).read_bytes()
