@@ -70,10 +70,17 @@ class StopSignals:
     """The stop flag, and the handlers that set it while `installed()` is active.
 
     `doing`: what the run does now that a stop was asked, for the warning line the signal logs.
+    `signals`: the ones handled (a run that leaves Ctrl-C to Python's KeyboardInterrupt names
+    SIGTERM only).
     """
 
-    def __init__(self, doing: str, second_ctrl_c: str = "Ctrl-C again stops at once") -> None:
-        self.doing, self.second_ctrl_c = doing, second_ctrl_c
+    def __init__(
+        self,
+        doing: str,
+        second_ctrl_c: str = "Ctrl-C again stops at once",
+        signals: tuple[int, ...] = STOP_SIGNALS,
+    ) -> None:
+        self.doing, self.second_ctrl_c, self.signals = doing, second_ctrl_c, signals
         self.requested = False
         self.reason = "a stop signal"
         self.signum: int = signal.SIGTERM
@@ -105,8 +112,10 @@ class StopSignals:
         replaced: dict[int, Any] = {}
         self.handler_pid = os.getpid()
         with contextlib.suppress(ValueError):  # not the main thread: no handlers
-            replaced[signal.SIGTERM] = signal.signal(signal.SIGTERM, self.on_signal)
-            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            if signal.SIGTERM in self.signals:
+                replaced[signal.SIGTERM] = signal.signal(signal.SIGTERM, self.on_signal)
+            sigint = signal.getsignal(signal.SIGINT)
+            if signal.SIGINT in self.signals and sigint is signal.default_int_handler:
                 replaced[signal.SIGINT] = signal.signal(signal.SIGINT, self.on_signal)
         return replaced
 

@@ -57,3 +57,10 @@ def test_a_command_ends_a_stopped_run_with_its_signal_status(capsys):
     assert capsys.readouterr().err.splitlines() == [
         "stopped: Ctrl-C: 3 of 8 rows logged; run the same command again to resume"
     ]
+
+
+def test_a_run_that_handles_sigterm_only_leaves_ctrl_c_to_python():
+    stop = StopSignals(doing="stopping", signals=(signal.SIGTERM,))
+    with stop.installed():
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGTERM) == stop.on_signal
