@@ -205,7 +205,9 @@ def test_kill_9_then_rerun_equals_an_uninterrupted_run(
 
 
 def _processes_in_group(group: int) -> list[str]:
-    """The live processes (zombies aside) of a process group: pid and command line."""
+    """The live processes of a process group: pid and command line. Zombies and processes with
+    no command line left (their memory already released: they are in the middle of exiting) are
+    not counted."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -216,7 +218,7 @@ def _processes_in_group(group: int) -> list[str]:
         except OSError:  # ended meanwhile
             continue
         state, _parent, pgid = stat.rsplit(")", 1)[1].split()[:3]
-        if int(pgid) == group and state != "Z":
+        if int(pgid) == group and state != "Z" and command:
             found.append(f"{entry.name} {command}")
     return found
 
