@@ -27,19 +27,21 @@ _calls = itertools.count()
 
 @contextmanager
 def capture_paused(generator: Any) -> Iterator[None]:
-    """Hooks off for the block (generation runs at full speed and writes nothing), back after."""
+    """Hooks off for the block (generation runs at full speed and writes nothing), back after.
+
+    Not after a block that failed or was stopped: the generator is then given up, and its
+    workers may be gone (a stop signal sent to the process group ends them too), so asking them
+    would only hide the block's own error."""
     generator._executor.collective_rpc("speculators_teardown")
-    try:
-        yield
-    finally:
-        setup_capture(
-            generator._executor,
-            generator.layer_ids,
-            generator.num_hidden_layers,
-            generator.hidden_size,
-            generator.dtype,
-            generator._transfer,
-        )
+    yield
+    setup_capture(
+        generator._executor,
+        generator.layer_ids,
+        generator.num_hidden_layers,
+        generator.hidden_size,
+        generator.dtype,
+        generator._transfer,
+    )
 
 
 def sample_responses(

@@ -43,6 +43,7 @@ from speculators_vllm016.utils.errors import (
     SpeculatorsError,
     type_and_first_line,
 )
+from speculators_vllm016.utils.stop_signals import StopSignals
 
 __all__ = [
     "LOCAL",
@@ -73,22 +74,6 @@ class ShardFailed(RunFailedError):
 
 class StopRequested(SpeculatorsError):
     """SIGTERM reached the command (a scheduler, `timeout`): the running shards were cancelled."""
-
-
-@contextlib.contextmanager
-def sigterm_flag() -> Iterator[threading.Event]:
-    """An event SIGTERM sets; the scheduler checks it between its waits and stops the run (the
-    running shards cancelled, each killing its process group; Ray shut down), as on Ctrl-C,
-    instead of the command vanishing. (Raising in the handler would land inside Ray's C code.)"""
-    requested = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield requested
-        return
-    previous = signal.signal(signal.SIGTERM, lambda *_: requested.set())
-    try:
-        yield requested
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager
@@ -264,7 +249,11 @@ def run_shards_on_ray(
     with sigterm_handler_kept():
         _connect(ray, address)
         try:
-            with sigterm_flag() as stop:  # after Ray's start-up, which would replace it
+            # After Ray's start-up, which sets a SIGTERM handler too. SIGTERM only sets the flag,
+            # which the scheduler checks between its waits (raising in the handler would land
+            # inside Ray's C code); Ctrl-C stays Python's KeyboardInterrupt, which ends the wait.
+            sigterm = StopSignals(doing="cancelling the running shards", signals=(signal.SIGTERM,))
+            with sigterm.installed() as stop:
                 return _run_connected(ray, options, max_retries, verbose, started, stop)
         finally:
             ray.shutdown()
@@ -324,7 +313,7 @@ class ShardScheduler:
         except self.ray.exceptions.RayError as error:  # the worker or its node died
             return AttemptResult(shard, attempt, None, "?", error=type_and_first_line(error))
 
-    def run(self, stop: threading.Event | None = None) -> list[AttemptResult]:
+    def run(self, stop: StopSignals | None = None) -> list[AttemptResult]:
         """Every shard to its end; `stop` set (SIGTERM) cancels the running ones and raises."""
         finished: dict[int, AttemptResult] = {}
         progress = FolderProgress(self.output_dir, self.options.output.show_progress)
@@ -334,7 +323,7 @@ class ShardScheduler:
             while self.pending:
                 ready, _ = self.ray.wait(list(self.pending), num_returns=1, timeout=POLL_SECONDS)
                 progress.refresh()
-                if stop is not None and stop.is_set():
+                if stop is not None and stop.requested:
                     raise StopRequested(
                         "SIGTERM: the running shards were stopped; run the same command to resume"
                     )

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from pydantic import ValidationError
 
-from speculators_vllm016.utils.errors import SpeculatorsError, first_line
+from speculators_vllm016.utils.errors import RunStopped, SpeculatorsError, first_line
 
 __all__ = ["DEBUG_HINT", "EXPECTED_ERRORS", "describe_error", "error_line", "report_errors"]
 
@@ -55,17 +55,18 @@ def report_errors(
 ) -> int:
     """Run; an `expected` failure becomes one line on stderr and exit status 2.
 
-    `stopped` are the exceptions of a run that stopped on request after saving its state
-    ("stopped: why", status 143); Ctrl-C gives 130.
+    `stopped` (and every `RunStopped`) are the exceptions of a run that stopped on request
+    after saving its state ("stopped: why", status 143, or the `exit_status` the exception
+    carries); Ctrl-C that nothing caught gives 130.
     """
     try:
         return run()
     except KeyboardInterrupt:
         print("interrupted; run the same command again to resume", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except stopped as stop:
+    except (RunStopped, *stopped) as stop:
         print(f"stopped: {stop}", file=sys.stderr)
-        return EXIT_STOPPED
+        return getattr(stop, "exit_status", EXIT_STOPPED)
     except expected as error:
         if debug:
             raise

@@ -12,12 +12,14 @@ the empty ones. Imports nothing heavy.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 __all__ = [
     "InvalidInputError",
     "RunFailedError",
+    "RunStopped",
     "SpeculatorsError",
     "UnsupportedError",
     "library_refusals_as_ours",
@@ -37,6 +39,18 @@ class InvalidInputError(SpeculatorsError, ValueError):
 class RunFailedError(SpeculatorsError, RuntimeError):
     """A run cannot go on (an engine, a worker, a process it needs failed); the message says what
     to do."""
+
+
+class RunStopped(SpeculatorsError, RuntimeError):
+    """The run stopped on a signal (SIGTERM, a first Ctrl-C) where the same command resumes it.
+
+    The command prints `stopped: <message>` and ends with `exit_status`: 128 + the signal's number,
+    as a shell reports a process the signal ended (143 after SIGTERM, 130 after Ctrl-C).
+    """
+
+    def __init__(self, message: str, signum: int = signal.SIGTERM) -> None:
+        super().__init__(message)
+        self.exit_status = 128 + int(signum)
 
 
 class UnsupportedError(SpeculatorsError, NotImplementedError):

@@ -5,6 +5,11 @@ assistant turn of every row that has one, all in one call, with the conversation
 the turns regenerated in rounds before it; a chunk is logged, in one line, once its last round
 is done. Each turn samples with its own seed (`turns.turn_seed`), and a rerun after a crash
 regenerates exactly the chunks the log lacks (`chunks_to_generate`).
+
+SIGTERM or a first Ctrl-C (`utils.stop_signals`) gives up the chunk being generated (it is
+never logged, so nothing half-done remains) and starts no other; the engine is shut down and
+the command ends with `stopped: ...` (143 after SIGTERM, 130 after Ctrl-C). The same command
+resumes. A second Ctrl-C stops at once.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from speculators_vllm016.data_generation.regeneration.turns import (
     turn_seed,
 )
 from speculators_vllm016.data_generation.resume import resolve_model_path
-from speculators_vllm016.utils.errors import type_and_first_line
+from speculators_vllm016.utils.errors import RunStopped, type_and_first_line
+from speculators_vllm016.utils.stop_signals import StopSignalled, StopSignals
 
 __all__ = [
     "RegenerateSummary",
@@ -213,7 +219,8 @@ def run_regeneration(
                 engine = start_engine(options)
             if must_record:
                 folder.record_job(job)
-            _regenerate_todo(engine, tokenizer, todo, options, folder)
+            regenerable = sum(row.messages is not None for row in mine)
+            _regenerate_todo(engine, tokenizer, todo, options, folder, regenerable)
             summary = _finish(folder, mine, options)
     except BaseException:
         if created and not folder.log_path.exists():
@@ -255,18 +262,44 @@ def chunks_to_generate(
     return todo
 
 
-def _regenerate_todo(engine, tokenizer, todo, options, folder) -> None:
+def _regenerate_todo(engine, tokenizer, todo, options, folder, regenerable: int) -> None:
+    """Each chunk generated, then logged whole. A stop signal gives up the chunk in the engine
+    (an engine whose processes the same signal ended fails: that is the stop too) and raises
+    `RunStopped` saying where the run stands."""
     from tqdm import tqdm
 
-    with tqdm(
-        total=sum(len(chunk) for _, chunk in todo),
-        desc="Regenerating",
-        unit="row",
-        disable=not options.show_progress,
-    ) as progress:
+    stop = StopSignals(doing="giving up the chunk being generated and stopping")
+    with (
+        tqdm(
+            total=sum(len(chunk) for _, chunk in todo),
+            desc="Regenerating",
+            unit="row",
+            disable=not options.show_progress,
+        ) as progress,
+        stop.installed(),
+    ):
         for number, chunk in todo:
-            folder.log_chunk(number, regenerate_rows(engine, tokenizer, chunk, options))
+            try:
+                with stop.abandoning():
+                    records = regenerate_rows(engine, tokenizer, chunk, options)
+            except (Exception, StopSignalled):
+                if not stop.requested:
+                    raise
+            if stop.requested:
+                raise _stopped(stop, folder, options, regenerable)
+            folder.log_chunk(number, records)
             progress.update(len(chunk))
+
+
+def _stopped(
+    stop: StopSignals, folder: RegenerationFolder, options: RegenerateOptions, regenerable: int
+) -> RunStopped:
+    """Where a stopped run stands, and that the same command resumes it."""
+    return stop.stopped(
+        f"regeneration stopped with {len(folder.finished_rows())} of {regenerable} rows of "
+        f"shard {options.shard_index}/{options.num_shards} done, logged in {folder.log_path}; "
+        "run the same command again to resume"
+    )
 
 
 def _finish(

@@ -13,7 +13,6 @@ from typing import Any
 from torch.utils.data import DataLoader, default_collate
 
 from speculators_vllm016.train.data import BatchType, Eagle3SampleFileDataset, PackedBatch
-from speculators_vllm016.train.graceful_shutdown import ignore_stop_signals, stop_signals_held
 from speculators_vllm016.train.loading.loader_contract import (
     Closes,
     ReadsAcrossEpochs,
@@ -26,6 +25,7 @@ from speculators_vllm016.train.loading.row_slots import (
 )
 from speculators_vllm016.train.noise_transforms import RowNoise
 from speculators_vllm016.utils.errors import InvalidInputError
+from speculators_vllm016.utils.stop_signals import ignore_stop_signals, stop_signals_held
 
 __all__ = ["RunThroughBatchSampler", "SampleFileLoader", "main_process_noise"]
 
@@ -85,7 +85,7 @@ class SampleFileLoader(DataLoader, TrainingLoader, ReadsAcrossEpochs, Closes):
     process pins for the GPU (`row_slots`); the loader's own `pin_memory` is then off (nothing
     left for it to do). Rows read from a slot carry their `HostSlot` under `HOST_SLOT_KEY`.
 
-    The workers ignore SIGTERM and Ctrl-C sent to the whole process group (`graceful_shutdown`):
+    The workers ignore SIGTERM and Ctrl-C sent to the whole process group (`utils.stop_signals`):
     the trainer finishes its step and checkpoints; a worker killed by the signal would crash it.
     """
 

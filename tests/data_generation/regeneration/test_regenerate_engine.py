@@ -160,22 +160,33 @@ def _command(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def whole_in_chunks_of_2(tiny_llama, chat_data, local_engine, tmp_path_factory) -> Path:
+    """An uninterrupted run in chunks of 2 rows: what an interrupted one must end with."""
+    whole = tmp_path_factory.mktemp("regen_whole")
+    run_regeneration(_options(tiny_llama, chat_data, whole, batch_size=2), engine=local_engine)
+    return whole
+
+
+def _wait_for_logged_chunks(process: subprocess.Popen, log: Path, chunks: int) -> None:
+    deadline = time.monotonic() + 500
+    while time.monotonic() < deadline and process.poll() is None:
+        if log.exists() and log.read_text().count("\n") >= chunks:
+            return
+        time.sleep(0.05)
+
+
 @pytest.mark.slow
 def test_kill_9_then_rerun_equals_an_uninterrupted_run(
-    tiny_llama, chat_data, local_engine, tmp_path
+    tiny_llama, chat_data, whole_in_chunks_of_2, tmp_path
 ):
-    whole = tmp_path / "whole"
-    run_regeneration(_options(tiny_llama, chat_data, whole, batch_size=2), engine=local_engine)
+    whole = whole_in_chunks_of_2
     out = tmp_path / "killed"
     log = out / "rows" / "shard-0-of-1.jsonl"
     command = _command(tiny_llama, chat_data, out, "--batch-size", "2")
     process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 500
-        while time.monotonic() < deadline and process.poll() is None:
-            if log.exists() and log.read_text().count("\n") >= 2:
-                break
-            time.sleep(0.05)
+        _wait_for_logged_chunks(process, log, 2)
         assert process.poll() is None, "the run ended before it could be killed"
         os.killpg(process.pid, signal.SIGKILL)
     finally:
@@ -190,6 +201,68 @@ def test_kill_9_then_rerun_equals_an_uninterrupted_run(
     assert summary["already_done"] >= 2 * logged and summary["regenerated"] <= 24 - 2 * logged
     assert (out / "conversations.jsonl").read_bytes() == (
         whole / "conversations.jsonl"
+    ).read_bytes()
+
+
+def _processes_in_group(group: int) -> list[str]:
+    """The live processes of a process group: pid and command line. Zombies and processes with
+    no command line left (their memory already released: they are in the middle of exiting) are
+    not counted."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # ended meanwhile
+            continue
+        state, _parent, pgid = stat.rsplit(")", 1)[1].split()[:3]
+        if int(pgid) == group and state != "Z" and command:
+            found.append(f"{entry.name} {command}")
+    return found
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_process_group_stops_cleanly_and_a_rerun_completes_it(
+    tiny_llama, chat_data, local_engine, whole_in_chunks_of_2, tmp_path
+):
+    """A scheduler's SIGTERM to the command's process group (its engine core included) once a
+    chunk is logged: exit 143 with one `stopped:` line, only whole chunks in the log, no process
+    of the run left; the same job resumed equals an uninterrupted run."""
+    out = tmp_path / "stopped"
+    log = out / "rows" / "shard-0-of-1.jsonl"
+    command = _command(tiny_llama, chat_data, out, "--batch-size", "2")
+    process = subprocess.Popen(
+        command,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_for_logged_chunks(process, log, 1)
+        assert process.poll() is None, "the run ended before it could be stopped"
+        os.killpg(process.pid, signal.SIGTERM)
+        stderr = process.communicate(timeout=300)[1]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 143, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("stopped: SIGTERM: regeneration stopped with "), stderr[-3000:]
+    assert last.endswith(f"logged in {log}; run the same command again to resume"), last
+    assert _processes_in_group(process.pid) == []
+    chunks = [json.loads(line) for line in log.read_text().splitlines()]  # each line whole
+    assert 1 <= len(chunks) < 12 and f"with {2 * len(chunks)} of 24 rows" in last
+    assert not (out / "conversations.jsonl").exists()
+    summary = run_regeneration(
+        _options(tiny_llama, chat_data, out, batch_size=2), engine=local_engine
+    )
+    assert summary.already_done == 2 * len(chunks)
+    assert (out / "conversations.jsonl").read_bytes() == (
+        whole_in_chunks_of_2 / "conversations.jsonl"
     ).read_bytes()
 
 
@@ -267,6 +340,50 @@ def _datagen_files(folder: Path) -> dict[str, object]:
     return files
 
 
+# `datagen --regenerate` whose regeneration sends SIGTERM to its process group (its engine's
+# workers included) as the second chunk's first round starts.
+STOPPING_DATAGEN = """
+import os, signal, sys
+from speculators_vllm016.cli.datagen import main
+from speculators_vllm016.data_generation.regeneration.capture_engine import GeneratorEngine
+respond, calls = GeneratorEngine.respond, []
+def respond_then_stop(self, requests, sampling):
+    calls.append(1)
+    if len(calls) == 3:
+        os.killpg(0, signal.SIGTERM)
+    return respond(self, requests, sampling)
+GeneratorEngine.respond = respond_then_stop
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _stopped_by_sigterm_in_its_second_chunk(argv: list[str], regenerated: Path) -> None:
+    """The one-pass command stops with 143 and one line, the first chunk (3 rows) logged and
+    nothing extracted, no process of the run left."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", STOPPING_DATAGEN, *argv],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        stderr = process.communicate(timeout=600)[1]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 143, stderr[-3000:]
+    log = regenerated / "rows" / "shard-0-of-1.jsonl"
+    assert stderr.strip().splitlines()[-1] == (
+        "stopped: SIGTERM: regeneration stopped with 3 of 8 rows of shard 0/1 done, logged in "
+        f"{log}; run the same command again to resume"
+    )
+    assert [json.loads(line)["chunk"] for line in log.read_text().splitlines()] == [0]
+    assert not list(regenerated.parent.glob("data_*.pt"))
+    assert _processes_in_group(process.pid) == []
+
+
 @pytest.mark.slow
 def test_datagen_regenerate_in_one_pass_equals_regenerate_then_datagen(
     tiny_llama, local_engine, tmp_path
@@ -291,7 +408,8 @@ def test_datagen_regenerate_in_one_pass_equals_regenerate_then_datagen(
         "--max-prompt-tokens", str(MAX_PROMPT_TOKENS),
     ]  # fmt: skip
     argv = [*common, "--train-data-path", str(data), "--output-dir", str(one), *regeneration]
-    assert datagen(argv) == 0
+    _stopped_by_sigterm_in_its_second_chunk(argv, one / "regenerated")
+    assert datagen(argv) == 0  # resumes
     assert (one / "regenerated" / "conversations.jsonl").read_bytes() == regenerated.read_bytes()
     files = _datagen_files(two)
     assert len([name for name in files if name.startswith("data_")]) == 8

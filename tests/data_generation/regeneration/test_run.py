@@ -4,6 +4,10 @@ tested in test_regenerate_engine.py): order of turns, failures listed, resume, r
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -269,3 +273,93 @@ def test_one_pass_refuses_halves_rendering_with_other_template_arguments(tiny_ll
     with pytest.raises(InvalidInputError, match="chat template arguments"):
         run_datagen_regenerating(extraction, regenerate)
     assert not (tmp_path / "data").exists() and not (tmp_path / "out").exists()
+
+
+HOLD_SECONDS = 60  # only a run that fails to give up its chunk waits this long
+
+
+def _echo_server(tokenizer, stop_on: str, signum: int | None):
+    """An OpenAI-style server whose reply depends on the prompt only. With `signum`, a request
+    whose prompt holds `stop_on` sends it to this process and is held until the server is shut
+    down: a chunk the stop must give up, not wait for. A command that waits for it anyway gets
+    its reply after HOLD_SECONDS, and `waited` says so."""
+    release, waited = threading.Event(), []
+
+    class Handler(BaseHTTPRequestHandler):
+        def _send(self, payload: dict) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self._send({"data": [{"id": "served"}]})
+
+        def do_POST(self):  # noqa: N802 - http.server's name
+            prompt = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompt"]
+            if signum is not None and stop_on in tokenizer.decode(prompt):
+                os.kill(os.getpid(), signum)
+                if release.wait(HOLD_SECONDS):
+                    return
+                waited.append(prompt)
+            reply = tokenizer.encode(f"reply to {len(prompt)} tokens", add_special_tokens=False)
+            self._send({"choices": [{"token_ids": reply, "finish_reason": "length"}]})
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, release, waited
+
+
+def _endpoint_run(
+    tiny_llama, tmp_path, tokenizer, out: Path, signum: int | None = None
+) -> tuple[int, list]:
+    """The command's exit status, and the held requests it waited for (see `_echo_server`)."""
+    server, release, waited = _echo_server(tokenizer, "alone", signum)
+    try:
+        status = main(
+            [
+                "--target-model-path", str(tiny_llama),
+                "--train-data-path", _options(tiny_llama, tmp_path).train_data_path,
+                "--output-dir", str(out), "--endpoint", f"http://127.0.0.1:{server.server_port}",
+                "--batch-size", "1", "--request-timeout", str(3 * HOLD_SECONDS), "--retries", "0",
+                "--num-preprocessing-workers", "1", "--no-progress",
+            ]
+        )  # fmt: skip
+    finally:
+        release.set()
+        server.shutdown()
+    return status, waited
+
+
+@pytest.mark.parametrize(
+    ("signum", "status", "name"), [(signal.SIGTERM, 143, "SIGTERM"), (signal.SIGINT, 130, "Ctrl-C")]
+)
+def test_a_stop_signal_gives_up_the_chunk_and_the_same_command_resumes(
+    tiny_llama, tmp_path, tokenizer, capsys, signum, status, name
+):
+    """--endpoint, in process: SIGTERM or Ctrl-C while the second chunk (row 1) waits on the
+    server ends the command without waiting for the reply, with one line and its signal's
+    status; the first chunk is logged, the second is not; the handlers are the caller's again;
+    a rerun equals an uninterrupted run."""
+    assert _endpoint_run(tiny_llama, tmp_path, tokenizer, tmp_path / "whole") == (0, [])
+    handlers = [signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)]
+    capsys.readouterr()
+    out = tmp_path / "stopped"
+    assert _endpoint_run(tiny_llama, tmp_path, tokenizer, out, signum) == (status, [])
+    assert [signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)] == handlers
+    log = out / "rows" / "shard-0-of-1.jsonl"
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == (
+        f"stopped: {name}: regeneration stopped with 1 of 2 rows of shard 0/1 done, logged in "
+        f"{log}; run the same command again to resume"
+    )
+    assert [line["chunk"] for line in _lines(log)] == [0]
+    assert not (out / "conversations.jsonl").exists()
+    assert _endpoint_run(tiny_llama, tmp_path, tokenizer, out) == (0, [])
+    for file_name in ("conversations.jsonl", "failed.jsonl"):
+        assert (out / file_name).read_bytes() == (tmp_path / "whole" / file_name).read_bytes()
