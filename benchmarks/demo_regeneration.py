@@ -32,7 +32,7 @@ DRAFTS = ("untrained", "shipped", "regenerated")
 
 
 def run_seed(seed: int, folder: Path, extra: list[str]) -> dict:
-    """One demo run; its taus, stage seconds and the held-out rows it evaluated on."""
+    """One demo run into `folder` (its output in `seed<N>.log` beside it); its figures."""
     command = [sys.executable, "-m", "speculators_vllm016", "demo", "--output-dir", str(folder)]
     command += ["--seed", str(seed), "--no-progress", *extra]
     started = time.perf_counter()
@@ -41,6 +41,11 @@ def run_seed(seed: int, folder: Path, extra: list[str]) -> dict:
     (folder.parent / f"seed{seed}.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         raise SystemExit(f"demo --seed {seed} failed:\n{done.stderr[-3000:]}")
+    return read_run(seed, folder, wall)
+
+
+def read_run(seed: int, folder: Path, wall: float | None) -> dict:
+    """A finished demo run's taus, stage seconds and the held-out rows it evaluated on."""
     state = json.loads((folder / "demo_state.json").read_text())
     figures = state["eval"]["figures"]
     return {
@@ -97,17 +102,27 @@ def main() -> int:
     )
     parser.add_argument("--work-dir", default=None, help="demo folders go here (default: a temp)")
     parser.add_argument("--output", default=None, help="also write the figures here (JSON)")
+    parser.add_argument(
+        "--read-only",
+        action="store_true",
+        help="run nothing: read the finished runs in --work-dir (e.g. after an interrupted call)",
+    )
     parser.add_argument("demo_args", nargs="*", help="extra `speculators demo` flags, after --")
     args = parser.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="demo-regen-bench-"))
     work.mkdir(parents=True, exist_ok=True)
 
     def one(seed: int) -> dict:
-        run = run_seed(seed, work / f"seed{seed}", args.demo_args)
+        folder = work / f"seed{seed}"
+        run = (
+            read_run(seed, folder, None)
+            if args.read_only
+            else run_seed(seed, folder, args.demo_args)
+        )
         tau = run["tau"]
         print(
             f"seed {seed}: tau untrained {tau['untrained']:.3f}, shipped {tau['shipped']:.3f}, "
-            f"regenerated {tau['regenerated']:.3f} ({run['wall_seconds']:.0f} s)",
+            f"regenerated {tau['regenerated']:.3f}",
             flush=True,
         )
         return run
