@@ -291,3 +291,24 @@ def test_a_user_mistake_in_the_split_is_refused_before_the_demo_folder_is_made(t
     assert not output.exists()
     error = capsys.readouterr().err.strip()
     assert error.count("\n") == 0 and "--eval-prompts" in error and "36 held-out" in error
+
+
+def test_the_summary_without_regeneration_names_the_held_out_rows_and_two_taus(capsys, tmp_path):
+    from speculators_vllm016.demo.cli import print_summary
+    from speculators_vllm016.demo.pipeline import DemoResult, StageRecord
+
+    training = {"steps": 3, "first_loss": 2.0, "last_loss": 1.0, "tokens_per_second": 10.0}
+    figures = {
+        "split": {"rows": 320, "target_rows": 270, "draft_rows": 160, "set_aside_rows": 14},
+        "target": {"first_loss": 5.0, "last_loss": 2.0, "tokens_per_second": 1.0},
+        "datagen": {"samples": 160, "tokens": 1000, "tokens_per_second": 1.0},
+        "train": training,
+        "eval": {"prompts": 24, "table": "TABLE", "tau_untrained": 1.0, "tau_shipped": 2.5},
+    }
+    figures["split"]["held_out_rows"] = [5, 11, 17, 24]
+    stages = [StageRecord(name, 1.0, {}, values) for name, values in figures.items()]
+    print_summary(DemoResult(root=tmp_path, stages=stages))
+    printed = capsys.readouterr().out
+    assert "24 held-out prompts" in printed and "(rows 5, 11, 17, ..., 24 of the shipped" in printed
+    assert "tau: untrained 1.000, shipped 2.500\n" in printed
+    assert "regenerat" not in printed
