@@ -211,12 +211,12 @@ def untrained_tau(kimi_run) -> dict:
     """The Kimi draft as training starts from it (the trainer's construction and seed), measured by
     the recipe's eval command with only `--draft` and `--output-json` changed."""
     from speculators_vllm016.cli.train import config_from_argv
-    from speculators_vllm016.demo.pipeline import _save_initial_draft
+    from speculators_vllm016.demo.draft_training import save_initial_draft
 
     kimi_run.require("speculators datagen", "speculators vocab-mapping")
     config, _ = config_from_argv(train_options(kimi_run))
     with contextlib.chdir(kimi_run.folder):
-        _save_initial_draft(config, kimi_run.folder / "untrained")
+        save_initial_draft(config, kimi_run.folder / "untrained")
     argv = list(kimi_run.step("speculators eval")[0])
     argv[argv.index("--draft") + 1] = "untrained"
     argv[argv.index("--output-json") + 1] = "untrained.json"

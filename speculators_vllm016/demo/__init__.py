@@ -45,16 +45,15 @@ def read_conversations(path: str | Path) -> Iterator[list[dict[str, str]]]:
         logger.warning("skipped %d malformed conversations of %s", skipped, path)
 
 
-def _corpus() -> list[str]:
+def _corpus(conversations: str | Path) -> list[str]:
     return [
-        message["content"]
-        for messages in read_conversations(demo_conversations_path())
-        for message in messages
+        message["content"] for messages in read_conversations(conversations) for message in messages
     ]
 
 
-def build_demo_model(path: str | Path) -> Path:
-    """The demo target: a Llama of 8 layers (hidden 256) with a tokenizer trained on the data."""
+def build_demo_model(path: str | Path, conversations: str | Path | None = None) -> Path:
+    """The demo target: a Llama of 8 layers (hidden 256) with a tokenizer trained on the data
+    (`conversations`, default the shipped file: the demo passes its training part only)."""
     from speculators_vllm016.tiny_models import build_tiny_llama
 
     path = Path(path)
@@ -69,5 +68,5 @@ def build_demo_model(path: str | Path) -> Path:
         intermediate_size=768,
         vocab_size=1024,
         max_position_embeddings=2048,
-        corpus=_corpus(),
+        corpus=_corpus(conversations or demo_conversations_path()),
     )

@@ -37,6 +37,7 @@ def test_the_demo_hands_the_chosen_dtype_to_datagen_and_records_it(tmp_path, mon
 
     from speculators_vllm016.data_generation import offline
     from speculators_vllm016.demo import engine_dtype, pipeline, target
+    from speculators_vllm016.demo.options import DemoOptions
 
     monkeypatch.setattr(
         "speculators_vllm016.data_generation.cpu_defaults.cpu_vector_flags", lambda: AVX2_ONLY
@@ -58,9 +59,11 @@ def test_the_demo_hands_the_chosen_dtype_to_datagen_and_records_it(tmp_path, mon
             "R", (), dict(tokens=1, tokens_per_second=1.0, first_loss=1.0, last_loss=1.0)
         )(),
     )
-    monkeypatch.setattr("speculators_vllm016.demo.build_demo_model", lambda path: path)
+    monkeypatch.setattr(
+        "speculators_vllm016.demo.build_demo_model", lambda path, conversations=None: path
+    )
     with pytest.raises(Stop):
-        pipeline.run_demo(pipeline.DemoOptions(output_dir=str(tmp_path)))
+        pipeline.run_demo(DemoOptions(output_dir=str(tmp_path)))
     assert seen["dtype"] == "float32"
     state = json.loads((tmp_path / pipeline.STATE_FILE).read_text())
     assert state["datagen"]["options"]["dtype"] == "float32"

@@ -1,0 +1,34 @@
+"""What a demo run is asked to do: the flags of `speculators demo --help` without the dashes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DemoOptions"]
+
+
+@dataclass
+class DemoOptions:
+    output_dir: str = "output/demo"
+    max_samples: int | None = 160
+    seq_length: int = 1024
+    batch_size: int = 128
+    output_format: str = "pt"
+    target_steps: int = 40
+    target_row_tokens: int = 128
+    target_rows_per_step: int = 8
+    draft_vocab_size: int = 512
+    epochs: int = 2
+    lr: float = 1e-3
+    total_seq_len: int = 2048
+    eval_prompts: int = 24
+    max_new_tokens: int = 32
+    seed: int = 0
+    dtype: str = "auto"
+    """The extraction engine's dtype; "auto" is resolved by `demo.engine_dtype` when the run starts."""
+    held_out_every: int = 6
+    """Every N-th distinct opening question is held out for the evaluation (`demo.held_out`)."""
+    regenerate: bool = True
+    """Also train a draft on the drafts' conversations answered by the target itself."""
+    regenerate_max_tokens: int = 64
+    show_progress: bool = True
