@@ -13,6 +13,8 @@ def test_the_package_holds_no_test_fixture_builders():
     assert builders == {"build_tiny_llama"}
     assert not [name for name in dir(package_models) if "KIMI" in name.upper()]
     assert set(test_models.__all__) == {
+        "THINKING_TEMPLATE",
+        "copy_with_thinking_template",
         "build_taught_tiny_deepseek_v3",
         "build_tiny_deepseek_v3",
         "build_tiny_kimi_k25",
