@@ -98,7 +98,11 @@ def locate_verifier_weights(path: str, config_dict: dict | None = None) -> Verif
     """The names of the verifier's embeddings, final norm and LM head, from the checkpoint's tensor
     names (no tensor is read). Raises `QuantizedVerifierWeight` when its tensors or its
     compressed-tensors `quantization_config` say one of them is stored quantized."""
-    names = checkpoint_tensor_names(path)
+    return _locate(path, checkpoint_tensor_names(path), config_dict)
+
+
+def _locate(path: str, names: list[str], config_dict: dict | None) -> VerifierWeightNames:
+    """`locate_verifier_weights` on tensor names already listed."""
     layout = find_language_model_layout(names)
     if layout is None:
         raise InvalidInputError(
@@ -176,8 +180,9 @@ def verifier_fingerprint(path: str) -> str:
     norm and LM head, found as `read_verifier_weights` finds them (plain, multimodal and
     Kimi-K2.5 layouts). Only those two are read: the embeddings of a large vocabulary are
     gigabytes (Kimi-K2.5: 2.3 GB), read once more when the draft copies them."""
-    located = locate_verifier_weights(path)
-    stored = set(checkpoint_tensor_names(path))
+    names = checkpoint_tensor_names(path)  # listed once: a hub checkpoint's index is a download
+    located = _locate(path, names, None)
+    stored = set(names)
     head_name = located.head if located.head in stored else located.embeddings  # tied
     weights = load_model_layers([located.norm, head_name], path)
     for name, tensor in weights.items():
