@@ -100,17 +100,25 @@ def _check_trained_for(
 
 
 def resolve_engine(engine: str) -> str:
-    """`auto` is vllm where this vLLM build can speculate, else hf; `vllm` fails fast if it can't."""
-    from speculators_vllm016.evaluate.vllm_engine import speculative_decoding_unavailable
+    """`auto` is vllm where vLLM on an accelerator can speculate, else hf; `vllm` fails fast if
+    this vLLM can't speculate at all. On vLLM's CPU build `auto` stays hf: vLLM speculates there
+    (this package's plugin) but runs its spec-decode kernels in Triton's interpreter, so it is
+    for checking what vLLM counts (`--engine vllm`), not the faster way to measure."""
+    from speculators_vllm016.evaluate.vllm_engine import (
+        on_cpu_build,
+        speculative_decoding_unavailable,
+    )
 
     if engine not in ENGINES:
         raise InvalidInputError(f"unknown engine {engine!r}; use one of {ENGINES}")
     if engine == "hf":
         return "hf"
     reason = speculative_decoding_unavailable()
-    if engine == "vllm" and reason is not None:
-        raise InvalidInputError(f"{reason}; use --engine hf")
-    return "vllm" if reason is None else "hf"
+    if engine == "vllm":
+        if reason is not None:
+            raise InvalidInputError(f"{reason}; use --engine hf")
+        return "vllm"
+    return "vllm" if reason is None and not on_cpu_build() else "hf"
 
 
 def _labels(drafts: list[str]) -> list[str]:

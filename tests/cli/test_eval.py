@@ -171,7 +171,10 @@ def _cpu_build() -> bool:
 
 
 @pytest.mark.skipif(not _cpu_build(), reason="checks the refusal of vLLM's CPU build")
-def test_engine_vllm_on_the_cpu_build_names_engine_hf(workspace):
+def test_engine_vllm_with_cpu_speculation_off_names_the_switch_and_engine_hf(
+    workspace, monkeypatch
+):
+    monkeypatch.setenv("SPECULATORS_CPU_SPECULATION", "0")
     result = CliRunner().invoke(
         app,
         [
@@ -187,7 +190,8 @@ def test_engine_vllm_on_the_cpu_build_names_engine_hf(workspace):
     assert result.exit_code == 2
     lines = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert lines == [
-        "error: vLLM's CPU build refuses speculative decoding; use --engine hf " + DEBUG_HINT
+        "error: vLLM's CPU build refuses speculative decoding (this package's CPU speculation is "
+        "switched off: SPECULATORS_CPU_SPECULATION); use --engine hf " + DEBUG_HINT
     ]
 
 

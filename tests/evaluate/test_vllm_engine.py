@@ -1,4 +1,4 @@
-"""The vllm engine's reading of vLLM's spec-decode counters, and its refusal on the CPU build."""
+"""The vllm engine's reading of vLLM's spec-decode counters, and when the CPU build can run it."""
 
 from __future__ import annotations
 
@@ -100,11 +100,21 @@ def _cpu_build() -> bool:
     return current_platform.is_cpu()
 
 
-@pytest.mark.skipif(not _cpu_build(), reason="checks the refusal of vLLM's CPU build")
-def test_the_cpu_build_cannot_speculate_and_auto_falls_back_to_hf():
-    assert speculative_decoding_unavailable() == "vLLM's CPU build refuses speculative decoding"
-    assert resolve_engine("auto") == "hf"
-    with pytest.raises(ValueError, match="use --engine hf"):
-        resolve_engine("vllm")
+@pytest.mark.skipif(not _cpu_build(), reason="checks vLLM's CPU build")
+def test_the_cpu_build_speculates_through_the_plugin_and_auto_stays_hf(monkeypatch):
+    monkeypatch.delenv("SPECULATORS_VLLM_PLUGIN", raising=False)
+    monkeypatch.delenv("SPECULATORS_CPU_SPECULATION", raising=False)
+    assert speculative_decoding_unavailable() is None
+    assert resolve_engine("vllm") == "vllm"
+    assert resolve_engine("auto") == "hf"  # interpreted kernels: vllm is for checking, not speed
+    for switch, named in (
+        ("SPECULATORS_CPU_SPECULATION", "CPU speculation is switched off"),
+        ("SPECULATORS_VLLM_PLUGIN", "plugin, which lifts that, is switched off"),
+    ):
+        monkeypatch.setenv(switch, "0")
+        with pytest.raises(ValueError, match=f"{named}.*; use --engine hf"):
+            resolve_engine("vllm")
+        assert resolve_engine("auto") == "hf"
+        monkeypatch.delenv(switch)
     with pytest.raises(ValueError, match="unknown engine"):
         resolve_engine("tgi")
