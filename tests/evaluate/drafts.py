@@ -57,15 +57,21 @@ def build_draft(
 
 
 def logit_lens_draft(
-    verifier: str, architecture: str, aux_id: int = 2, speculative_tokens: int = 3
+    verifier: str,
+    architecture: str,
+    aux_layer_ids: Sequence[int] = (1, 2, 2),
+    speculative_tokens: int = 3,
 ) -> Eagle3DraftModel:
     """A draft that proposes what the verifier's final norm and LM head make of the residual
-    stream entering its layer `aux_id` (its decoder layer reduced to the residual): right often
-    enough, and depending on the context, that acceptance is neither 0 nor all."""
+    stream entering its layer `aux_layer_ids[2]` (its decoder layer reduced to the residual):
+    right often enough, and depending on the context, that acceptance is neither 0 nor all.
+
+    vLLM collects each listed layer once, in layer order: a draft served by vLLM needs three
+    distinct increasing ids (the hf engine takes repeats)."""
     draft = build_draft(
         verifier,
         speculative_tokens=speculative_tokens,
-        aux_layer_ids=(1, aux_id, aux_id),
+        aux_layer_ids=tuple(aux_layer_ids),
         architectures=(architecture,),
         draft_vocab=VOCAB,
     )
