@@ -87,6 +87,11 @@ def build_parser(prog: str = "speculators demo") -> argparse.ArgumentParser:
         help="skip the draft trained on regenerated conversations (saves its regeneration, "
         "extraction and training)",
     )
+    parser.add_argument(
+        "--no-serve",
+        action="store_true",
+        help="skip the last stage, vLLM serving the held-out prompts with each trained draft",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seeds every stage")
     parser.add_argument(
         "--dtype",
@@ -107,6 +112,7 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
     values.pop("debug", None)
     values["show_progress"] = not values.pop("no_progress")
     values["regenerate"] = not values.pop("no_regenerate")
+    values["serve"] = not values.pop("no_serve")
     return DemoOptions(**values)
 
 
@@ -164,6 +170,11 @@ def print_summary(result: DemoResult) -> None:
         if f"tau_{label}" in evaluation.figures
     ]
     print(f"tau: {', '.join(taus)}")
+    served = [stage for stage in result.stages if stage.name == "serve"]
+    if served:
+        from speculators_vllm016.demo.serving import serving_lines
+
+        print("\n".join(serving_lines(served[0].figures)))
     print(f"total: {sum(s.seconds for s in result.stages):.1f} s")
 
 

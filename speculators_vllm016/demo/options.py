@@ -31,4 +31,6 @@ class DemoOptions:
     regenerate: bool = True
     """Also train a draft on the drafts' conversations answered by the target itself."""
     regenerate_max_tokens: int = 64
+    serve: bool = True
+    """Last, serve the held-out prompts with vLLM and each trained draft (`demo.serving`)."""
     show_progress: bool = True

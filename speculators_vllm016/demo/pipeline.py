@@ -13,7 +13,10 @@
    by the target (greedy), extracted on the same engine load
    (`data_generation.regeneration.one_pass`), then maps and a draft of their own, trained with
    the same options (skipped with `regenerate=False`);
-8. eval: the drafts with `evaluate.runner.run_evaluation` (hf engine) on the held-out rows.
+8. eval: the drafts with `evaluate.runner.run_evaluation` (hf engine) on the held-out rows;
+9. serve: vLLM 0.16 serves those prompts with each trained draft and without
+   (`demo.serving`): its own acceptance counters beside eval's, outputs compared, tokens/s
+   (skipped with `serve=False`).
 
 Each stage records in `<output>/demo_state.json` the options it depends on (its own and those of
 the stages it reads from) when it starts, and its result once it finished. A rerun reuses a
@@ -90,6 +93,7 @@ _NEEDS: dict[str, tuple[str, ...]] = {
     "regen vocab": ("regen datagen", "vocab"),
     "regen train": ("regen vocab", "train"),
     "eval": ("train", "regen train"),
+    "serve": ("eval",),
 }
 """The stages each stage reads from (regen vocab takes the vocabulary size, regen train the
 training options, of the shipped draft's stages), in the order the stages run."""
@@ -131,10 +135,13 @@ def stage_options(options: DemoOptions) -> dict[str, dict[str, Any]]:
             "max_new_tokens": options.max_new_tokens,
             "regenerate": options.regenerate,
         },
+        "serve": {"serve": options.serve},
     }
     result: dict[str, dict[str, Any]] = {}
     for name, needs in _NEEDS.items():
         if name in REGENERATION_STAGES and not options.regenerate:
+            continue
+        if name == "serve" and not options.serve:
             continue
         merged: dict[str, Any] = {}
         for need in needs:

@@ -24,6 +24,7 @@ from speculators_vllm016.demo.draft_training import (
     training_throughput,
 )
 from speculators_vllm016.demo.held_out import DRAFT_FILE, HELD_OUT_FILE, TARGET_FILE
+from speculators_vllm016.demo.serving import serve_stage
 
 if TYPE_CHECKING:
     from speculators_vllm016.data_generation.options import DatagenOptions
@@ -301,6 +302,7 @@ STAGES: dict[str, tuple[StageWork, Callable[[DemoRun], list[Path]]]] = {
         lambda run: [run.regenerated.checkpoints, run.regenerated.logs, run.regenerated.curves],
     ),
     "eval": (_eval_stage, lambda run: [run.root / "eval"]),
+    "serve": (serve_stage, lambda run: []),
 }
 """Each stage's work and the outputs removed before it runs with other options, in the order of
 `demo.pipeline.stage_options` (a new stage: its options there, its work here)."""

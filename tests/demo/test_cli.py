@@ -50,6 +50,7 @@ STAGES = [
     "regen vocab",
     "regen train",
     "eval",
+    "serve",
 ]
 
 
@@ -135,6 +136,25 @@ def test_datagen_wrote_safetensors_samples_with_the_default_max_model_len(demo_r
         assert 0 < length <= 256 and sample["loss_mask"].shape == (length,)
         assert 0 < int(sample["loss_mask"].sum()) < length
         assert all(layer.shape == (length, hidden) for layer in sample["hidden_states"])
+
+
+def test_the_last_stage_serves_each_trained_draft_as_eval_measured_it_and_losslessly(demo_run):
+    """vLLM's own counters give the hf engine's tau and per-position rates (greedy, fp32, the
+    same prompts), and every speculative output is the plain engine's output (#45 item 4)."""
+    _, _, (state, _) = demo_run
+    served, measured = state["serve"]["figures"], state["eval"]["figures"]
+    prompts = served["prompts"]
+    assert prompts == state["eval"]["figures"]["prompts"]
+    for label in ("shipped", "regenerated"):
+        assert served[f"vllm_tau_{label}"] == pytest.approx(measured[f"tau_{label}"], abs=1e-12)
+        assert served[f"vllm_rates_{label}"] == pytest.approx(measured[f"rates_{label}"], abs=1e-12)
+        assert served[f"lossless_{label}"] == prompts
+        assert served[f"tokens_per_second_{label}"] > 0
+    assert served["plain_tokens_per_second"] > 0
+    printed = state["printed"]
+    assert "served by vLLM 0.16" in printed and "without speculation:" in printed
+    assert f"outputs equal to plain greedy on {prompts}/{prompts}" in printed
+    assert "what this shows:" in printed
 
 
 def test_a_second_run_reuses_every_stage(demo_run):

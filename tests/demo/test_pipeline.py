@@ -53,6 +53,7 @@ ALL_STAGES = [
     "regen vocab",
     "regen train",
     "eval",
+    "serve",
 ]
 
 
@@ -67,13 +68,13 @@ def test_each_stage_depends_on_its_options_and_those_of_the_stages_it_reads():
     assert names == ALL_STAGES
     # Every option but where the output goes and the progress bars changes some stage.
     ignored = {"output_dir", "show_progress"}
-    assert set(stage_options(base)["eval"]) == {f.name for f in fields(DemoOptions)} - ignored
+    assert set(stage_options(base)["serve"]) == {f.name for f in fields(DemoOptions)} - ignored
 
     def changed(**change) -> list[str]:
         before, after = stage_options(base), stage_options(replace(base, **change))
         return [name for name in names if before[name] != after[name]]
 
-    assert changed(epochs=7) == ["train", "regen train", "eval"]
+    assert changed(epochs=7) == ["train", "regen train", "eval", "serve"]
     assert changed(draft_vocab_size=64) == [
         "vocab",
         "initial draft",
@@ -81,18 +82,20 @@ def test_each_stage_depends_on_its_options_and_those_of_the_stages_it_reads():
         "regen vocab",
         "regen train",
         "eval",
+        "serve",
     ]
     assert changed(max_samples=20) == names
     assert changed(held_out_every=5) == names
     assert changed(seed=1) == names[1:]
     assert changed(seq_length=512) == names[2:]
-    assert changed(max_new_tokens=8) == ["eval"]
+    assert changed(max_new_tokens=8) == ["eval", "serve"]
     # The regeneration's own options leave the target, the shipped draft and their data alone.
     assert changed(regenerate_max_tokens=16) == [
         "regen datagen",
         "regen vocab",
         "regen train",
         "eval",
+        "serve",
     ]
 
 
@@ -104,8 +107,9 @@ def test_without_regeneration_its_stages_are_left_out_and_the_evaluation_runs_ag
 
     on, off = stage_options(DemoOptions()), stage_options(replace(DemoOptions(), regenerate=False))
     assert list(off) == [name for name in ALL_STAGES if name not in REGENERATION_STAGES]
-    assert [name for name in off if off[name] != on[name]] == ["eval"]
+    assert [name for name in off if off[name] != on[name]] == ["eval", "serve"]
     assert "regenerate_max_tokens" not in off["eval"]
+    assert list(stage_options(replace(DemoOptions(), serve=False))) == ALL_STAGES[:-1]
 
 
 def _stages(root, options, ran: list[str], fail: str | None = None):
@@ -142,13 +146,13 @@ def test_a_stage_whose_options_changed_runs_again_from_scratch_with_every_later_
     base = DemoOptions()
     ran: list[str] = []
     _stages(tmp_path, base, ran)
-    assert len(ran) == 10
+    assert len(ran) == 11
     ran.clear()
     assert all(record.reused for record in _stages(tmp_path, base, ran)) and ran == []
 
     records = _stages(tmp_path, replace(base, epochs=7), ran)
-    assert ran == ["train", "regen train", "eval"]  # their old outputs were removed first
-    assert [r.reused for r in records] == [True] * 5 + [False, True, True, False, False]
+    assert ran == ["train", "regen train", "eval", "serve"]  # old outputs were removed first
+    assert [r.reused for r in records] == [True] * 5 + [False, True, True, False, False, False]
     assert "train: running it again (epochs: 2 -> 7)" in capsys.readouterr().out
     assert json.loads((tmp_path / "train" / "out").read_text())["epochs"] == 7
 
@@ -159,7 +163,7 @@ def test_a_stage_whose_options_changed_runs_again_from_scratch_with_every_later_
     assert ran == ["train", "regen train"]
     ran.clear()
     _stages(tmp_path, replace(base, epochs=5), ran)
-    assert ran == ["train", "regen train", "eval"]  # eval's partial output of epochs=3 was removed
+    assert ran == ["train", "regen train", "eval", "serve"]  # eval's partial output was removed
 
     # Interrupted with the same options: the stage resumes over what it left.
     ran.clear()
@@ -167,7 +171,7 @@ def test_a_stage_whose_options_changed_runs_again_from_scratch_with_every_later_
         _stages(tmp_path, replace(base, epochs=6), ran, fail="eval")
     ran.clear()
     _stages(tmp_path, replace(base, epochs=6), ran)
-    assert ran == ["eval (over old output)"]  # train finished with these options; eval resumes
+    assert ran == ["eval (over old output)", "serve"]  # train finished with these options
 
 
 def test_a_stage_never_removes_anything_outside_the_demo_folder(tmp_path):
