@@ -1,4 +1,5 @@
-"""benchmarks/serve_eagle3.py: its arguments and its report (the runs themselves need a GPU)."""
+"""benchmarks/serve_eagle3.py: its arguments, its report, and when it refuses to start (its runs
+are engine work: the result file in benchmarks/results/ is one)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ def test_help_names_every_user_flag(capsys):
     ("extra", "message"),
     [
         (["--num-speculative-tokens", "0"], "--num-speculative-tokens must be at least 1, got 0"),
-        (["--num-prompts", "0"], "--num-prompts and --max-new-tokens must be at least 1"),
+        (["--num-prompts", "0"], "--num-prompts, --max-new-tokens and --repeats must be at least"),
+        (["--repeats", "0"], "--num-prompts, --max-new-tokens and --repeats must be at least"),
+        (["--data-path", "/nonexistent/chat.jsonl"], "--data-path /nonexistent/chat.jsonl does"),
         (["--prompts-file", "/nonexistent/prompts.txt"], "does not exist"),
     ],
 )
@@ -54,12 +57,44 @@ def test_an_empty_prompts_file_is_refused(tmp_path, draft, capsys):
     assert "holds no prompt" in capsys.readouterr().err
 
 
-def test_cpu_build_stops_before_any_engine(draft, capsys, monkeypatch):
+def test_with_cpu_speculation_switched_off_it_stops_before_any_engine(draft, capsys, monkeypatch):
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("checks vLLM's CPU build")
     started = []
     monkeypatch.setattr(serve_eagle3, "_child", lambda *a: started.append(a))
+    monkeypatch.setenv("SPECULATORS_CPU_SPECULATION", "0")
     assert serve_eagle3.main(["--target", "t", "--draft", str(draft)]) == 2
-    assert "CPU build refuses speculative decoding" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "CPU build refuses speculative decoding" in err and "SPECULATORS_CPU_SPECULATION" in err
     assert started == []
+
+
+def test_on_the_cpu_build_it_starts_both_runs(draft, monkeypatch, capsys):
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("checks vLLM's CPU build")
+    monkeypatch.delenv("SPECULATORS_CPU_SPECULATION", raising=False)
+    started = []
+
+    def child(argv, mode, folder, index=0):
+        started.append((mode, index))
+        return {
+            "generated_tokens": 8,
+            "seconds": [1.0],
+            "outputs": [[1]],
+            "num_drafts": 2,
+            "tau": 2.0,
+            "per_position": [0.5],
+        }
+
+    monkeypatch.setattr(serve_eagle3, "_child", child)
+    argv = ["--target", "t", "--draft", str(draft), "--draft", str(draft)]
+    assert serve_eagle3.main(argv) == 0
+    assert started == [("speculative", 0), ("speculative", 1), ("baseline", 0)]
+    assert capsys.readouterr().out.count(f"draft {draft}:") == 2
 
 
 def test_prompts_cycle_through_the_file(tmp_path):
@@ -72,18 +107,18 @@ def test_prompts_cycle_through_the_file(tmp_path):
 def test_report_of_both_runs():
     speculative = {
         "generated_tokens": 300,
-        "seconds": 1.5,
+        "seconds": [1.5, 1.0, 3.0],
         "num_drafts": 100,
         "tau": 2.5,
         "per_position": [0.8, 0.5, 0.2],
         "outputs": [[1, 2], [3, 4], [5]],
     }
-    baseline = {"generated_tokens": 300, "seconds": 3.0, "outputs": [[1, 2], [3, 9], [5]]}
+    baseline = {"generated_tokens": 300, "seconds": [3.0], "outputs": [[1, 2], [3, 9], [5]]}
     assert serve_eagle3.report(speculative, baseline) == [
-        "EAGLE-3: 100 drafts, tau 2.500",
+        "EAGLE-3: 100 drafts, tau 2.5000",
         "acceptance per position: 1: 0.800, 2: 0.500, 3: 0.200",
-        "with draft: 300 tokens in 1.50 s = 200.0 tokens/s",
-        "without:    300 tokens in 3.00 s = 100.0 tokens/s",
-        "speed-up 2.00x; identical outputs 2/3",
+        "with draft: 300 tokens, median 200.0 tokens/s (range 100.0-300.0, 3 repeats)",
+        "without:    300 tokens, median 100.0 tokens/s (range 100.0-100.0, 1 repeats)",
+        "speed-up 2.00x (medians); identical outputs 2/3",
     ]
     assert len(serve_eagle3.report(speculative, None)) == 3
