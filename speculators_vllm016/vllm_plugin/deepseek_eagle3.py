@@ -149,6 +149,15 @@ class Eagle3KimiK25ForConditionalGeneration(KimiK25ForConditionalGeneration, Sup
     whatever the language model returns.
     """
 
+    def __init__(self, vllm_config: Any, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        # vLLM 0.16's EAGLE proposer reads `config.image_token_index` of every multimodal target
+        # as it loads the draft (`EagleProposer.load_model`); Kimi-K2.5's config names its media
+        # token `media_placeholder_token_id` and has no such attribute, so loading a draft fails.
+        config = self.config
+        if not hasattr(config, "image_token_index"):
+            config.image_token_index = config.media_placeholder_token_id
+
     def _eagle3_language_model(self) -> Eagle3DeepseekV2ForCausalLM:
         model = self.language_model
         if not supports_eagle3(model):

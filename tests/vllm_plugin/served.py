@@ -64,7 +64,7 @@ def serve(
             dtype="float32",
             enforce_eager=True,
             enable_prefix_caching=True,
-            max_model_len=256,
+            max_model_len=512,
             max_num_seqs=8,
             limit_mm_per_prompt=dict.fromkeys(TEXT_ONLY_MODALITIES, 0),  # Kimi: text only
             disable_log_stats=False,
