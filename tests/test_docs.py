@@ -4,7 +4,7 @@
   `#anchor`, if any, a heading of that page (GitHub's heading ids).
 - Every path under `benchmarks/results/` that a page names in its prose exists (a `*` pattern must
   match a file; `{a,b}` and `x.json|md` name each alternative), and every file there is named by a
-  page: the folder holds the results the docs quote, nothing else. Commands in code blocks may
+  page: the folder holds the results the docs quote, nothing else, and at most 40 files. Commands in code blocks may
   name files they would write, so code blocks are not read for either check.
 """
 
@@ -16,6 +16,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
+MAX_RESULT_FILES = 40
 LINKED_PAGES = [REPO / "README.md", REPO / "CHANGELOG.md", *sorted((REPO / "docs").glob("*.md"))]
 CITING_PAGES = [*LINKED_PAGES, REPO / "benchmarks" / "README.md"]
 
@@ -102,6 +103,13 @@ def test_every_result_file_is_cited_by_a_page():
     cited, _ = cited_results(CITING_PAGES)
     uncited = sorted(p.name for p in RESULTS.iterdir() if p.name not in cited)
     assert not uncited, "cited by no page:\n" + "\n".join(uncited)
+
+
+def test_the_results_folder_holds_at_most_40_files():
+    """Older results are folded into rows of docs/benchmarks.md (figure, date, command, machine)
+    rather than kept as files: the folder holds what the pages quote now."""
+    files = sorted(p.name for p in RESULTS.iterdir())
+    assert len(files) <= MAX_RESULT_FILES, f"{len(files)} files in benchmarks/results/"
 
 
 def test_the_pattern_rules():

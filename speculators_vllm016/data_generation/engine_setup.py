@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +41,7 @@ __all__ = [
     "EngineSettings",
     "HiddenStatesEngine",
     "build_engine",
+    "engine_config_of",
     "setup_capture",
     "shutdown_engine",
 ]
@@ -159,8 +160,54 @@ def build_engine(settings: EngineSettings) -> HiddenStatesEngine:
             return _build(engine_args, settings)
 
 
+# vLLM's switch for a max_model_len past the model's context (vllm/envs.py).
+_LONG_CONTEXT_SWITCH = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+@contextmanager
+def _longer_context_allowed() -> Iterator[None]:
+    """vLLM's refusal of a context past the model's switched off for the block (its own switch,
+    read afresh: a cached reading is dropped), and put back as it was after it."""
+    import vllm.envs as envs
+
+    was_cached = hasattr(envs.__getattr__, "cache_clear")
+    before = os.environ.get(_LONG_CONTEXT_SWITCH)
+    os.environ[_LONG_CONTEXT_SWITCH] = "1"
+    envs.disable_envs_cache()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(_LONG_CONTEXT_SWITCH, None)
+        else:
+            os.environ[_LONG_CONTEXT_SWITCH] = before
+        if was_cached:
+            envs.enable_envs_cache()
+
+
+def engine_config_of(engine_args: Any) -> Any:
+    """The `VllmConfig`, with room for a sample as long as the model's whole context.
+
+    A prompt's last position is never computed by vLLM's scheduler (position max_model_len - 1
+    is kept for the token sampled after it), so a sample of N tokens needs max_model_len N + 1,
+    and vLLM refuses that when N is the model's context. The extra position is only ever the
+    sampled token's: no model runs it (every request samples one token and ends). So the
+    config is built with vLLM's refusal off, then vLLM's own rule is applied to one position
+    less; a context more than one past the model's is refused in vLLM's words.
+    """
+    with _longer_context_allowed():
+        vllm_config = engine_args.create_engine_config()
+    model_config = vllm_config.model_config
+    asked = int(model_config.max_model_len)
+    try:
+        model_config.get_and_verify_max_len(asked - 1)
+    except ValueError:
+        model_config.get_and_verify_max_len(asked)  # raises vLLM's message for what was asked
+    return vllm_config
+
+
 def _build(engine_args: Any, settings: EngineSettings) -> HiddenStatesEngine:
-    vllm_config = engine_args.create_engine_config()
+    vllm_config = engine_config_of(engine_args)
     model_config = vllm_config.model_config
     num_hidden_layers = int(model_config.hf_text_config.num_hidden_layers)
     hidden_size = int(model_config.get_hidden_size())

@@ -15,7 +15,14 @@ from pydantic import ValidationError
 
 from speculators_vllm016.utils.errors import RunStopped, SpeculatorsError, first_line
 
-__all__ = ["DEBUG_HINT", "EXPECTED_ERRORS", "describe_error", "error_line", "report_errors"]
+__all__ = [
+    "DEBUG_HINT",
+    "EXPECTED_ERRORS",
+    "describe_error",
+    "error_line",
+    "report_errors",
+    "validation_line",
+]
 
 # The package's own errors; the file system's (a missing file, a full disk, no permission);
 # pydantic's, which 0.3.0's configs raise for a value that does not validate (`--algorithm-kwargs`).
@@ -40,11 +47,35 @@ def describe_error(error: BaseException) -> str:
         return f"the disk is full{where}; free space or choose another place, then run again"
     if isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
         return f"permission denied: {error.filename or error}; choose a writable place"
+    validation = _validation_error_in(error)
+    if validation is not None:
+        return validation_line(validation)
     if "Original Traceback" in str(error):
         # A DataLoader worker's error arrives wrapped with the worker's traceback; the original
         # message is its last line.
         return str(error).strip().splitlines()[-1]
     return first_line(error)
+
+
+def _validation_error_in(error: BaseException) -> ValidationError | None:
+    """The pydantic error itself, or the one another error wraps (`library_refusals_as_ours`
+    turns vLLM's into ours, keeping it as the cause)."""
+    if isinstance(error, ValidationError):
+        return error
+    cause = error.__cause__
+    return cause if isinstance(cause, ValidationError) else None
+
+
+def validation_line(error: ValidationError) -> str:
+    """Pydantic's message on one line: its first line ("1 validation error for ModelConfig")
+    says only that something is wrong, the lines under it say what; each finding's field (where
+    it names one) and message are kept, joined by "; "."""
+    findings = []
+    for finding in error.errors(include_url=False):
+        where = ".".join(str(part) for part in finding.get("loc", ()))
+        message = " ".join(str(finding.get("msg", "")).split())
+        findings.append(f"{where}: {message}" if where else message)
+    return f"{error.title}: {'; '.join(findings)}" if findings else first_line(error)
 
 
 def report_errors(

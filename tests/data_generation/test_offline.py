@@ -17,6 +17,7 @@ from speculators_vllm016.data_generation.offline import run_datagen
 from speculators_vllm016.data_generation.options import DatagenOptions
 from speculators_vllm016.data_generation.sample_io import load_sample
 from speculators_vllm016.demo import demo_conversations_path
+from tests.data_generation.shared_engine import datagen_engine
 from tests.data_generation.test_preprocessing import runs_of_ones
 from tests.hf_reference import HFReference, relative_error
 
@@ -80,9 +81,17 @@ def cli_args(options: DatagenOptions) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference_run(tiny_llama, chat_file, tmp_path_factory):
+def engine(tiny_llama, chat_file, tmp_path_factory):
+    """The engine of every in-process run here that computes samples (one engine setting)."""
+    unused = tmp_path_factory.mktemp("unused") / "out"
+    with datagen_engine(options_for(tiny_llama, chat_file, unused)) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def reference_run(tiny_llama, chat_file, tmp_path_factory, engine):
     output = tmp_path_factory.mktemp("runs") / "reference"
-    summary = run_datagen(options_for(tiny_llama, chat_file, output))
+    summary = run_datagen(options_for(tiny_llama, chat_file, output), generator=engine)
     return output, summary
 
 
@@ -200,13 +209,18 @@ def test_sample_ids_and_masks_are_the_preprocessing_output_row_by_row(
             assert decoded == expected, f"row {index}"
 
 
-def test_shards_together_equal_the_unsharded_run(reference_run, tiny_llama, chat_file, tmp_path):
+def test_shards_together_equal_the_unsharded_run(
+    reference_run, tiny_llama, chat_file, tmp_path, engine
+):
+    """Shards run one after another on one engine: their split and numbering are the guarantee
+    here (shards in parallel processes: test_offline_reliability)."""
     reference, _ = reference_run
     sharded = tmp_path / "sharded"
     written = 0
     for shard in range(3):
         summary = run_datagen(
-            options_for(tiny_llama, chat_file, sharded, num_shards=3, shard_index=shard)
+            options_for(tiny_llama, chat_file, sharded, num_shards=3, shard_index=shard),
+            generator=engine,
         )
         written += summary.samples_written
     assert written == NUM_ROWS - len(MALFORMED)
@@ -327,7 +341,7 @@ def test_resume_of_a_finished_run_does_nothing_and_a_different_run_is_refused(
 
 
 def test_fp8_storage_holds_the_bf16_runs_states_within_the_fp8_bound_and_is_not_mixed(
-    reference_run, tiny_llama, chat_file, tmp_path
+    reference_run, tiny_llama, chat_file, tmp_path, engine
 ):
     """`--storage-dtype fp8` on the real engine: the same samples as the bf16 run within the
     stated bound, half the bytes, recorded in data_config.json; a bf16 resume is refused."""
@@ -336,7 +350,7 @@ def test_fp8_storage_holds_the_bf16_runs_states_within_the_fp8_bound_and_is_not_
 
     reference, _ = reference_run
     output = tmp_path / "fp8"
-    run_datagen(options_for(tiny_llama, chat_file, output, storage_dtype="fp8"))
+    run_datagen(options_for(tiny_llama, chat_file, output, storage_dtype="fp8"), generator=engine)
     assert sample_files(output) == sample_files(reference)
     assert read_data_config(output).format.storage_dtype == "fp8"
     assert read_data_config(reference).format.storage_dtype == "bf16"

@@ -22,6 +22,7 @@ from speculators_vllm016.data_generation.options import DatagenOptions
 from speculators_vllm016.data_generation.sample_io import load_sample
 from speculators_vllm016.data_generation.token_counts import load_token_freq, shard_token_freq_path
 from speculators_vllm016.demo import demo_conversations_path
+from tests.data_generation.shared_engine import datagen_engine
 from tests.hf_reference import relative_error
 
 pytestmark = pytest.mark.engine
@@ -53,9 +54,16 @@ def options_for(model, chats, output, **overrides) -> DatagenOptions:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama, chats, tmp_path_factory) -> Path:
+def engine(tiny_llama, chats, tmp_path_factory):
+    """The engine of every in-process run here that computes samples (they share SETTINGS)."""
+    with datagen_engine(options_for(tiny_llama, chats, tmp_path_factory.mktemp("unused"))) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama, chats, tmp_path_factory, engine) -> Path:
     output = tmp_path_factory.mktemp("runs") / "reference"
-    summary = run_datagen(options_for(tiny_llama, chats, output))
+    summary = run_datagen(options_for(tiny_llama, chats, output), generator=engine)
     assert summary.samples_written == NUM_ROWS
     return output
 
@@ -216,13 +224,13 @@ def test_two_shards_in_one_folder_both_finish_and_equal_the_unsharded_run(
 # -- item 2: resume checks what is present -----------------------------------------------------
 
 
-def test_damaged_files_are_recomputed_on_resume(reference, tiny_llama, chats, tmp_path):
+def test_damaged_files_are_recomputed_on_resume(reference, tiny_llama, chats, tmp_path, engine):
     folder = copy_run(reference, tmp_path / "damaged")
     half = (folder / "data_5.pt").read_bytes()
     (folder / "data_5.pt").write_bytes(half[: len(half) // 2])
     (folder / "data_6.pt").write_bytes(b"")
     untouched = (folder / "data_0.pt").stat().st_mtime_ns
-    summary = run_datagen(options_for(tiny_llama, chats, folder))
+    summary = run_datagen(options_for(tiny_llama, chats, folder), generator=engine)
     assert summary.samples_written == 2
     assert_same_samples(folder, reference, exact=True)
     assert (folder / "data_0.pt").stat().st_mtime_ns == untouched
@@ -231,7 +239,7 @@ def test_damaged_files_are_recomputed_on_resume(reference, tiny_llama, chats, tm
 
 
 def test_a_resume_computes_only_the_missing_sample(
-    reference, tiny_llama, chats, tmp_path, monkeypatch
+    reference, tiny_llama, chats, tmp_path, monkeypatch, engine
 ):
     """#37 item 19: one file of a finished run deleted; the rerun sends exactly that sample to
     the engine (not its whole batch of 4) and the folder equals the uninterrupted run, bit for bit."""
@@ -249,14 +257,14 @@ def test_a_resume_computes_only_the_missing_sample(
         yield from real(self, token_ids)
 
     monkeypatch.setattr(VllmHiddenStatesGenerator, "generate_stream", counting)
-    summary = run_datagen(options_for(tiny_llama, chats, folder))
+    summary = run_datagen(options_for(tiny_llama, chats, folder), generator=engine)
     assert summary.samples_written == 1 and summary.samples_already_present == NUM_ROWS - 1
     assert sent == [load_sample(reference / "data_5.pt")["input_ids"].tolist()]
     assert_same_samples(folder, reference, exact=True)
 
 
 def test_foreign_folder_is_refused_unless_adopted_and_then_checked(
-    reference, tiny_llama, chats, tmp_path
+    reference, tiny_llama, chats, tmp_path, engine
 ):
     folder = copy_run(reference, tmp_path / "unrecorded", samples_only=True)
     # Files of other data under this run's names, and a truncated one.
@@ -267,7 +275,8 @@ def test_foreign_folder_is_refused_unless_adopted_and_then_checked(
     with pytest.raises(ValueError, match="no record of the run.*--adopt-existing"):
         run_datagen(options_for(tiny_llama, chats, folder))
     assert not (folder / "token_freq").exists() and not (folder / "manifest").exists()
-    summary = run_datagen(options_for(tiny_llama, chats, folder, adopt_existing=True))
+    adopted = options_for(tiny_llama, chats, folder, adopt_existing=True)
+    summary = run_datagen(adopted, generator=engine)
     assert summary.samples_written == 3
     assert_same_samples(folder, reference, exact=True)
     assert sorted(read_manifest(folder)) == sample_names(reference)
@@ -313,7 +322,7 @@ def test_identity_compares_what_goes_into_the_samples(reference, tiny_llama, cha
 
 
 def test_a_folder_missing_samples_is_refused_by_training_until_datagen_finishes_it(
-    reference, tiny_llama, chats, tmp_path
+    reference, tiny_llama, chats, tmp_path, engine
 ):
     from speculators_vllm016.train.data import IncompleteDataError, list_files
 
@@ -322,6 +331,6 @@ def test_a_folder_missing_samples_is_refused_by_training_until_datagen_finishes_
     (folder / "data_12.pt").unlink()
     with pytest.raises(IncompleteDataError, match=r"lacks 2 of the 16 .*\(data_7.pt, data_12.pt\)"):
         list_files(folder)
-    summary = run_datagen(options_for(tiny_llama, chats, folder))  # the same command again
+    summary = run_datagen(options_for(tiny_llama, chats, folder), generator=engine)  # again
     assert summary.samples_written == 2
     assert len(list_files(folder)) == NUM_ROWS

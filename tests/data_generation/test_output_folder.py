@@ -104,3 +104,28 @@ def test_shards_started_together_cannot_record_two_different_runs(tmp_path):
     one.record_identity(a)  # the same run: fine
     assert json.loads((tmp_path / ".datagen_state.json").read_text())["dtype"] == "float32"
     assert sorted(p.name for p in tmp_path.iterdir()) == [".datagen_state.json"]
+
+
+@pytest.mark.parametrize(("shard_index", "num_shards"), [(0, 1), (1, 2)])
+def test_token_counts_go_exactly_to_token_freq_path_unless_sharded(
+    tmp_path, shard_index, num_shards
+):
+    """0.3.0's `--token-freq-path X`: an unsharded run writes X itself (what 0.3.0 users read
+    back); shard I of N writes X's name with `.shard-I-of-N` so that shards never overwrite
+    each other. The counts beside the data are written either way."""
+    from speculators_vllm016.data_generation.token_counts import (
+        read_token_counts,
+        shard_token_freq_path,
+    )
+
+    counts = {3: 2, 7: 1}
+    asked = tmp_path / "elsewhere" / "freq.pt"
+    asked.parent.mkdir()
+    folder = DatagenFolder(tmp_path / "data", shard_index=shard_index, num_shards=num_shards)
+    folder.prepare()
+    folder.write_token_counts(counts, also_to=str(asked))
+    expected = asked if num_shards == 1 else tmp_path / "elsewhere" / "freq.shard-1-of-2.pt"
+    assert sorted(p.name for p in asked.parent.iterdir()) == [expected.name]
+    assert read_token_counts(expected) == counts
+    own = shard_token_freq_path(tmp_path / "data", shard_index, num_shards)
+    assert read_token_counts(own) == counts

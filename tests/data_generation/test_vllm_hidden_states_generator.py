@@ -60,6 +60,10 @@ def wait_for_no_children(timeout: float = 20.0) -> list[psutil.Process]:
 
 LLAMA_LAYERS = [0, 1, 2, 3]  # every layer of the 4-layer model, the last one included
 LLAMA_MAX_MODEL_LEN = 512
+# The tiny Llama's whole context (max_position_embeddings): the heavy-batching engine is asked for
+# one position more, as `datagen --seq-length 1024` asks, so that a sample of it all fits.
+LLAMA_CONTEXT = 1024
+FULL_CONTEXT_MAX_MODEL_LEN = LLAMA_CONTEXT + 1
 
 
 @pytest.fixture(scope="class")
@@ -67,7 +71,7 @@ def llama_generator(tiny_llama):
     with VllmHiddenStatesGenerator(
         str(tiny_llama),
         layer_ids=LLAMA_LAYERS,
-        max_model_len=LLAMA_MAX_MODEL_LEN,
+        max_model_len=FULL_CONTEXT_MAX_MODEL_LEN,
         dtype="float32",
         max_num_seqs=8,
         max_num_batched_tokens=128,
@@ -83,8 +87,8 @@ def llama_reference(tiny_llama):
 class TestLlama:
     def test_heavy_batch_matches_transformers(self, llama_generator, llama_reference):
         # 44 sequences (> max_num_seqs=8), many longer than the 128-token step budget (chunked
-        # prefill), from 1 token to max_model_len - 1.
-        lengths = [1, LLAMA_MAX_MODEL_LEN - 1, 2, 300, 17, 129, 128, 127, 64, 5]
+        # prefill), from 1 token to the model's whole context (max_model_len - 1).
+        lengths = [1, LLAMA_CONTEXT, 2, 300, 17, 129, 128, 127, 64, 5]
         lengths += [3 + (37 * i) % 250 for i in range(34)]
         batch = mixed_batch(VOCAB, lengths, seed=0)
         results = llama_generator.generate(batch)
@@ -125,7 +129,7 @@ class TestLlama:
             ([[1, 2], []], "sequence 1 is empty"),
             ([[1, 2, VOCAB]], f"token id {VOCAB} is outside the vocabulary"),
             ([[1, -1]], "token id -1 is outside the vocabulary"),
-            ([[1] * LLAMA_MAX_MODEL_LEN], f"at most max_model_len - 1 = {LLAMA_MAX_MODEL_LEN - 1}"),
+            ([[1] * (LLAMA_CONTEXT + 1)], f"at most max_model_len - 1 = {LLAMA_CONTEXT}"),
             ([[1, 2.5]], "is not an int"),
             (torch.tensor([1, 2, 3]), "must be 2-D"),
         ],
@@ -228,21 +232,21 @@ class TestQwen3PrefixCaching:
                 assert torch.equal(layer_a, layer_b)
 
 
-# -- Llama, tensor parallel 2 -----------------------------------------------------------------------
+# -- Tensor parallel 2 (one engine: Qwen3, whose q/k norms are sharded too) ------------------------
 
 
 @pytest.fixture(scope="class")
-def llama_tp2_generator(tiny_llama, monkeypatch_class):
+def qwen_tp2_generator(tiny_qwen3, monkeypatch_class):
     # No thread binding given: the generator must choose one that lets two CPU workers start,
     # and take it back afterwards so that later single-worker engines are not bound to one core.
     monkeypatch_class.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     generator = VllmHiddenStatesGenerator(
-        str(tiny_llama),
-        layer_ids=[1, 3],
-        max_model_len=LLAMA_MAX_MODEL_LEN,
+        str(tiny_qwen3),
+        layer_ids=[0, 3],
+        max_model_len=512,
         dtype="float32",
         tensor_parallel_size=2,
-        max_num_seqs=8,
+        max_num_seqs=4,
         max_num_batched_tokens=128,
     )
     assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
@@ -256,35 +260,19 @@ def monkeypatch_class():
         yield patch
 
 
-class TestLlamaTensorParallel:
-    def test_matches_transformers(self, llama_tp2_generator, llama_reference):
-        batch = mixed_batch(VOCAB, [1, 511, 130, 20, 20, 300, 9, 64, 65, 250, 2, 100], seed=8)
-        results = llama_tp2_generator.generate(batch)
-        assert_matches_reference(results, batch, llama_reference, [1, 3])
-
-    def test_close_stops_every_worker(self, llama_tp2_generator):
-        assert len(live_children()) >= 2
-        llama_tp2_generator.close()
-        assert wait_for_no_children() == []
-        llama_tp2_generator.close()  # a second close is harmless
-        with pytest.raises(RuntimeError, match="closed"):
-            llama_tp2_generator.generate([[1, 2]])
-
-
-class TestQwen3TensorParallel:
-    def test_matches_transformers(self, tiny_qwen3):
+class TestTensorParallel:
+    def test_matches_transformers(self, qwen_tp2_generator, tiny_qwen3):
         batch = mixed_batch(VOCAB, [1, 511, 200, 64, 65, 17, 300, 128], seed=13)
-        with VllmHiddenStatesGenerator(
-            str(tiny_qwen3),
-            layer_ids=[0, 3],
-            max_model_len=512,
-            dtype="float32",
-            tensor_parallel_size=2,
-            max_num_seqs=4,
-            max_num_batched_tokens=128,
-        ) as generator:
-            results = generator.generate(batch)
+        results = qwen_tp2_generator.generate(batch)
         assert_matches_reference(results, batch, HFReference(tiny_qwen3), [0, 3])
+
+    def test_close_stops_every_worker(self, qwen_tp2_generator):
+        assert len(live_children()) >= 2
+        qwen_tp2_generator.close()
+        assert wait_for_no_children() == []
+        qwen_tp2_generator.close()  # a second close is harmless
+        with pytest.raises(RuntimeError, match="closed"):
+            qwen_tp2_generator.generate([[1, 2]])
 
 
 class TestLlamaPipelineParallel:

@@ -4,13 +4,17 @@ package's own errors are one line, any other exception (a bug) keeps its traceba
 from __future__ import annotations
 
 import pytest
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError, field_validator
 from torch._utils import ExceptionWrapper
 
 from speculators_vllm016.train.data import SampleFileError
 from speculators_vllm016.train.trainer import TrainingInterrupted
 from speculators_vllm016.utils.command_errors import describe_error, report_errors
-from speculators_vllm016.utils.errors import InvalidInputError, RunFailedError
+from speculators_vllm016.utils.errors import (
+    InvalidInputError,
+    RunFailedError,
+    library_refusals_as_ours,
+)
 
 
 def worker_error() -> SampleFileError:
@@ -100,3 +104,45 @@ def test_the_package_s_errors_and_missing_files_are_one_line(error, capsys):
 
     assert report_errors(run, debug=False) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+class _Context(BaseModel):
+    length: int
+
+    @field_validator("length")
+    @classmethod
+    def _within_the_model(cls, value: int) -> int:
+        if value > 2048:
+            raise ValueError(f"length ({value}) is greater than the model's 2048")
+        return value
+
+
+def test_a_validation_errors_line_carries_pydantics_message():
+    """Its first line ("1 validation error for _Context") names no problem; the line says
+    which field and what pydantic found, bare or wrapped as `library_refusals_as_ours` wraps it."""
+    try:
+        _Context(length=2049)
+    except ValidationError as error:
+        bare = error
+    line = describe_error(bare)
+    assert (
+        line.startswith("_Context: length: ") and "(2049) is greater than the model's 2048" in line
+    )
+    with pytest.raises(InvalidInputError) as wrapped, library_refusals_as_ours():
+        raise bare
+    assert describe_error(wrapped.value) == line
+
+
+def test_vllms_refusal_of_an_engine_setting_is_one_line_with_its_reason(tiny_llama, capsys):
+    """vLLM's own config check (a pydantic validator) through the path an engine start takes."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    def run() -> int:
+        with library_refusals_as_ours():
+            EngineArgs(model=str(tiny_llama), max_model_len=4096).create_engine_config()
+        return 0
+
+    assert report_errors(run, debug=False) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert "User-specified max_model_len (4096) is greater than the derived" in lines[0], lines

@@ -3,6 +3,7 @@ exit status follows the signal, a second Ctrl-C stops at once, and the handlers 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -64,3 +65,23 @@ def test_a_run_that_handles_sigterm_only_leaves_ctrl_c_to_python():
     with stop.installed():
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         assert signal.getsignal(signal.SIGTERM) == stop.on_signal
+
+
+def _earlier_sigterm_handler(signum, frame) -> None:
+    """A library caller's own SIGTERM handler, there before the run's."""
+
+
+@pytest.mark.parametrize("ending", ["returns", "raises"])
+def test_the_earlier_handlers_are_back_after_the_block_however_it_ends(ending):
+    """A run that fails (an error inside the block) gives the caller's handlers back as one that
+    ends normally does: a library caller keeps its own."""
+    signal.signal(signal.SIGTERM, _earlier_sigterm_handler)
+    stop = StopSignals(doing="stopping")
+    failing = pytest.raises(RuntimeError) if ending == "raises" else contextlib.nullcontext()
+    with failing, stop.installed():
+        assert signal.getsignal(signal.SIGTERM) == stop.on_signal
+        assert signal.getsignal(signal.SIGINT) == stop.on_signal
+        if ending == "raises":
+            raise RuntimeError("the run failed")
+    assert signal.getsignal(signal.SIGTERM) is _earlier_sigterm_handler
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

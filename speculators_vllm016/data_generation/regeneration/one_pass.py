@@ -79,7 +79,7 @@ def prepare_one_pass(
     facts = inspect_model(
         engine.target_model_path, options.output.layer_ids, engine.trust_remote_code
     )
-    refuse_beyond_model_context(engine.max_model_len, facts.config_dict)
+    refuse_beyond_model_context(engine.max_model_len, facts.config_dict, spare=1)
     return options, facts
 
 

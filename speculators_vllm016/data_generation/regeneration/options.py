@@ -139,14 +139,20 @@ class RegenerateOptions:
             )
 
 
-def refuse_beyond_model_context(max_model_len: int, config_dict: dict[str, Any]) -> None:
+def refuse_beyond_model_context(
+    max_model_len: int, config_dict: dict[str, Any], spare: int = 0
+) -> None:
     """A context longer than the model's (no RoPE scaling to stretch it) refused in one line
-    naming the flags, before vLLM refuses it in a validation error that names neither."""
+    naming the flags, before vLLM refuses it in a validation error that names neither.
+
+    `spare`: positions past the model's context the engine may be given. Datagen's engine takes
+    one (`engine_setup.engine_config_of`): it holds the token sampled after a sample of the
+    model's whole context, which no model ever runs."""
     from speculators_vllm016.utils.text_config import text_config_of
 
     text = text_config_of(config_dict)
     limit = text.get("max_position_embeddings")
-    if isinstance(limit, int) and not text.get("rope_scaling") and max_model_len > limit:
+    if isinstance(limit, int) and not text.get("rope_scaling") and max_model_len > limit + spare:
         raise InvalidInputError(
             f"the engine context of {max_model_len} tokens (--max-prompt-tokens + --max-tokens, "
             f"or --max-model-len) is longer than the model's {limit}; lower them"

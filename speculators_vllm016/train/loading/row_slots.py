@@ -5,7 +5,7 @@ Without them every row a worker packs lands in fresh shared memory: the worker f
 kernel zeroes) its pages, the main process maps them, the pin-memory thread copies the row once
 more into pinned memory, and the mapping is torn down again. At 1 GiB a row (32,768 tokens at
 hidden 4096) that kernel work ran beside every step and slowed the GPU steps themselves by 10-25%
-while the workers read ahead (benchmarks/results/trainer-sustained-*-before-row-slots.json).
+while the workers read ahead (docs/benchmarks.md, folded results: trainer-sustained-*-before-row-slots).
 
 Here the rows live in `count` slots allocated once in shared memory, which the main process pins
 (`cudaHostRegister`) after the workers have started: a worker packs row n straight into slot

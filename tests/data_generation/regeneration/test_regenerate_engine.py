@@ -1,7 +1,8 @@
 """Regeneration on the real vLLM 0.16 CPU engine (tiny Llama, fp32), checked against transformers.
 
-One in-process engine serves every test of the module; the kill -9 test runs the command in a
-subprocess, and the endpoint test starts vLLM's OpenAI server once.
+One in-process engine serves every test of the module, the reruns of stopped commands included;
+the kill -9 and SIGTERM tests run the command in a subprocess, and the endpoint test starts
+vLLM's OpenAI server once.
 """
 
 from __future__ import annotations
@@ -178,8 +179,11 @@ def _wait_for_logged_chunks(process: subprocess.Popen, log: Path, chunks: int) -
 
 @pytest.mark.slow
 def test_kill_9_then_rerun_equals_an_uninterrupted_run(
-    tiny_llama, chat_data, whole_in_chunks_of_2, tmp_path
+    tiny_llama, chat_data, local_engine, whole_in_chunks_of_2, tmp_path
 ):
+    """The command killed (SIGKILL, its engine too) after 2 chunks; the same job run again (on
+    the module's engine: the resume reads what the killed process left, whoever runs it)
+    finishes it, and the result equals an uninterrupted run byte for byte."""
     whole = whole_in_chunks_of_2
     out = tmp_path / "killed"
     log = out / "rows" / "shard-0-of-1.jsonl"
@@ -195,10 +199,10 @@ def test_kill_9_then_rerun_equals_an_uninterrupted_run(
         process.wait()
     logged = log.read_text().count("\n")  # chunks of 2 rows
     assert 2 <= logged < 12 and not (out / "conversations.jsonl").exists()
-    rerun = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert rerun.returncode == 0, rerun.stderr[-2000:]
-    summary = json.loads(rerun.stdout.split("SUMMARY ", 1)[1])
-    assert summary["already_done"] >= 2 * logged and summary["regenerated"] <= 24 - 2 * logged
+    summary = run_regeneration(
+        _options(tiny_llama, chat_data, out, batch_size=2), engine=local_engine
+    )
+    assert summary.already_done >= 2 * logged and summary.regenerated <= 24 - 2 * logged
     assert (out / "conversations.jsonl").read_bytes() == (
         whole / "conversations.jsonl"
     ).read_bytes()

@@ -12,6 +12,9 @@ import pytest
 import torch
 
 from speculators_vllm016.cli.train import main
+from speculators_vllm016.train.jobs.draft_match import RunFacts, draft_mismatches
+from speculators_vllm016.train.jobs.pretrained_draft import read_pretrained_draft
+from speculators_vllm016.train.vocab_maps import VocabMaps
 from tests.train.pretrained_drafts import draft_variant, train_ours, write_research_draft
 from tests.training_fixtures import train_args, write_dataset, write_vocab_maps
 
@@ -52,15 +55,20 @@ def _other_maps(folder: Path) -> list[str]:
     return ["--d2t-path", str(folder / "d2t.npy"), "--t2d-path", str(folder / "t2d.npy")]
 
 
-def _built_maps(folder: Path) -> list[str]:
-    return [
-        "--d2t-path",
-        str(folder / "none_d2t.npy"),
-        "--t2d-path",
-        str(folder / "none_t2d.npy"),
-        "--draft-vocab-size",
-        "48",
-    ]
+def _built_maps(size: int):
+    """Flags that have the run build maps of `size` tokens from the data (the draft has 64)."""
+
+    def flags(folder: Path) -> list[str]:
+        return [
+            "--d2t-path",
+            str(folder / "none_d2t.npy"),
+            "--t2d-path",
+            str(folder / "none_t2d.npy"),
+            "--draft-vocab-size",
+            str(size),
+        ]
+
+    return flags
 
 
 # kind -> (config edit, tensor edit, extra run flags (a function of a scratch folder), the line)
@@ -89,7 +97,20 @@ KINDS = {
         None,
         "target vocabulary: the draft embeds 600 tokens, the verifier has 512",
     ),
-    "draft vocabulary": (None, None, _built_maps, "draft vocabulary: the draft predicts 64 tokens"),
+    "draft vocabulary": (
+        None,
+        None,
+        _built_maps(48),
+        "draft vocabulary: the draft predicts 64 tokens (draft_vocab_size), this run's maps",
+    ),
+    # Smaller than the run's maps: refused as such, not by the maps' comparison (whose line
+    # would blame the maps), and not accepted when the draft holds no maps to compare.
+    "smaller draft vocabulary": (
+        None,
+        None,
+        _built_maps(96),
+        "draft vocabulary: the draft predicts 64 tokens (draft_vocab_size), this run's maps",
+    ),
     "maps": (None, None, _other_maps, "vocabulary maps: the draft's d2t/t2d pick other tokens"),
     "fused layers": (
         _set("eagle_aux_hidden_state_layer_ids", value=[0, 2, 3]),
@@ -205,3 +226,34 @@ def test_a_llama_draft_is_refused_for_a_deepseek_v3_run(ours, tiny_deepseek_v3, 
     ], lines
     assert "LlamaForCausalLM" in lines[0] and "DeepseekV3ForCausalLM" in lines[0]
     assert not save.exists()
+
+
+@pytest.mark.parametrize("maps_stored", [True, False], ids=["with_maps", "without_maps"])
+def test_a_draft_vocabulary_smaller_than_the_runs_maps_is_its_own_mismatch(
+    ours, tiny_llama, maps_stored
+):
+    """The comparison itself (the command refuses a draft without maps earlier, as weights its
+    config lacks): a draft predicting 64 tokens against maps of 96 is named for its size, with
+    or without maps of its own to compare."""
+    draft = read_pretrained_draft(str(ours), str(tiny_llama), norm_before_residual=True)
+    if not maps_stored:
+        del draft.weights["d2t"], draft.weights["t2d"]
+    t2d = torch.zeros(512, dtype=torch.bool)
+    t2d[:96] = True
+    run = RunFacts(
+        verifier=str(tiny_llama),
+        architectures=["LlamaForCausalLM"],
+        hidden_size=256,
+        vocab_size=512,
+        vocab=VocabMaps(d2t=torch.zeros(96, dtype=torch.long), t2d=t2d, built_from=None),
+        vocab_source="the --d2t-path file",
+        layer_ids=None,
+        aux_ids=None,
+        num_layers=1,
+        norm_before_residual=True,
+        embeddings=None,
+    )
+    assert draft_mismatches(draft, run) == [
+        "draft vocabulary: the draft predicts 64 tokens (draft_vocab_size), this run's maps "
+        "(the --d2t-path file) 96"
+    ]

@@ -18,7 +18,12 @@ from speculators_vllm016.train.draft_contract import loss_and_metrics
 from speculators_vllm016.train.jobs.job_config import TrainJobConfig, TrainSetupError
 from speculators_vllm016.train.jobs.pretrained_draft import VERIFIER_COPIES, locate_draft
 from speculators_vllm016.train.train_step import TrainStep
-from tests.train.pretrained_drafts import train_ours, write_030_draft, write_research_draft
+from tests.train.pretrained_drafts import (
+    draft_variant,
+    train_ours,
+    write_030_draft,
+    write_research_draft,
+)
 from tests.training_fixtures import (
     finished_checkpoints,
     train_args,
@@ -212,6 +217,29 @@ def test_a_save_path_with_checkpoints_resumes_them_without_reading_the_draft(
     assert finished_checkpoints(save)[-1] == "0-step2"
     # A fresh run over the same folder does read it, and refuses it before writing anything.
     assert main([*argv, "--no-resume-from-checkpoint"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("name", "shape"),
+    [("fc.weight", (256, 3 * 128)), ("layers.0.mlp.down_proj.weight", (256, 256))],
+)
+def test_a_weight_of_its_rank_but_another_shape_is_refused(
+    ours, tiny_llama, training_data, tmp_path, capsys, name, shape
+):
+    """Same rank as the config's tensor, other sizes: only the shapes themselves tell them apart
+    (a check of ranks, or of names, lets the file through to fail half-way into the load)."""
+
+    def reshaped(tensors: dict) -> None:
+        assert tensors[name].dim() == len(shape) and tuple(tensors[name].shape) != shape
+        tensors[name] = torch.zeros(shape, dtype=tensors[name].dtype)
+
+    draft = draft_variant(ours, tmp_path / "draft", weights=reshaped)
+    save = tmp_path / "save"
+    assert main(train_args(tiny_llama, training_data, save, "--from-pretrained", str(draft))) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert f"of another shape than its config says ['{name}']" in err[0], err
+    assert not save.exists()
 
 
 def test_help_says_it_seeds_a_fresh_run_only():

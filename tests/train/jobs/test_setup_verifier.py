@@ -4,6 +4,8 @@ names), and a draft config that names the verifier as vLLM loads it."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -143,3 +145,28 @@ def test_the_drafts_rope_scaling_is_the_verifiers_without_vllms_copy_of_rope_the
     )
     layer = draft.transformer_layer_config
     assert layer.rope_scaling == scaling and layer.rope_theta == 500000.0
+
+
+@pytest.mark.parametrize(("last", "refused"), [(2, False), (3, True)])
+def test_a_layer_id_the_verifier_does_not_have_is_refused_at_set_up(
+    tiny_deepseek_v3, deepseek_data, tmp_path, last, refused
+):
+    """The tiny DeepSeek-V3 has layers 0-2: data recording layer 2 last is its own; data
+    recording layer 3 (= its layer count) was made by another model, and is refused before
+    anything is written (the bound itself, not only ids beyond it)."""
+    data = tmp_path / "data"
+    shutil.copytree(deepseek_data, data)
+    for name in ("d2t.npy", "t2d.npy"):
+        shutil.copy(deepseek_data.parent / name, tmp_path / name)
+    layer_ids = [*LAYER_IDS[:-1], last]
+    (data / "data_config.json").write_text(json.dumps({"hidden_states": {"layer_ids": layer_ids}}))
+    save = tmp_path / "save"
+    if not refused:
+        assert _prepare(tiny_deepseek_v3, data, save)[1].aux_ids == [1, 2, 2]
+        return
+    with pytest.raises(
+        TrainSetupError,
+        match=r"the data's layer ids are \[0, 1, 1, 3\], but the verifier has 3 layers",
+    ):
+        _prepare(tiny_deepseek_v3, data, save)
+    assert not save.exists()
