@@ -25,6 +25,7 @@ from speculators_vllm016.data_generation.extraction import (
     extract_and_write,
     sample_requests,
 )
+from speculators_vllm016.data_generation.folder_kinds import refuse_other_command_folder
 from speculators_vllm016.data_generation.manifest import read_manifest
 from speculators_vllm016.data_generation.options import (
     DatagenOptions,
@@ -164,6 +165,7 @@ def run_datagen(options: DatagenOptions, generator: Any = None) -> DatagenSummar
         num_shards=output.num_shards,
         fsync=output.fsync,
     )
+    refuse_other_command_folder(output.output_dir, "--output-dir", "datagen")
     created = folder.prepare()
     try:
         with folder:

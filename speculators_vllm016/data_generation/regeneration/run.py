@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from speculators_vllm016.data_generation.folder_kinds import refuse_other_command_folder
 from speculators_vllm016.data_generation.regeneration.engines import (
     ResponseEngine,
     TurnRequest,
@@ -188,6 +189,7 @@ def run_regeneration(
 
     started = time.perf_counter()
     options.validate()
+    refuse_other_command_folder(options.output_dir, "--output-dir", "regenerate")
     tokenizer = load_chat_tokenizer(options.target_model_path, options.trust_remote_code)
     rows = load_source_rows(
         options.train_data_path,

@@ -202,10 +202,12 @@ def _check_online_model(online: OnlineSetup, hidden_size: int) -> list[int]:
 
 
 def _check_save_path(save_path: Path) -> None:
+    from speculators_vllm016.data_generation.folder_kinds import refuse_other_command_folder
     from speculators_vllm016.utils.output_paths import check_output_folder
 
     try:
         check_output_folder(save_path, "--save-path")
+        refuse_other_command_folder(save_path, "--save-path", "train")
     except ValueError as error:
         raise TrainSetupError(str(error)) from None
 
