@@ -197,7 +197,9 @@ def test_user_mistakes_are_one_line_before_anything_is_written(tiny_llama, tmp_p
     assert not (tmp_path / "out").exists()
     # Found when the engine is about to start (the model's config): the folder is removed again.
     data = _options(tiny_llama, tmp_path).train_data_path
-    assert main([*base, "--train-data-path", data, "--max-prompt-tokens", "1020"]) == 2
+    # (Both given: a default left unset is lowered to fit, see tests/cli/test_regeneration_lengths.)
+    too_long = ["--max-prompt-tokens", "1020", "--max-tokens", "2048"]
+    assert main([*base, "--train-data-path", data, *too_long]) == 2
     error = _error_lines(capsys)
     assert len(error) == 1 and "longer than the model's 1024" in error[0], error
     assert not (tmp_path / "out").exists()
