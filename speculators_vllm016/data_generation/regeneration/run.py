@@ -43,6 +43,7 @@ from speculators_vllm016.data_generation.regeneration.turns import (
 )
 from speculators_vllm016.data_generation.resume import resolve_model_path
 from speculators_vllm016.utils.errors import RunStopped, type_and_first_line
+from speculators_vllm016.utils.output_paths import check_output_folder
 from speculators_vllm016.utils.stop_signals import StopSignalled, StopSignals
 
 __all__ = [
@@ -189,6 +190,7 @@ def run_regeneration(
 
     started = time.perf_counter()
     options.validate()
+    check_output_folder(options.output_dir, "--output-dir")
     refuse_other_command_folder(options.output_dir, "--output-dir", "regenerate")
     tokenizer = load_chat_tokenizer(options.target_model_path, options.trust_remote_code)
     rows = load_source_rows(
