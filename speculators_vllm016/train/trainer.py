@@ -183,7 +183,7 @@ class Trainer:
         self.checkpointer.refresh()
         latest = self.checkpointer.latest
         if latest is None:
-            root_logger.info("no checkpoint in %s: starting from scratch", self.config.save_path)
+            root_logger.info("no checkpoint in %s: %s", self.config.save_path, self.config.start)
             return
         if not self.resume_from_checkpoint:
             self.checkpointer.replace_earlier_run()
