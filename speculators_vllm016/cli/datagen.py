@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from speculators_vllm016.cli.regeneration_flags import (
     add_regeneration_arguments,
+    fit_lengths_to_model,
     refuse_misplaced_regeneration_flags,
     sampling_from_args,
 )
@@ -273,6 +274,7 @@ def regeneration_options(args: argparse.Namespace):
     from speculators_vllm016.data_generation.regeneration.one_pass import default_regenerate_dir
     from speculators_vllm016.data_generation.regeneration.options import RegenerateOptions
 
+    fit_lengths_to_model(args)
     return RegenerateOptions(
         target_model_path=args.target_model_path,
         train_data_path=args.train_data_path,

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from speculators_vllm016.cli.datagen import keep_vllm_quiet
 from speculators_vllm016.cli.regeneration_flags import (
     add_regeneration_arguments,
+    fit_lengths_to_model,
     sampling_from_args,
 )
 from speculators_vllm016.data_generation.options import DTYPES, parse_template_kwargs
@@ -48,7 +49,8 @@ def build_parser(prog: str = "speculators regenerate") -> argparse.ArgumentParse
         "--max-model-len",
         type=int,
         default=None,
-        help="engine context; None: --max-prompt-tokens + --max-tokens",
+        help="engine context; None: --max-prompt-tokens + --max-tokens (their defaults are "
+        "lowered to fit the model's context)",
     )
     model.add_argument("--gpu-memory-utilization", type=float, default=0.8, help="vLLM's share")
     model.add_argument("--dtype", default="auto", choices=DTYPES, help="model dtype")
@@ -96,6 +98,7 @@ def build_parser(prog: str = "speculators regenerate") -> argparse.ArgumentParse
 
 
 def regenerate_options_from_args(args: argparse.Namespace) -> RegenerateOptions:
+    fit_lengths_to_model(args)
     return RegenerateOptions(
         target_model_path=args.target_model_path,
         train_data_path=args.train_data_path,

@@ -1,10 +1,12 @@
 """The regeneration flags that `speculators regenerate`, `speculators datagen --regenerate` and
 `speculators gen-and-train --regenerate` share: sampling, chat template, reasoning, tool rows,
-prompt cap; and the check that they are given only where they are used."""
+prompt cap; the prompt and response limits fitted to the model's context; and the check that
+the flags are given only where they are used."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 
 from speculators_vllm016.data_generation.regeneration.options import (
     REASONING_MODES,
@@ -13,8 +15,16 @@ from speculators_vllm016.data_generation.regeneration.options import (
 )
 from speculators_vllm016.utils.errors import InvalidInputError
 
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 2048
+DEFAULT_MAX_PROMPT_TOKENS = 4096
+
 __all__ = [
+    "DEFAULT_MAX_PROMPT_TOKENS",
+    "DEFAULT_MAX_TOKENS",
     "add_regeneration_arguments",
+    "fit_lengths_to_model",
     "refuse_misplaced_regeneration_flags",
     "sampling_from_args",
 ]
@@ -32,7 +42,13 @@ def add_regeneration_arguments(
     )
     group.add_argument("--top-p", type=float, default=None, help="None: generation config")
     group.add_argument("--top-k", type=int, default=None, help="None: generation config")
-    group.add_argument("--max-tokens", type=int, default=2048, help="at most this many per turn")
+    group.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help=f"at most this many per turn; None: {DEFAULT_MAX_TOKENS}, lowered to fit the "
+        "model's context",
+    )
     group.add_argument(
         seed_flag,
         dest="regenerate_seed",
@@ -61,12 +77,74 @@ def add_regeneration_arguments(
     group.add_argument(
         "--max-prompt-tokens",
         type=int,
-        default=4096,
-        help="a turn whose prompt is longer fails its row (listed with the reason)",
+        default=None,
+        help="a turn whose prompt is longer fails its row (listed with the reason); None: "
+        f"{DEFAULT_MAX_PROMPT_TOKENS}, lowered to fit the model's context with --max-tokens",
     )
 
 
+def _model_context(args: argparse.Namespace) -> int | None:
+    """The engine's longest context: --max-model-len where given, else the model's own (None
+    where it stretches it by RoPE scaling or cannot be read here: the engine's start says)."""
+    if getattr(args, "max_model_len", None) is not None:
+        return int(args.max_model_len)
+    try:
+        from transformers import PretrainedConfig
+
+        from speculators_vllm016.utils.text_config import text_config_of
+
+        config, _ = PretrainedConfig.get_config_dict(
+            args.target_model_path, trust_remote_code=getattr(args, "trust_remote_code", False)
+        )
+    except Exception:  # noqa: BLE001 - an unreadable model is reported where it is loaded
+        return None
+    text = text_config_of(config)
+    limit = text.get("max_position_embeddings")
+    return limit if isinstance(limit, int) and not text.get("rope_scaling") else None
+
+
+def fit_lengths_to_model(args: argparse.Namespace) -> None:
+    """Set `args.max_prompt_tokens` and `args.max_tokens`: the values given, and for each left
+    unset its default, lowered (one log line says so) where the two together would not fit the
+    model's context: --max-tokens given, the prompt gets the rest; --max-prompt-tokens given, the
+    response does; neither, the response gets half the context (at most its default) and the
+    prompt the rest. Values given that do not fit are left for the one-line refusal."""
+    prompt, tokens = args.max_prompt_tokens, args.max_tokens
+    if prompt is not None and tokens is not None:
+        return
+    fitted_prompt = DEFAULT_MAX_PROMPT_TOKENS if prompt is None else prompt
+    fitted_tokens = DEFAULT_MAX_TOKENS if tokens is None else tokens
+    context = _model_context(args)
+    if context is not None and fitted_prompt + fitted_tokens > context:
+        if prompt is None and tokens is None:
+            fitted_tokens = min(DEFAULT_MAX_TOKENS, context // 2)
+            fitted_prompt = context - fitted_tokens
+        elif prompt is None:
+            fitted_prompt = context - tokens
+        else:
+            fitted_tokens = context - prompt
+        if fitted_prompt >= 1 and fitted_tokens >= 1:
+            lowered = [
+                f"{flag} {value}"
+                for flag, value, given in (
+                    ("--max-prompt-tokens", fitted_prompt, prompt),
+                    ("--max-tokens", fitted_tokens, tokens),
+                )
+                if given is None
+            ]
+            logger.info(
+                "%s: lowered from the default to fit the engine context of %d tokens",
+                " and ".join(lowered),
+                context,
+            )
+        else:  # what was given leaves no room: the refusal names it
+            fitted_prompt = DEFAULT_MAX_PROMPT_TOKENS if prompt is None else prompt
+            fitted_tokens = DEFAULT_MAX_TOKENS if tokens is None else tokens
+    args.max_prompt_tokens, args.max_tokens = fitted_prompt, fitted_tokens
+
+
 def sampling_from_args(args: argparse.Namespace) -> SamplingOptions:
+    fit_lengths_to_model(args)
     return SamplingOptions(
         temperature=args.temperature,
         top_p=args.top_p,

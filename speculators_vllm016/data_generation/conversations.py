@@ -56,7 +56,10 @@ def normalize_conversation(turns: Any) -> list[dict[str, str]]:
             turns = json.loads(turns)
         except json.JSONDecodeError as exc:
             raise MalformedRowError(f"conversation is not valid JSON ({exc.msg})") from None
-    if not isinstance(turns, list) or not turns:
+    if not isinstance(turns, list):
+        kind = "no conversation" if turns is None else f"a {type(turns).__name__}"
+        raise MalformedRowError(f"the conversation is {kind}, not a list of turns")
+    if not turns:
         raise MalformedRowError("no turns")
     messages = []
     for position, turn in enumerate(turns):

@@ -25,6 +25,7 @@ from speculators_vllm016.data_generation.extraction import (
     extract_and_write,
     sample_requests,
 )
+from speculators_vllm016.data_generation.folder_kinds import refuse_other_command_folder
 from speculators_vllm016.data_generation.manifest import read_manifest
 from speculators_vllm016.data_generation.options import (
     DatagenOptions,
@@ -83,9 +84,10 @@ class DatagenSummary:
         return self.tokens_extracted / self.extraction_seconds
 
     def describe(self) -> str:
+        skipped = f" ({self.skipped_rows} unusable chat rows skipped)" if self.skipped_rows else ""
         return (
             f"{self.samples_written} samples written ({self.samples_already_present} already "
-            f"present) of {self.samples_total} in this shard; {self.tokens_extracted} tokens "
+            f"present) of {self.samples_total}{skipped} in this shard; {self.tokens_extracted} tokens "
             f"extracted in {self.extraction_seconds:.1f} s = {self.tokens_per_second:.0f} "
             f"tokens/s ({self.seconds:.1f} s in all); data in {self.output_dir}"
         )
@@ -164,6 +166,7 @@ def run_datagen(options: DatagenOptions, generator: Any = None) -> DatagenSummar
         num_shards=output.num_shards,
         fsync=output.fsync,
     )
+    refuse_other_command_folder(output.output_dir, "--output-dir", "datagen")
     created = folder.prepare()
     try:
         with folder:

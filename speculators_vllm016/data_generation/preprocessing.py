@@ -310,7 +310,7 @@ def _load_json_rows(path: str) -> HFDataset:
                     try:
                         rows.append(json.loads(line))
                     except json.JSONDecodeError:
-                        rows.append({"conversations": line})  # kept, then reported as malformed
+                        rows.append(line)  # kept, then reported as not valid JSON
     else:
         with open(path) as handle:
             try:
@@ -325,8 +325,20 @@ def _load_json_rows(path: str) -> HFDataset:
     conversations = []
     for row in rows:
         turns = conversation_of(row)
+        if isinstance(turns, str) and not _is_json(turns):
+            # a text where the turns belong, as in {"conversations": "oops"}: encoded, so the row
+            # is reported for what it is (not a list of turns), not as a line of bad JSON
+            turns = json.dumps(turns) if not isinstance(row, str) else turns
         conversations.append(turns if isinstance(turns, str) else json.dumps(turns))
     return HFDataset.from_dict({"conversations": conversations})
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def check_utf8(path: str) -> None:
@@ -357,6 +369,12 @@ def load_raw_dataset(
         if not os.path.isfile(train_data_path):
             raise FileNotFoundError(f"no data file at {train_data_path}; check {flag}")
         check_utf8(train_data_path)
+        from datasets.utils import logging as datasets_logging
+
+        verbosity = datasets_logging.get_verbosity()
+        # A file Arrow refuses is read row by row below: datasets' own ERROR line about it
+        # (with pyarrow's message) would come before the one warning that says so.
+        datasets_logging.set_verbosity(logging.CRITICAL)
         try:
             return load_dataset(
                 "json", data_files=train_data_path, split="train", cache_dir=cache_dir
@@ -368,6 +386,8 @@ def load_raw_dataset(
                 type(exc).__name__,
             )
             return _load_json_rows(train_data_path)
+        finally:
+            datasets_logging.set_verbosity(verbosity)
     config = DATASET_CONFIGS.get(train_data_path)
     if config is None:
         raise InvalidInputError(

@@ -151,6 +151,7 @@ class FolderProgress:
 
         self.folder = folder
         self.bar = tqdm(total=None, unit="sample", desc="Extracting", disable=not show)
+        self.shown: tuple[int, int, int | None] | None = None
 
     def counts(self) -> tuple[int, int, int | None]:
         """(samples done, their tokens, samples in all or None while unknown)."""
@@ -162,13 +163,20 @@ class FolderProgress:
         recorded = (self.folder / STATE_FILE).is_file()
         return len(records), tokens, len(expected) if recorded else None
 
-    def refresh(self) -> None:
-        done, tokens, total = self.counts()
+    def refresh(self) -> bool:
+        """Redraw the bar if the counts changed (a bar redrawn every wait of the scheduler would
+        print `100%` again and again where the terminal keeps no carriage return); True if so."""
+        counts = self.counts()
+        if counts == self.shown:
+            return False
+        self.shown = counts
+        done, tokens, total = counts
         if total is not None and self.bar.total != total:
             self.bar.total = total
         self.bar.n = done
         self.bar.set_postfix(tokens=tokens, refresh=False)
         self.bar.refresh()
+        return True
 
     def close(self) -> None:
         self.refresh()
@@ -228,6 +236,23 @@ def _connect(ray: Any, address: str) -> None:
             ) from None
 
 
+def refuse_other_shard_count(output_dir: str, num_shards: int) -> None:
+    """A folder whose record names another --num-shards, refused before Ray or an engine
+    starts (each shard would refuse it only after both); the record is the folder's own."""
+    import json
+
+    record = Path(output_dir) / STATE_FILE
+    try:
+        recorded = json.loads(record.read_text()).get("num_shards")
+    except (OSError, ValueError, AttributeError):
+        return  # none, or unreadable: the shards' own check says so
+    if isinstance(recorded, int) and recorded != num_shards:
+        raise InvalidInputError(
+            f"--num-shards {num_shards}: --output-dir {output_dir} holds a run of {recorded} "
+            f"shards ({record}); give --num-shards {recorded} to resume it, or another --output-dir"
+        )
+
+
 def run_shards_on_ray(
     options: DatagenOptions,
     address: str,
@@ -240,6 +265,7 @@ def run_shards_on_ray(
         raise InvalidInputError("--ray-address runs every shard itself; leave out --shard-index")
     if max_retries < 0:
         raise InvalidInputError(f"--ray-max-retries must be at least 0, got {max_retries}")
+    refuse_other_shard_count(options.output.output_dir, options.output.num_shards)
     ray = require_ray()
     engine, output = options.engine, options.output
     inspect_model(engine.target_model_path, output.layer_ids, engine.trust_remote_code)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["keep_vllm_quiet"]
+__all__ = ["HUB_RETRY_LOGGER", "keep_vllm_quiet"]
+
+HUB_RETRY_LOGGER = "huggingface_hub.utils._http"
 
 
 def keep_vllm_quiet() -> None:
@@ -14,3 +16,6 @@ def keep_vllm_quiet() -> None:
     imported and its worker processes; a level the user set is kept."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
+    # The hub client's retries of a model id it cannot reach: a long MaxRetryError warning per
+    # try before the one error line that says the id cannot be read (--verbose shows them).
+    logging.getLogger(HUB_RETRY_LOGGER).setLevel(logging.ERROR)

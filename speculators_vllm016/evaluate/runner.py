@@ -17,7 +17,14 @@ from speculators_vllm016.evaluate.verifier_match import (
 )
 from speculators_vllm016.utils.errors import InvalidInputError, first_line
 
-__all__ = ["ENGINES", "EvalOptions", "draft_settings", "resolve_engine", "run_evaluation"]
+__all__ = [
+    "ENGINES",
+    "EvalOptions",
+    "draft_settings",
+    "named_verifier",
+    "resolve_engine",
+    "run_evaluation",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +84,31 @@ def draft_settings(draft: str) -> DraftSettings:
         speculative_tokens=default_speculative_tokens(config),
         expects=expected_verifier(config),
         verifier_fingerprint=getattr(recorded, "weights_fingerprint", None),
+    )
+
+
+def named_verifier(settings: list[DraftSettings]) -> str:
+    """The verifier the drafts name, without --verifier. The weights' fingerprint is a
+    verifier's identity and its recorded path a hint: drafts that name other paths (a copied or
+    moved target folder) with one fingerprint share a verifier, the first of their paths that
+    exists here (`_check_trained_for` then checks its weights)."""
+    named = list(dict.fromkeys(s.verifier for s in settings))
+    if len(named) == 1 and named[0] is not None:
+        return named[0]
+    fingerprints = {s.verifier_fingerprint for s in settings}
+    if None not in named and None not in fingerprints and len(fingerprints) == 1:
+        here = [path for path in named if Path(path).exists()]
+        if here:
+            logger.info(
+                "the drafts name verifiers %s with the same weights (fingerprint %s): using %s",
+                named,
+                fingerprints.pop(),
+                here[0],
+            )
+            return here[0]
+    raise InvalidInputError(
+        f"the drafts name verifiers {sorted(map(str, set(named)))}"
+        f"{'' if len(fingerprints) == 1 else ' of different weights'}; pass --verifier <model>"
     )
 
 
@@ -174,15 +206,7 @@ def run_evaluation(options: EvalOptions) -> EvaluationReport:
     if not options.drafts:
         raise InvalidInputError("no draft to evaluate; pass --draft <folder> (repeatable)")
     settings = [draft_settings(draft) for draft in options.drafts]
-    verifier_path = options.verifier
-    if verifier_path is None:
-        named = {s.verifier for s in settings}
-        if None in named or len(named) != 1:
-            raise InvalidInputError(
-                f"the drafts name verifiers {sorted(map(str, named))}; pass --verifier <model>"
-            )
-        verifier_path = named.pop()
-    assert verifier_path is not None
+    verifier_path = options.verifier or named_verifier(settings)
     from speculators_vllm016.utils.verifier_config import load_verifier_config_dict
 
     try:

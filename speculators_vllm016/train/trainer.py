@@ -86,15 +86,15 @@ from speculators_vllm016.train.utils import (
     apply_fully_sharded,
     training_device,
 )
-from speculators_vllm016.utils.errors import InvalidInputError, SpeculatorsError
+from speculators_vllm016.utils.errors import InvalidInputError, RunStopped
 
 __all__ = ["Trainer", "TrainerConfig", "TrainingInterrupted"]
 
 root_logger = logging.getLogger("speculators")
 
 
-class TrainingInterrupted(SpeculatorsError, RuntimeError):
-    """Training stopped on SIGTERM or Ctrl-C after writing a checkpoint; run the same command to resume."""
+class TrainingInterrupted(RunStopped):
+    """Training stopped on SIGTERM or Ctrl-C after writing a checkpoint (exit 143 or 130)."""
 
 
 class Trainer:
@@ -183,7 +183,7 @@ class Trainer:
         self.checkpointer.refresh()
         latest = self.checkpointer.latest
         if latest is None:
-            root_logger.info("no checkpoint in %s: starting from scratch", self.config.save_path)
+            root_logger.info("no checkpoint in %s: %s", self.config.save_path, self.config.start)
             return
         if not self.resume_from_checkpoint:
             self.checkpointer.replace_earlier_run()
@@ -483,12 +483,14 @@ class Trainer:
         if self.replaces_earlier_run:
             raise TrainingInterrupted(
                 f"stopped by {self.shutdown.reason} at step {self.state.global_step}; "
-                f"{self._kept_earlier_run()}"
+                f"{self._kept_earlier_run()}",
+                signum=self.shutdown.signum,
             )
         path = self._save_mid_epoch()
         raise TrainingInterrupted(
             f"stopped by {self.shutdown.reason} at step {self.state.global_step}; "
-            f"checkpoint {path}; run the same command again to resume"
+            f"checkpoint {path}; run the same command again to resume",
+            signum=self.shutdown.signum,
         )
 
     def _check_trained(self, epoch: int, first: int, end: int, trained: float) -> None:

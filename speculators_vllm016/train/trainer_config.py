@@ -91,6 +91,9 @@ class TrainerConfig:
     H200 at 8B-draft shapes, one measurement)."""
     show_progress: bool = True
     """A progress bar per epoch and for validation (rank 0)."""
+    start: str = "starting from scratch"
+    """What a run with no checkpoint to resume starts from, for its log line (a
+    `--from-pretrained` job names the draft it fine-tunes)."""
     handle_sigterm: bool = True
     """Stop on SIGTERM or a first Ctrl-C after the current step, with a checkpoint
     (`graceful_shutdown`); off, the signals keep their default handlers."""
@@ -144,6 +147,11 @@ class TrainerConfig:
             fsdp_bf16_params=runtime.fsdp_bf16_params,
             deterministic=runtime.deterministic,
             show_progress=not config.logging.no_progress,
+            start=(
+                f"starting from the weights of --from-pretrained {config.model.from_pretrained}"
+                if config.model.from_pretrained
+                else "starting from scratch"
+            ),
         )
 
     def _replace(self, **changes: Any) -> TrainerConfig:

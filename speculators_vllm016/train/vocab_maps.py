@@ -150,8 +150,9 @@ def write_vocab_mappings_from_counts(
 def token_counts_for_training(
     token_freq_path: str | None, data_path: Path
 ) -> tuple[dict[int, int], str]:
-    """Token counts from `token_freq_path`, else datagen's per-shard counts beside the data;
-    with where they came from."""
+    """Token counts from `token_freq_path` (a `token_freq.pt`, or a datagen folder whose
+    `token_freq/` shards are summed), else datagen's per-shard counts beside the data; with
+    where they came from."""
     from speculators_vllm016.data_generation.token_counts import (
         TOKEN_FREQ_DIR,
         load_token_freq,
@@ -159,6 +160,11 @@ def token_counts_for_training(
     )
 
     path = Path(token_freq_path) if token_freq_path else data_path / "token_freq.pt"
+    if token_freq_path and path.is_dir():  # a datagen folder, as vocab-mapping takes it
+        try:
+            return read_folder_token_counts(path), str(path)
+        except (OSError, ValueError, RuntimeError) as error:
+            raise TrainSetupError(f"--token-freq-path: {first_line(error)}") from None
     if token_freq_path is None and (data_path / TOKEN_FREQ_DIR).is_dir():
         try:
             return load_token_freq(data_path), str(data_path / TOKEN_FREQ_DIR)

@@ -93,7 +93,10 @@ def report_errors(
     try:
         return run()
     except KeyboardInterrupt:
-        print("interrupted; run the same command again to resume", file=sys.stderr)
+        print(
+            "stopped: Ctrl-C: stopped at once; run the same command again to resume",
+            file=sys.stderr,
+        )
         return EXIT_INTERRUPTED
     except (RunStopped, *stopped) as stop:
         print(f"stopped: {stop}", file=sys.stderr)

@@ -2,12 +2,15 @@
 hours must not fail at its last step because its output cannot be written there.
 
 Both checks raise `ValueError` with one line naming the flag, the path and what is wrong; they
-create nothing.
+leave nothing behind. Where the path would be created, an empty probe folder is made in its
+nearest existing folder and removed at once: `os.access` answers yes to root everywhere, and
+places such as /proc refuse new entries that the permission bits allow.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from speculators_vllm016.utils.errors import InvalidInputError
@@ -32,8 +35,18 @@ def check_output_folder(path: str | os.PathLike, flag: str) -> None:
         raise InvalidInputError(
             f"{flag} {path} cannot be created: {probe} is a file; choose another folder"
         )
-    if not os.access(probe, os.W_OK | os.X_OK):
+    if not os.access(probe, os.W_OK | os.X_OK) or (probe != path and not _can_create_in(probe)):
         raise InvalidInputError(f"{flag} {path} is not writable ({probe}); choose another folder")
+
+
+def _can_create_in(folder: Path) -> bool:
+    """An entry can be made in `folder` (tried: an empty folder, removed again)."""
+    try:
+        made = tempfile.mkdtemp(prefix=".speculators-write-probe-", dir=folder)
+    except OSError:
+        return False
+    os.rmdir(made)
+    return True
 
 
 def check_output_file(path: str | os.PathLike, flag: str) -> None:

@@ -276,3 +276,30 @@ def test_chat_template_kwargs_reach_every_rendering(tmp_path):
         assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
         assert ("<think></think>" in text) == (kwargs is not None)
         assert [tokenizer.decode(ids[a:b]) for a, b in runs_of_ones(mask)] == expected_segments
+
+
+def test_a_row_that_is_json_but_no_list_of_turns_is_named_for_what_it_is(
+    tokenizer, tmp_path, caplog, capfd
+):
+    """#50 item 11: `{"conversations": "oops"}` was reported as "not valid JSON", and datasets'
+    own ERROR line (with pyarrow's message) came before the one warning."""
+    path = tmp_path / "bad.jsonl"
+    lines = [json.dumps({"conversations": SHAREGPT}), json.dumps({"conversations": "oops"})]
+    path.write_text("\n".join([*lines, "{not json", lines[0]]) + "\n")
+    capfd.readouterr()
+    with caplog.at_level(logging.WARNING):
+        raw = load_raw_dataset(str(path), cache_dir=str(tmp_path / "cache"))
+        result = preprocess_conversations(raw, tokenizer, num_proc=1)
+    assert "ERROR" not in capfd.readouterr().err
+    assert [r.levelno for r in caplog.records if r.name.startswith("datasets")] == []
+    assert result.skipped_rows == 2
+    message = " ".join(record.getMessage() for record in caplog.records)
+    assert "row 1: the conversation is a str, not a list of turns" in message, message
+    assert "row 2: conversation is not valid JSON" in message, message
+
+
+def test_the_done_line_counts_skipped_rows():
+    from speculators_vllm016.data_generation.offline import DatagenSummary
+
+    summary = DatagenSummary("out", 2, 2, 0, 10, 1.0, 1.0, skipped_rows=2)
+    assert "of 2 (2 unusable chat rows skipped) in this shard" in summary.describe()

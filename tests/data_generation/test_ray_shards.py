@@ -106,9 +106,33 @@ def test_the_bar_counts_the_samples_every_shard_lists_out_of_the_run_record(tmp_
     record = {"output_format": "pt", "start_idx": 0, "details": {"num_samples": 5}}
     (tmp_path / STATE_FILE).write_text(json.dumps(record))
     assert progress.counts() == (3, 33, 5)
-    progress.refresh()
+    assert progress.refresh()
     assert (progress.bar.n, progress.bar.total) == (3, 5)
+    # Unchanged counts are not drawn again (#50 item 10: `100%` about ten times).
+    assert not progress.refresh() and not progress.refresh()
     progress.close()
+
+
+def test_another_shard_count_is_refused_from_the_folders_record_before_ray(
+    tmp_path, monkeypatch, capsys
+):
+    """#50 item 10: refused only after Ray and an engine started, leaving a shard's log."""
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / STATE_FILE).write_text(json.dumps({"version": 2, "num_shards": 3}))
+
+    def no_ray():
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(ray_shards, "require_ray", no_ray)
+    argv = ["--target-model-path", str(tmp_path), "--train-data-path", "d.jsonl"]
+    code = main([*argv, "--output-dir", str(output), "--ray-address", "local", "--num-shards", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(
+        f"error: --num-shards 2: --output-dir {output} holds a run of 3 shards"
+    )
+    assert sorted(p.name for p in output.iterdir()) == [STATE_FILE]
 
 
 def test_without_ray_the_flag_says_how_to_install_it_and_nothing_is_written(

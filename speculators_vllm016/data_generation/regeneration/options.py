@@ -7,7 +7,7 @@ in-process engine and a server started on the same model sample alike.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from speculators_vllm016.utils.errors import InvalidInputError
@@ -20,6 +20,21 @@ __all__ = [
     "refuse_beyond_model_context",
 ]
 
+# The flags only one kind of engine uses, by field name.
+ENGINE_FLAGS = {
+    "tensor_parallel_size": "--tensor-parallel-size",
+    "pipeline_parallel_size": "--pipeline-parallel-size",
+    "max_model_len": "--max-model-len",
+    "gpu_memory_utilization": "--gpu-memory-utilization",
+    "dtype": "--dtype",
+    "max_num_seqs": "--max-num-seqs",
+}
+SERVER_FLAGS = {
+    "endpoint_model": "--endpoint-model",
+    "concurrency": "--concurrency",
+    "request_timeout": "--request-timeout",
+    "retries": "--retries",
+}
 REASONING_MODES = ("keep", "drop")
 TOOL_ROW_MODES = ("skip", "keep")
 
@@ -136,6 +151,24 @@ class RegenerateOptions:
         if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
             raise InvalidInputError(
                 f"--endpoint must be an http:// or https:// URL, got {self.endpoint!r}"
+            )
+        self._refuse_unused_engine_flags()
+
+    def _refuse_unused_engine_flags(self) -> None:
+        """With --endpoint the server is the engine: a flag of the in-process engine would do
+        nothing (and without --endpoint, a server flag would): refused, naming them."""
+        defaults = {f.name: f.default for f in fields(self)}
+        engine = ENGINE_FLAGS if self.endpoint is not None else SERVER_FLAGS
+        given = [flag for name, flag in engine.items() if getattr(self, name) != defaults[name]]
+        if given and self.endpoint is not None:
+            raise InvalidInputError(
+                f"{', '.join(given)}: in-process engine flags, unused with --endpoint (the "
+                "server runs with its own settings); leave them out"
+            )
+        if given:
+            raise InvalidInputError(
+                f"{', '.join(given)}: flags of --endpoint (a server), unused by the in-process "
+                "engine; add --endpoint URL or leave them out"
             )
 
 

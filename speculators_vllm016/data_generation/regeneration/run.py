@@ -8,8 +8,9 @@ regenerates exactly the chunks the log lacks (`chunks_to_generate`).
 
 SIGTERM or a first Ctrl-C (`utils.stop_signals`) gives up the chunk being generated (it is
 never logged, so nothing half-done remains) and starts no other; the engine is shut down and
-the command ends with `stopped: ...` (143 after SIGTERM, 130 after Ctrl-C). The same command
-resumes. A second Ctrl-C stops at once.
+the command ends with `stopped: ...` (143 after SIGTERM, 130 after Ctrl-C). A signal while the
+engine starts stops the start-up the same way (`_start_stoppable`). The same command resumes. A
+second Ctrl-C stops at once.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from speculators_vllm016.data_generation.folder_kinds import refuse_other_command_folder
 from speculators_vllm016.data_generation.regeneration.engines import (
     ResponseEngine,
     TurnRequest,
@@ -41,6 +43,7 @@ from speculators_vllm016.data_generation.regeneration.turns import (
 )
 from speculators_vllm016.data_generation.resume import resolve_model_path
 from speculators_vllm016.utils.errors import RunStopped, type_and_first_line
+from speculators_vllm016.utils.output_paths import check_output_folder
 from speculators_vllm016.utils.stop_signals import StopSignalled, StopSignals
 
 __all__ = [
@@ -187,6 +190,8 @@ def run_regeneration(
 
     started = time.perf_counter()
     options.validate()
+    check_output_folder(options.output_dir, "--output-dir")
+    refuse_other_command_folder(options.output_dir, "--output-dir", "regenerate")
     tokenizer = load_chat_tokenizer(options.target_model_path, options.trust_remote_code)
     rows = load_source_rows(
         options.train_data_path,
@@ -202,12 +207,14 @@ def run_regeneration(
     folder.check_job(job)  # before the folder is made or locked: a wrong job writes nothing
     created = not folder.path.exists()
     own_engine = engine is None
+    stop = StopSignals(doing="giving up the chunk being generated and stopping")
     try:
-        with folder:
+        with folder, stop.installed():
             folder.lock()
             must_record = folder.check_job(job)
             todo = chunks_to_generate(mine, options.batch_size, folder)
             total = sum(len(chunk) for _, chunk in todo)
+            regenerable = sum(row.messages is not None for row in mine)
             logger.info(
                 "shard %d/%d: %d rows, %d to regenerate",
                 options.shard_index,
@@ -216,11 +223,10 @@ def run_regeneration(
                 total,
             )
             if todo and engine is None:
-                engine = start_engine(options)
+                engine = _start_stoppable(options, stop, regenerable - total)
             if must_record:
                 folder.record_job(job)
-            regenerable = sum(row.messages is not None for row in mine)
-            _regenerate_todo(engine, tokenizer, todo, options, folder, regenerable)
+            _regenerate_todo(engine, tokenizer, todo, options, folder, regenerable, stop)
             summary = _finish(folder, mine, options)
     except BaseException:
         if created and not folder.log_path.exists():
@@ -262,22 +268,39 @@ def chunks_to_generate(
     return todo
 
 
-def _regenerate_todo(engine, tokenizer, todo, options, folder, regenerable: int) -> None:
+def _start_stoppable(options: RegenerateOptions, stop: StopSignals, done: int) -> ResponseEngine:
+    """The engine, started so that SIGTERM or Ctrl-C during its start-up stops the command.
+
+    vLLM's start-up swallows a KeyboardInterrupt (its handshake socket's context manager) and
+    then waits minutes for an engine the same Ctrl-C ended: the stop is raised as
+    `StopSignalled` instead, which vLLM lets through and cleans up after."""
+    try:
+        with stop.abandoning():
+            return start_engine(options)
+    except (Exception, StopSignalled):
+        if not stop.requested:
+            raise
+    raise stop.stopped(
+        f"regeneration stopped while the engine started, with {done} rows of shard "
+        f"{options.shard_index}/{options.num_shards} done before; run the same command again "
+        "to resume"
+    )
+
+
+def _regenerate_todo(
+    engine, tokenizer, todo, options, folder, regenerable: int, stop: StopSignals
+) -> None:
     """Each chunk generated, then logged whole. A stop signal gives up the chunk in the engine
     (an engine whose processes the same signal ended fails: that is the stop too) and raises
     `RunStopped` saying where the run stands."""
     from tqdm import tqdm
 
-    stop = StopSignals(doing="giving up the chunk being generated and stopping")
-    with (
-        tqdm(
-            total=sum(len(chunk) for _, chunk in todo),
-            desc="Regenerating",
-            unit="row",
-            disable=not options.show_progress,
-        ) as progress,
-        stop.installed(),
-    ):
+    with tqdm(
+        total=sum(len(chunk) for _, chunk in todo),
+        desc="Regenerating",
+        unit="row",
+        disable=not options.show_progress,
+    ) as progress:
         for number, chunk in todo:
             try:
                 with stop.abandoning():

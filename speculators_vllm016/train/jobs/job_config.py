@@ -145,8 +145,9 @@ class VocabConfig:
     checkpoints) when the .npy files do not exist; maps of another size stop the run. None: the
     files must exist."""
     token_freq_path: str | None = None
-    """Token counts for --draft-vocab-size (None: datagen's token_freq/ or token_freq*.pt in
-    --data-path)."""
+    """Token counts for --draft-vocab-size: a token_freq.pt, or a datagen folder (its
+    token_freq/ shards, summed) as vocab-mapping takes it. None: datagen's token_freq/ or
+    token_freq*.pt in --data-path."""
 
 
 @dataclass

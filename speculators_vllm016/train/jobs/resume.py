@@ -10,6 +10,11 @@ The optimizer and schedule settings (`--lr`, `--weight-decay`, `--max-grad-norm`
 applied from the resumed step on, with one warning naming each change old -> new
 (`apply_resumed_settings`), so that `train_config.yaml` (which holds the new values) describes
 the steps trained after it; the checkpoint records the settings its steps used.
+
+What shapes the draft (`--num-layers`, `--norm-before-residual`, the draft vocabulary, the fused
+layers) cannot change on resume: the checkpoint's weights are that draft. A run started with
+other values is refused before anything is written (`check_resumed_draft`), naming each flag
+and the checkpoint's value, so `train_config.yaml` never describes a draft the run did not train.
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ from typing import Any
 
 from speculators_vllm016.train.checkpointer import CheckpointRef, TrainingState
 from speculators_vllm016.train.data import Eagle3SampleFileDataset
+from speculators_vllm016.train.jobs.job_config import TrainSetupError
 from speculators_vllm016.train.loading.loader_contract import TrainingLoader
 
 __all__ = [
     "apply_resumed_settings",
+    "check_resumed_draft",
     "optimizer_settings",
     "reconcile_resumed_state",
     "training_data_digest",
@@ -179,3 +186,46 @@ def apply_resumed_settings(
         for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
             group["lr"] = current["lr"] * factor(scheduler.last_epoch)
         scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def check_resumed_draft(
+    checkpoint: Path,
+    *,
+    num_layers: int,
+    norm_before_residual: bool,
+    draft_vocab: int,
+    aux_ids: list[int] | None,
+) -> None:
+    """The run's draft settings against the checkpoint it resumes (`checkpoint`'s config.json):
+    any difference refused in one line naming the flags, the checkpoint's values and the two
+    ways on (the checkpoint's values, or a new run)."""
+    import json
+
+    try:
+        recorded = json.loads((checkpoint / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # an unreadable config fails the load itself, with its own message
+    layer = recorded.get("transformer_layer_config") or {}
+    differences = []
+    if "num_hidden_layers" in layer and int(layer["num_hidden_layers"]) != num_layers:
+        differences.append(f"--num-layers {num_layers} (checkpoint: {layer['num_hidden_layers']})")
+    if (
+        "norm_before_residual" in recorded
+        and bool(recorded["norm_before_residual"]) != norm_before_residual
+    ):
+        flag = "--norm-before-residual" if norm_before_residual else "--no-norm-before-residual"
+        differences.append(f"{flag} (checkpoint: {recorded['norm_before_residual']})")
+    if "draft_vocab_size" in recorded and int(recorded["draft_vocab_size"]) != draft_vocab:
+        differences.append(
+            f"a draft vocabulary of {draft_vocab} (--draft-vocab-size / --d2t-path; "
+            f"checkpoint: {recorded['draft_vocab_size']})"
+        )
+    ids = recorded.get("eagle_aux_hidden_state_layer_ids")
+    if ids is not None and aux_ids is not None and list(ids) != list(aux_ids):
+        differences.append(f"fused layers {aux_ids} (--layer-ids; checkpoint: {ids})")
+    if differences:
+        raise TrainSetupError(
+            f"--save-path {checkpoint.parent} resumes checkpoint {checkpoint.name}, whose draft "
+            f"differs: {'; '.join(differences)}; a resumed run cannot change the draft: give the "
+            "checkpoint's values, or a new --save-path (or --no-resume-from-checkpoint) for a new run"
+        )

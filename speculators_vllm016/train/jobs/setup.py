@@ -202,10 +202,12 @@ def _check_online_model(online: OnlineSetup, hidden_size: int) -> list[int]:
 
 
 def _check_save_path(save_path: Path) -> None:
+    from speculators_vllm016.data_generation.folder_kinds import refuse_other_command_folder
     from speculators_vllm016.utils.output_paths import check_output_folder
 
     try:
         check_output_folder(save_path, "--save-path")
+        refuse_other_command_folder(save_path, "--save-path", "train")
     except ValueError as error:
         raise TrainSetupError(str(error)) from None
 
@@ -385,6 +387,24 @@ def _pretrained_draft(
     )
 
 
+def _check_resumed_draft(
+    config: TrainJobConfig, save_path: Path, draft_vocab: int, aux_ids: list[int] | None
+) -> None:
+    """A resumed run's flags must describe the draft its checkpoint holds (`check_resumed_draft`)."""
+    from speculators_vllm016.train.checkpointer import find_checkpoints
+    from speculators_vllm016.train.jobs.resume import check_resumed_draft
+
+    found = [] if config.checkpoint.no_resume_from_checkpoint else find_checkpoints(save_path)
+    if found:
+        check_resumed_draft(
+            found[-1].path,
+            num_layers=config.model.num_layers,
+            norm_before_residual=config.model.norm_before_residual,
+            draft_vocab=draft_vocab,
+            aux_ids=aux_ids,
+        )
+
+
 def _names_no_maps(config: TrainJobConfig, save_path: Path) -> bool:
     """Neither the flags nor an earlier start of this run name vocabulary maps: a fine-tune
     then keeps the draft's own."""
@@ -499,6 +519,7 @@ def prepare(config: TrainJobConfig, research_reader: ResearchReader | None = Non
     aux_ids = _aux_layer_ids(layer_ids, text_config)
     pretrained = _pretrained_draft(config, save_path, research_reader)
     vocab, vocab_source = _run_vocab(config, online, data_path, save_path, target_vocab, pretrained)
+    _check_resumed_draft(config, save_path, int(vocab.d2t.shape[0]), aux_ids)
     if pretrained is not None:
         check_draft_weights(pretrained)
         check_draft_fits(

@@ -319,9 +319,10 @@ def test_endpoint_output_equals_in_process_output(
     sampling = SamplingOptions(temperature=temperature, max_tokens=MAX_TOKENS, seed=11)
     local, remote = tmp_path / "local", tmp_path / "remote"
     run_regeneration(_options(tiny_llama, chat_data, local, sampling=sampling), local_engine)
-    options = _options(
+    options = _options(  # dtype: the server's own (an engine flag is refused with --endpoint)
         tiny_llama, chat_data, remote, sampling=sampling, endpoint=vllm_server, concurrency=8
     )
+    options.dtype = "auto"
     run_regeneration(options)
     assert (remote / "conversations.jsonl").read_bytes() == (
         local / "conversations.jsonl"

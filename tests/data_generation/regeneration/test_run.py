@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -197,7 +198,9 @@ def test_user_mistakes_are_one_line_before_anything_is_written(tiny_llama, tmp_p
     assert not (tmp_path / "out").exists()
     # Found when the engine is about to start (the model's config): the folder is removed again.
     data = _options(tiny_llama, tmp_path).train_data_path
-    assert main([*base, "--train-data-path", data, "--max-prompt-tokens", "1020"]) == 2
+    # (Both given: a default left unset is lowered to fit, see tests/cli/test_regeneration_lengths.)
+    too_long = ["--max-prompt-tokens", "1020", "--max-tokens", "2048"]
+    assert main([*base, "--train-data-path", data, *too_long]) == 2
     error = _error_lines(capsys)
     assert len(error) == 1 and "longer than the model's 1024" in error[0], error
     assert not (tmp_path / "out").exists()
@@ -363,3 +366,25 @@ def test_a_stop_signal_gives_up_the_chunk_and_the_same_command_resumes(
     assert _endpoint_run(tiny_llama, tmp_path, tokenizer, out) == (0, [])
     for file_name in ("conversations.jsonl", "failed.jsonl"):
         assert (out / file_name).read_bytes() == (tmp_path / "whole" / file_name).read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        (
+            {"endpoint": "http://127.0.0.1:9", "tensor_parallel_size": 2},
+            "--tensor-parallel-size: in-process engine flags, unused with --endpoint",
+        ),
+        (
+            {"endpoint": "http://127.0.0.1:9", "dtype": "float32", "max_num_seqs": 8},
+            "--dtype, --max-num-seqs: in-process engine flags, unused with --endpoint",
+        ),
+        ({"concurrency": 8}, "--concurrency: flags of --endpoint (a server), unused by the"),
+    ],
+)
+def test_a_flag_of_the_other_engine_is_refused(changes, words):
+    """#50 item 14: `--endpoint URL --tensor-parallel-size 2` was accepted and did nothing."""
+    options = RegenerateOptions("model", "data.jsonl", "out", **changes)
+    with pytest.raises(InvalidInputError, match="^" + re.escape(words)):
+        options.validate()
+    RegenerateOptions("model", "data.jsonl", "out", endpoint="http://h:1", retries=2).validate()

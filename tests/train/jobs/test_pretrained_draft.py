@@ -177,13 +177,18 @@ def test_a_deepseek_v3_draft_fine_tunes_exactly(tiny_deepseek_v3, tmp_path, firs
 
 
 def test_without_maps_of_its_own_the_run_keeps_the_drafts_and_saves_them(
-    ours, tiny_llama, training_data, tmp_path
+    ours, tiny_llama, training_data, tmp_path, capfd
 ):
     save = tmp_path / "save"
     argv = train_args(tiny_llama, training_data, save, *FINE_TUNE, "--from-pretrained", str(ours))
     for flag in ("--d2t-path", "--t2d-path"):
         del argv[argv.index(flag) : argv.index(flag) + 2]
+    capfd.readouterr()
     assert main(argv) == 0
+    # The start is said as it is (#50 item 13: it logged "starting from scratch").
+    err = capfd.readouterr().err
+    assert f"starting from the weights of --from-pretrained {ours}" in err, err[-3000:]
+    assert "from scratch" not in err
     served = load_file(ours / "model.safetensors")
     assert np.array_equal(np.load(save / "d2t.npy"), served["d2t"].numpy())
     assert np.array_equal(np.load(save / "t2d.npy"), served["t2d"].numpy())

@@ -96,3 +96,42 @@ def test_epochs_are_numbered_as_the_checkpoint_folders_everywhere(
     assert (
         "at epoch 1, step 0" in err and "epoch 1 (epochs 0 to 1)" in err and "epoch 2" not in err
     ), err[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        (("--num-layers", "2"), "--num-layers 2 (checkpoint: 1)"),
+        (("--no-norm-before-residual",), "--no-norm-before-residual (checkpoint: True)"),
+    ],
+)
+@pytest.mark.parametrize("epochs", ["1", "2"])
+def test_a_resume_that_changes_the_draft_is_refused_before_anything_is_written(
+    tiny_llama, training_data, finished_run, tmp_path, capfd, extra, named, epochs
+):
+    """The checkpoint's weights are its draft: a resumed run with another architecture would
+    train a draft with freshly initialised parts (or, complete, record settings it never used)."""
+    save = tmp_path / "ckpt"
+    shutil.copytree(finished_run, save, symlinks=True)
+    before = {p.name: p.read_bytes() for p in save.iterdir() if p.is_file()}
+    capfd.readouterr()
+    args = train_args(tiny_llama, training_data, save, "--epochs", epochs, *FIXED_SCHEDULE, *extra)
+    assert main(args) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and named in err[0] and "--save-path" in err[0], err
+    assert {p.name: p.read_bytes() for p in save.iterdir() if p.is_file()} == before
+    assert sorted(p.name for p in save.iterdir() if p.name[0].isdigit()) == ["0"]
+
+
+def test_a_new_run_on_request_may_change_the_draft(
+    tiny_llama, training_data, finished_run, tmp_path, capfd
+):
+    save = tmp_path / "ckpt"
+    shutil.copytree(finished_run, save, symlinks=True)
+    args = train_args(
+        tiny_llama, training_data, save, "--epochs", "1", *FIXED_SCHEDULE, "--num-layers", "2"
+    )
+    assert main([*args, "--no-resume-from-checkpoint"]) == 0
+    config = json.loads((save / "0" / "config.json").read_text())
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 2
+    assert yaml.safe_load((save / "train_config.yaml").read_text())["model"]["num_layers"] == 2
