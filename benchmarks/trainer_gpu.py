@@ -36,6 +36,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -79,6 +80,8 @@ class RunResult:
     checkpoint_save_seconds: float | None = None
     checkpoint_load_seconds: float | None = None
     checkpoint_save_seconds_each: list[float] | None = None
+    checkpoint_loop_wait_seconds_each: list[float] | None = None
+    recompiles: int | None = None
     resumed_equal: bool | None = None
     resumed_max_abs_diff: float | None = None
     repeat_equal: bool | None = None
@@ -350,6 +353,13 @@ def summarize_epochs(path: Path) -> dict[str, Any]:
             {
                 "epoch": epoch,
                 "steps": len(steps),
+                "last_step_seconds": round(steps[-1].train["step_seconds"], 4),
+                "last_step_tokens": steps[-1].train["tokens"],
+                "median_step_seconds": round(
+                    statistics.median(r.train["step_seconds"] for r in timed), 4
+                )
+                if timed
+                else None,
                 "tokens_per_second": round(tokens / seconds, 1) if seconds else None,
                 "max_data_wait_seconds": round(max(waits), 4) if waits else None,
                 "steps_waiting_over_0.2_s": sum(wait > 0.2 for wait in waits),
@@ -410,17 +420,17 @@ def compare_weights(first: Path, second: Path) -> tuple[bool, float]:
 
 
 def _launch(
-    command: list[str], name: str, log: Path, timeout: float
+    command: list[str], name: str, log: Path, timeout: float, root: Path = ROOT
 ) -> tuple[int | None, str | None, float]:
     env = {**os.environ, **SAFE_ENV, "PYTHONUNBUFFERED": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     if name in ONE_PROCESS_RUNS and "CUDA_VISIBLE_DEVICES" not in os.environ:
         env["CUDA_VISIBLE_DEVICES"] = "0"
     print(f"$ {shlex.join(command)}", flush=True)
     started = time.perf_counter()
     # `python -m` puts the working folder first on sys.path: run in ROOT, or another checkout's
     # package (the caller's folder) would be trained instead of ROOT's.
-    returncode, error = run_process_group(command, env, log, timeout, cwd=ROOT)
+    returncode, error = run_process_group(command, env, log, timeout, cwd=root)
     seconds = time.perf_counter() - started
     if returncode not in (0, None):
         tail = log.read_text(errors="replace").strip().splitlines()[-25:]
@@ -430,13 +440,22 @@ def _launch(
 
 
 def run_trainer(
-    name: str, processes: int, paths: dict[str, Path], work: Path, args: argparse.Namespace
+    name: str,
+    processes: int,
+    paths: dict[str, Path],
+    work: Path,
+    args: argparse.Namespace,
+    root: Path = ROOT,
+    label: str | None = None,
 ) -> RunResult:
-    save = work / f"run-{name}" / "checkpoints"
+    """One trainer run of kind `name` with the package of checkout `root` (`label`: the run's
+    name in the results, `baseline` for `--baseline-checkout`)."""
+    label = label or name
+    save = work / f"run-{label}" / "checkpoints"
     command = train_command(name, processes, paths, save, args)
-    log = work / f"run-{name}.log"
+    log = work / f"run-{label}.log"
     with checkpoint_pruning(save, args.keep_checkpoints):
-        returncode, error, seconds = _launch(command, name, log, args.run_timeout)
+        returncode, error, seconds = _launch(command, name, log, args.run_timeout, root)
     metrics = save / "metrics.jsonl"
     summary = (
         summarize_metrics(metrics, args.warmup_steps)
@@ -446,10 +465,16 @@ def run_trainer(
     text = log.read_text(errors="replace") if log.is_file() else ""
     written, _ = checkpoint_seconds(text)
     each = [float(value) for value in re.findall(r"checkpoint \S+ written in ([0-9.]+) s", text)]
+    # Background checkpoints log what the step loop waited; a trainer that writes in the loop
+    # (before them) waits for the whole write.
+    waits = [float(v) for v in re.findall(r"the step loop waited ([0-9.]+) s", text)] or each
+    recompiles = text.count("Recompiling function") if "TORCH_LOGS" in os.environ else None
     if args.sustained and metrics.is_file():
         summary.update(summarize_epochs(metrics))
     result = RunResult(
-        name=name,
+        name=label,
+        recompiles=recompiles,
+        checkpoint_loop_wait_seconds_each=waits or None,
         processes=processes,
         command=shlex.join(command),
         returncode=returncode,
@@ -635,8 +660,8 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
             "step, compilation, is not in the rates):",
             "",
             "| epoch | steps | tokens/s | vs median step | slowest data wait s | steps waiting > 0.2 s "
-            "| first step s |",
-            "|---:|---:|---:|---:|---:|---:|---:|",
+            "| first step s | median step s | last step s (tokens) |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for epoch in run["epochs"]:
             rate = epoch.get("tokens_per_second") or 0
@@ -645,13 +670,19 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
                 f"| {epoch['epoch']} | {epoch['steps']} | {rate:,.0f} | {ratio} | "
                 f"{'' if epoch.get('max_data_wait_seconds') is None else epoch['max_data_wait_seconds']} | "
                 f"{epoch.get('steps_waiting_over_0.2_s', '')} | "
-                f"{epoch['first_step_seconds']} |"
+                f"{epoch['first_step_seconds']} | {epoch.get('median_step_seconds', '')} | "
+                f"{epoch.get('last_step_seconds', '')} ({epoch.get('last_step_tokens', '')}) |"
             )
         if run.get("checkpoint_save_seconds_each"):
             lines += [
                 "",
                 f"Checkpoint writes, s: {', '.join(map(str, run['checkpoint_save_seconds_each']))}",
             ]
+        if run.get("checkpoint_loop_wait_seconds_each"):
+            waits = ", ".join(map(str, run["checkpoint_loop_wait_seconds_each"]))
+            lines += ["", f"The step loop waited for each checkpoint, s: {waits}"]
+        if run.get("recompiles") is not None:
+            lines += ["", f"Recompilations logged (TORCH_LOGS=recompiles): {run['recompiles']}"]
     from benchmarks.trainer_030 import markdown_lines as lines_030
 
     lines += lines_030(runs)
@@ -756,6 +787,13 @@ def make_parser() -> argparse.ArgumentParser:
         default=None,
         help="seconds for the 0.3.0 run (default: --run-timeout)",
     )
+    parser.add_argument(
+        "--baseline-checkout",
+        default=None,
+        metavar="PATH",
+        help="first run `single` with the package of this checkout (the code before a change) "
+        "as run `baseline`: before and after on the same inputs in one result file",
+    )
     parser.add_argument("--output-dir", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--tag", default="")
     return parser
@@ -817,6 +855,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.step_benchmark:
         result["step_benchmark"] = run_step_benchmark(preset, work, args)
         save()
+    if args.baseline_checkout:  # the code before a change, same inputs, same script
+        baseline = run_trainer(
+            "single", 1, paths, work, args, Path(args.baseline_checkout).resolve(), "baseline"
+        )
+        result["runs"].append(asdict(baseline))
+        save()
+        if args.keep_checkpoints:  # a small disk: the baseline's last checkpoint goes too
+            shutil.rmtree(work / "run-baseline" / "checkpoints", ignore_errors=True)
     for name in args.runs:
         result["runs"].append(
             asdict(run_trainer(name, 1 if name in ONE_PROCESS_RUNS else gpus, paths, work, args))

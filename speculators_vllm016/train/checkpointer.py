@@ -16,28 +16,33 @@ A checkpoint is assembled in a hidden temporary folder and renamed into place, s
 no half-written checkpoint under a real name. Resume takes the newest complete checkpoint; a folder
 of 0.3.0's layout (no training_state.json) counts as the end of its epoch.
 
-Retention belongs here too: `apply_retention` keeps the newest `keep_mid_epoch` mid-epoch
-checkpoints (epoch folders stay), and a run from scratch over an earlier run's checkpoints
-(`replace_earlier_run`) deletes them right before its own first save (which the trainer makes
-only at the end of that run's first epoch, or at its last step if sooner).
+Retention (`checkpointing.retention`, mixed in): `apply_retention` keeps the newest
+`keep_mid_epoch` mid-epoch checkpoints after the newest epoch one and, with `keep_last`, the
+newest `keep_last` checkpoints of any kind (and the best); a run from scratch over an earlier
+run's checkpoints (`replace_earlier_run`) deletes them right before its own first save (which the
+trainer makes only at the end of that run's first epoch, or at its last step if sooner).
+
+With `background=True`, `save` takes a snapshot and returns; the files are written by a thread
+(`checkpointing.background_writer`), into the same temporary folder, renamed in the same way.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
 import re
 import shutil
+import time
 from abc import abstractmethod
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -48,13 +53,26 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers.modeling_utils import PreTrainedModel
 
+from speculators_vllm016.train.checkpointing.background_writer import (
+    CheckpointWriter,
+    Staged,
+    stage,
+    to_host,
+)
 from speculators_vllm016.train.checkpointing.checkpoint_files import (
+    convert_float_dtype,
+    fsync_files,
     is_disk_full,
+    load_safetensors_state_dict,
     reading,
 )
 from speculators_vllm016.train.checkpointing.named_optimizer_state import (
     load_named_optimizer_state,
     named_optimizer_state,
+)
+from speculators_vllm016.train.checkpointing.retention import (
+    TEMP_PREFIX,
+    CheckpointRetention,
 )
 from speculators_vllm016.train.checkpointing.rng_state import (
     RngStateUnsafe,
@@ -65,7 +83,6 @@ from speculators_vllm016.train.errors import CheckpointReadError, CheckpointWrit
 from speculators_vllm016.utils.atomic_files import (
     TEMP_SUFFIX,
     atomic_torch_save,
-    fsync_folder,
     give_usual_modes,
     replace_folder,
     restore_replaced_folder,
@@ -88,13 +105,10 @@ logger = logging.getLogger(__name__)
 
 STATE_FILE = "training_state.json"
 MASTER_WEIGHTS = "master_weights.safetensors"
-BEST_LINK = "best"
-_MID_EPOCH = re.compile(r"^(\d+)-step(\d+)$")
 # Checkpoint folders are assembled under `.tmp-<name>` (every rank derives the same name);
 # single files written in the save folder use utils/atomic_files' `.<name>.<hex8>.tmp` (before
 # it, `.<name>.tmp`: the sweep knows both).
-_TEMP_PREFIX = ".tmp-"
-_OLD_PREFIX = f"{_TEMP_PREFIX}old-"  # a checkpoint moved aside while its replacement goes in
+_OLD_PREFIX = f"{TEMP_PREFIX}old-"  # a checkpoint moved aside while its replacement goes in
 _TEMP_FILE = re.compile(rf"^\..+?(\.[0-9a-f]{{8}})?{re.escape(TEMP_SUFFIX)}$")
 
 
@@ -176,7 +190,7 @@ def find_checkpoints(save_path: str | os.PathLike) -> list[CheckpointRef]:
     for folder in root.iterdir():
         # A save killed after writing its last file but before the rename leaves a complete-looking
         # temporary folder; it was never a checkpoint (and the trainer removes it at start).
-        if folder.name.startswith(_TEMP_PREFIX):
+        if folder.name.startswith(TEMP_PREFIX):
             continue
         if folder.is_symlink() or not folder.is_dir() or not _is_complete(folder):
             continue
@@ -212,40 +226,34 @@ def remove_temporary_folders(save_path: Path) -> None:
             if entry.name.startswith(_OLD_PREFIX) and entry.is_dir():
                 restore_replaced_folder(save_path / entry.name[len(_OLD_PREFIX) :], entry)
         for entry in save_path.iterdir():
-            if entry.name.startswith(_TEMP_PREFIX) and entry.is_dir():
+            if entry.name.startswith(TEMP_PREFIX) and entry.is_dir():
                 shutil.rmtree(entry, ignore_errors=True)
             elif _TEMP_FILE.match(entry.name) and entry.is_file() and not entry.is_symlink():
                 entry.unlink(missing_ok=True)
 
 
-def convert_float_dtype(sd: pytree.PyTree, dtype: torch.dtype) -> pytree.PyTree:
-    """Cast every floating-point tensor in a nested structure to `dtype`."""
+@dataclass
+class _WriteJob:
+    """What rank 0 writes of one checkpoint, taken in the step loop (`BaseCheckpointer.save`)."""
 
-    def cast(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value.to(dtype)
-        return value
-
-    return pytree.tree_map(cast, sd)
-
-
-def load_safetensors_state_dict(path: Path, device: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file, on `device`."""
-    with safe_open(str(path), framework="pt", device=str(device)) as handle:
-        return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
-
-
-def _to_cpu(tree: pytree.PyTree) -> pytree.PyTree:
-    return pytree.tree_map(
-        lambda value: value.detach().cpu() if isinstance(value, torch.Tensor) else value, tree
-    )
+    name: str
+    temporary: Path
+    final: Path
+    model: torch.nn.Module
+    weights: Staged
+    optimizer: Staged
+    scheduler: dict[str, Any] | None
+    state: TrainingState
+    float_dtype: torch.dtype
+    optimizer_dtype: torch.dtype | None
+    then: Callable[[Path], None] | None
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
-class BaseCheckpointer:
+class BaseCheckpointer(CheckpointRetention):
     """Saves and finds checkpoints under `path` (see the module docstring for the layout).
 
     `previous_epoch` / `prev_path` are 0.3.0's: the newest completed epoch folder. `latest` is the
@@ -254,15 +262,28 @@ class BaseCheckpointer:
 
     sharded: bool = False
 
-    def __init__(self, path: Path | str, *, keep_mid_epoch: int | None = None) -> None:
+    def __init__(
+        self,
+        path: Path | str,
+        *,
+        keep_mid_epoch: int | None = None,
+        keep_last: int | None = None,
+        background: bool = False,
+    ) -> None:
         """`keep_mid_epoch`: how many mid-epoch checkpoints `apply_retention` keeps after the
-        newest epoch one (None: it keeps them all)."""
+        newest epoch one (None: it keeps them all); `keep_last`: how many checkpoints of any
+        kind it keeps (None: all), the best one besides; `background`: `save` returns before
+        the files are written (`background_writer`)."""
         if keep_mid_epoch is not None and keep_mid_epoch < 0:
             raise InvalidInputError(
                 f"keep_mid_epoch_checkpoints must be >= 0, got {keep_mid_epoch}"
             )
+        if keep_last is not None and keep_last < 1:
+            raise InvalidInputError(f"keep_last must be at least 1, got {keep_last}")
         self.path = Path(path)
         self.keep_mid_epoch = keep_mid_epoch
+        self.keep_last = keep_last
+        self.writer = CheckpointWriter(background)
         # Checkpoints of an earlier run a from-scratch run found: removed at its first save.
         self.earlier_run: list[CheckpointRef] = []
         self.refresh()
@@ -306,10 +327,10 @@ class BaseCheckpointer:
 
     # -- state gathering (collective where sharded) ------------------------------------------
     def _model_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu() for k, v in _unwrap(model).state_dict().items()}
+        return {k: v.detach() for k, v in _unwrap(model).state_dict().items()}
 
     def _optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        return _to_cpu(named_optimizer_state(_unwrap(model), optimizer))
+        return named_optimizer_state(_unwrap(model), optimizer)
 
     def _set_model_state(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
         target = _unwrap(model)
@@ -393,10 +414,6 @@ class BaseCheckpointer:
         """0.3.0's end-of-epoch save (model and optimizer) into `<path>/<epoch>`."""
 
     # -- the trainer's save ------------------------------------------------------------------
-    @staticmethod
-    def _rank() -> int:
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
     def save(
         self,
         name: str,
@@ -408,91 +425,120 @@ class BaseCheckpointer:
         float_dtype: torch.dtype = torch.bfloat16,
         optimizer_dtype: torch.dtype | None = None,
         rng_state: dict[str, Any] | None = None,
+        then: Callable[[Path], None] | None = None,
     ) -> Path:
         """Write checkpoint `name` atomically (every rank calls this; rank 0 writes the files).
 
-        `optimizer_dtype=None` keeps the optimizer state in its own dtype (0.3.0 cast it to bf16).
+        The weights, optimizer and scheduler state, RNG states and `state` are taken as they are
+        now. With `background` (the constructor's), rank 0 writes the files in its writer thread
+        after this returns, and `wait()` waits for them; `then(path)` runs once the checkpoint
+        is in place (rank 0). `optimizer_dtype=None` keeps the optimizer state in its own dtype
+        (0.3.0 cast it to bf16).
         """
-        if self.earlier_run:
-            self._remove_earlier_run()
         rank = self._rank()
         distributed = dist.is_available() and dist.is_initialized()
-        weights = self._model_state(model)
-        optimizer_state = self._optimizer_state(model, optimizer)
+        if rank == 0:
+            self.writer.wait()  # one write at a time; the one before may have failed
+        if self.earlier_run:
+            self._remove_earlier_run()
+        staged_weights = staged_optimizer = None
+        if self.sharded or rank == 0:  # the sharded gathers are collectives: every rank
+            inner = _unwrap(model)
+            skipped = set(getattr(inner, "_keys_to_ignore_on_save", None) or ())
+            weights = {k: v for k, v in self._model_state(model).items() if k not in skipped}
+            staged_weights = stage(weights, live=not self.sharded)
+            staged_optimizer = stage(self._optimizer_state(model, optimizer), live=not self.sharded)
         final = self.path / name
-        temporary = self.path / f"{_TEMP_PREFIX}{name}"
+        temporary = self.path / f"{TEMP_PREFIX}{name}"
         if rank == 0:
             shutil.rmtree(temporary, ignore_errors=True)
             temporary.mkdir(parents=True)
         if distributed:
             dist.barrier()
         try:
-            self._write_files(
-                temporary,
-                rank,
-                model,
-                weights,
-                optimizer_state,
-                scheduler,
-                state,
-                float_dtype,
-                optimizer_dtype,
-                rng_state,
-            )
+            torch_save(rng_state or capture_rng_state(), temporary / f"rng_state_rank{rank}.pt")
         except Exception as error:
-            if not is_disk_full(error):
-                raise
-            shutil.rmtree(temporary, ignore_errors=True)  # gives back the space it took
-            resume = f"resume from {self.latest.path}" if self.latest else "start again"
-            raise CheckpointWriteError(
-                f"the disk is full writing checkpoint {name} in {self.path}; free space, then run "
-                f"the same command again to {resume}"
-            ) from error
-        if rank == 0:
-            replace_folder(temporary, final, aside=self.path / f"{_OLD_PREFIX}{name}")
+            self._raise_if_disk_full(error, name, temporary)
+            raise
         if distributed:
             dist.barrier()
-        self.refresh()
+        if rank == 0:
+            job = _WriteJob(
+                name=name,
+                temporary=temporary,
+                final=final,
+                model=_unwrap(model),
+                weights=staged_weights,
+                optimizer=staged_optimizer,
+                scheduler=copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None,
+                state=copy.deepcopy(state),
+                float_dtype=float_dtype,
+                optimizer_dtype=optimizer_dtype,
+                then=then,
+            )
+            self.writer.start(name, lambda: self._finish(job))
+        if distributed and not self.writer.background:
+            dist.barrier()
+        if rank != 0:
+            self.refresh()
         return final
+
+    def wait(self) -> None:
+        """Wait until the checkpoint being written in the background is in place (rank 0);
+        raises the error of a write that failed."""
+        self.writer.wait()
+
+    def _raise_if_disk_full(self, error: BaseException, name: str, temporary: Path) -> None:
+        if not is_disk_full(error):
+            return
+        shutil.rmtree(temporary, ignore_errors=True)  # gives back the space it took
+        resume = f"resume from {self.latest.path}" if self.latest else "start again"
+        raise CheckpointWriteError(
+            f"the disk is full writing checkpoint {name} in {self.path}; free space, then run "
+            f"the same command again to {resume}"
+        ) from error
+
+    def _finish(self, job: _WriteJob) -> None:
+        """Rank 0's part of a save: every file into the temporary folder, flushed, then the
+        folder renamed into place (in the writer thread when writing in the background)."""
+        started = time.perf_counter()
+        try:
+            self._write_files(job.temporary, job, to_host(job.weights), to_host(job.optimizer))
+        except Exception as error:
+            self._raise_if_disk_full(error, job.name, job.temporary)
+            raise
+        replace_folder(job.temporary, job.final, aside=self.path / f"{_OLD_PREFIX}{job.name}")
+        self.refresh()
+        logger.info("checkpoint %s written in %.2f s", job.final, time.perf_counter() - started)
+        if job.then is not None:
+            job.then(job.final)
 
     def _write_files(
         self,
         temporary: Path,
-        rank: int,
-        model: torch.nn.Module,
+        job: _WriteJob,
         weights: dict[str, torch.Tensor],
         optimizer_state: dict,
-        scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-        state: TrainingState,
-        float_dtype: torch.dtype,
-        optimizer_dtype: torch.dtype | None,
-        rng_state: dict[str, Any] | None,
     ) -> None:
-        """Every file of the checkpoint into `temporary` (this rank's share), flushed to disk."""
-        distributed = dist.is_available() and dist.is_initialized()
-        torch_save(rng_state or capture_rng_state(), temporary / f"rng_state_rank{rank}.pt")
-        if rank == 0:
-            inner = _unwrap(model)
-            served = convert_float_dtype(weights, float_dtype)
-            inner.save_pretrained(temporary, state_dict=served, safe_serialization=True)
-            trainable = {
-                name: weights[name].contiguous()
-                for name, parameter in inner.named_parameters()
-                if parameter.requires_grad and name in weights
-            }
-            if any(tensor.dtype != float_dtype for tensor in trainable.values()):
-                save_file(trainable, str(temporary / MASTER_WEIGHTS))
-            if optimizer_dtype is not None:
-                optimizer_state = convert_float_dtype(optimizer_state, optimizer_dtype)
-            torch_save(optimizer_state, temporary / "optimizer_state_dict.pt")
-            if scheduler is not None:
-                torch_save(scheduler.state_dict(), temporary / "scheduler_state_dict.pt")
-        if distributed:
-            dist.barrier()
-        if rank == 0:
-            (temporary / STATE_FILE).write_text(state.to_json())
-            give_usual_modes(temporary)  # safetensors writes 0600: a server may run as another user
-            _fsync_files(temporary)
+        """Every rank-0 file of the checkpoint into `temporary` (`job.temporary`), flushed to
+        disk (each rank's RNG state is there already); the training state last."""
+        served = convert_float_dtype(weights, job.float_dtype)
+        job.model.save_pretrained(temporary, state_dict=served, safe_serialization=True)
+        trainable = {
+            name: weights[name].contiguous()
+            for name, parameter in job.model.named_parameters()
+            if parameter.requires_grad and name in weights
+        }
+        if any(tensor.dtype != job.float_dtype for tensor in trainable.values()):
+            save_file(trainable, str(temporary / MASTER_WEIGHTS))
+        if job.optimizer_dtype is not None:
+            optimizer_state = convert_float_dtype(optimizer_state, job.optimizer_dtype)
+        torch_save(optimizer_state, temporary / "optimizer_state_dict.pt")
+        if job.scheduler is not None:
+            torch_save(job.scheduler, temporary / "scheduler_state_dict.pt")
+        (temporary / STATE_FILE).write_text(job.state.to_json())
+        give_usual_modes(temporary)  # safetensors writes 0600: a server may run as another user
+        fsync_files(temporary)
 
     def load_rng_state(self, checkpoint: Path) -> dict[str, Any] | None:
         """This rank's RNG states in `checkpoint` (None without the file), read without running
@@ -512,68 +558,6 @@ class BaseCheckpointer:
                 f"delete that file to resume without the same random streams"
             ) from None
 
-    def point_best(self, name: str) -> None:
-        """Make `<path>/best` point at checkpoint `name` (rank 0; atomic)."""
-        if self._rank() != 0:
-            return
-        link = self.path / BEST_LINK
-        temporary = self.path / f"{_TEMP_PREFIX}{BEST_LINK}-link"
-        temporary.unlink(missing_ok=True)
-        os.symlink(name, temporary)
-        os.replace(temporary, link)
-
-    def remove(self, names: list[str]) -> None:
-        """Delete checkpoints `names` in that order, and the `best` link if it names one (rank 0)."""
-        if self._rank() == 0:
-            best = self.path / BEST_LINK
-            if best.is_symlink() and os.readlink(best) in set(names):
-                best.unlink()
-            for name in names:
-                shutil.rmtree(self.path / name, ignore_errors=True)
-        self.refresh()
-
-    # -- retention ---------------------------------------------------------------------------
-    def replace_earlier_run(self) -> None:
-        """The checkpoints now here belong to a run this one replaces: `save` deletes them
-        right before this run's first checkpoint. A run stopped before that leaves the earlier
-        one intact; after it, resume and pruning see only this run."""
-        self.earlier_run = list(self.checkpoints)
-
-    def _remove_earlier_run(self) -> None:
-        """Newest first, so an interrupted removal leaves a (shorter) earlier run, never a mix."""
-        earlier, self.earlier_run = self.earlier_run, []
-        self.remove([ref.name for ref in reversed(earlier)])
-        logger.info("removed the %d checkpoints of the earlier run", len(earlier))
-
-    def apply_retention(self, just_saved: str) -> None:
-        """Keep the newest `keep_mid_epoch` mid-epoch checkpoints after the newest epoch one, and
-        `just_saved` (so 0 keeps just that one, like 1); older mid-epoch ones are deleted."""
-        if self.keep_mid_epoch is None:
-            return
-        newest_epoch = max(
-            (ref.sort_key() for ref in self.checkpoints if ref.state.epoch_complete),
-            default=(-1, 0),
-        )
-        recent = [
-            ref.name
-            for ref in self.checkpoints
-            if not ref.state.epoch_complete and ref.sort_key() > newest_epoch
-        ]
-        count = self.keep_mid_epoch
-        keep = set(recent[-count:]) if count > 0 else set()
-        self.prune(keep | {just_saved})
-
-    def prune(self, keep: set[str]) -> None:
-        """Delete mid-epoch checkpoints not in `keep` (epoch folders are always kept)."""
-        if self._rank() != 0:
-            return
-        best = self.path / BEST_LINK
-        best_target = os.readlink(best) if best.is_symlink() else None
-        for ref in self.checkpoints:
-            if _MID_EPOCH.match(ref.name) and ref.name not in keep and ref.name != best_target:
-                shutil.rmtree(ref.path, ignore_errors=True)
-        self.refresh()
-
 
 class SingleGPUCheckpointer(BaseCheckpointer):
     """Checkpoints of a model held whole by this process (one process, or DDP replicas)."""
@@ -587,6 +571,7 @@ class SingleGPUCheckpointer(BaseCheckpointer):
     ) -> None:
         state = TrainingState(epoch=epoch, epoch_complete=True, global_step=-1)
         self.save(str(epoch), model, optimizer, None, state, float_dtype=float_dtype)
+        self.wait()  # 0.3.0's save returns with the files written
 
 
 class DistributedCheckpointer(SingleGPUCheckpointer):
@@ -617,12 +602,3 @@ class DistributedCheckpointer(SingleGPUCheckpointer):
         set_optimizer_state_dict(
             model, optimizer, state, options=StateDictOptions(full_state_dict=True)
         )
-
-
-def _fsync_files(folder: Path) -> None:
-    """Flush every file of a checkpoint folder and the folder itself before it is renamed."""
-    for entry in folder.iterdir():
-        if entry.is_file():
-            with open(entry, "rb") as handle:
-                os.fsync(handle.fileno())
-    fsync_folder(folder)

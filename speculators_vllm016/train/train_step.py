@@ -8,6 +8,7 @@ and the step's metrics averaged over ranks.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -15,9 +16,17 @@ import torch.distributed as dist
 
 from speculators_vllm016.train.draft_contract import DraftCallOptions, loss_and_metrics
 from speculators_vllm016.train.loading.device_rows import StepRow
+from speculators_vllm016.train.metrics_log import tau_sim
 from speculators_vllm016.train.optimizer_step import clip_and_step
 
-__all__ = ["TrainStep", "autocast", "build_optimizer", "collective_device", "reduce_metrics"]
+__all__ = [
+    "TrainStep",
+    "autocast",
+    "build_optimizer",
+    "collective_device",
+    "reduce_metrics",
+    "validation_means",
+]
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
@@ -122,3 +131,40 @@ class TrainStep:
         present = torch.full((1,), 1.0 if has_row else 0.0, device=collective_device(self.device))
         dist.all_reduce(present, op=dist.ReduceOp.SUM)
         return (self.world_size / present.clamp(min=1.0)).to(self.device).reshape(())
+
+
+@torch.no_grad()
+def validation_means(
+    model: torch.nn.Module,
+    rows: Iterable[StepRow],
+    device: torch.device,
+    autocast_dtype: torch.dtype | None,
+    call_options: DraftCallOptions,
+    world_size: int | None,
+) -> dict[str, float] | None:
+    """Every metric's mean over the rows as `<name>_epoch` (over all ranks when `world_size`
+    is given), `tau_sim` of the accuracies and `skipped_samples`; None without a row that held
+    samples. An empty row (all its samples unusable) runs to keep the ranks in step but weighs 0."""
+    totals: dict[str, float] = {}
+    for row in rows:
+        with autocast(device, autocast_dtype):
+            _, metrics = loss_and_metrics(model(**row.inputs, **call_options))
+        weight = 1.0 if row.has_samples else 0.0
+        weighted = {name: value * weight for name, value in metrics.items()}
+        weighted["__rows__"] = torch.tensor(weight, device=device)
+        weighted["__skipped__"] = row.skipped_samples.to(device, torch.float32)
+        for name, value in reduce_metrics(
+            weighted, world_size is not None, world_size or 1
+        ).items():
+            totals[name] = totals.get(name, 0.0) + value
+    count = totals.pop("__rows__", 0.0)
+    skipped = round(totals.pop("__skipped__", 0.0) * (world_size or 1))  # a mean over ranks
+    if count == 0:
+        return None
+    means = {f"{name}_epoch": value / count for name, value in totals.items()}
+    if skipped:
+        means["skipped_samples"] = skipped
+    score = tau_sim({name: value / count for name, value in totals.items()})
+    if score is not None:
+        means["tau_sim"] = score
+    return means

@@ -48,7 +48,7 @@ from speculators_vllm016.train.checkpointer import (
 from speculators_vllm016.train.checkpointing.rng_state import restore_rng_state
 from speculators_vllm016.train.checkpointing.save_lock import SavePathLock
 from speculators_vllm016.train.data import DataSourceError, PackedBatch
-from speculators_vllm016.train.draft_contract import StoresFrozenWeights, loss_and_metrics
+from speculators_vllm016.train.draft_contract import StoresFrozenWeights
 from speculators_vllm016.train.errors import NothingTrained, SavePathInUse
 from speculators_vllm016.train.graceful_shutdown import GracefulShutdown
 from speculators_vllm016.train.jobs.resume import (
@@ -71,14 +71,12 @@ from speculators_vllm016.train.metrics_log import (
     MetricsLog,
     log_train_step,
     log_validation,
-    tau_sim,
 )
 from speculators_vllm016.train.train_step import (
     TrainStep,
-    autocast,
     build_optimizer,
     collective_device,
-    reduce_metrics,
+    validation_means,
 )
 from speculators_vllm016.train.trainer_config import TrainerConfig
 from speculators_vllm016.train.utils import (
@@ -124,7 +122,10 @@ class Trainer:
         sharded = self.is_distributed and config.parallel == "fsdp"
         checkpointer_class = DistributedCheckpointer if sharded else SingleGPUCheckpointer
         self.checkpointer: BaseCheckpointer = checkpointer_class(
-            config.save_path, keep_mid_epoch=config.keep_mid_epoch_checkpoints
+            config.save_path,
+            keep_mid_epoch=config.keep_mid_epoch_checkpoints,
+            keep_last=config.keep_last_checkpoints,
+            background=config.background_checkpoints,
         )
         self.metrics_log = MetricsLog(config.save_path, self.rank)
         self.shutdown = GracefulShutdown()
@@ -432,6 +433,7 @@ class Trainer:
                     **(loader.progress_fields() if isinstance(loader, ReportsProgress) else {}),
                 )
                 progress.update(1)
+                self.checkpointer.writer.raise_failure()  # a background write failed: stop
                 last = step + 1 == steps
                 self._stop_if_asked()
                 if (
@@ -505,50 +507,42 @@ class Trainer:
             "them); stopped without saving"
         )
 
-    @torch.no_grad()
     def val_epoch(self, epoch: int) -> dict[str, float] | None:
         """Mean validation metrics over the validation rows (and tau_sim), logged as `val`."""
         if self.val_loader is None:
             return None
         self.wrapped.eval()
-        totals: dict[str, float] = {}
-        for batch in tqdm(
+        batches = tqdm(
             self._epoch_batches(self.val_loader, epoch, 0),
             total=len(self.val_loader),
             desc="validation",
             disable=not self.config.show_progress or self.rank != 0,
             dynamic_ncols=True,
-        ):
-            row = to_step_row(batch, self.device, self.model)
-            with autocast(self.device, self.autocast_dtype):
-                _, metrics = loss_and_metrics(
-                    self.wrapped(**row.inputs, **self.config.val_call_kwargs)
-                )
-            # An empty row (all its samples unusable) runs to keep the ranks in step but weighs 0.
-            weight = 1.0 if row.has_samples else 0.0
-            weighted = {name: value * weight for name, value in metrics.items()}
-            weighted["__rows__"] = torch.tensor(weight, device=self.device)
-            weighted["__skipped__"] = row.skipped_samples.to(self.device, torch.float32)
-            for name, value in reduce_metrics(
-                weighted, self.is_distributed, self.world_size
-            ).items():
-                totals[name] = totals.get(name, 0.0) + value
-        rows = totals.pop("__rows__", 0.0)
-        skipped = round(totals.pop("__skipped__", 0.0) * self.world_size)  # a mean over ranks
-        if rows == 0:
-            return None
-        means = {f"{name}_epoch": value / rows for name, value in totals.items()}
-        if skipped:
-            means["skipped_samples"] = skipped
-        score = tau_sim({name: value / rows for name, value in totals.items()})
-        if score is not None:
-            means["tau_sim"] = score
-        log_validation(self.state.global_step, epoch, means)
+        )
+        means = validation_means(
+            self.wrapped,
+            (to_step_row(batch, self.device, self.model) for batch in batches),
+            self.device,
+            self.autocast_dtype,
+            self.config.val_call_kwargs,
+            self.world_size if self.is_distributed else None,
+        )
+        if means is not None:
+            log_validation(self.state.global_step, epoch, means)
         return means
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def _save(self, name: str) -> Path:
+    def _save(self, name: str, *, best: bool = False) -> Path:
+        """Checkpoint `name`, returning while it may still be written; once in place, the
+        metrics log's marker goes, `best` points at it if `best`, and retention runs."""
         self._wrote_checkpoint = True  # from here on the earlier run is gone
+
+        def written(path: Path) -> None:
+            self.metrics_log.confirm()
+            if best:
+                self.checkpointer.point_best(path.name)
+            self.checkpointer.apply_retention(path.name)
+
         started = time.perf_counter()
         path = self.checkpointer.save(
             name,
@@ -558,20 +552,21 @@ class Trainer:
             self.state,
             float_dtype=self.config.checkpoint_dtype,
             optimizer_dtype=self.config.optimizer_state_dtype,
+            then=written,
         )
-        root_logger.info("checkpoint %s written in %.2f s", path, time.perf_counter() - started)
-        self.metrics_log.confirm()
-        self.checkpointer.apply_retention(path.name)
+        root_logger.info(
+            "checkpoint %s: the step loop waited %.2f s", path, time.perf_counter() - started
+        )
         return path
 
     def _save_mid_epoch(self) -> Path:
         return self._save(f"{self.state.epoch}-step{self.state.global_step}")
 
-    def save_checkpoint(self, epoch: int) -> Path:
+    def save_checkpoint(self, epoch: int, *, best: bool = False) -> Path:
         """The end-of-epoch checkpoint `<save>/<epoch>` (0.3.0's name)."""
         self.state.epoch, self.state.epoch_complete = epoch, True
         self.state.step_in_epoch = len(self.train_loader)
-        return self._save(str(epoch))
+        return self._save(str(epoch), best=best)
 
     # -- the run -------------------------------------------------------------------------------
     def run_training(self) -> TrainingState:
@@ -598,13 +593,23 @@ class Trainer:
         try:
             with self.shutdown.installed(self.config.handle_sigterm):
                 self._train_epochs()
+            self.checkpointer.wait()  # the last checkpoint is in place when the run returns
         except BaseException:
+            self._wait_for_checkpoint_quietly()
             if moved_metrics and not self._wrote_checkpoint:
                 # Stopped before its first checkpoint, this run leaves the earlier one as it
                 # was: its metrics come back (and this run's lines go to `.prev`).
                 self.metrics_log.restore_earlier()
             raise
         return self.state
+
+    def _wait_for_checkpoint_quietly(self) -> None:
+        """A run stopping on an error still finishes the checkpoint being written (whose own
+        failure is logged: the first error is the one raised)."""
+        try:
+            self.checkpointer.wait()
+        except Exception as error:  # noqa: BLE001
+            root_logger.error("the checkpoint being written failed too: %s", error)
 
     def _train_epochs(self) -> None:
         start_epoch, start_step = self.state.resume_position()
@@ -626,9 +631,7 @@ class Trainer:
             )
             if improved:
                 self.state.best_val_tau_sim, self.state.best_checkpoint = score, str(epoch)
-            self.save_checkpoint(epoch)
-            if improved:
-                self.checkpointer.point_best(str(epoch))
+            self.save_checkpoint(epoch, best=improved)
             if self._reached_max_steps():
                 return
 

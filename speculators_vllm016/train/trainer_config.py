@@ -81,6 +81,12 @@ class TrainerConfig:
     """How many mid-epoch checkpoints after the newest epoch one to keep (older ones are
     deleted; epoch ones stay). The checkpoint just written is never deleted, so 0 keeps just
     that one, like 1."""
+    keep_last_checkpoints: int | None = None
+    """How many checkpoints of any kind to keep (older ones are deleted after each save; the
+    best one by validation tau_sim stays besides); None keeps them all."""
+    background_checkpoints: bool = True
+    """Write checkpoints in a background thread: the step loop only waits for a snapshot of
+    the weights and optimizer state (`checkpointing.background_writer`)."""
     fsdp_bf16_params: bool = False
     """Under FSDP2, gather bf16 copies of the weights instead of the fp32 masters (half the
     traffic, less memory; norms then scale by bf16 weights)."""
@@ -144,6 +150,7 @@ class TrainerConfig:
             checkpoint_dtype=getattr(torch, CHECKPOINT_DTYPES[checkpoint.checkpoint_dtype]),
             optimizer_state_dtype=torch.bfloat16 if config.legacy.bf16_optimizer_state else None,
             keep_mid_epoch_checkpoints=checkpoint.keep_mid_epoch_checkpoints,
+            keep_last_checkpoints=checkpoint.keep_last,
             fsdp_bf16_params=runtime.fsdp_bf16_params,
             deterministic=runtime.deterministic,
             show_progress=not config.logging.no_progress,

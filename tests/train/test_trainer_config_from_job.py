@@ -15,7 +15,8 @@ from speculators_vllm016.train.jobs.job_config import TrainJobConfig
 from speculators_vllm016.train.trainer_config import TrainerConfig
 
 # Set by the trainer's own callers only (a test's signal handling), never by a job.
-NOT_FROM_THE_JOB = {"handle_sigterm"}
+# background_checkpoints: always on for jobs (the library can write in the loop, as 0.3.0 did).
+NOT_FROM_THE_JOB = {"handle_sigterm", "background_checkpoints"}
 
 JOB = {
     "model": {"ttt_steps": 5, "ttt_step_loss_decay": 0.8},
@@ -37,6 +38,7 @@ JOB = {
         "checkpoint_freq": 0.25,
         "checkpoint_dtype": "fp16",
         "keep_mid_epoch_checkpoints": 3,
+        "keep_last": 4,
     },
     "runtime": {
         "precision": "bf16",
@@ -85,6 +87,7 @@ def test_every_job_setting_reaches_the_trainer():
         checkpoint_dtype=torch.float16,
         optimizer_state_dtype=torch.bfloat16,
         keep_mid_epoch_checkpoints=3,
+        keep_last_checkpoints=4,
         fsdp_bf16_params=True,
         deterministic=True,
         show_progress=False,

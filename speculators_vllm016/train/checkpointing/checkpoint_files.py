@@ -15,11 +15,24 @@ import errno
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from safetensors import safe_open
 
 from speculators_vllm016.train.errors import CheckpointReadError
+from speculators_vllm016.utils.atomic_files import fsync_folder
 from speculators_vllm016.utils.errors import type_and_first_line
 
-__all__ = ["is_disk_full", "reading", "weights_only_refusal"]
+__all__ = [
+    "convert_float_dtype",
+    "fsync_files",
+    "is_disk_full",
+    "load_safetensors_state_dict",
+    "reading",
+    "weights_only_refusal",
+]
 
 _NO_SPACE = os.strerror(errno.ENOSPC)  # "No space left on device": what Rust's errors quote
 
@@ -75,3 +88,29 @@ def reading(path: Path, checkpoint: Path, previous: Path | None) -> Iterator[Non
             f"{path.name} of checkpoint {checkpoint} cannot be read ({type_and_first_line(error)}): "
             f"the file is damaged (cut short by a full disk or a copy?); {how}"
         ) from error
+
+
+def convert_float_dtype(sd: pytree.PyTree, dtype: torch.dtype) -> pytree.PyTree:
+    """Cast every floating-point tensor in a nested structure to `dtype`."""
+
+    def cast(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.to(dtype)
+        return value
+
+    return pytree.tree_map(cast, sd)
+
+
+def load_safetensors_state_dict(path: Path, device: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, on `device`."""
+    with safe_open(str(path), framework="pt", device=str(device)) as handle:
+        return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+
+
+def fsync_files(folder: Path) -> None:
+    """Flush every file of a checkpoint folder and the folder itself before it is renamed."""
+    for entry in folder.iterdir():
+        if entry.is_file():
+            with open(entry, "rb") as handle:
+                os.fsync(handle.fileno())
+    fsync_folder(folder)

@@ -165,6 +165,9 @@ class CheckpointConfig:
     keep_mid_epoch_checkpoints: int = 1
     """Mid-epoch checkpoints (--checkpoint-freq, SIGTERM, --max-steps) kept after the newest epoch
     checkpoint; the one just written is always kept, so 0 behaves like 1."""
+    keep_last: int | None = None
+    """Keep only the newest N checkpoints of any kind (epoch or mid-epoch) and the best one by
+    validation tau_sim; older ones are deleted once a new one is in place (default: all)."""
     checkpoint_dtype: str = field(default="bf16", metadata={"choices": sorted(CHECKPOINT_DTYPES)})
     """Dtype of the served model.safetensors; bf16 is what vLLM serves a draft in (training keeps
     fp32 masters either way)."""

@@ -343,6 +343,8 @@ def _check_numbers(config: TrainJobConfig) -> None:
             raise TrainSetupError(
                 f"--{name.replace('_', '-')} must be at least 1 (leave it out for all steps)"
             )
+    if checkpoint.keep_last is not None and checkpoint.keep_last < 1:
+        raise TrainSetupError("--keep-last must be at least 1 (leave it out to keep them all)")
     if runtime.fsdp_bf16_params and runtime.parallel != "fsdp":
         raise TrainSetupError(
             "--fsdp-bf16-params applies to --parallel fsdp only (DDP gathers no weights)"

@@ -1,0 +1,161 @@
+"""Checkpoints written while training goes on: a snapshot in the step loop, the files in a thread.
+
+A Kimi-K2.5 draft's checkpoint is 18 GB (bf16 served weights, fp32 master weights, fp32 Adam
+moments); written in the step loop it stopped training for 23-40 s on an H200. The loop now only
+takes a snapshot of what changes in place (weights and optimizer moments) and hands the rest to
+one writer thread:
+
+- `stage` copies every live tensor. On a GPU, where the device has room for it outside the
+  allocator's pool (the next steps' activations need that pool), the copy is a device-to-device
+  clone, milliseconds for gigabytes, and the writer brings it to the host on a stream of its own
+  while the next steps run; without the room it is a synchronous copy to the host (what the
+  step loop used to wait for before writing). On the CPU it is a clone.
+- `CheckpointWriter` runs one write at a time; a second save waits for the first (its error, a
+  full disk say, is raised there, after the next step, or when the run ends).
+
+The crash guarantees are the checkpointer's and unchanged: the writer assembles the folder under
+a hidden temporary name and renames it into place when every file is flushed, so a process killed
+at any moment of a background write leaves the previous checkpoint whole and the next start
+sweeps the temporary folder.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+__all__ = ["DEVICE_HEADROOM_BYTES", "CheckpointWriter", "Staged", "stage", "to_host"]
+
+DEVICE_HEADROOM_BYTES = 2 * 2**30
+"""Free device memory (outside the allocator's pool) a device snapshot leaves untouched."""
+
+
+@dataclass
+class Staged:
+    """Copies of a checkpoint's tensors that the step loop no longer touches.
+
+    `tree` holds CPU tensors, or device clones (`on_device`) that `to_host` brings over once
+    `ready` (an event recorded after the clones on the loop's stream) has passed.
+    """
+
+    tree: Any
+    on_device: bool = False
+    ready: torch.cuda.Event | None = None
+    nbytes: int = 0
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
+
+
+def _room_on_device(device: torch.device, nbytes: int) -> bool:
+    """Whether `nbytes` more fit on `device` without taking from the allocator's cached pool,
+    which the training steps' activations come back to."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return nbytes + DEVICE_HEADROOM_BYTES <= free
+
+
+def stage(tree: Any, *, live: bool = True) -> Staged:
+    """A copy of `tree`'s containers and tensors that later steps cannot change (see module).
+
+    `live=False`: the tensors are already copies nobody else holds (a gathered full state);
+    only the containers are copied.
+    """
+    tensors = _tensors(tree)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    if not live:  # new containers, the same tensors
+        return Staged(tree=pytree.tree_map(lambda value: value, tree), nbytes=nbytes)
+    cuda = [tensor for tensor in tensors if tensor.is_cuda]
+    on_device = bool(cuda) and _room_on_device(cuda[0].device, nbytes)
+
+    def copy_of(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return copy.deepcopy(value)
+        value = value.detach()
+        if value.is_cuda and not on_device:
+            return value.to("cpu")  # waits for the device: the fallback
+        return value.clone()
+
+    staged = pytree.tree_map(copy_of, tree)
+    ready = None
+    if on_device:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(cuda[0].device))
+    return Staged(tree=staged, on_device=on_device, ready=ready, nbytes=nbytes)
+
+
+def to_host(staged: Staged) -> Any:
+    """`staged.tree` with every tensor on the CPU. Called in the writer thread: device clones
+    copy over on a stream of their own, beside the training steps, and are then freed."""
+    if not staged.on_device:
+        return staged.tree
+    assert staged.ready is not None
+    device = _tensors(staged.tree)[0].device
+    stream = torch.cuda.Stream(device)
+    stream.wait_event(staged.ready)
+    with torch.cuda.stream(stream):
+        host = pytree.tree_map(
+            lambda value: value.to("cpu") if isinstance(value, torch.Tensor) else value,
+            staged.tree,
+        )
+    stream.synchronize()  # every copy has read its clone: the clones can go
+    staged.tree = None
+    return host
+
+
+class CheckpointWriter:
+    """Runs checkpoint writes one at a time in a background thread (or inline when not
+    `background`).
+
+    `start(name, job)` first waits for the write before it and re-raises that write's error;
+    `wait()` waits for the current one; `raise_failure()` re-raises a finished write's error
+    without waiting. A failed write's error is raised once.
+    """
+
+    def __init__(self, background: bool = True) -> None:
+        self.background = background
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, name: str, job: Callable[[], None]) -> float:
+        """Run `job` (writes checkpoint `name`); returns the seconds waited for the write before."""
+        started = time.perf_counter()
+        self.wait()
+        waited = time.perf_counter() - started
+        if not self.background:
+            job()
+            return waited
+
+        def run() -> None:
+            try:
+                job()
+            except BaseException as error:  # noqa: BLE001 (raised in the loop by wait/raise_failure)
+                self._error = error
+
+        self._thread = threading.Thread(target=run, name=f"checkpoint-{name}", daemon=True)
+        self._thread.start()
+        return waited
+
+    def wait(self) -> None:
+        """Block until the current write is done; raise its error, if any."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.raise_failure()
+
+    def raise_failure(self) -> None:
+        """Raise the error of a write that has finished and failed (without waiting)."""
+        if self._error is not None and not self.busy:
+            error, self._error = self._error, None
+            raise error
