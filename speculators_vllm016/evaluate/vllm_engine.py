@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from speculators_vllm016.evaluate.acceptance import AcceptanceCounts
 from speculators_vllm016.evaluate.generation import GenerationResult
@@ -27,6 +28,7 @@ from speculators_vllm016.utils.errors import RunFailedError, library_refusals_as
 __all__ = [
     "counts_difference",
     "counts_from_metrics",
+    "evaluate_prompt_sets_with_vllm",
     "evaluate_with_vllm",
     "speculative_decoding_unavailable",
 ]
@@ -85,6 +87,21 @@ def evaluate_with_vllm(
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     num_speculative_tokens: int,
+    **options: Any,
+) -> GenerationResult:
+    """Greedy generation of `prompts` by vLLM with the draft; acceptance from vLLM's counters.
+    `options` as in `evaluate_prompt_sets_with_vllm`."""
+    return evaluate_prompt_sets_with_vllm(
+        draft_path, verifier_path, [prompts], max_new_tokens, num_speculative_tokens, **options
+    )[0]
+
+
+def evaluate_prompt_sets_with_vllm(
+    draft_path: str,
+    verifier_path: str,
+    prompt_sets: Sequence[Sequence[Sequence[int]]],
+    max_new_tokens: int,
+    num_speculative_tokens: int,
     *,
     dtype: str = "auto",
     ignore_eos: bool = False,
@@ -94,8 +111,9 @@ def evaluate_with_vllm(
     seed: int = 0,
     show_progress: bool = True,
     trust_remote_code: bool = False,
-) -> GenerationResult:
-    """Greedy generation of `prompts` by vLLM with the draft; acceptance from vLLM's counters."""
+) -> list[GenerationResult]:
+    """Greedy generation of each prompt set in turn on one engine (one set's counters apart from
+    the others': each is read before and after its own generation)."""
     reason = speculative_decoding_unavailable()
     if reason is not None:
         raise RunFailedError(f"{reason}; use --engine hf")
@@ -119,18 +137,23 @@ def evaluate_with_vllm(
             trust_remote_code=trust_remote_code,
             disable_log_stats=False,
         )
+    measured = []
     try:
         params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=ignore_eos)
-        requests = [TokensPrompt(prompt_token_ids=[int(t) for t in prompt]) for prompt in prompts]
-        before = counts_from_metrics(llm.get_metrics(), num_speculative_tokens)
-        start = time.perf_counter()
-        results = llm.generate(requests, params, use_tqdm=show_progress)
-        seconds = time.perf_counter() - start
-        after = counts_from_metrics(llm.get_metrics(), num_speculative_tokens)
-        outputs = [list(result.outputs[0].token_ids) for result in results]
+        for prompts in prompt_sets:
+            requests = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
+            before = counts_from_metrics(llm.get_metrics(), num_speculative_tokens)
+            start = time.perf_counter()
+            results = llm.generate(requests, params, use_tqdm=show_progress)
+            seconds = time.perf_counter() - start
+            after = counts_from_metrics(llm.get_metrics(), num_speculative_tokens)
+            outputs = [list(result.outputs[0].token_ids) for result in results]
+            measured.append(
+                GenerationResult(
+                    outputs=outputs, counts=counts_difference(after, before), seconds=seconds
+                )
+            )
     finally:
         del llm
         gc.collect()
-    return GenerationResult(
-        outputs=outputs, counts=counts_difference(after, before), seconds=seconds
-    )
+    return measured
