@@ -139,3 +139,38 @@ def test_a_kimi_k25_draft_writes_the_published_drafts_positions(tiny_llama, tmp_
     parsed = parse_with_vllm(folder)["hf_config"]
     assert parsed["rope_theta"] == 50000.0 and parsed["max_position_embeddings"] == 262144
     assert parsed["rope_scaling"]["rope_type"] == "yarn" and parsed["rope_scaling"]["factor"] == 64
+
+
+def test_vllm_builds_a_sliding_window_draft_with_its_window(tiny_llama, tmp_path):
+    """`speculators train --sliding-window 64` writes `layer_types` / `sliding_window` as vLLM 0.16
+    reads them: its draft layer (indexed past the target's layers) gets the window."""
+    model_type, theta, scaling, max_positions, _ = FAMILIES["llama3"]
+    text = _TextConfig(model_type, theta, scaling, max_positions)
+    config = build_draft_config(
+        str(tiny_llama),
+        text,
+        text,
+        draft_vocab=128,
+        num_layers=1,
+        norm_before_residual=True,
+        ttt_steps=3,
+        aux_layer_ids=[1, 2, 3],
+        sliding_window=64,
+    )
+    folder = tmp_path / "sliding"
+    Eagle3DraftModel(config).save_pretrained(folder)
+    assert Eagle3DraftModel.from_pretrained(folder).attention_window == 64
+    served = load_eagle3_into_vllm(folder, tiny_llama).model.model.layers[0].self_attn
+    assert served.attn.sliding_window == 64
+    with pytest.raises(ValueError, match="--sliding-window 2 is shorter than --ttt-steps 3"):
+        build_draft_config(
+            str(tiny_llama),
+            text,
+            text,
+            draft_vocab=128,
+            num_layers=1,
+            norm_before_residual=True,
+            ttt_steps=3,
+            aux_layer_ids=[1, 2, 3],
+            sliding_window=2,
+        )
