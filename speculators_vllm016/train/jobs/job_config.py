@@ -99,8 +99,8 @@ class ModelConfig:
     sliding_window: int | None = None
     """Sliding-window draft attention: each position attends to the keys fewer than this many
     positions back, in training and as vLLM 0.16 serves it (`layer_types: sliding_attention`);
-    keeps acceptance at prompts longer than the rows trained on. At least --ttt-steps. None:
-    full attention."""
+    meant to keep acceptance at prompts longer than the rows trained on (measure it: `eval
+    --context-lengths`). At least --ttt-steps. None: full attention."""
     from_pretrained: str | None = None
     """Fine-tune an existing EAGLE-3 draft (a folder or hub id): this package's, speculators
     0.3.0's, or a research/SpecForge checkpoint (converted as `speculators convert` does; it does
