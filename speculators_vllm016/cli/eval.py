@@ -77,6 +77,13 @@ def evaluate(
     max_prompt_tokens: int | None = typer.Option(
         None, "--max-prompt-tokens", min=1, help="Skip prompts longer than this."
     ),
+    context_lengths: str | None = typer.Option(
+        None,
+        "--context-lengths",
+        help="Measure at these prompt lengths in tokens, e.g. 0,1000,4000: each question asked "
+        "after earlier turns of the data's other conversations, as many whole turns as fit "
+        "(0: the question alone). One row per draft and length, with tau over its shortest.",
+    ),
     hf_cache_dir: str | None = typer.Option(None, "--hf-cache-dir", help="datasets cache folder."),
     trust_remote_code: bool = typer.Option(
         False,
@@ -98,6 +105,7 @@ def evaluate(
     debug: bool = typer.Option(False, "--debug", help="Show the full traceback of an error."),
 ) -> None:
     """Measure draft acceptance (per-position rates, tau, tokens/s) on chat prompts."""
+    from speculators_vllm016.evaluate.context_prompts import parse_context_lengths
     from speculators_vllm016.evaluate.report import format_table, write_json, write_plot
     from speculators_vllm016.evaluate.runner import EvalOptions, run_evaluation
 
@@ -109,6 +117,12 @@ def evaluate(
             import matplotlib  # noqa: F401
         except ImportError:
             _fail("--plot needs matplotlib: pip install matplotlib (or leave out --plot)")
+    lengths: list[int] = []
+    if context_lengths is not None:
+        try:
+            lengths = parse_context_lengths(context_lengths)
+        except SpeculatorsError as error:
+            _fail(str(error))
     for flag, path in (("--output-json", output_json), ("--plot", plot)):
         # Checked before the evaluation (which can take long), not when writing after it.
         if path is not None:
@@ -134,6 +148,7 @@ def evaluate(
         trust_remote_code=trust_remote_code,
         show_progress=not no_progress,
         allow_other_verifier=allow_other_verifier,
+        context_lengths=lengths,
     )
     try:
         report = run_evaluation(options)

@@ -8,7 +8,7 @@ prompt, so the model answers as it would in a chat server.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
@@ -35,6 +35,8 @@ class EvalPrompts:
     token_ids: list[list[int]]
     texts: list[str]
     skipped: dict[str, int]
+    rows: list[int] = field(default_factory=list)
+    """The data row of each prompt (its index in the file), for prompts built around them."""
 
 
 def prompt_messages(turns: object) -> list[dict[str, str]]:
@@ -69,7 +71,8 @@ def load_eval_prompts(
     token_ids: list[list[int]] = []
     texts: list[str] = []
     skipped: dict[str, int] = {}
-    for turns in dataset["conversations"]:
+    rows: list[int] = []
+    for row, turns in enumerate(dataset["conversations"]):
         if max_prompts is not None and len(token_ids) >= max_prompts:
             break
         try:
@@ -86,10 +89,11 @@ def load_eval_prompts(
             continue
         token_ids.append(list(ids))
         texts.append(text)
+        rows.append(row)
     if skipped:
         logger.warning("skipped %d rows of %s: %s", sum(skipped.values()), data_path, skipped)
     if not token_ids:
         raise InvalidInputError(
             f"{data_path} holds no usable prompt (skipped: {skipped or 'none'})"
         )
-    return EvalPrompts(token_ids=token_ids, texts=texts, skipped=skipped)
+    return EvalPrompts(token_ids=token_ids, texts=texts, skipped=skipped, rows=rows)

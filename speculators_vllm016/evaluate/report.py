@@ -13,7 +13,14 @@ from speculators_vllm016.evaluate.generation import tokens_per_second
 from speculators_vllm016.evaluate.training_metrics import TrainingEstimate
 from speculators_vllm016.utils.atomic_files import atomic_write
 
-__all__ = ["DraftEvaluation", "EvaluationReport", "format_table", "write_json", "write_plot"]
+__all__ = [
+    "DraftEvaluation",
+    "EvaluationReport",
+    "format_table",
+    "tau_ratios",
+    "write_json",
+    "write_plot",
+]
 
 
 @dataclass
@@ -28,6 +35,11 @@ class DraftEvaluation:
     generated_tokens: int
     seconds: float
     training: TrainingEstimate | None = None
+    context_length: int | None = None
+    """The context length asked for (`--context-lengths`; 0: each question alone); None: the
+    plain prompts."""
+    prompt_tokens: float | None = None
+    """Mean tokens of the prompts measured (what the context length reached)."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -53,6 +65,8 @@ class DraftEvaluation:
             "generated_tokens": self.generated_tokens,
             "seconds": self.seconds,
             "tokens_per_second": self.tokens_per_second,
+            "context_length": self.context_length,
+            "mean_prompt_tokens": self.prompt_tokens,
         }
 
 
@@ -78,15 +92,42 @@ class EvaluationReport:
         }
 
 
-def format_table(evaluations: Sequence[DraftEvaluation]) -> str:
-    """A fixed-width table: tau, tau_sim, per-position rates, tokens/s per draft."""
-    positions = max(e.num_speculative_tokens for e in evaluations)
-    header = ["draft", "tau", "tau_sim"] + [f"pos{k + 1}" for k in range(positions)]
-    header += ["drafts", "tok/s"]
-    rows = []
+def tau_ratios(evaluations: Sequence[DraftEvaluation]) -> list[float | None]:
+    """Each row's tau over the same draft's tau at its shortest context length (None for rows
+    measured without `--context-lengths`): how much acceptance a draft keeps as prompts grow."""
+    shortest: dict[str, DraftEvaluation] = {}
     for e in evaluations:
+        if e.context_length is None:
+            continue
+        known = shortest.get(e.draft)
+        if known is None or e.context_length < (known.context_length or 0):
+            shortest[e.draft] = e
+    ratios: list[float | None] = []
+    for e in evaluations:
+        base = shortest.get(e.draft) if e.context_length is not None else None
+        tau = base.counts.acceptance_length if base else 0.0
+        ratios.append(e.counts.acceptance_length / tau if base and tau > 0 else None)
+    return ratios
+
+
+def format_table(evaluations: Sequence[DraftEvaluation]) -> str:
+    """A fixed-width table: tau, tau_sim, per-position rates, tokens/s per draft; with context
+    lengths, one row per draft and length, the prompts' mean tokens and tau over the draft's
+    tau at its shortest length."""
+    positions = max(e.num_speculative_tokens for e in evaluations)
+    by_context = any(e.context_length is not None for e in evaluations)
+    header = ["draft"] + (["context", "prompt tok"] if by_context else []) + ["tau"]
+    header += (["vs shortest"] if by_context else []) + ["tau_sim"]
+    header += [f"pos{k + 1}" for k in range(positions)] + ["drafts", "tok/s"]
+    rows = []
+    for e, ratio in zip(evaluations, tau_ratios(evaluations)):
         rates = e.counts.per_position_rates
-        row = [e.label, f"{e.counts.acceptance_length:.3f}"]
+        row = [e.label]
+        if by_context:
+            row += [str(e.context_length), f"{e.prompt_tokens or 0:.0f}"]
+        row.append(f"{e.counts.acceptance_length:.3f}")
+        if by_context:
+            row.append(f"{ratio:.3f}" if ratio is not None else "-")
         row.append(f"{e.training.tau_sim:.3f}" if e.training else "-")
         row += [f"{rates[k]:.3f}" if k < len(rates) else "-" for k in range(positions)]
         row += [str(e.counts.num_drafts), f"{e.tokens_per_second:.1f}"]
@@ -121,7 +162,8 @@ def write_plot(evaluations: Sequence[DraftEvaluation], path: str | Path, title: 
     figure, axes = plt.subplots(figsize=(6.4, 4.0), dpi=100)
     for e in evaluations:
         rates = e.counts.per_position_rates
-        label = f"{e.label} (tau {e.counts.acceptance_length:.2f}"
+        at = f" at {e.context_length} tokens" if e.context_length is not None else ""
+        label = f"{e.label}{at} (tau {e.counts.acceptance_length:.2f}"
         label += f", tau_sim {e.training.tau_sim:.2f})" if e.training else ")"
         axes.plot(range(1, len(rates) + 1), rates, marker="o", label=label)
     positions = max(e.num_speculative_tokens for e in evaluations)

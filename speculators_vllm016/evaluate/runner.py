@@ -6,7 +6,9 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from speculators_vllm016.evaluate.context_prompts import ContextPrompts
 from speculators_vllm016.evaluate.generation import GenerationResult
 from speculators_vllm016.evaluate.report import DraftEvaluation, EvaluationReport
 from speculators_vllm016.evaluate.training_metrics import find_training_estimate
@@ -16,6 +18,9 @@ from speculators_vllm016.evaluate.verifier_match import (
     expected_verifier,
 )
 from speculators_vllm016.utils.errors import InvalidInputError, first_line
+
+if TYPE_CHECKING:
+    from speculators_vllm016.evaluate.prompts import EvalPrompts
 
 __all__ = [
     "ENGINES",
@@ -51,6 +56,9 @@ class EvalOptions:
     show_progress: bool = True
     labels: list[str] = field(default_factory=list)  # default: from the draft paths
     allow_other_verifier: bool = False  # run drafts trained for a verifier of other weights
+    context_lengths: list[int] = field(default_factory=list)
+    """Measure at each of these prompt lengths (`evaluate.context_prompts`; 0: the question
+    alone); empty: the plain prompts once."""
 
 
 @dataclass
@@ -228,6 +236,7 @@ def run_evaluation(options: EvalOptions) -> EvaluationReport:
             f"the hf engine here (--engine {options.engine}), which holds the verifier on one device"
         )
     labels = options.labels or _labels(options.drafts)
+    _check_context_lengths(options, settings, verifier_config)
 
     from speculators_vllm016.evaluate.prompts import load_eval_prompts
 
@@ -240,6 +249,7 @@ def run_evaluation(options: EvalOptions) -> EvaluationReport:
         cache_dir=options.hf_cache_dir,
     )
     logger.info("%d prompts from %s; engine %s", len(prompts.token_ids), options.data_path, engine)
+    prompt_sets = _prompt_sets(options, tokenizer, prompts)
     report = EvaluationReport(
         verifier=verifier_path,
         data_path=options.data_path,
@@ -248,10 +258,43 @@ def run_evaluation(options: EvalOptions) -> EvaluationReport:
         engine=engine,
     )
     if engine == "vllm":
-        _run_vllm(options, settings, verifier_path, prompts.token_ids, labels, report)
+        _run_vllm(options, settings, verifier_path, prompt_sets, labels, report)
     else:
-        _run_hf(options, settings, verifier_path, tokenizer, prompts.token_ids, labels, report)
+        _run_hf(options, settings, verifier_path, tokenizer, prompt_sets, labels, report)
     return report
+
+
+def _check_context_lengths(options: EvalOptions, settings, verifier_config: dict) -> None:
+    """Refuse, before any model loads, a context length whose prompts and answers cannot fit
+    in the verifier's positions."""
+    from speculators_vllm016.utils.text_config import text_config_of
+
+    limit = text_config_of(verifier_config).get("max_position_embeddings")
+    if not options.context_lengths or limit is None:
+        return
+    k = max(options.num_speculative_tokens or s.speculative_tokens for s in settings)
+    longest = max(options.context_lengths)
+    if longest + options.max_new_tokens + k + 1 > limit:
+        raise InvalidInputError(
+            f"--context-lengths {longest} with --max-new-tokens {options.max_new_tokens} and "
+            f"{k} speculative tokens needs {longest + options.max_new_tokens + k + 1} positions; "
+            f"the verifier has {limit}"
+        )
+
+
+def _prompt_sets(options: EvalOptions, tokenizer, prompts: EvalPrompts) -> list[ContextPrompts]:
+    """The prompt sets to measure: the plain prompts, or one set per context length."""
+    from speculators_vllm016.evaluate.context_prompts import context_prompt_sets
+
+    if not options.context_lengths:
+        return [ContextPrompts(None, prompts.token_ids)]
+    return context_prompt_sets(
+        options.data_path,
+        tokenizer,
+        options.context_lengths,
+        prompts.rows,
+        cache_dir=options.hf_cache_dir,
+    )
 
 
 def _load_draft(path: str, dtype, device: str):
@@ -277,9 +320,15 @@ def _load_draft(path: str, dtype, device: str):
 
 
 def _draft_evaluation(
-    draft_path: str, label: str, engine: str, k: int, result: GenerationResult
+    draft_path: str,
+    label: str,
+    engine: str,
+    k: int,
+    result: GenerationResult,
+    prompts: ContextPrompts,
 ) -> DraftEvaluation:
-    """One draft's row of the report from either engine's result (counts, tokens, seconds)."""
+    """One draft's row of the report from either engine's result (counts, tokens, seconds) on
+    one prompt set."""
     return DraftEvaluation(
         draft=draft_path,
         label=label,
@@ -289,10 +338,36 @@ def _draft_evaluation(
         generated_tokens=result.generated_tokens,
         seconds=result.seconds,
         training=find_training_estimate(draft_path),
+        context_length=prompts.context_length,
+        prompt_tokens=prompts.mean_prompt_tokens if prompts.context_length is not None else None,
     )
 
 
-def _run_hf(options, settings, verifier_path, tokenizer, prompts, labels, report) -> None:
+def _fitting(
+    prompt_sets: list[ContextPrompts], limit: int | None, room: int
+) -> list[ContextPrompts]:
+    """The sets without the prompts that leave fewer than `room` of the verifier's `limit`
+    positions (warned); one prompt set for every draft, so their rows compare."""
+    if limit is None:
+        return prompt_sets
+    kept = []
+    for prompts in prompt_sets:
+        usable = [p for p in prompts.token_ids if len(p) + room <= limit]
+        if not usable:
+            raise InvalidInputError(
+                f"every prompt plus --max-new-tokens exceeds the verifier's {limit} positions"
+            )
+        if len(usable) < len(prompts.token_ids):
+            logger.warning(
+                "left out %d prompts too long for %d positions",
+                len(prompts.token_ids) - len(usable),
+                limit,
+            )
+        kept.append(ContextPrompts(prompts.context_length, usable))
+    return kept
+
+
+def _run_hf(options, settings, verifier_path, tokenizer, prompt_sets, labels, report) -> None:
     import torch
 
     from speculators_vllm016.evaluate.speculative import speculative_generate
@@ -305,44 +380,35 @@ def _run_hf(options, settings, verifier_path, tokenizer, prompts, labels, report
     eos = [] if options.ignore_eos else _eos_ids(verifier, tokenizer)
     ks = [options.num_speculative_tokens or setting.speculative_tokens for setting in settings]
     limit = getattr(verifier.config, "max_position_embeddings", None)
-    usable = prompts
-    if limit is not None:
-        # One prompt set for every draft (sized for the largest k), so their rows compare.
-        usable = [p for p in prompts if len(p) + options.max_new_tokens + max(ks) + 1 <= limit]
-        if not usable:
-            raise InvalidInputError(
-                f"every prompt plus --max-new-tokens exceeds the verifier's {limit} positions"
-            )
-        if len(usable) < len(prompts):
-            logger.warning(
-                "left out %d prompts too long for %d positions", len(prompts) - len(usable), limit
-            )
-            report.num_prompts = len(usable)
+    # Sized for the largest k, so every draft is measured on the same prompts.
+    prompt_sets = _fitting(prompt_sets, limit, options.max_new_tokens + max(ks) + 1)
+    report.num_prompts = len(prompt_sets[0].token_ids)
     for draft_path, k, label in zip(options.drafts, ks, labels):
         draft = _load_draft(draft_path, verifier.dtype, device)
-        result = speculative_generate(
-            verifier,
-            draft,
-            usable,
-            options.max_new_tokens,
-            k,
-            eos_token_ids=eos,
-            batch_size=options.batch_size,
-            show_progress=options.show_progress,
-        )
-        report.drafts.append(_draft_evaluation(draft_path, label, "hf", k, result))
+        for prompts in prompt_sets:
+            result = speculative_generate(
+                verifier,
+                draft,
+                prompts.token_ids,
+                options.max_new_tokens,
+                k,
+                eos_token_ids=eos,
+                batch_size=options.batch_size,
+                show_progress=options.show_progress,
+            )
+            report.drafts.append(_draft_evaluation(draft_path, label, "hf", k, result, prompts))
         del draft
 
 
-def _run_vllm(options, settings, verifier_path, prompts, labels, report) -> None:
-    from speculators_vllm016.evaluate.vllm_engine import evaluate_with_vllm
+def _run_vllm(options, settings, verifier_path, prompt_sets, labels, report) -> None:
+    from speculators_vllm016.evaluate.vllm_engine import evaluate_prompt_sets_with_vllm
 
     for draft_path, setting, label in zip(options.drafts, settings, labels):
         k = options.num_speculative_tokens or setting.speculative_tokens
-        result = evaluate_with_vllm(
+        results = evaluate_prompt_sets_with_vllm(
             draft_path,
             verifier_path,
-            prompts,
+            [prompts.token_ids for prompts in prompt_sets],
             options.max_new_tokens,
             k,
             tensor_parallel_size=options.tensor_parallel_size,
@@ -351,4 +417,5 @@ def _run_vllm(options, settings, verifier_path, prompts, labels, report) -> None
             show_progress=options.show_progress,
             trust_remote_code=options.trust_remote_code,
         )
-        report.drafts.append(_draft_evaluation(draft_path, label, "vllm", k, result))
+        for prompts, result in zip(prompt_sets, results, strict=True):
+            report.drafts.append(_draft_evaluation(draft_path, label, "vllm", k, result, prompts))

@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from speculators_vllm016.data_generation.engine_setup import TEXT_ONLY_MODALITIES
 from speculators_vllm016.evaluate.acceptance import AcceptanceCounts
@@ -31,7 +32,9 @@ __all__ = [
     "counts_difference",
     "counts_from_metrics",
     "VllmSettings",
+    "evaluate_prompt_sets_with_vllm",
     "evaluate_with_vllm",
+    "generate_sets_with_vllm",
     "generate_with_vllm",
     "on_cpu_build",
     "speculative_decoding_unavailable",
@@ -120,6 +123,21 @@ def evaluate_with_vllm(
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     num_speculative_tokens: int,
+    **options: Any,
+) -> GenerationResult:
+    """Greedy generation of `prompts` by vLLM with the draft; acceptance from vLLM's counters.
+    `options` as in `evaluate_prompt_sets_with_vllm`."""
+    return evaluate_prompt_sets_with_vllm(
+        draft_path, verifier_path, [prompts], max_new_tokens, num_speculative_tokens, **options
+    )[0]
+
+
+def evaluate_prompt_sets_with_vllm(
+    draft_path: str,
+    verifier_path: str,
+    prompt_sets: Sequence[Sequence[Sequence[int]]],
+    max_new_tokens: int,
+    num_speculative_tokens: int,
     *,
     dtype: str = "auto",
     ignore_eos: bool = False,
@@ -129,8 +147,9 @@ def evaluate_with_vllm(
     seed: int = 0,
     show_progress: bool = True,
     trust_remote_code: bool = False,
-) -> GenerationResult:
-    """Greedy generation of `prompts` by vLLM with the draft; acceptance from vLLM's counters."""
+) -> list[GenerationResult]:
+    """Greedy generation of each prompt set in turn on one engine (one set's counters apart from
+    the others': each is read before and after its own generation)."""
     reason = speculative_decoding_unavailable()
     if reason is not None:
         raise RunFailedError(f"{reason}; use --engine hf")
@@ -149,7 +168,9 @@ def evaluate_with_vllm(
         "model": draft_path,
         "num_speculative_tokens": num_speculative_tokens,
     }
-    return generate_with_vllm(verifier_path, prompts, max_new_tokens, settings, speculative_config)
+    return generate_sets_with_vllm(
+        verifier_path, prompt_sets, max_new_tokens, settings, speculative_config
+    )
 
 
 def generate_with_vllm(
@@ -162,6 +183,20 @@ def generate_with_vllm(
     """Greedy generation of `prompts` by one vLLM engine, started for this call and shut down
     after; with `speculative_config`, the drafts' acceptance from vLLM's own counters (without,
     the counts are empty: the baseline a speculative run is compared with)."""
+    return generate_sets_with_vllm(
+        verifier_path, [prompts], max_new_tokens, settings, speculative_config
+    )[0]
+
+
+def generate_sets_with_vllm(
+    verifier_path: str,
+    prompt_sets: Sequence[Sequence[Sequence[int]]],
+    max_new_tokens: int,
+    settings: VllmSettings,
+    speculative_config: dict | None = None,
+) -> list[GenerationResult]:
+    """`generate_with_vllm` for each prompt set in turn on one engine: vLLM's counters are
+    cumulative, so each set's are read before and after its own generation."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -186,23 +221,28 @@ def generate_with_vllm(
             limit_mm_per_prompt=dict.fromkeys(TEXT_ONLY_MODALITIES, 0),
             enforce_eager=cpu,  # the CPU runner's speculation is checked without compilation
         )
+    measured = []
     try:
         params = SamplingParams(
             temperature=0.0, max_tokens=max_new_tokens, ignore_eos=settings.ignore_eos
         )
-        requests = [TokensPrompt(prompt_token_ids=[int(t) for t in prompt]) for prompt in prompts]
-        before = counts_from_metrics(llm.get_metrics(), k)
-        start = time.perf_counter()
-        results = llm.generate(requests, params, use_tqdm=settings.show_progress)
-        seconds = time.perf_counter() - start
-        after = counts_from_metrics(llm.get_metrics(), k)
-        outputs = [list(result.outputs[0].token_ids) for result in results]
+        for prompts in prompt_sets:
+            requests = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
+            before = counts_from_metrics(llm.get_metrics(), k)
+            start = time.perf_counter()
+            results = llm.generate(requests, params, use_tqdm=settings.show_progress)
+            seconds = time.perf_counter() - start
+            after = counts_from_metrics(llm.get_metrics(), k)
+            outputs = [list(result.outputs[0].token_ids) for result in results]
+            measured.append(
+                GenerationResult(
+                    outputs=outputs, counts=counts_difference(after, before), seconds=seconds
+                )
+            )
     finally:
         del llm
         gc.collect()
-    return GenerationResult(
-        outputs=outputs, counts=counts_difference(after, before), seconds=seconds
-    )
+    return measured
 
 
 @contextmanager

@@ -288,3 +288,38 @@ def test_bad_output_paths_and_an_unreachable_verifier_get_one_line_errors(
     )
     assert result.exit_code == 2, result.output
     assert result.output.startswith("error: ") and len(result.output.strip().splitlines()) == 1
+
+
+def test_context_lengths_give_a_row_per_draft_and_length_with_tau_against_the_shortest(workspace):
+    """`--context-lengths`: each question alone (0) and after earlier turns of the other
+    conversations (about 120 tokens); JSON rows carry the length and the prompts' mean tokens."""
+    out_json = workspace / "out" / "context.json"
+    base = [
+        "eval",
+        "--draft",
+        str(workspace / "ckpt" / "0"),
+        "--data-path",
+        str(workspace / "chat.jsonl"),
+        "--max-prompts",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--ignore-eos",
+        "--engine",
+        "hf",
+        "--no-progress",
+    ]
+    result = CliRunner().invoke(
+        app, [*base, "--context-lengths", "120,0", "--output-json", str(out_json)]
+    )
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out_json.read_text())["drafts"]
+    assert [row["context_length"] for row in rows] == [0, 120]
+    short, long = (row["mean_prompt_tokens"] for row in rows)
+    assert short < long <= 120
+    assert "vs shortest" in result.output and "1.000" in result.output
+    # Positions the verifier lacks: one line before any model loads.
+    result = CliRunner().invoke(app, [*base, "--context-lengths", "0,5000"])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: ") and "--context-lengths 5000" in result.output
+    assert len(result.output.strip().splitlines()) == 1

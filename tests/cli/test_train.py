@@ -215,6 +215,7 @@ def test_unreadable_token_counts_are_a_one_line_error(
         ("--scheduler-warmup-steps", "-1"),
         ("--scheduler-total-steps", "0"),
         ("--keep-mid-epoch-checkpoints", "-1"),
+        ("--sliding-window", "1"),  # shorter than --ttt-steps
     ],
 )
 def test_bad_numbers_are_refused_before_anything_is_written(

@@ -26,6 +26,7 @@ def build_draft(
     aux_layer_ids: Sequence[int] = (1, 2, 3),
     architectures: Sequence[str] = ("LlamaForCausalLM",),
     draft_vocab: int = DRAFT_VOCAB,
+    sliding_window: int | None = None,
 ) -> Eagle3DraftModel:
     layer = LlamaConfig(
         hidden_size=256,
@@ -37,6 +38,11 @@ def build_draft(
         vocab_size=VOCAB,
         max_position_embeddings=1024,
         rms_norm_eps=1e-6,
+        **(
+            {"layer_types": ["sliding_attention"] * layers, "sliding_window": sliding_window}
+            if sliding_window
+            else {}
+        ),
     )
     config = Eagle3SpeculatorConfig(
         transformer_layer_config=layer,

@@ -149,6 +149,34 @@ def test_the_cached_draft_proposes_what_the_uncached_reference_proposes(
     assert cached.counts.accepted_per_position == reference.counts.accepted_per_position
 
 
+def test_a_sliding_window_draft_proposes_alike_cached_and_from_the_whole_history(
+    verifier, tiny_llama, monkeypatch
+):
+    """The hf engine's incremental proposer and the training forward pass (the reference runs it
+    over each whole history) apply the same window, on histories four times as long as it."""
+    windowed = build_draft(str(tiny_llama), sliding_window=4)
+    cached_seen = _record_proposals(monkeypatch, speculative._CachedProposals)
+    reference_seen = _record_proposals(monkeypatch, speculative._RowByRowProposals)
+    cached = speculative_generate(verifier, windowed, PROMPTS, MAX_NEW, 3, batch_size=2)
+    reference = speculative_generate(
+        verifier, windowed, PROMPTS, MAX_NEW, 3, batch_size=2, cached_draft=False
+    )
+    assert cached_seen == reference_seen and len(cached_seen) > 0
+    assert cached.counts.accepted_per_position == reference.counts.accepted_per_position
+    # The window matters: the same weights with full attention read other keys past 4 back.
+    history = torch.tensor([PROMPTS[3] + PROMPTS[1]])
+    with torch.no_grad():
+        states = verifier(history, output_hidden_states=True).hidden_states
+        fused = windowed.fuse_verifier_states([s[:, :-1] for s in states])
+        shifted = history[:, 1:]
+        logits = [
+            torch.cat(model(fused, shifted, ttt_steps=3, output_logits=True).logits, dim=1)
+            for model in (windowed, build_draft(str(tiny_llama)))
+        ]
+    assert torch.allclose(logits[0][:, :4], logits[1][:, :4], atol=1e-5)  # within the window
+    assert not torch.allclose(logits[0][:, 4:], logits[1][:, 4:], atol=1e-3)
+
+
 def test_bad_arguments_are_refused(verifier, draft):
     with pytest.raises(ValueError, match="max_new_tokens"):
         speculative_generate(verifier, draft, PROMPTS, 0, 3)

@@ -118,3 +118,53 @@ def test_the_cpu_build_speculates_through_the_plugin_and_auto_stays_hf(monkeypat
         monkeypatch.delenv(switch)
     with pytest.raises(ValueError, match="unknown engine"):
         resolve_engine("tgi")
+
+
+def test_each_prompt_set_gets_its_own_counters_on_one_engine(monkeypatch):
+    """`--context-lengths` on the vllm engine: one engine per draft, each prompt set's counts read
+    before and after its own generation (vLLM's counters are cumulative). The engine is a
+    stand-in (no GPU build here) that adds 10 drafts per prompt and accepts one more per set."""
+    import vllm
+
+    from speculators_vllm016.evaluate import vllm_engine
+
+    started = []
+
+    class Output:
+        def __init__(self, ids):
+            self.outputs = [type("Completion", (), {"token_ids": ids})()]
+
+    class StandIn:
+        def __init__(self, **kwargs):
+            started.append(kwargs)
+            self.totals = [0, 0, 0, [0, 0, 0]]
+            self.sets = 0
+
+        def get_metrics(self):
+            drafts, tokens, accepted, per_position = self.totals
+            return snapshot(drafts, tokens, accepted, per_position)
+
+        def generate(self, requests, params, use_tqdm=False):
+            self.sets += 1
+            drafts = 10 * len(requests)
+            self.totals[0] += drafts
+            self.totals[1] += 3 * drafts
+            self.totals[2] += self.sets * drafts
+            self.totals[3] = [v + drafts * (k < self.sets) for k, v in enumerate(self.totals[3])]
+            return [Output([7] * params.max_tokens) for _ in requests]
+
+    monkeypatch.setattr(vllm_engine, "speculative_decoding_unavailable", lambda: None)
+    monkeypatch.setattr(vllm_engine, "on_cpu_build", lambda: False)  # no CPU environment to set
+    monkeypatch.setattr(vllm, "LLM", StandIn)
+    results = vllm_engine.evaluate_prompt_sets_with_vllm(
+        "draft", "verifier", [[[1, 2]], [[1, 2, 3], [4]], [[5]]], 2, 3
+    )
+    assert len(started) == 1
+    assert [r.counts.num_drafts for r in results] == [10, 20, 10]
+    assert [r.counts.acceptance_length for r in results] == [2.0, 3.0, 4.0]
+    assert [r.counts.accepted_per_position for r in results] == [
+        [10, 0, 0],
+        [20, 20, 0],
+        [10, 10, 10],
+    ]
+    assert [len(r.outputs) for r in results] == [1, 2, 1]

@@ -10,6 +10,12 @@ Two forms of the same mask: a flex-attention `BlockMask` (read off the sample id
 block, extended by one block column per step without evaluating the mask again), or a dense
 boolean tensor for SDPA.
 `flex_attention_forward` is a transformers attention-interface function that takes either.
+
+Sliding-window drafts (`layer_types: ["sliding_attention"]` and `sliding_window` W in the layer
+config, as vLLM 0.16's `Eagle3LlamaForCausalLM` reads them): vLLM lets a query at position p see
+the keys at positions p - W + 1 .. p. At TTT step j the query of row position i stands at position
+i + j, and its step-0 keys at their own positions, so it sees step-0 key c when i - c < W - j
+(`step_mask`); its own draft keys of the earlier steps are fewer than W positions back.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ __all__ = [
     "document_ids",
     "extend_mask_for_draft_tokens",
     "flex_attention_forward",
+    "step_mask",
 ]
 
 # The name 0.3.0 registered its flex attention function under in transformers' registry.
@@ -66,16 +73,21 @@ def document_ids(lengths: torch.Tensor, total_seq_len: int) -> torch.Tensor:
 
 
 def create_combined_mask_mod(
-    lengths: torch.Tensor, total_seq_len: int, documents: torch.Tensor | None = None
+    lengths: torch.Tensor | None,
+    total_seq_len: int,
+    documents: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> Callable:
     """`mask_mod(b, h, q_idx, kv_idx)` of every TTT step (broadcasting index tensors).
 
     Key `kv_idx` belongs to step `kv_idx // total_seq_len`, position `kv_idx % total_seq_len`.
-    Step 0 keys: causal within the query's own sample (padding sees nothing there but itself);
-    later steps' keys: only the query's own position. `documents`: `document_ids(lengths,
-    total_seq_len)` where the caller has them already.
+    Step 0 keys: causal within the query's own sample (padding sees nothing there but itself),
+    and fewer than `window` positions back when given; later steps' keys: only the query's own
+    position. `documents`: `document_ids(lengths, total_seq_len)` where the caller has them.
     """
     if documents is None:
+        if lengths is None:
+            raise InvalidInputError("pass the packed samples' lengths or their document ids")
         documents = document_ids(lengths, total_seq_len)
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -83,6 +95,8 @@ def create_combined_mask_mod(
         own_position = column == q_idx
         same_sample = (documents[q_idx] == documents[column]) & (documents[q_idx] >= 0)
         causal = (kv_idx < total_seq_len) & (column <= q_idx) & same_sample
+        if window is not None:
+            causal = causal & (q_idx - column < window)
         return causal | own_position
 
     return mask_mod
@@ -95,9 +109,10 @@ def build_step_zero_mask(
     flex: bool,
     device: torch.device | None = None,
     documents: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> BlockMask | torch.Tensor:
     """Step 0's mask: a `BlockMask` (`flex=True`; `total_seq_len` must be a multiple of 128) or a
-    dense boolean `[1, 1, T, T]` tensor. `documents` as in `create_combined_mask_mod`."""
+    dense boolean `[1, 1, T, T]` tensor. `documents`, `window` as in `create_combined_mask_mod`."""
     device = device or lengths.device
     if flex and total_seq_len % FLEX_BLOCK_SIZE:
         raise InvalidInputError(
@@ -106,13 +121,39 @@ def build_step_zero_mask(
         )
     lengths = lengths.to(device)
     documents = document_ids(lengths, total_seq_len) if documents is None else documents.to(device)
-    mask_mod = create_combined_mask_mod(lengths, total_seq_len, documents)
+    mask_mod = create_combined_mask_mod(lengths, total_seq_len, documents, window)
     if flex:
-        return document_block_mask(documents, mask_mod)
+        return document_block_mask(documents, mask_mod, window)
     positions = torch.arange(total_seq_len, device=device)
     return mask_mod(0, 0, positions[:, None], positions[None, :]).view(
         1, 1, total_seq_len, total_seq_len
     )
+
+
+def step_mask(
+    documents: torch.Tensor,
+    step: int,
+    *,
+    flex: bool,
+    window: int,
+) -> BlockMask | torch.Tensor:
+    """The mask of TTT step `step` of a sliding-window draft (see the module's docstring):
+    step 0's keys within `window - step` positions, then `step` appended draft-key blocks."""
+    if window - step < 1:
+        raise InvalidInputError(
+            f"a sliding window of {window} positions leaves TTT step {step} no context; "
+            "use a window longer than the TTT steps"
+        )
+    total = documents.numel()
+    mask_mod = create_combined_mask_mod(None, total, documents, window - step)
+    if flex:
+        mask = document_block_mask(documents, mask_mod, window - step)
+    else:
+        positions = torch.arange(total, device=documents.device)
+        mask = mask_mod(0, 0, positions[:, None], positions[None, :]).view(1, 1, total, total)
+    for _ in range(step):
+        mask = extend_mask_for_draft_tokens(mask)
+    return mask
 
 
 def extend_mask_for_draft_tokens(block_mask: BlockMask | torch.Tensor) -> BlockMask | torch.Tensor:
@@ -183,7 +224,9 @@ def block_mask_to_dense_attention_mask(
     return allowed.expand(batch, heads, q_len, kv_len).to(dtype)
 
 
-def document_block_mask(documents: torch.Tensor, mask_mod: Callable) -> BlockMask:
+def document_block_mask(
+    documents: torch.Tensor, mask_mod: Callable, window: int | None = None
+) -> BlockMask:
     """Step 0's `BlockMask`, read off the sample ids (`documents`, `[T]`, T a multiple of 128) one
     128 x 128 block at a time; `mask_mod` decides within the partial blocks.
 
@@ -194,7 +237,9 @@ def document_block_mask(documents: torch.Tensor, mask_mod: Callable) -> BlockMas
     what `document_ids` gives: sample ids never decrease along the row, padding (-1) comes last.
     Key block j < query block i is visible where they share a sample (the last sample of j is
     the first of i) and full where that one sample covers both blocks whole; the diagonal block
-    is partial (causal, and a padding position sees itself); later blocks are empty.
+    is partial (causal, and a padding position sees itself); later blocks are empty. With a
+    `window`, key blocks wholly `window` or more positions back are empty too, and those that
+    reach that far partial.
     """
     blocks = documents.view(-1, FLEX_BLOCK_SIZE)
     count = blocks.shape[0]
@@ -204,6 +249,11 @@ def document_block_mask(documents: torch.Tensor, mask_mod: Callable) -> BlockMas
     earlier = torch.ones(count, count, dtype=torch.bool, device=documents.device).tril(-1)
     shared = earlier & (last[None, :] == first[:, None]) & (first[:, None] >= 0)
     full = shared & whole[:, None] & whole[None, :]
+    if window is not None:
+        blocks_back = torch.arange(count, device=documents.device)
+        blocks_back = (blocks_back[:, None] - blocks_back[None, :]) * FLEX_BLOCK_SIZE
+        shared = shared & (blocks_back - (FLEX_BLOCK_SIZE - 1) < window)  # its nearest pair
+        full = full & shared & (blocks_back + (FLEX_BLOCK_SIZE - 1) < window)  # its farthest
     diagonal = torch.eye(count, dtype=torch.bool, device=documents.device)
     partial = (shared & ~full) | diagonal
     length = documents.numel()

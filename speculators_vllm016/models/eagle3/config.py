@@ -9,8 +9,30 @@ from transformers import LlamaConfig, PretrainedConfig
 
 from speculators_vllm016.config import SpeculatorModelConfig
 from speculators_vllm016.models.layer_config import transformer_layer_config_from
+from speculators_vllm016.utils.errors import InvalidInputError
 
-__all__ = ["Eagle3SpeculatorConfig"]
+__all__ = ["Eagle3SpeculatorConfig", "sliding_window_of"]
+
+SLIDING = "sliding_attention"
+
+
+def sliding_window_of(layer: PretrainedConfig) -> int | None:
+    """The draft layers' sliding window, None for full attention.
+
+    vLLM 0.16's `Eagle3LlamaForCausalLM` reads `layer_types` (indexed from the draft's own first
+    layer) and `sliding_window`; this draft trains one window for all its layers, so a config
+    that mixes layer types, or names a window it does not give, is refused.
+    """
+    kinds = getattr(layer, "layer_types", None)
+    if not kinds or SLIDING not in kinds:
+        return None
+    window = getattr(layer, "sliding_window", None)
+    if any(kind != SLIDING for kind in kinds) or not window or int(window) < 1:
+        raise InvalidInputError(
+            f"the draft's layer_types {list(kinds)} with sliding_window {window!r}: every layer "
+            "sliding_attention with a window of at least 1 position, or no layer_types"
+        )
+    return int(window)
 
 
 @SpeculatorModelConfig.register("eagle3")

@@ -33,8 +33,9 @@ from speculators_vllm016.model import SpeculatorModel
 from speculators_vllm016.models.eagle3.attention import (
     ATTENTION_INTERFACE_NAME,
     extend_mask_for_draft_tokens,
+    step_mask,
 )
-from speculators_vllm016.models.eagle3.config import Eagle3SpeculatorConfig
+from speculators_vllm016.models.eagle3.config import Eagle3SpeculatorConfig, sliding_window_of
 from speculators_vllm016.models.eagle3.fused_loss import WeightGradSink
 from speculators_vllm016.models.eagle3.metrics import (
     compute_accuracy,
@@ -340,6 +341,12 @@ class Eagle3DraftModel(SpeculatorModel):
             layer.compile_blocks = compiled
         return compiled
 
+    @property
+    def attention_window(self) -> int | None:
+        """The sliding window of the draft's attention (`layer_types` / `sliding_window` of its
+        layer config, as vLLM reads them), None for full attention."""
+        return sliding_window_of(self.config.transformer_layer_config)
+
     def _skipping_unscored_rows(self, device: torch.device) -> bool:
         if self.skip_unscored_rows is None:
             return device.type != "cpu"
@@ -383,6 +390,7 @@ class Eagle3DraftModel(SpeculatorModel):
             position_ids,
             flex=self.resolved_attention_backend(hidden_states.device) == "flex",
             pad_to=self.flex_row_length,
+            window=self.attention_window,
         )
         compiled = self.prepare_blocks(row.device)
         hidden = self.fc(row.hidden_states)
@@ -429,7 +437,11 @@ class Eagle3DraftModel(SpeculatorModel):
                 predicted = self.draft_argmax(normed)[None]
             draft_tokens.append(predicted[:, : row.total].detach().clone())
             input_ids = self._next_input_ids(row, predicted, step, use_off_policy_tokens)
-            mask = extend_mask_for_draft_tokens(mask)
+            if self.attention_window is None:
+                mask = extend_mask_for_draft_tokens(mask)
+            elif step + 1 < ttt_steps:
+                flex = not isinstance(row.mask, torch.Tensor)
+                mask = step_mask(row.documents, step + 1, flex=flex, window=self.attention_window)
             position_ids = position_ids + 1
         if scoring is None:
             return Eagle3DraftOutput(draft_tokens, None, None, all_logits)

@@ -56,10 +56,12 @@ def pack_row(
     *,
     flex: bool,
     pad_to: int | None = None,
+    window: int | None = None,
 ) -> PackedRow:
     """The forward's inputs checked, with their defaults (one sample; positions from 1), padded
     to whole flex blocks when `flex`, and then to at least `pad_to` positions (rounded up to whole
-    blocks): rows of one padded length share one compiled shape."""
+    blocks): rows of one padded length share one compiled shape. `window`: a sliding-window
+    draft's window (step 0's mask keeps keys fewer than `window` positions back)."""
     if hidden_states.dim() != 3 or hidden_states.shape[0] != 1:
         raise InvalidInputError(
             f"hidden_states must be [1, seq, 3*hidden], got {tuple(hidden_states.shape)}"
@@ -82,7 +84,9 @@ def pack_row(
         position_ids = F.pad(position_ids.to(device), (0, pad))
     lengths = lengths.to(device)
     documents = document_ids(lengths, padded)
-    mask = build_step_zero_mask(lengths, padded, flex=flex, device=device, documents=documents)
+    mask = build_step_zero_mask(
+        lengths, padded, flex=flex, device=device, documents=documents, window=window
+    )
     return PackedRow(hidden_states, input_ids, position_ids, documents, mask, total, padded)
 
 

@@ -9,7 +9,9 @@ Why it is the same computation: at TTT step 0 position t sees the step-0 keys of
 accepted. Steps 1..count-1 matter only at a row's newest position, which sees the step-0 keys
 and its own keys of the earlier steps (the diagonal of the training mask); those are kept only
 for the round. Rows hold different numbers of new positions: every round appends the same
-number of key slots to each row, and the slots of padding are masked out for good.
+number of key slots to each row, and the slots of padding are masked out for good. A
+sliding-window draft (`attention_window`) sees, as vLLM serves it, only the keys fewer than its
+window positions behind the query's own position (each kept slot remembers its position).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class ProposingDraft(Protocol):
     fc: nn.Linear
     embed_tokens: nn.Embedding
     d2t: torch.Tensor
+    attention_window: int | None
 
     def fuse_verifier_states(
         self, verifier_hidden_states: Sequence[torch.Tensor]
@@ -114,11 +117,20 @@ class Eagle3Proposer:
         self.cache = _RoundKeyValues()
         self.slots: torch.Tensor | None = None  # [rows, slots] bool: kept slot holds a position
         self.consumed: torch.Tensor | None = None  # [rows] positions run so far
+        self.slot_positions: torch.Tensor | None = None  # [rows, slots] position of each slot
+
+    def _near(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+        """`[rows, q, k]` True where a key is within the draft's window of a query (all True for
+        full attention)."""
+        back = query_positions[:, :, None] - key_positions[:, None, :]
+        window = self.draft.attention_window
+        return back < window if window is not None else torch.ones_like(back, dtype=torch.bool)
 
     def select(self, rows: torch.Tensor) -> None:
         if self.slots is None:
             return
         self.slots = self.slots[rows]
+        self.slot_positions = self.slot_positions[rows]
         self.consumed = self.consumed[rows]
         self.cache.select(rows)
 
@@ -150,6 +162,7 @@ class Eagle3Proposer:
         if self.slots is None:
             self.slots = valid.new_zeros(rows, 0)
             self.consumed = torch.zeros(rows, dtype=torch.long, device=device)
+            self.slot_positions = torch.zeros(rows, 0, dtype=torch.long, device=device)
 
         # Step 0 over the new positions; position t of the history has position id t + 1.
         hidden = draft.fc(draft.fuse_verifier_states(states).to(device))
@@ -158,8 +171,9 @@ class Eagle3Proposer:
         position_ids = self.consumed[:, None] + order
         causal = torch.ones(new, new, dtype=torch.bool, device=device).tril()
         own = torch.eye(new, dtype=torch.bool, device=device)
-        fresh = (causal[None] & valid[:, None, :]) | own[None]  # padding sees only itself
-        old = self.slots[:, None, :].expand(rows, new, self.slots.shape[1])
+        fresh = causal[None] & valid[:, None, :] & self._near(position_ids, position_ids)
+        fresh = fresh | own[None]  # padding sees only itself
+        old = self.slots[:, None, :] & self._near(position_ids, self.slot_positions)
         mask = torch.cat([old, fresh], dim=-1)[:, None]
         embeds = draft.embed_tokens(tokens.to(device)).to(dtype)
         # One cast of the first layer's weights serves every step of this round.
@@ -167,6 +181,7 @@ class Eagle3Proposer:
         self.cache.keep = True
         hidden = self._run_layers(embeds, hidden, position_ids, mask, weights)
         self.slots = torch.cat([self.slots, valid], dim=1)
+        self.slot_positions = torch.cat([self.slot_positions, position_ids], dim=1)
         self.consumed = self.consumed + valid.sum(dim=1)
 
         # Steps 1..count-1 at each row's newest position only.
@@ -178,9 +193,9 @@ class Eagle3Proposer:
         self.cache.keep = False
         try:
             for step in range(1, self.count):
-                mask = torch.cat([self.slots, self.slots.new_ones(rows, step)], dim=1)[
-                    :, None, None, :
-                ]
+                near = self._near(position_ids + step, self.slot_positions)[:, 0]
+                kept = self.slots & near
+                mask = torch.cat([kept, self.slots.new_ones(rows, step)], dim=1)[:, None, None, :]
                 embeds = draft.embed_tokens(proposals[-1][:, None]).to(dtype)
                 hidden = self._run_layers(embeds, hidden, position_ids + step, mask, weights)
                 proposals.append(self._predict(hidden[:, 0], dtype))

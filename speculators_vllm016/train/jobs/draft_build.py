@@ -12,21 +12,14 @@ from typing import TYPE_CHECKING, Any
 from speculators_vllm016.train.jobs.job_config import TrainJobConfig
 from speculators_vllm016.train.jobs.pretrained_draft import fine_tune_config, load_draft_weights
 from speculators_vllm016.train.jobs.verifier_identity import recorded_verifier_path
+from speculators_vllm016.utils.draft_positions import draft_positions
+from speculators_vllm016.utils.errors import InvalidInputError
 
 if TYPE_CHECKING:
     from speculators_vllm016.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators_vllm016.train.jobs.setup import TrainSetup
 
 __all__ = ["build_draft_config", "build_model"]
-
-
-def _draft_rope_scaling(rope_scaling: dict | None) -> dict | None:
-    """The verifier's RoPE scaling for the draft's Llama layer. vLLM's config reader copies
-    `rope_theta` into it (its `rope_parameters` share the dict); the draft keeps `rope_theta` as
-    its own field, as transformers 4.57's Llama expects."""
-    if not rope_scaling:
-        return rope_scaling
-    return {key: value for key, value in rope_scaling.items() if key != "rope_theta"}
 
 
 def build_draft_config(
@@ -40,8 +33,11 @@ def build_draft_config(
     ttt_steps: int,
     aux_layer_ids: list[int] | None,
     verifier_fingerprint: str | None = None,
+    sliding_window: int | None = None,
 ) -> Eagle3SpeculatorConfig:
-    """The EAGLE-3 draft's config: a Llama decoder layer shaped like the verifier."""
+    """The EAGLE-3 draft's config: a Llama decoder layer shaped like the verifier, with the
+    verifier's positions in the form vLLM serves as trained (`utils.draft_positions`), and
+    `sliding_window` written as vLLM 0.16 reads it (every draft layer `sliding_attention`)."""
     from transformers import LlamaConfig
 
     from speculators_vllm016.models.eagle3 import Eagle3SpeculatorConfig
@@ -50,6 +46,19 @@ def build_draft_config(
     heads = get("num_attention_heads")
     hidden = get("hidden_size")
     llama_like = get("model_type") in {"llama", "mistral", "qwen2", "qwen3"}
+    head_dim = (get("head_dim") if llama_like else None) or hidden // heads
+    positions = draft_positions(text_config, head_dim)
+    window: dict[str, Any] = {}
+    if sliding_window is not None:
+        if sliding_window < ttt_steps:
+            raise InvalidInputError(
+                f"--sliding-window {sliding_window} is shorter than --ttt-steps {ttt_steps}: the "
+                "last steps would see no context; give a window of at least the TTT steps"
+            )
+        window = {
+            "layer_types": ["sliding_attention"] * num_layers,
+            "sliding_window": sliding_window,
+        }
     layer = LlamaConfig(
         vocab_size=get("vocab_size"),
         hidden_size=hidden,
@@ -57,14 +66,15 @@ def build_draft_config(
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=get("num_key_value_heads") or heads,
-        head_dim=(get("head_dim") if llama_like else None) or hidden // heads,
-        max_position_embeddings=get("max_position_embeddings", 4096),
+        head_dim=head_dim,
+        max_position_embeddings=positions.max_position_embeddings,
         rms_norm_eps=get("rms_norm_eps", 1e-6),
-        rope_theta=get("rope_theta", 10000.0),
-        rope_scaling=_draft_rope_scaling(get("rope_scaling")) if llama_like else None,
+        rope_theta=positions.rope_theta,
+        rope_scaling=positions.rope_scaling,
         hidden_act="silu",
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
+        **window,
     )
     return Eagle3SpeculatorConfig(
         transformer_layer_config=layer,
@@ -133,6 +143,7 @@ def build_model(config: TrainJobConfig, setup: TrainSetup) -> Eagle3DraftModel:
             ttt_steps=model_config.ttt_steps,
             aux_layer_ids=setup.aux_ids,
             verifier_fingerprint=setup.verifier_fingerprint,
+            sliding_window=model_config.sliding_window,
         )
     model_kwargs = {}
     if config.legacy.no_verifier_norm:

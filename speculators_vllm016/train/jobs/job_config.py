@@ -96,6 +96,11 @@ class ModelConfig:
     """The loss of TTT step k is weighted decay**k; 1.0 (0.3.0) weighs every step alike."""
     norm_before_residual: bool = field(default=True, metadata={"negatable": True})
     """Normalize the fused hidden state before the residual add (0.3.0's hard-coded choice)."""
+    sliding_window: int | None = None
+    """Sliding-window draft attention: each position attends to the keys fewer than this many
+    positions back, in training and as vLLM 0.16 serves it (`layer_types: sliding_attention`);
+    meant to keep acceptance at prompts longer than the rows trained on (measure it: `eval
+    --context-lengths`). At least --ttt-steps. None: full attention."""
     from_pretrained: str | None = None
     """Fine-tune an existing EAGLE-3 draft (a folder or hub id): this package's, speculators
     0.3.0's, or a research/SpecForge checkpoint (converted as `speculators convert` does; it does

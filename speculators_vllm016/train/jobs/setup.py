@@ -345,6 +345,12 @@ def _check_numbers(config: TrainJobConfig) -> None:
             )
     if checkpoint.keep_last is not None and checkpoint.keep_last < 1:
         raise TrainSetupError("--keep-last must be at least 1 (leave it out to keep them all)")
+    window, steps = config.model.sliding_window, config.model.ttt_steps
+    if window is not None and window < steps:
+        raise TrainSetupError(
+            f"--sliding-window {window} is shorter than --ttt-steps {steps}: the last steps would "
+            "see no context; give a window of at least the TTT steps"
+        )
     if runtime.fsdp_bf16_params and runtime.parallel != "fsdp":
         raise TrainSetupError(
             "--fsdp-bf16-params applies to --parallel fsdp only (DDP gathers no weights)"
