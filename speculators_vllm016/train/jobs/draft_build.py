@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from speculators_vllm016.train.jobs.draft_match import eagle31_flags
 from speculators_vllm016.train.jobs.job_config import TrainJobConfig
 from speculators_vllm016.train.jobs.pretrained_draft import fine_tune_config, load_draft_weights
 from speculators_vllm016.train.jobs.verifier_identity import recorded_verifier_path
@@ -40,8 +41,10 @@ def build_draft_config(
     ttt_steps: int,
     aux_layer_ids: list[int] | None,
     verifier_fingerprint: str | None = None,
+    eagle31: dict[str, bool] | None = None,
 ) -> Eagle3SpeculatorConfig:
-    """The EAGLE-3 draft's config: a Llama decoder layer shaped like the verifier."""
+    """The EAGLE-3 draft's config: a Llama decoder layer shaped like the verifier; `eagle31`:
+    the EAGLE-3.1 switches by config key (`draft_match.eagle31_flags`), all off if None."""
     from transformers import LlamaConfig
 
     from speculators_vllm016.models.eagle3 import Eagle3SpeculatorConfig
@@ -75,6 +78,7 @@ def build_draft_config(
         speculators_config=_speculators_config(
             verifier_path, verifier_config, ttt_steps, verifier_fingerprint
         ),
+        **(eagle31 or {}),
     )
 
 
@@ -133,6 +137,7 @@ def build_model(config: TrainJobConfig, setup: TrainSetup) -> Eagle3DraftModel:
             ttt_steps=model_config.ttt_steps,
             aux_layer_ids=setup.aux_ids,
             verifier_fingerprint=setup.verifier_fingerprint,
+            eagle31=eagle31_flags(model_config),
         )
     model_kwargs = {}
     if config.legacy.no_verifier_norm:

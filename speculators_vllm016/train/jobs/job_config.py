@@ -96,6 +96,14 @@ class ModelConfig:
     """The loss of TTT step k is weighted decay**k; 1.0 (0.3.0) weighs every step alike."""
     norm_before_residual: bool = field(default=True, metadata={"negatable": True})
     """Normalize the fused hidden state before the residual add (0.3.0's hard-coded choice)."""
+    fc_norm: bool = False
+    """EAGLE-3.1: an RMSNorm per auxiliary target state before they are fused (config key and
+    weights as upstream speculators 0.7 and vLLM >= 0.22 read them; served on 0.16 by this
+    package's vLLM plugin). Excludes --norm-before-fc."""
+    norm_output: bool = False
+    """EAGLE-3.1: each TTT step feeds the next its hidden state after the final norm."""
+    norm_before_fc: bool = False
+    """One RMSNorm over all auxiliary target states together before they are fused."""
     from_pretrained: str | None = None
     """Fine-tune an existing EAGLE-3 draft (a folder or hub id): this package's, speculators
     0.3.0's, or a research/SpecForge checkpoint (converted as `speculators convert` does; it does

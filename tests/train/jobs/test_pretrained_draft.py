@@ -274,3 +274,56 @@ def test_a_kimi_k25_draft_fine_tunes_exactly(tiny_deepseek_v3, tiny_kimi_k25, tm
         "KimiK25ForConditionalGeneration"
     ]
     assert written["eagle_aux_hidden_state_layer_ids"] == [1, 2, 2]
+
+
+@pytest.fixture(scope="module")
+def ours31(tiny_llama, training_data, tmp_path_factory) -> Path:
+    """An EAGLE-3.1 draft our trainer wrote (`--fc-norm --norm-output`), two steps in."""
+    save = tmp_path_factory.mktemp("ours31") / "save"
+    flags = ("--max-steps", "2", "--epochs", "1", "--fc-norm", "--norm-output")
+    assert main(train_args(tiny_llama, training_data, save, *flags)) == 0
+    return save / finished_checkpoints(save)[-1]
+
+
+def test_an_eagle31_draft_step_0_is_the_draft_bit_for_bit(
+    ours31, tiny_llama, training_data, tmp_path, first_step
+):
+    save = tmp_path / "save"
+    flags = (*FINE_TUNE, "--from-pretrained", str(ours31), "--fc-norm", "--norm-output")
+    assert main(train_args(tiny_llama, training_data, save, *flags)) == 0
+    served = _served(ours31)
+    assert {f"fc_norm.{i}.weight" for i in range(3)} <= set(served)
+    _assert_started_from(first_step, served)
+    # The loss of the first step is the draft's own, with its norms and normed feedback.
+    assert first_step["loss"] == _evaluate_draft(
+        ours31, tiny_llama, first_step["row"], first_step["options"]
+    )
+    written = json.loads((save / finished_checkpoints(save)[-1] / "config.json").read_text())
+    assert (written["fc_norm"], written["norm_output"]) == (True, True)
+
+
+def test_eagle31_switches_must_match_the_draft(
+    ours31, ours, tiny_llama, training_data, tmp_path, capsys
+):
+    save = tmp_path / "save"
+    plain = (*FINE_TUNE, "--from-pretrained", str(ours31))
+    assert main(train_args(tiny_llama, training_data, save, *plain)) == 2
+    err = capsys.readouterr().err
+    assert "fc_norm: the draft has fc_norm=True, this run leaves out --fc-norm" in err
+    assert "norm_output: the draft has norm_output=True" in err
+    extra = (*FINE_TUNE, "--from-pretrained", str(ours), "--norm-output")
+    assert main(train_args(tiny_llama, training_data, save, *extra)) == 2
+    assert "norm_output: the draft has norm_output=False, this run gives --norm-output" in (
+        capsys.readouterr().err
+    )
+    assert not save.exists()
+
+
+def test_fc_norm_and_norm_before_fc_are_refused_together(
+    tiny_llama, training_data, tmp_path, capsys
+):
+    save = tmp_path / "save"
+    both = ("--epochs", "1", "--fc-norm", "--norm-before-fc")
+    assert main(train_args(tiny_llama, training_data, save, *both)) == 2
+    assert "--fc-norm and --norm-before-fc exclude each other" in capsys.readouterr().err
+    assert not save.exists()
