@@ -18,7 +18,14 @@ from speculators_vllm016.train.draft_contract import loss_and_metrics
 from speculators_vllm016.train.jobs.job_config import TrainJobConfig, TrainSetupError
 from speculators_vllm016.train.jobs.pretrained_draft import VERIFIER_COPIES, locate_draft
 from speculators_vllm016.train.train_step import TrainStep
-from tests.train.pretrained_drafts import train_ours, write_030_draft, write_research_draft
+from tests.train.pretrained_drafts import (
+    train_ours,
+    write_030_draft,
+    write_modelopt_draft,
+    write_research_draft,
+    write_speculators07_draft,
+    write_torchspec_draft,
+)
 from tests.training_fixtures import (
     finished_checkpoints,
     train_args,
@@ -326,4 +333,51 @@ def test_fc_norm_and_norm_before_fc_are_refused_together(
     both = ("--epochs", "1", "--fc-norm", "--norm-before-fc")
     assert main(train_args(tiny_llama, training_data, save, *both)) == 2
     assert "--fc-norm and --norm-before-fc exclude each other" in capsys.readouterr().err
+    assert not save.exists()
+
+
+@pytest.mark.parametrize("source", ["torchspec", "modelopt", "speculators07"])
+def test_a_draft_from_another_tool_starts_bit_for_bit(
+    source, ours, tiny_llama, training_data, tmp_path, first_step
+):
+    """TorchSpec and Model Optimizer number a fused layer by the target layer that outputs it
+    (the data's datagen ids [0, 1, 2]); their drafts must land on the data's fused layers
+    [1, 2, 3] in vLLM's numbering, or draft_match would refuse them."""
+    if source == "torchspec":
+        draft = write_torchspec_draft(ours, tmp_path / "draft", [0, 1, 2])
+        flags = ()
+    elif source == "modelopt":
+        draft = write_modelopt_draft(ours, tmp_path / "draft", [0, 1, 2])
+        flags = ()
+    else:
+        draft = write_speculators07_draft(ours, tmp_path / "draft")
+        flags = ("--norm-before-fc", "--norm-output")
+    save = tmp_path / "save"
+    args = train_args(tiny_llama, training_data, save, *FINE_TUNE, "--from-pretrained", str(draft))
+    assert main([*args, *flags]) == 0
+    stored = {
+        name.replace("midlayer.", "layers.0."): tensor
+        for name, tensor in load_file(draft / "model.safetensors").items()
+        if name not in ("d2t", "t2d", "embed_tokens.weight")
+    }
+    _assert_started_from(first_step, stored)
+    written = json.loads((save / finished_checkpoints(save)[-1] / "config.json").read_text())
+    assert written["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    if source == "speculators07":
+        assert (written["norm_before_fc"], written["norm_output"]) == (True, True)
+    else:  # their first layer keeps the residual before hidden_norm
+        assert written["norm_before_residual"] is False
+
+
+def test_a_draft_whose_ids_are_read_in_the_wrong_numbering_is_refused(
+    ours, tiny_llama, training_data, tmp_path, capsys
+):
+    """Model Optimizer's ids are outputs of layers: [1, 2, 3] there are vLLM's [2, 3, 4], which
+    the data (fused [1, 2, 3]) does not hold: refused, not trained on the wrong states."""
+    draft = write_modelopt_draft(ours, tmp_path / "draft", [1, 2, 3])
+    save = tmp_path / "save"
+    args = train_args(tiny_llama, training_data, save, *FINE_TUNE, "--from-pretrained", str(draft))
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "[2, 3, 4]" in err
     assert not save.exists()
