@@ -57,7 +57,7 @@ def run_datagen(target: Path, output: Path, samples: int) -> Path:
     if not any(output.glob("data_*.pt")):
         datagen(
             DatagenOptions(
-                engine=EngineOptions(target_model_path=str(target), dtype="bfloat16"),
+                engine=EngineOptions(target_model_path=str(target), dtype="float32"),
                 preprocessing=PreprocessingOptions(
                     train_data_path=str(demo_conversations_path()),
                     seq_length=512,

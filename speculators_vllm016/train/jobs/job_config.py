@@ -106,8 +106,9 @@ class ModelConfig:
     """One RMSNorm over all auxiliary target states together before they are fused."""
     from_pretrained: str | None = None
     """Fine-tune an existing EAGLE-3 draft (a folder or hub id): this package's, speculators
-    0.3.0's, or a research/SpecForge checkpoint (converted as `speculators convert` does; it does
-    not record --norm-before-residual, so give the value it was trained with). It seeds a fresh
+    0.3.0's, upstream 0.7's, or a research/SpecForge, TorchSpec or Model Optimizer checkpoint
+    (converted as `speculators convert` does, fused layers mapped into vLLM's numbering; a
+    research/SpecForge one does not record --norm-before-residual, so give its value). It seeds a fresh
     run only: its served weights (model.safetensors) bit for bit, a fresh optimizer and schedule;
     a --save-path that already has checkpoints resumes them instead and does not read it. Its verifier, hidden size,
     vocabularies, fused layers and layer count must match this run (each mismatch is named, and
