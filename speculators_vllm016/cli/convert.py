@@ -30,6 +30,13 @@ def convert(
         False, "--overwrite", help="Replace a non-empty --output-path (never the inputs)."
     ),
     debug: bool = typer.Option(False, "--debug", help="Show the full traceback of an error."),
+    source: str | None = typer.Option(
+        None,
+        "--source",
+        help="eagle3: the tool that wrote the draft (research = SafeAILab/SpecForge, torchspec, "
+        "modelopt); its documented mapping gives the fused layers in vLLM's numbering and the "
+        "residual placement (docs/converting.md). Default: recognized from config.json.",
+    ),
     algorithm_kwargs: str | None = typer.Option(
         None,
         "--algorithm-kwargs",
@@ -54,6 +61,15 @@ def convert(
             ) from None
         if not isinstance(kwargs, dict):
             raise typer.BadParameter("must be a JSON object", param_hint="--algorithm-kwargs")
+    if source is not None:
+        from speculators_vllm016.convert.eagle3_sources import SOURCES
+
+        if algorithm != "eagle3" or source not in SOURCES:
+            raise typer.BadParameter(
+                f"{source!r}: --source takes one of {SOURCES}, with --algorithm eagle3",
+                param_hint="--source",
+            )
+        kwargs["source"] = source
     from speculators_vllm016.utils.command_errors import report_errors
 
     def run() -> int:

@@ -151,17 +151,18 @@ def quiet_online_engine(config: TrainJobConfig) -> None:
 
 def _research_draft(folder: Path, verifier: str, norm_before_residual: bool) -> tuple[Any, dict]:
     """A research-format `--from-pretrained` draft as `speculators convert` turns it into ours
-    (in memory; the training layer cannot import the converter). The fused layers a research
-    config.json names at its top level (where vLLM reads them) are kept, so they are checked."""
+    (in memory; the training layer cannot import the converter). The fused layers the checkpoint
+    records are mapped into our numbering by the mapping of the tool that wrote it
+    (`convert/eagle3_sources`), so they are checked against the data's."""
     from speculators_vllm016.convert.eagle.eagle3_converter import Eagle3Converter
     from speculators_vllm016.convert.eagle.utils import load_checkpoint_config
+    from speculators_vllm016.convert.eagle3_sources import detect_source
 
-    recorded = load_checkpoint_config(folder).get("eagle_aux_hidden_state_layer_ids")
+    # A tool whose training fixes the residual placement (TorchSpec, Model Optimizer) gives it;
+    # a plain research checkpoint does not record it, and the run's flag stands.
+    known = detect_source(load_checkpoint_config(folder)) != "research"
     return Eagle3Converter().build(
-        folder,
-        verifier,
-        norm_before_residual=norm_before_residual,
-        eagle_aux_hidden_state_layer_ids=recorded,
+        folder, verifier, norm_before_residual=None if known else norm_before_residual
     )
 
 

@@ -25,7 +25,8 @@ def convert_model(
     algorithm "eagle": EAGLE-1/2 and HASS releases; kwargs `layernorms`, `fusion_bias`
     (both auto-detected from the weights when not set).
     algorithm "eagle3": EAGLE-3 releases; kwargs `norm_before_residual`,
-    `eagle_aux_hidden_state_layer_ids`.
+    `eagle_aux_hidden_state_layer_ids` and `source` (the tool that wrote the draft, see
+    `convert/eagle3_sources`: research/SpecForge, torchspec, modelopt; recognized when not given).
     A `validate_device` reloads the result on that device ("cpu", "cuda:0", ...) and compares
     every tensor. The result appears at `output_path` only when whole and checked; the model's and
     the verifier's folders are refused, and a non-empty folder unless `overwrite`.

@@ -15,7 +15,13 @@ implements `SupportsEagle3` (no auxiliary hidden states). This plugin fixes both
   own, unchanged;
 - it widens the list of text model types in `SpeculativeConfig`'s EAGLE-3 check
   (`speculative_types.py`: deepseek_v2, deepseek_v3, kimi_k2; Kimi-K2.5's text model is
-  deepseek_v3). Other models load vLLM's own classes.
+  deepseek_v3);
+- EAGLE-3.1 for Llama-layer drafts (`fc_norm`, `norm_output`, `norm_before_fc`, served by vLLM
+  from 0.22): `eagle31_llama.py` subclasses vLLM's `Eagle3LlamaForCausalLM` and is registered
+  for the names vLLM 0.16 maps to it, and `speculators_config.py` has vLLM's speculators-config
+  parser carry the three keys into the draft's config, as vLLM 0.22 does. With the three off
+  the class is vLLM's own computation, parameter for parameter.
+Other models load vLLM's own classes.
 
 vLLM runs it in every process through the `vllm.general_plugins` entry point
 `speculators_eagle3` (pyproject.toml); running it twice changes nothing. Switch it off with
@@ -40,11 +46,15 @@ __all__ = ["PLUGIN_CLASSES", "register"]
 logger = logging.getLogger(__name__)
 
 _MODULE = "speculators_vllm016.vllm_plugin.deepseek_eagle3"
+_DRAFT_MODULE = "speculators_vllm016.vllm_plugin.eagle31_llama"
 # vLLM architecture name -> the class this plugin has vLLM build for it.
 PLUGIN_CLASSES = {
     "DeepseekV2ForCausalLM": f"{_MODULE}:Eagle3DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": f"{_MODULE}:Eagle3DeepseekV3ForCausalLM",
     "KimiK25ForConditionalGeneration": f"{_MODULE}:Eagle3KimiK25ForConditionalGeneration",
+    # The Llama-layer draft: vLLM's class plus EAGLE-3.1 (the same class when 3.1 is off).
+    "Eagle3LlamaForCausalLM": f"{_DRAFT_MODULE}:Eagle31LlamaForCausalLM",
+    "LlamaForCausalLMEagle3": f"{_DRAFT_MODULE}:Eagle31LlamaForCausalLM",
 }
 
 
@@ -59,6 +69,7 @@ def register() -> bool:
     from vllm.model_executor.models import ModelRegistry
 
     from speculators_vllm016.vllm_plugin.speculative_types import widen_eagle3_model_types
+    from speculators_vllm016.vllm_plugin.speculators_config import carry_eagle31_fields
 
     for arch, target in PLUGIN_CLASSES.items():
         current = ModelRegistry.models.get(arch)
@@ -67,6 +78,7 @@ def register() -> bool:
             continue  # already ours
         ModelRegistry.register_model(arch, target)
     widen_eagle3_model_types()
+    carry_eagle31_fields()
     from speculators_vllm016.vllm_plugin.cpu_speculation import enable_cpu_speculation
 
     enable_cpu_speculation()  # only on vLLM 0.16.x's CPU platform; its own switch

@@ -27,7 +27,9 @@ def build_draft(
     architectures: Sequence[str] = ("LlamaForCausalLM",),
     draft_vocab: int = DRAFT_VOCAB,
     sliding_window: int | None = None,
+    **eagle31: bool,
 ) -> Eagle3DraftModel:
+    """`eagle31`: EAGLE-3.1 switches of the config (`fc_norm`, `norm_output`, `norm_before_fc`)."""
     layer = LlamaConfig(
         hidden_size=256,
         num_attention_heads=4,
@@ -54,6 +56,7 @@ def build_draft(
             default_proposal_method="greedy",
             verifier=VerifierConfig(name_or_path=verifier_path, architectures=list(architectures)),
         ),
+        **eagle31,
     )
     torch.manual_seed(seed)
     d2t, t2d = build_vocab_mappings_from_distribution(

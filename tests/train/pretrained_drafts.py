@@ -121,3 +121,106 @@ def draft_variant(
         weights(tensors)
         save_file(tensors, str(out / SERVED_FILE))
     return out
+
+
+def _llama_fields(ours: Path) -> dict:
+    layer = json.loads((ours / "config.json").read_text())["transformer_layer_config"]
+    keys = (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "rope_theta",
+        "vocab_size",
+    )
+    return {"model_type": "llama", "num_hidden_layers": 1, **{key: layer[key] for key in keys}}
+
+
+def _as_midlayer(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {
+        ("midlayer." + name[len("layers.0.") :] if name.startswith("layers.0.") else name): tensor
+        for name, tensor in weights.items()
+    }
+
+
+def write_torchspec_draft(ours: Path, out: Path, post_layer_ids: list[int] | None) -> Path:
+    """TorchSpec's Llama-layer export (`tools/convert_to_hf.py`, native keys): `midlayer.*`,
+    `embed_tokens`, `fc`, `norm`, `lm_head`, `d2t`/`t2d`; config.json a Llama config with
+    `draft_vocab_size` and `_torchspec_version`, and (when given) fused layers in TorchSpec's own
+    numbering (output of layer i) under `eagle_config`."""
+    out.mkdir(parents=True)
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **_llama_fields(ours),
+        "draft_vocab_size": 64,
+        "torch_dtype": "bfloat16",
+        "_torchspec_version": "0.1.0",
+    }
+    if post_layer_ids is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": post_layer_ids}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    weights = _as_midlayer(_perturbed(load_file(ours / SERVED_FILE), seed=11))
+    save_file(weights, str(out / SERVED_FILE), metadata={"torchspec_version": "0.1.0"})
+    return out
+
+
+def write_modelopt_draft(ours: Path, out: Path, post_layer_ids: list[int]) -> Path:
+    """Model Optimizer's EAGLE-3 export (`hf_spec_export.py`): `midlayer.*` (its
+    `hidden_norm` and `input_layernorm` included), `norm`, `fc`, `lm_head`, `d2t`; no `t2d`, no
+    embeddings; config.json with `draft_vocab_size` and its `eagle_config` keys."""
+    out.mkdir(parents=True)
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **_llama_fields(ours),
+        "draft_vocab_size": 64,
+        "torch_dtype": "bfloat16",
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": post_layer_ids,
+            "use_aux_hidden_state": True,
+            "use_input_layernorm_in_first_layer": True,
+            "use_last_layernorm": False,
+            "use_mtp_layernorm": False,
+        },
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    weights = _as_midlayer(_perturbed(load_file(ours / SERVED_FILE), seed=13))
+    for dropped in ("embed_tokens.weight", "t2d"):
+        weights.pop(dropped)
+    save_file(weights, str(out / SERVED_FILE), metadata={"format": "pt"})
+    return out
+
+
+def write_speculators07_draft(ours: Path, out: Path) -> Path:
+    """Upstream speculators 0.7's EAGLE-3 draft with its defaults for eagle3 (`norm_before_fc`,
+    `norm_output` and `norm_before_residual` on): the speculators format with 0.7's keys, `input_norm.weight` beside
+    the layer's weights."""
+    out.mkdir(parents=True)
+    ours_config = json.loads((ours / "config.json").read_text())
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "draft_vocab_size": ours_config["draft_vocab_size"],
+        "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
+        "embed_requires_grad": False,
+        "fc_norm": False,
+        "norm_before_fc": True,
+        "norm_before_residual": True,
+        "norm_output": True,
+        "speculators_config": ours_config["speculators_config"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.7.0",
+        "target_hidden_size": None,
+        "torch_dtype": "bfloat16",
+        "transformer_layer_config": ours_config["transformer_layer_config"],
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    weights = _perturbed(load_file(ours / SERVED_FILE), seed=17)
+    width = weights["fc.weight"].shape[1]
+    generator = torch.Generator().manual_seed(17)
+    weights["input_norm.weight"] = (1 + 0.1 * torch.randn(width, generator=generator)).to(
+        weights["fc.weight"].dtype
+    )
+    save_file(weights, str(out / SERVED_FILE), metadata={"format": "pt"})
+    return out

@@ -25,6 +25,8 @@ from speculators_vllm016.utils.layer_ids import datagen_to_vllm_layer_ids
 
 ROOT = Path(__file__).resolve().parents[2]
 PLUGIN_ARCHS = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"}
+# The Llama-layer draft's names in vLLM 0.16's registry: vLLM's class plus EAGLE-3.1.
+DRAFT_ARCHS = {"Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3"}
 
 # Runs in a fresh interpreter: vLLM's registry and EAGLE-3 list before and after register(), twice.
 REGISTER_SCRIPT = textwrap.dedent(
@@ -84,16 +86,25 @@ def test_entry_point_is_installed():
     assert [e.value for e in ours] == ["speculators_vllm016.vllm_plugin:register"]
 
 
-def test_register_changes_only_its_three_architectures_and_the_list_once():
+def test_register_changes_only_its_architectures_and_the_list_once():
     result = run_clean(REGISTER_SCRIPT)
     before, after = result["before"], result["after"]
     assert result["results"] == [True, True]
     assert set(before) == set(after)
     changed = {arch for arch in before if before[arch] != after[arch]}
-    assert changed == PLUGIN_ARCHS
-    for arch in changed:
+    assert changed == PLUGIN_ARCHS | DRAFT_ARCHS
+    for arch in PLUGIN_ARCHS:
         assert after[arch][0] == "speculators_vllm016.vllm_plugin.deepseek_eagle3"
         assert after[arch][1] == "Eagle3" + arch
+    for arch in DRAFT_ARCHS:
+        assert before[arch][:2] == [
+            "vllm.model_executor.models.llama_eagle3",
+            "Eagle3LlamaForCausalLM",
+        ]
+        assert after[arch][:2] == [
+            "speculators_vllm016.vllm_plugin.eagle31_llama",
+            "Eagle31LlamaForCausalLM",
+        ]
     assert before["LlamaForCausalLM"] == [
         "vllm.model_executor.models.llama",
         "LlamaForCausalLM",

@@ -63,10 +63,11 @@ class Eagle3Converter:
         output_path: str | Path,
         base_model: str,
         validate: bool = True,
-        norm_before_residual: bool = False,
+        norm_before_residual: bool | None = None,
         eagle_aux_hidden_state_layer_ids: list[int] | None = None,
         cache_dir: str | Path | None = None,
         validate_device: str = "cpu",
+        source: str | None = None,
     ) -> None:
         config, renamed = self.build(
             input_path,
@@ -74,6 +75,7 @@ class Eagle3Converter:
             norm_before_residual=norm_before_residual,
             eagle_aux_hidden_state_layer_ids=eagle_aux_hidden_state_layer_ids,
             cache_dir=cache_dir,
+            source=source,
         )
         saved = self.save(config, renamed, output_path)
         logger.info("saved EAGLE-3 speculator to %s", saved)
@@ -85,15 +87,39 @@ class Eagle3Converter:
         input_path: str | Path,
         base_model: str,
         *,
-        norm_before_residual: bool = False,
+        norm_before_residual: bool | None = None,
         eagle_aux_hidden_state_layer_ids: list[int] | None = None,
         cache_dir: str | Path | None = None,
+        source: str | None = None,
     ):
         """The converted config and weights in memory (what `convert` saves; fine-tuning a
-        research checkpoint, `speculators train --from-pretrained`, trains from them)."""
+        research checkpoint, `speculators train --from-pretrained`, trains from them).
+
+        `source` names the tool that wrote the checkpoint (`eagle3_sources.SOURCES`; None:
+        recognized from its config.json): its mapping gives the fused layers and the residual
+        placement unless they are given here; otherwise the ids stay unset (vLLM's default)
+        and `norm_before_residual` is false."""
+        from speculators_vllm016.convert.eagle3_sources import adapt_checkpoint
+
         checkpoint = read_research_checkpoint(input_path, cache_dir)
-        research_config, weights = checkpoint.config, checkpoint.weights
         verifier_dict = load_verifier_config_dict(base_model)
+        adapted = adapt_checkpoint(
+            source,
+            checkpoint.config,
+            checkpoint.weights,
+            verifier_dict,
+            aux_layer_ids=eagle_aux_hidden_state_layer_ids,
+        )
+        research_config, weights = adapted.config, adapted.weights
+        eagle_aux_hidden_state_layer_ids = adapted.aux_layer_ids
+        if norm_before_residual is None:
+            norm_before_residual = bool(adapted.norm_before_residual)
+        logger.info(
+            "reading a %s EAGLE-3 draft: fused layers %s, norm_before_residual=%s",
+            adapted.source,
+            eagle_aux_hidden_state_layer_ids,
+            norm_before_residual,
+        )
         renamed = self.rename_weights(weights)
 
         if "t2d" in renamed:

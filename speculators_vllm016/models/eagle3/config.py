@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_serializer, field_validator
+from pydantic import Field, field_serializer, field_validator, model_serializer, model_validator
 from transformers import LlamaConfig, PretrainedConfig
 
 from speculators_vllm016.config import SpeculatorModelConfig
 from speculators_vllm016.models.layer_config import transformer_layer_config_from
 from speculators_vllm016.utils.errors import InvalidInputError
+from speculators_vllm016.utils.eagle31 import EAGLE31_FIELDS
 
 __all__ = ["Eagle3SpeculatorConfig", "sliding_window_of"]
 
@@ -60,6 +61,58 @@ class Eagle3SpeculatorConfig(SpeculatorModelConfig):
             "layer id i - 1."
         ),
     )
+
+    norm_before_fc: bool = Field(
+        default=False,
+        description=(
+            "One RMSNorm over the concatenated auxiliary states before `fc` (weight "
+            "`input_norm.weight`); excludes `fc_norm`."
+        ),
+    )
+    fc_norm: bool = Field(
+        default=False,
+        description=(
+            "EAGLE-3.1: an RMSNorm per auxiliary state before the concatenation and `fc` "
+            "(weights `fc_norm.<i>.weight`), so a late layer's larger activations do not drown "
+            "the early ones in the fusion."
+        ),
+    )
+    norm_output: bool = Field(
+        default=False,
+        description=(
+            "EAGLE-3.1: each draft step hands the next one its hidden state after the final norm "
+            "(the state the LM head reads) instead of before it, so the state's magnitude does "
+            "not drift over the steps."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _one_fusion_norm(self) -> Eagle3SpeculatorConfig:
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError(
+                "norm_before_fc and fc_norm exclude each other: pick one norm before fc"
+            )
+        return self
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_eagle31(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if isinstance(data, dict) and not any(data.get(name) for name in EAGLE31_FIELDS):
+            for name in EAGLE31_FIELDS:
+                data.pop(name, None)
+        return data
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        if not self.eagle31:
+            for name in EAGLE31_FIELDS:
+                data.pop(name, None)
+        return data
+
+    @property
+    def eagle31(self) -> bool:
+        """Whether any EAGLE-3.1 switch is on."""
+        return any(getattr(self, name) for name in EAGLE31_FIELDS)
 
     @property
     def target_vocab_size(self) -> int:

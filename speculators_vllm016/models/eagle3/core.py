@@ -37,6 +37,7 @@ from speculators_vllm016.models.eagle3.attention import (
 )
 from speculators_vllm016.models.eagle3.config import Eagle3SpeculatorConfig, sliding_window_of
 from speculators_vllm016.models.eagle3.fused_loss import WeightGradSink
+from speculators_vllm016.models.eagle3.fusion import fuse_aux_states, fusion_norms
 from speculators_vllm016.models.eagle3.metrics import (
     compute_accuracy,
     compute_metrics,
@@ -195,6 +196,14 @@ class Eagle3DraftModel(SpeculatorModel):
         self.register_buffer("d2t", d2t.to(torch.long))
 
         self.fc = nn.Linear(3 * self.target_hidden_size, self.hidden_size, bias=False)
+        self.input_norm, self.fc_norm = fusion_norms(
+            components.norm_class,
+            self.target_hidden_size,
+            3,
+            layer_config.rms_norm_eps,
+            norm_before_fc=config.norm_before_fc,
+            fc_norm=config.fc_norm,
+        )
         first = components.first_layer_class(
             layer_config, layer_idx=0, norm_before_residual=config.norm_before_residual
         )
@@ -393,7 +402,7 @@ class Eagle3DraftModel(SpeculatorModel):
             window=self.attention_window,
         )
         compiled = self.prepare_blocks(row.device)
-        hidden = self.fc(row.hidden_states)
+        hidden = self.fuse_aux_states(row.hidden_states)
         cast_dtype = autocast_dtype(row.device.type)
         compute_dtype = cast_dtype or hidden.dtype
         # Each weight is cast once per forward pass, at its first use; the TTT steps share it.
@@ -429,6 +438,8 @@ class Eagle3DraftModel(SpeculatorModel):
                 **kwargs,
             )
             normed = self.final_norm(hidden, compute_dtype, compiled)[0]
+            if self.config.norm_output:  # EAGLE-3.1: the next step reads the normed state
+                hidden = normed[None]
             if all_logits is not None:
                 all_logits.append(self.lm_head(normed[: row.total])[None])
             if scoring is not None:
@@ -519,6 +530,11 @@ class Eagle3DraftModel(SpeculatorModel):
             return torch.cat([row.input_ids[:, shift:], row.input_ids.new_zeros(1, shift)], dim=-1)
         fed = predicted.clamp(min=0)  # -1: a position no later step reads
         return fed + self.d2t[fed]
+
+    def fuse_aux_states(self, states: torch.Tensor) -> torch.Tensor:
+        """The fused target state of step 0: `fc` of the auxiliary states, behind the fusion
+        norms the config asks for (`fusion`)."""
+        return fuse_aux_states(states, self.fc, self.input_norm, self.fc_norm)
 
     def final_norm(
         self, hidden: torch.Tensor, dtype: torch.dtype, compiled: bool = False

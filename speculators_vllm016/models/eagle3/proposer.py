@@ -39,6 +39,9 @@ class ProposingDraft(Protocol):
     embed_tokens: nn.Embedding
     d2t: torch.Tensor
     attention_window: int | None
+    config: Any
+
+    def fuse_aux_states(self, states: torch.Tensor) -> torch.Tensor: ...
 
     def fuse_verifier_states(
         self, verifier_hidden_states: Sequence[torch.Tensor]
@@ -139,10 +142,15 @@ class Eagle3Proposer:
     ) -> torch.Tensor:
         return self.draft.run_layers(embeds, hidden, position_ids, mask, self.cache, weights)
 
-    def _predict(self, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Target ids of the draft's argmax at `hidden` `[rows, hidden]`."""
-        draft_ids = self.draft.draft_argmax(self.draft.final_norm(hidden, dtype))
-        return draft_ids + self.draft.d2t[draft_ids]
+    def _predict(
+        self, hidden: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target ids of the draft's argmax at `hidden` `[rows, 1, hidden]`, and the state the
+        next step reads: `hidden` itself, or with EAGLE-3.1's `norm_output` its normed form."""
+        normed = self.draft.final_norm(hidden[:, 0], dtype)
+        draft_ids = self.draft.draft_argmax(normed)
+        fed = normed[:, None] if self.draft.config.norm_output else hidden
+        return draft_ids + self.draft.d2t[draft_ids], fed
 
     @torch.no_grad()
     def propose(
@@ -165,7 +173,7 @@ class Eagle3Proposer:
             self.slot_positions = torch.zeros(rows, 0, dtype=torch.long, device=device)
 
         # Step 0 over the new positions; position t of the history has position id t + 1.
-        hidden = draft.fc(draft.fuse_verifier_states(states).to(device))
+        hidden = draft.fuse_aux_states(draft.fuse_verifier_states(states).to(device))
         dtype = hidden.dtype
         order = valid.long().cumsum(dim=1)  # 1-based rank of each new position in its row
         position_ids = self.consumed[:, None] + order
@@ -189,7 +197,8 @@ class Eagle3Proposer:
         pick = torch.arange(rows, device=device)
         hidden = hidden[pick, last][:, None]  # [rows, 1, hidden]
         position_ids = position_ids[pick, last][:, None]
-        proposals = [self._predict(hidden[:, 0], dtype)]
+        proposal, hidden = self._predict(hidden, dtype)
+        proposals = [proposal]
         self.cache.keep = False
         try:
             for step in range(1, self.count):
@@ -198,7 +207,8 @@ class Eagle3Proposer:
                 mask = torch.cat([kept, self.slots.new_ones(rows, step)], dim=1)[:, None, None, :]
                 embeds = draft.embed_tokens(proposals[-1][:, None]).to(dtype)
                 hidden = self._run_layers(embeds, hidden, position_ids + step, mask, weights)
-                proposals.append(self._predict(hidden[:, 0], dtype))
+                proposal, hidden = self._predict(hidden, dtype)
+                proposals.append(proposal)
         finally:
             self.cache.keep = True
             self.cache.drop_scratch()

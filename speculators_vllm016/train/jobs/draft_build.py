@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from speculators_vllm016.train.jobs.draft_match import eagle31_flags
 from speculators_vllm016.train.jobs.job_config import TrainJobConfig
 from speculators_vllm016.train.jobs.pretrained_draft import fine_tune_config, load_draft_weights
 from speculators_vllm016.train.jobs.verifier_identity import recorded_verifier_path
@@ -34,10 +35,12 @@ def build_draft_config(
     aux_layer_ids: list[int] | None,
     verifier_fingerprint: str | None = None,
     sliding_window: int | None = None,
+    eagle31: dict[str, bool] | None = None,
 ) -> Eagle3SpeculatorConfig:
     """The EAGLE-3 draft's config: a Llama decoder layer shaped like the verifier, with the
-    verifier's positions in the form vLLM serves as trained (`utils.draft_positions`), and
-    `sliding_window` written as vLLM 0.16 reads it (every draft layer `sliding_attention`)."""
+    verifier's positions in the form vLLM serves as trained (`utils.draft_positions`),
+    `sliding_window` written as vLLM 0.16 reads it (every draft layer `sliding_attention`), and
+    `eagle31`: the EAGLE-3.1 switches by config key (`draft_match.eagle31_flags`), all off if None."""
     from transformers import LlamaConfig
 
     from speculators_vllm016.models.eagle3 import Eagle3SpeculatorConfig
@@ -85,6 +88,7 @@ def build_draft_config(
         speculators_config=_speculators_config(
             verifier_path, verifier_config, ttt_steps, verifier_fingerprint
         ),
+        **(eagle31 or {}),
     )
 
 
@@ -144,6 +148,7 @@ def build_model(config: TrainJobConfig, setup: TrainSetup) -> Eagle3DraftModel:
             aux_layer_ids=setup.aux_ids,
             verifier_fingerprint=setup.verifier_fingerprint,
             sliding_window=model_config.sliding_window,
+            eagle31=eagle31_flags(model_config),
         )
     model_kwargs = {}
     if config.legacy.no_verifier_norm:

@@ -12,8 +12,8 @@ or tokens than they were trained on; shapes alone catch only some of them.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from speculators_vllm016.train.jobs.job_config import TrainSetupError
 
@@ -28,6 +28,7 @@ __all__ = [
     "RunFacts",
     "check_draft_fits",
     "draft_mismatches",
+    "eagle31_flags",
     "verifier_embeddings",
 ]
 
@@ -66,6 +67,15 @@ class RunFacts:
     norm_before_residual: bool
     embeddings: torch.Tensor | None
     """The verifier's token embeddings (None: not read)."""
+    eagle31: dict[str, bool] = field(default_factory=dict)
+    """The run's EAGLE-3.1 switches by config key (`eagle31_flags`); absent ones are off."""
+
+
+def eagle31_flags(model: Any) -> dict[str, bool]:
+    """The EAGLE-3.1 switches of a job's `ModelConfig` (or a draft config), by config key."""
+    from speculators_vllm016.utils.eagle31 import EAGLE31_FIELDS
+
+    return {name: bool(getattr(model, name, False)) for name in EAGLE31_FIELDS}
 
 
 def verifier_embeddings(verifier: str) -> torch.Tensor | None:
@@ -135,6 +145,13 @@ def _shape_lines(draft: PretrainedDraft, run: RunFacts) -> list[str]:
             f"norm before residual: the draft has norm_before_residual={config.norm_before_residual}, "
             f"this run {flag}"
         )
+    for name, draft_on in eagle31_flags(config).items():
+        if draft_on != run.eagle31.get(name, False):
+            flag = f"--{name.replace('_', '-')}"
+            lines.append(
+                f"{name}: the draft has {name}={draft_on}, this run "
+                f"{'gives' if not draft_on else 'leaves out'} {flag}"
+            )
     return lines
 
 

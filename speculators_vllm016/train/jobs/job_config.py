@@ -101,10 +101,19 @@ class ModelConfig:
     positions back, in training and as vLLM 0.16 serves it (`layer_types: sliding_attention`);
     meant to keep acceptance at prompts longer than the rows trained on (measure it: `eval
     --context-lengths`). At least --ttt-steps. None: full attention."""
+    fc_norm: bool = False
+    """EAGLE-3.1: an RMSNorm per auxiliary target state before they are fused (config key and
+    weights as upstream speculators 0.7 and vLLM >= 0.22 read them; served on 0.16 by this
+    package's vLLM plugin). Excludes --norm-before-fc."""
+    norm_output: bool = False
+    """EAGLE-3.1: each TTT step feeds the next its hidden state after the final norm."""
+    norm_before_fc: bool = False
+    """One RMSNorm over all auxiliary target states together before they are fused."""
     from_pretrained: str | None = None
     """Fine-tune an existing EAGLE-3 draft (a folder or hub id): this package's, speculators
-    0.3.0's, or a research/SpecForge checkpoint (converted as `speculators convert` does; it does
-    not record --norm-before-residual, so give the value it was trained with). It seeds a fresh
+    0.3.0's, upstream 0.7's, or a research/SpecForge, TorchSpec or Model Optimizer checkpoint
+    (converted as `speculators convert` does, fused layers mapped into vLLM's numbering; a
+    research/SpecForge one does not record --norm-before-residual, so give its value). It seeds a fresh
     run only: its served weights (model.safetensors) bit for bit, a fresh optimizer and schedule;
     a --save-path that already has checkpoints resumes them instead and does not read it. Its verifier, hidden size,
     vocabularies, fused layers and layer count must match this run (each mismatch is named, and

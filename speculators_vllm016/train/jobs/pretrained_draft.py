@@ -182,6 +182,9 @@ def fine_tune_config(
         target_hidden_size=source.target_hidden_size or layer.hidden_size,
         eagle_aux_hidden_state_layer_ids=aux_layer_ids,
         speculators_config=speculators_config,
+        norm_before_fc=source.norm_before_fc,
+        fc_norm=source.fc_norm,
+        norm_output=source.norm_output,
     )
 
 

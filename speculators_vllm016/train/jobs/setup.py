@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from speculators_vllm016.train.jobs.draft_match import (
     RunFacts,
     check_draft_fits,
+    eagle31_flags,
     verifier_embeddings,
 )
 from speculators_vllm016.train.jobs.job_config import TrainJobConfig, TrainSetupError
@@ -363,6 +364,8 @@ def _check_numbers(config: TrainJobConfig) -> None:
         )
     if training.lr <= 0:
         raise TrainSetupError("--lr must be positive")
+    if config.model.fc_norm and config.model.norm_before_fc:
+        raise TrainSetupError("--fc-norm and --norm-before-fc exclude each other: pick one")
     if checkpoint.checkpoint_freq is not None and not 0 < checkpoint.checkpoint_freq <= 1:
         raise TrainSetupError("--checkpoint-freq is a fraction of an epoch in (0, 1]")
 
@@ -544,6 +547,7 @@ def prepare(config: TrainJobConfig, research_reader: ResearchReader | None = Non
                 num_layers=config.model.num_layers,
                 norm_before_residual=config.model.norm_before_residual,
                 embeddings=verifier_embeddings(verifier),
+                eagle31=eagle31_flags(config.model),
             ),
         )
     return TrainSetup(

@@ -22,7 +22,10 @@ from tests.train.pretrained_drafts import (
     draft_variant,
     train_ours,
     write_030_draft,
+    write_modelopt_draft,
     write_research_draft,
+    write_speculators07_draft,
+    write_torchspec_draft,
 )
 from tests.training_fixtures import (
     finished_checkpoints,
@@ -307,3 +310,103 @@ def test_a_kimi_k25_draft_fine_tunes_exactly(tiny_deepseek_v3, tiny_kimi_k25, tm
         "KimiK25ForConditionalGeneration"
     ]
     assert written["eagle_aux_hidden_state_layer_ids"] == [1, 2, 2]
+
+
+@pytest.fixture(scope="module")
+def ours31(tiny_llama, training_data, tmp_path_factory) -> Path:
+    """An EAGLE-3.1 draft our trainer wrote (`--fc-norm --norm-output`), two steps in."""
+    save = tmp_path_factory.mktemp("ours31") / "save"
+    flags = ("--max-steps", "2", "--epochs", "1", "--fc-norm", "--norm-output")
+    assert main(train_args(tiny_llama, training_data, save, *flags)) == 0
+    return save / finished_checkpoints(save)[-1]
+
+
+def test_an_eagle31_draft_step_0_is_the_draft_bit_for_bit(
+    ours31, tiny_llama, training_data, tmp_path, first_step
+):
+    save = tmp_path / "save"
+    flags = (*FINE_TUNE, "--from-pretrained", str(ours31), "--fc-norm", "--norm-output")
+    assert main(train_args(tiny_llama, training_data, save, *flags)) == 0
+    served = _served(ours31)
+    assert {f"fc_norm.{i}.weight" for i in range(3)} <= set(served)
+    _assert_started_from(first_step, served)
+    # The loss of the first step is the draft's own, with its norms and normed feedback.
+    assert first_step["loss"] == _evaluate_draft(
+        ours31, tiny_llama, first_step["row"], first_step["options"]
+    )
+    written = json.loads((save / finished_checkpoints(save)[-1] / "config.json").read_text())
+    assert (written["fc_norm"], written["norm_output"]) == (True, True)
+
+
+def test_eagle31_switches_must_match_the_draft(
+    ours31, ours, tiny_llama, training_data, tmp_path, capsys
+):
+    save = tmp_path / "save"
+    plain = (*FINE_TUNE, "--from-pretrained", str(ours31))
+    assert main(train_args(tiny_llama, training_data, save, *plain)) == 2
+    err = capsys.readouterr().err
+    assert "fc_norm: the draft has fc_norm=True, this run leaves out --fc-norm" in err
+    assert "norm_output: the draft has norm_output=True" in err
+    extra = (*FINE_TUNE, "--from-pretrained", str(ours), "--norm-output")
+    assert main(train_args(tiny_llama, training_data, save, *extra)) == 2
+    assert "norm_output: the draft has norm_output=False, this run gives --norm-output" in (
+        capsys.readouterr().err
+    )
+    assert not save.exists()
+
+
+def test_fc_norm_and_norm_before_fc_are_refused_together(
+    tiny_llama, training_data, tmp_path, capsys
+):
+    save = tmp_path / "save"
+    both = ("--epochs", "1", "--fc-norm", "--norm-before-fc")
+    assert main(train_args(tiny_llama, training_data, save, *both)) == 2
+    assert "--fc-norm and --norm-before-fc exclude each other" in capsys.readouterr().err
+    assert not save.exists()
+
+
+@pytest.mark.parametrize("source", ["torchspec", "modelopt", "speculators07"])
+def test_a_draft_from_another_tool_starts_bit_for_bit(
+    source, ours, tiny_llama, training_data, tmp_path, first_step
+):
+    """TorchSpec and Model Optimizer number a fused layer by the target layer that outputs it
+    (the data's datagen ids [0, 1, 2]); their drafts must land on the data's fused layers
+    [1, 2, 3] in vLLM's numbering, or draft_match would refuse them."""
+    if source == "torchspec":
+        draft = write_torchspec_draft(ours, tmp_path / "draft", [0, 1, 2])
+        flags = ()
+    elif source == "modelopt":
+        draft = write_modelopt_draft(ours, tmp_path / "draft", [0, 1, 2])
+        flags = ()
+    else:
+        draft = write_speculators07_draft(ours, tmp_path / "draft")
+        flags = ("--norm-before-fc", "--norm-output")
+    save = tmp_path / "save"
+    args = train_args(tiny_llama, training_data, save, *FINE_TUNE, "--from-pretrained", str(draft))
+    assert main([*args, *flags]) == 0
+    stored = {
+        name.replace("midlayer.", "layers.0."): tensor
+        for name, tensor in load_file(draft / "model.safetensors").items()
+        if name not in ("d2t", "t2d", "embed_tokens.weight")
+    }
+    _assert_started_from(first_step, stored)
+    written = json.loads((save / finished_checkpoints(save)[-1] / "config.json").read_text())
+    assert written["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    if source == "speculators07":
+        assert (written["norm_before_fc"], written["norm_output"]) == (True, True)
+    else:  # their first layer keeps the residual before hidden_norm
+        assert written["norm_before_residual"] is False
+
+
+def test_a_draft_whose_ids_are_read_in_the_wrong_numbering_is_refused(
+    ours, tiny_llama, training_data, tmp_path, capsys
+):
+    """Model Optimizer's ids are outputs of layers: [1, 2, 3] there are vLLM's [2, 3, 4], which
+    the data (fused [1, 2, 3]) does not hold: refused, not trained on the wrong states."""
+    draft = write_modelopt_draft(ours, tmp_path / "draft", [1, 2, 3])
+    save = tmp_path / "save"
+    args = train_args(tiny_llama, training_data, save, *FINE_TUNE, "--from-pretrained", str(draft))
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "[2, 3, 4]" in err
+    assert not save.exists()
