@@ -9,8 +9,8 @@ from transformers import LlamaConfig, PretrainedConfig
 
 from speculators_vllm016.config import SpeculatorModelConfig
 from speculators_vllm016.models.layer_config import transformer_layer_config_from
-from speculators_vllm016.utils.errors import InvalidInputError
 from speculators_vllm016.utils.eagle31 import EAGLE31_FIELDS
+from speculators_vllm016.utils.errors import InvalidInputError
 
 __all__ = ["Eagle3SpeculatorConfig", "sliding_window_of"]
 
