@@ -92,7 +92,7 @@ def save_initial_draft(config: TrainJobConfig, output: Path) -> None:
     """The draft exactly as training starts from it (the trainer's construction and seed)."""
     import torch
 
-    from speculators_vllm016.train.checkpointer import convert_float_dtype
+    from speculators_vllm016.train.checkpointing.checkpoint_files import convert_float_dtype
     from speculators_vllm016.train.jobs.draft_build import build_model
     from speculators_vllm016.train.jobs.setup import prepare
 

@@ -325,12 +325,11 @@ class Trainer:
             total = min(total, self.config.max_steps)
         return max(total, 1)
 
-    # -- progress ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The run's progress (what `training_state.json` holds)."""
         return dataclasses.asdict(self.state)
 
-    # -- one step ------------------------------------------------------------------------------
+    # -- progress and one step -----------------------------------------------------------------
     def train_step(self, batch: PackedBatch | StepRow) -> dict[str, float]:
         """Forward, backward, clip, optimizer and scheduler step on one packed row."""
         metrics = self.step_runner(to_step_row(batch, self.device, self.model))
@@ -597,8 +596,7 @@ class Trainer:
         except BaseException:
             self._wait_for_checkpoint_quietly()
             if moved_metrics and not self._wrote_checkpoint:
-                # Stopped before its first checkpoint, this run leaves the earlier one as it
-                # was: its metrics come back (and this run's lines go to `.prev`).
+                # Stopped before its first checkpoint: the earlier run's metrics come back.
                 self.metrics_log.restore_earlier()
             raise
         return self.state

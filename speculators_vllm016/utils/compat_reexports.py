@@ -43,6 +43,9 @@ COMPAT_REEXPORTS: dict[str, frozenset[str]] = {
         {"align_for_step", "compute_accuracy", "compute_metrics", "loss_function"}
     ),
     "speculators_vllm016.proposals": frozenset({"GreedyTokenProposalConfig"}),
+    "speculators_vllm016.train.checkpointer": frozenset(
+        {"convert_float_dtype", "load_safetensors_state_dict"}
+    ),
     "speculators_vllm016.train.trainer": frozenset({"TrainerConfig"}),
     "speculators_vllm016.utils": frozenset(
         {

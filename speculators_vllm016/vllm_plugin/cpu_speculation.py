@@ -43,6 +43,8 @@ from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
+from speculators_vllm016.utils.errors import RunFailedError
+
 __all__ = [
     "CPU_SPECULATION_ENV",
     "KERNEL_MODULES",
@@ -90,8 +92,9 @@ _EXPECTED_PARAMETERS: Mapping[str, tuple[str, ...]] = {
 _applied: str | None = None  # the start-up line, once this process is patched
 
 
-class CpuSpeculationError(RuntimeError):
-    """vLLM's code is not what the CPU speculation patch was written against."""
+class CpuSpeculationError(RunFailedError):
+    """vLLM's code is not what the CPU speculation patch was written against (a `RunFailedError`:
+    the engine cannot start as asked, and the message names the broken assumption)."""
 
 
 def cpu_speculation_enabled(environ: Mapping[str, str] | None = None) -> bool:
