@@ -40,8 +40,10 @@ def build_draft_config(
     ttt_steps: int,
     aux_layer_ids: list[int] | None,
     verifier_fingerprint: str | None = None,
+    draft_arch: str = "llama",
 ) -> Eagle3SpeculatorConfig:
-    """The EAGLE-3 draft's config: a Llama decoder layer shaped like the verifier."""
+    """The EAGLE-3 draft's config: a Llama decoder layer shaped like the verifier, or with
+    `draft_arch="mla"` a DeepSeek MLA layer shaped from it (`mla_layer_config`)."""
     from transformers import LlamaConfig
 
     from speculators_vllm016.models.eagle3 import Eagle3SpeculatorConfig
@@ -49,6 +51,25 @@ def build_draft_config(
     get = lambda name, default=None: getattr(text_config, name, default)  # noqa: E731
     heads = get("num_attention_heads")
     hidden = get("hidden_size")
+    speculators_config = _speculators_config(
+        verifier_path, verifier_config, ttt_steps, verifier_fingerprint
+    )
+    if draft_arch == "mla":
+        from speculators_vllm016.models.eagle3.mla_layout import MLA_ARCHITECTURE, mla_layer_config
+
+        return Eagle3SpeculatorConfig(
+            architectures=[MLA_ARCHITECTURE],
+            transformer_layer_config=mla_layer_config(
+                text_config,
+                num_layers=num_layers,
+                verifier_model_type=getattr(verifier_config, "model_type", None),
+            ),
+            draft_vocab_size=draft_vocab,
+            norm_before_residual=norm_before_residual,
+            target_hidden_size=hidden,
+            eagle_aux_hidden_state_layer_ids=aux_layer_ids,
+            speculators_config=speculators_config,
+        )
     llama_like = get("model_type") in {"llama", "mistral", "qwen2", "qwen3"}
     layer = LlamaConfig(
         vocab_size=get("vocab_size"),
@@ -72,9 +93,7 @@ def build_draft_config(
         norm_before_residual=norm_before_residual,
         target_hidden_size=hidden,
         eagle_aux_hidden_state_layer_ids=aux_layer_ids,
-        speculators_config=_speculators_config(
-            verifier_path, verifier_config, ttt_steps, verifier_fingerprint
-        ),
+        speculators_config=speculators_config,
     )
 
 
@@ -133,6 +152,7 @@ def build_model(config: TrainJobConfig, setup: TrainSetup) -> Eagle3DraftModel:
             ttt_steps=model_config.ttt_steps,
             aux_layer_ids=setup.aux_ids,
             verifier_fingerprint=setup.verifier_fingerprint,
+            draft_arch=model_config.draft_arch,
         )
     model_kwargs = {}
     if config.legacy.no_verifier_norm:

@@ -313,6 +313,29 @@ def _check_sample(path: Path, standardize: Callable[[dict], dict], hidden_size: 
         )
 
 
+def _check_draft_arch(config: TrainJobConfig, text_config: Any) -> None:
+    """`--draft-arch mla` needs a target with multi-head latent attention and one layer."""
+    if config.model.draft_arch != "mla" or config.model.from_pretrained:
+        return
+    from speculators_vllm016.models.eagle3.mla_layout import mla_layer_config
+
+    try:
+        mla_layer_config(text_config, num_layers=config.model.num_layers)
+    except ValueError as error:
+        raise TrainSetupError(str(error)) from None
+
+
+def _check_pretrained_arch(config: TrainJobConfig, pretrained: PretrainedDraft) -> None:
+    """The `--from-pretrained` draft's layer is the one `--draft-arch` names."""
+    from speculators_vllm016.models.eagle3.mla_layout import is_mla_layer_config
+
+    arch = "mla" if is_mla_layer_config(pretrained.config.transformer_layer_config) else "llama"
+    if arch != config.model.draft_arch:
+        raise TrainSetupError(
+            f"--from-pretrained {pretrained.source} is a {arch!r} draft; pass --draft-arch {arch}"
+        )
+
+
 def _check_numbers(config: TrainJobConfig) -> None:
     """The settings that are wrong whatever the data (each message names its flag)."""
     training, runtime, checkpoint = config.training, config.runtime, config.checkpoint
@@ -484,6 +507,7 @@ def prepare(config: TrainJobConfig, research_reader: ResearchReader | None = Non
         verifier, config.online.engine.trust_remote_code
     )
     _check_verifier_weights(verifier)
+    _check_draft_arch(config, text_config)
     hidden_size, target_vocab = int(text_config.hidden_size), int(text_config.vocab_size)
     standardize = (
         standardize_data_v1 if config.data.data_format_version == 1 else standardize_data_v0
@@ -498,6 +522,8 @@ def prepare(config: TrainJobConfig, research_reader: ResearchReader | None = Non
         _check_online_verifier(config, online, fingerprint)
     aux_ids = _aux_layer_ids(layer_ids, text_config)
     pretrained = _pretrained_draft(config, save_path, research_reader)
+    if pretrained is not None:
+        _check_pretrained_arch(config, pretrained)
     vocab, vocab_source = _run_vocab(config, online, data_path, save_path, target_vocab, pretrained)
     if pretrained is not None:
         check_draft_weights(pretrained)
