@@ -38,6 +38,7 @@ __all__ = [
     "eagle3_serving_verdict",
     "installed_vllm_facts",
     "plugin_enabled",
+    "plugin_installed",
     "serving_line",
     "target_identity",
     "target_serving_line",
@@ -147,7 +148,8 @@ def _class_supports_eagle3(root: Path, arch: str) -> bool | None:
     return class_implements(root, registered[0], registered[1], "SupportsEagle3")
 
 
-def _plugin_installed() -> bool:
+def plugin_installed() -> bool:
+    """The plugin's entry point is registered for this environment (vLLM loads it from there)."""
     from importlib.metadata import entry_points
 
     return any(e.name == PLUGIN_ENTRY_POINT for e in entry_points(group="vllm.general_plugins"))
@@ -166,7 +168,7 @@ def installed_vllm_facts(architectures: Iterable[str]) -> VllmEagle3Facts | None
         version=vllm_version(root),
         accepted_text_model_types=eagle3_target_types(root) or (),
         class_supports_eagle3={arch: _class_supports_eagle3(root, arch) for arch in architectures},
-        plugin_installed=_plugin_installed(),
+        plugin_installed=plugin_installed(),
     )
 
 

@@ -21,16 +21,18 @@ implements `SupportsEagle3` (no auxiliary hidden states). This plugin fixes both
   DeepSeek MTP module (`SpeculativeConfig.hf_config_override`);
 - it widens the list of text model types in `SpeculativeConfig`'s EAGLE-3 check
   (`speculative_types.py`: deepseek_v2, deepseek_v3, kimi_k2; Kimi-K2.5's text model is
-  deepseek_v3). Nothing else of vLLM is touched; other models load vLLM's own classes.
+  deepseek_v3). Other models load vLLM's own classes.
 
 vLLM runs it in every process through the `vllm.general_plugins` entry point
 `speculators_eagle3` (pyproject.toml); running it twice changes nothing. Switch it off with
 `SPECULATORS_VLLM_PLUGIN=0` (or leave it out of `VLLM_PLUGINS`); vLLM then behaves as shipped.
 
-vLLM's CPU build cannot run speculative decoding at all (`cpu_model_runner.py` asserts there is
-no speculative config), so on a CPU the plugin can only be checked up to the config accepting
-the draft and the target returning the right aux states (tests/vllm_plugin/). The decode loop
-needs a GPU: `benchmarks/serve_eagle3.py` serves target + draft and measures acceptance.
+On vLLM 0.16's CPU build, which refuses speculative decoding as shipped, `register()` also
+lets the CPU model runner speculate with vLLM's own proposers and rejection sampler
+(`cpu_speculation.py`: EAGLE-3, EAGLE-1, ngram; its own switch `SPECULATORS_CPU_SPECULATION=0`,
+and off with the plugin; nothing is patched on other platforms or vLLM versions). That is how the
+plugin's EAGLE-3 path is served end to end here (tests/vllm_plugin/test_cpu_speculation_engine.py);
+on GPUs vLLM's own runner speculates and only the model classes and the list above are needed.
 """
 
 from __future__ import annotations
@@ -81,4 +83,7 @@ def register() -> bool:
     widen_eagle3_model_types()
     register_kimi_k2_config()
     keep_mla_drafts_as_eagle3()
+    from speculators_vllm016.vllm_plugin.cpu_speculation import enable_cpu_speculation
+
+    enable_cpu_speculation()  # only on vLLM 0.16.x's CPU platform; its own switch
     return True

@@ -4,15 +4,11 @@ is the verifier, so a draft measures as on the plain DeepSeek-V3 with the same w
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import torch
 from typer.testing import CliRunner
 
 from speculators_vllm016.__main__ import app
-from speculators_vllm016.models.eagle3 import Eagle3DraftModel
-from speculators_vllm016.utils.verifier_weights import read_verifier_weights
-from tests.evaluate.drafts import build_draft
+from tests.evaluate.drafts import logit_lens_draft
 from tests.kimi_variants import with_remote_code, with_vision_tower
 
 CONVERSATIONS = [
@@ -37,27 +33,6 @@ CONVERSATIONS = [
 ]
 
 
-def logit_lens_draft(verifier: Path) -> Eagle3DraftModel:
-    """A draft that proposes what the verifier's final norm and LM head make of its second-to-last
-    layer's output (its decoder layer reduced to the residual): right often enough that tau shows
-    which hidden states the verifier computed."""
-    draft = build_draft(
-        str(verifier),
-        aux_layer_ids=(1, 2, 2),
-        architectures=("KimiK25ForConditionalGeneration",),
-        draft_vocab=512,
-    )
-    hidden = draft.hidden_size
-    with torch.no_grad():
-        draft.fc.weight.zero_()
-        draft.fc.weight[:, 2 * hidden :] = torch.eye(hidden)  # the output of layer 1 (aux id 2)
-        for layer in draft.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        draft.norm.weight.copy_(read_verifier_weights(str(verifier)).norm)
-    return draft
-
-
 def test_a_draft_measures_the_same_on_the_kimi_wrapper_as_on_its_language_model(
     tiny_kimi_k25, tiny_deepseek_v3, tmp_path
 ):
@@ -65,7 +40,7 @@ def test_a_draft_measures_the_same_on_the_kimi_wrapper_as_on_its_language_model(
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in CONVERSATIONS))
     draft = tmp_path / "draft"
-    logit_lens_draft(kimi).save_pretrained(draft)
+    logit_lens_draft(str(kimi), "KimiK25ForConditionalGeneration").save_pretrained(draft)
     reports = {}
     for name, verifier in (("kimi", kimi), ("deepseek", tiny_deepseek_v3)):
         out = tmp_path / f"{name}.json"

@@ -12,6 +12,7 @@ from speculators_vllm016.config import SpeculatorsConfig, VerifierConfig
 from speculators_vllm016.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 from speculators_vllm016.proposals import GreedyTokenProposalConfig
 from speculators_vllm016.train.vocab_mapping import build_vocab_mappings_from_distribution
+from speculators_vllm016.utils.verifier_weights import read_verifier_weights
 
 VOCAB = 512
 DRAFT_VOCAB = 128
@@ -53,6 +54,30 @@ def build_draft(
         {token: VOCAB - token for token in range(VOCAB)}, draft_vocab, VOCAB
     )
     return Eagle3DraftModel(config, t2d=t2d, d2t=d2t).eval()
+
+
+def logit_lens_draft(
+    verifier: str, architecture: str, aux_id: int = 2, speculative_tokens: int = 3
+) -> Eagle3DraftModel:
+    """A draft that proposes what the verifier's final norm and LM head make of the residual
+    stream entering its layer `aux_id` (its decoder layer reduced to the residual): right often
+    enough, and depending on the context, that acceptance is neither 0 nor all."""
+    draft = build_draft(
+        verifier,
+        speculative_tokens=speculative_tokens,
+        aux_layer_ids=(1, aux_id, aux_id),
+        architectures=(architecture,),
+        draft_vocab=VOCAB,
+    )
+    hidden = draft.hidden_size
+    with torch.no_grad():
+        draft.fc.weight.zero_()
+        draft.fc.weight[:, 2 * hidden :] = torch.eye(hidden)  # the third aux state
+        for layer in draft.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        draft.norm.weight.copy_(read_verifier_weights(verifier).norm)
+    return draft
 
 
 def scripted_proposer(
