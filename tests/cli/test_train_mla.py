@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from typer.testing import CliRunner
 
+from speculators_vllm016.__main__ import app
 from speculators_vllm016.cli.train import main
 from speculators_vllm016.model import SpeculatorModel
 from speculators_vllm016.models.eagle3 import Eagle3DraftModel
@@ -94,6 +96,24 @@ def test_mla_fine_tune_starts_from_the_draft_exactly(
         assert torch.equal(seen[name], tensor.to(seen[name].dtype)), name
     llama = train_args(tiny_deepseek_v3, deepseek_data, tmp_path / "no", "--from-pretrained")
     assert main([*llama, str(draft)]) == 2
+
+    # `speculators eval --engine hf` reads the flat layout (verifier and k from speculators_draft).
+    chat = tmp_path / "chat.jsonl"
+    turns = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+    ]
+    row = {"conversations": turns}
+    chat.write_text(json.dumps(row) + "\n")
+    out = tmp_path / "eval.json"
+    result = CliRunner().invoke(
+        app,
+        ["eval", "--draft", str(draft), "--data-path", str(chat), "--max-new-tokens", "8"]
+        + ["--ignore-eos", "--engine", "hf", "--output-json", str(out), "--no-progress"],
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())["drafts"][0]
+    assert report["generated_tokens"] == 8 and report["num_drafts"] > 0
 
 
 def test_mla_on_the_kimi_wrapper_and_refused_on_a_llama(
