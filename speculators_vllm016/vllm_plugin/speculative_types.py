@@ -85,6 +85,26 @@ def register_kimi_k2_config() -> None:
         _CONFIG_REGISTRY["kimi_k2"] = DeepseekV3Config
 
 
+# vLLM's own `SpeculativeConfig.hf_config_override`, kept when it is replaced in this process.
+_SHIPPED_OVERRIDE = None
+
+
+def mla_aware_hf_config_override(hf_config):
+    """vLLM's draft-config override, except for MLA EAGLE-3 drafts (see
+    `keep_mla_drafts_as_eagle3`). A module-level function: vLLM pickles the draft's model config,
+    this included, into its engine process."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    if architectures and architectures[0] in MLA_DRAFT_ARCHITECTURES:
+        hf_config.model_type = "deepseek_v3"
+        return hf_config
+    shipped = _SHIPPED_OVERRIDE
+    if shipped is None:  # unpickled in a process whose plugin has not run yet: vLLM's is in place
+        from vllm.config.speculative import SpeculativeConfig
+
+        shipped = SpeculativeConfig.hf_config_override
+    return shipped(hf_config)
+
+
 def keep_mla_drafts_as_eagle3() -> None:
     """Keep vLLM 0.16 from reading an MLA EAGLE-3 draft as a DeepSeek MTP module.
 
@@ -93,18 +113,11 @@ def keep_mla_drafts_as_eagle3() -> None:
     draft's is left as it is here, its `model_type` read as deepseek_v3 (a `kimi_k2` draft's
     too: vLLM picks its MLA attention for EAGLE drafts of DeepSeek types only). Idempotent.
     """
+    global _SHIPPED_OVERRIDE
     from vllm.config.speculative import SpeculativeConfig
 
-    shipped = SpeculativeConfig.hf_config_override
-    if getattr(shipped, "keeps_mla_drafts", False):
+    current = SpeculativeConfig.hf_config_override
+    if current is mla_aware_hf_config_override:
         return
-
-    def hf_config_override(hf_config):
-        architectures = getattr(hf_config, "architectures", None) or []
-        if architectures and architectures[0] in MLA_DRAFT_ARCHITECTURES:
-            hf_config.model_type = "deepseek_v3"
-            return hf_config
-        return shipped(hf_config)
-
-    hf_config_override.keeps_mla_drafts = True
-    SpeculativeConfig.hf_config_override = staticmethod(hf_config_override)
+    _SHIPPED_OVERRIDE = current
+    SpeculativeConfig.hf_config_override = staticmethod(mla_aware_hf_config_override)
