@@ -42,7 +42,7 @@ from vllm.model_executor.models.deepseek_v2 import (
     DeepseekV2MLAAttention,
     DeepseekV2MLP,
 )
-from vllm.model_executor.models.interfaces import SupportsEagle3
+from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 from vllm.model_executor.models.utils import process_eagle_weight
 
 __all__ = ["MLAEagle3DraftForCausalLM", "MLAEagle3DraftModel"]
@@ -171,12 +171,16 @@ class MLAEagle3DraftModel(nn.Module):
         return normed, prenorm
 
 
-class MLAEagle3DraftForCausalLM(nn.Module, SupportsEagle3):
+class MLAEagle3DraftForCausalLM(Eagle3LlamaForCausalLM):
     """What vLLM 0.16 builds for an `Eagle3DeepseekV2ForCausalLM` draft (the EAGLE-3 proposer's
-    calls: `combine_hidden_states`, `forward`, `compute_logits`, `embed_input_ids`)."""
+    calls: `combine_hidden_states`, `forward`, `compute_logits`, `embed_input_ids`).
+
+    A subclass of vLLM's Llama EAGLE-3 draft only because 0.16's proposer asserts that its
+    EAGLE-3 model is one (`v1/spec_decode/eagle.py`); every method it calls is this class's own
+    and none of the Llama class's `__init__` runs."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.config = vllm_config.speculative_config.draft_model_config.hf_config
         if getattr(self.config, "draft_vocab_size", None) is None:
             self.config.draft_vocab_size = self.config.vocab_size
