@@ -9,6 +9,7 @@ proposal methods and the verifier the draft was trained for.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, ClassVar
 
@@ -141,6 +142,11 @@ _CLASS_ONLY_KEYS = (
 )
 
 
+ForeignLayoutReader = Callable[[dict[str, Any]], "dict[str, Any] | None"]
+"""A `config.json` dict of another tool's layout -> this layout's dict, or None."""
+_FOREIGN_LAYOUT_READERS: list[ForeignLayoutReader] = []
+
+
 class SpeculatorModelConfig(PydanticClassRegistryMixin, PretrainedConfig):
     """Base config of every speculator model; `config.json` of a saved draft.
 
@@ -207,12 +213,32 @@ class SpeculatorModelConfig(PydanticClassRegistryMixin, PretrainedConfig):
             **kwargs,
         )
         if "speculators_model_type" not in config_dict:
+            config_dict = cls._from_foreign_layout(config_dict) or config_dict
+        if "speculators_model_type" not in config_dict:
             raise UnsupportedError(
                 "Loading a non-speculator model config is not supported yet. "
                 f"{pretrained_model_name_or_path} is not a speculator checkpoint (its config "
                 "has no speculators_model_type); convert it with `speculators convert` first"
             )
         return cls.from_dict(config_dict, **kwargs)
+
+    @classmethod
+    def register_foreign_layout(cls, reader: ForeignLayoutReader) -> None:
+        """Let `from_pretrained` read drafts saved in another tool's layout: `reader` turns such a
+        `config.json` dict into this layout's dict, or returns None for configs it does not know.
+        Model modules register theirs at import (e.g. the MLA draft's flat vLLM layout)."""
+        if reader not in _FOREIGN_LAYOUT_READERS:
+            _FOREIGN_LAYOUT_READERS.append(reader)
+
+    @classmethod
+    def _from_foreign_layout(cls, config_dict: dict[str, Any]) -> dict[str, Any] | None:
+        if cls.registry_auto_discovery:
+            cls.auto_populate_registry()  # the model modules register their readers
+        for reader in _FOREIGN_LAYOUT_READERS:
+            converted = reader(config_dict)
+            if converted is not None:
+                return converted
+        return None
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> SpeculatorModelConfig:

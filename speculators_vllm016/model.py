@@ -178,6 +178,9 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
                 **loader_arguments,
             )
         model_class = cls
+        key_mapping = model_class.checkpoint_key_mapping(config)
+        if key_mapping and loader_arguments.get("key_mapping") is None:
+            loader_arguments["key_mapping"] = key_mapping
         return_loading_info = loader_arguments.pop("output_loading_info", False)
         loading = _LOADING.set(True)
         try:
@@ -191,7 +194,7 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
             )
         finally:
             _LOADING.reset(loading)
-        missing = list(loading_info.get("missing_keys") or [])
+        missing = model.complete_missing_weights(list(loading_info.get("missing_keys") or []))
         if missing:
             source = pretrained_model_name_or_path or "the state_dict"
             raise InvalidInputError(
@@ -210,6 +213,17 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
         if return_loading_info:
             return model, loading_info
         return model
+
+    @classmethod
+    def checkpoint_key_mapping(cls, config: SpeculatorModelConfig) -> dict[str, str] | None:
+        """Renames (regex -> replacement) of the tensor names of `config`'s checkpoints that
+        other tools wrote, applied on loading only; None: names are read as saved."""
+        return None
+
+    def complete_missing_weights(self, missing: list[str]) -> list[str]:
+        """Fill the tensors a checkpoint may leave out because their value follows from the
+        config; returns the names still missing (an error). Here: none filled."""
+        return missing
 
     def __init__(
         self,

@@ -1,4 +1,5 @@
-"""vLLM 0.16 plugin: EAGLE-3 drafts for DeepSeek-V2/V3, Kimi-K2 and Kimi-K2.5 targets.
+"""vLLM 0.16 plugin: EAGLE-3 drafts for DeepSeek-V2/V3, Kimi-K2 and Kimi-K2.5 targets, and MLA
+drafts.
 
 vLLM 0.16 refuses to serve an EAGLE-3 draft for these targets twice over: `SpeculativeConfig`
 accepts `method="eagle3"` only for a fixed list of text model types (llama, qwen, ...), and
@@ -13,6 +14,11 @@ implements `SupportsEagle3` (no auxiliary hidden states). This plugin fixes both
   decoder layer i (the output of layer i - 1), which is what our draft configs record as
   `eagle_aux_hidden_state_layer_ids` (datagen ids + 1). With no layers set the forward is vLLM's
   own, unchanged;
+- it registers the MLA EAGLE-3 draft's architecture `Eagle3DeepseekV2ForCausalLM` (and its V3
+  alias; vLLM has them from 0.18 on) to `mla_draft.MLAEagle3DraftForCausalLM`, and the draft
+  config type `kimi_k2` (TorchSpec's and our Kimi drafts' `model_type`, which 0.16 cannot read)
+  as transformers' DeepSeek-V3 config, and keeps vLLM from reading such a draft config as a
+  DeepSeek MTP module (`SpeculativeConfig.hf_config_override`);
 - it widens the list of text model types in `SpeculativeConfig`'s EAGLE-3 check
   (`speculative_types.py`: deepseek_v2, deepseek_v3, kimi_k2; Kimi-K2.5's text model is
   deepseek_v3);
@@ -50,15 +56,20 @@ __all__ = ["PLUGIN_CLASSES", "register"]
 logger = logging.getLogger(__name__)
 
 _MODULE = "speculators_vllm016.vllm_plugin.deepseek_eagle3"
-_DRAFT_MODULE = "speculators_vllm016.vllm_plugin.eagle31_llama"
-# vLLM architecture name -> the class this plugin has vLLM build for it.
+_EAGLE31_MODULE = "speculators_vllm016.vllm_plugin.eagle31_llama"
+_MLA_MODULE = "speculators_vllm016.vllm_plugin.mla_draft"
+# vLLM architecture name -> the class this plugin has vLLM build for it: the three targets, the
+# Llama-layer draft (vLLM's class plus EAGLE-3.1) and the MLA draft's architecture (which vLLM
+# 0.16 does not have; vLLM >= 0.18 names it so).
 PLUGIN_CLASSES = {
     "DeepseekV2ForCausalLM": f"{_MODULE}:Eagle3DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": f"{_MODULE}:Eagle3DeepseekV3ForCausalLM",
     "KimiK25ForConditionalGeneration": f"{_MODULE}:Eagle3KimiK25ForConditionalGeneration",
     # The Llama-layer draft: vLLM's class plus EAGLE-3.1 (the same class when 3.1 is off).
-    "Eagle3LlamaForCausalLM": f"{_DRAFT_MODULE}:Eagle31LlamaForCausalLM",
-    "LlamaForCausalLMEagle3": f"{_DRAFT_MODULE}:Eagle31LlamaForCausalLM",
+    "Eagle3LlamaForCausalLM": f"{_EAGLE31_MODULE}:Eagle31LlamaForCausalLM",
+    "LlamaForCausalLMEagle3": f"{_EAGLE31_MODULE}:Eagle31LlamaForCausalLM",
+    "Eagle3DeepseekV2ForCausalLM": f"{_MLA_MODULE}:MLAEagle3DraftForCausalLM",
+    "Eagle3DeepseekV3ForCausalLM": f"{_MLA_MODULE}:MLAEagle3DraftForCausalLM",
 }
 
 
@@ -72,7 +83,11 @@ def register() -> bool:
         return False
     from vllm.model_executor.models import ModelRegistry
 
-    from speculators_vllm016.vllm_plugin.speculative_types import widen_eagle3_model_types
+    from speculators_vllm016.vllm_plugin.speculative_types import (
+        keep_mla_drafts_as_eagle3,
+        register_kimi_k2_config,
+        widen_eagle3_model_types,
+    )
     from speculators_vllm016.vllm_plugin.speculators_config import carry_eagle31_fields
 
     for arch, target in PLUGIN_CLASSES.items():
@@ -83,6 +98,8 @@ def register() -> bool:
         ModelRegistry.register_model(arch, target)
     widen_eagle3_model_types()
     carry_eagle31_fields()
+    register_kimi_k2_config()
+    keep_mla_drafts_as_eagle3()
     from speculators_vllm016.vllm_plugin.cpu_amx import hide_amx_the_kernels_lack
     from speculators_vllm016.vllm_plugin.cpu_speculation import enable_cpu_speculation
 

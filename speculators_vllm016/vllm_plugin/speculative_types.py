@@ -18,7 +18,15 @@ from types import CodeType
 
 from speculators_vllm016.utils.eagle3_serving import PLUGIN_TEXT_MODEL_TYPES
 
-__all__ = ["eagle3_model_types_in", "widen_eagle3_model_types"]
+__all__ = [
+    "eagle3_model_types_in",
+    "keep_mla_drafts_as_eagle3",
+    "register_kimi_k2_config",
+    "widen_eagle3_model_types",
+]
+
+# The MLA EAGLE-3 draft's architecture names (vLLM >= 0.18's, TorchSpec's).
+MLA_DRAFT_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
 
 logger = logging.getLogger(__name__)
 
@@ -63,3 +71,53 @@ def widen_eagle3_model_types() -> bool:
     constants = tuple(widened if value == current else value for value in code.co_consts)
     validator.__code__ = code.replace(co_consts=constants)
     return True
+
+
+def register_kimi_k2_config() -> None:
+    """Let vLLM 0.16 read a draft config of `model_type` `kimi_k2` (MLA drafts for Kimi targets,
+    as TorchSpec and `--draft-arch mla` write them) as transformers' DeepSeek-V3 config, which it
+    is; transformers 4.57 and vLLM 0.16 know no such type. Idempotent; a vLLM that knows it
+    keeps its own."""
+    from transformers import DeepseekV3Config
+    from vllm.transformers_utils.config import _CONFIG_REGISTRY
+
+    if "kimi_k2" not in _CONFIG_REGISTRY:
+        _CONFIG_REGISTRY["kimi_k2"] = DeepseekV3Config
+
+
+# vLLM's own `SpeculativeConfig.hf_config_override`, kept when it is replaced in this process.
+_SHIPPED_OVERRIDE = None
+
+
+def mla_aware_hf_config_override(hf_config):
+    """vLLM's draft-config override, except for MLA EAGLE-3 drafts (see
+    `keep_mla_drafts_as_eagle3`). A module-level function: vLLM pickles the draft's model config,
+    this included, into its engine process."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    if architectures and architectures[0] in MLA_DRAFT_ARCHITECTURES:
+        hf_config.model_type = "deepseek_v3"
+        return hf_config
+    shipped = _SHIPPED_OVERRIDE
+    if shipped is None:  # unpickled in a process whose plugin has not run yet: vLLM's is in place
+        from vllm.config.speculative import SpeculativeConfig
+
+        shipped = SpeculativeConfig.hf_config_override
+    return shipped(hf_config)
+
+
+def keep_mla_drafts_as_eagle3() -> None:
+    """Keep vLLM 0.16 from reading an MLA EAGLE-3 draft as a DeepSeek MTP module.
+
+    `SpeculativeConfig.hf_config_override` (applied to every draft config) turns any config of
+    `model_type` deepseek_v3 into `DeepSeekMTPModel`. A config whose architecture is the MLA
+    draft's is left as it is here, its `model_type` read as deepseek_v3 (a `kimi_k2` draft's
+    too: vLLM picks its MLA attention for EAGLE drafts of DeepSeek types only). Idempotent.
+    """
+    global _SHIPPED_OVERRIDE
+    from vllm.config.speculative import SpeculativeConfig
+
+    current = SpeculativeConfig.hf_config_override
+    if current is mla_aware_hf_config_override:
+        return
+    _SHIPPED_OVERRIDE = current
+    SpeculativeConfig.hf_config_override = staticmethod(mla_aware_hf_config_override)

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PLUGIN_ARCHS = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"}
 # The Llama-layer draft's names in vLLM 0.16's registry: vLLM's class plus EAGLE-3.1.
 DRAFT_ARCHS = {"Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3"}
+MLA_DRAFT_ARCHS = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
 
 # Runs in a fresh interpreter: vLLM's registry and EAGLE-3 list before and after register(), twice.
 REGISTER_SCRIPT = textwrap.dedent(
@@ -90,7 +91,13 @@ def test_register_changes_only_its_architectures_and_the_list_once():
     result = run_clean(REGISTER_SCRIPT)
     before, after = result["before"], result["after"]
     assert result["results"] == [True, True]
-    assert set(before) == set(after)
+    # vLLM 0.16 has no MLA EAGLE-3 draft class: the plugin adds the two names vLLM >= 0.18 uses.
+    assert set(after) - set(before) == set(MLA_DRAFT_ARCHS)
+    for arch in MLA_DRAFT_ARCHS:
+        assert after[arch][:2] == [
+            "speculators_vllm016.vllm_plugin.mla_draft",
+            "MLAEagle3DraftForCausalLM",
+        ]
     changed = {arch for arch in before if before[arch] != after[arch]}
     assert changed == PLUGIN_ARCHS | DRAFT_ARCHS
     for arch in PLUGIN_ARCHS:

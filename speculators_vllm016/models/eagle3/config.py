@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import Field, field_serializer, field_validator, model_serializer, model_validator
 from transformers import LlamaConfig, PretrainedConfig
 
 from speculators_vllm016.config import SpeculatorModelConfig
+from speculators_vllm016.models.eagle3.mla_layout import (
+    flat_mla_config,
+    is_flat_mla_config,
+    is_mla_layer_config,
+    speculators_dict_from_flat_mla,
+)
 from speculators_vllm016.models.layer_config import transformer_layer_config_from
 from speculators_vllm016.utils.eagle31 import EAGLE31_FIELDS
 from speculators_vllm016.utils.errors import InvalidInputError
@@ -128,7 +135,22 @@ class Eagle3SpeculatorConfig(SpeculatorModelConfig):
             layer["torch_dtype"] = str(outer).removeprefix("torch.")
         return layer
 
+    def to_json_string(self, use_diff: bool = True) -> str:
+        """`config.json`'s text: the speculators layout, or for an MLA draft the flat layout
+        vLLM >= 0.18 and TorchSpec read (`mla_layout`)."""
+        if not is_mla_layer_config(self.transformer_layer_config):
+            return super().to_json_string(use_diff)
+        flat = flat_mla_config(self.transformer_layer_config.to_dict(), self.to_dict())
+        return json.dumps(flat, indent=2, sort_keys=True) + "\n"
+
     @field_validator("transformer_layer_config", mode="before")
     @classmethod
     def validate_transformer_config(cls, value: Any) -> PretrainedConfig:
         return transformer_layer_config_from(value)
+
+
+def _read_flat_mla(config_dict: dict[str, Any]) -> dict[str, Any] | None:
+    return speculators_dict_from_flat_mla(config_dict) if is_flat_mla_config(config_dict) else None
+
+
+SpeculatorModelConfig.register_foreign_layout(_read_flat_mla)

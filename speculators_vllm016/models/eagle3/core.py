@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speculators_vllm016.model import SpeculatorModel
+from speculators_vllm016.models.eagle3 import mla_layer as _mla_layer  # noqa: F401 (registers it)
 from speculators_vllm016.models.eagle3.attention import (
     ATTENTION_INTERFACE_NAME,
     extend_mask_for_draft_tokens,
@@ -43,6 +44,7 @@ from speculators_vllm016.models.eagle3.metrics import (
     compute_metrics,
     loss_function,
 )
+from speculators_vllm016.models.eagle3.mla_layout import MLA_KEY_MAPPING, is_mla_layer_config
 from speculators_vllm016.models.eagle3.model_definitions import (
     FirstLayerWeightCache,
     autocast_dtype,
@@ -231,6 +233,24 @@ class Eagle3DraftModel(SpeculatorModel):
             self.verifier_norm.weight.requires_grad_(False)
         if from_verifier:
             self.load_verifier_weights()
+
+    @classmethod
+    def checkpoint_key_mapping(cls, config: Eagle3SpeculatorConfig) -> dict[str, str] | None:
+        """MLA drafts: TorchSpec's `midlayer.` read as `layers.0.` (as vLLM does)."""
+        if is_mla_layer_config(config.transformer_layer_config):
+            return dict(MLA_KEY_MAPPING)
+        return None
+
+    def complete_missing_weights(self, missing: list[str]) -> list[str]:
+        """A full-vocabulary draft may leave out `t2d` / `d2t` (TorchSpec writes them only for a
+        reduced vocabulary): they are then the identity maps."""
+        maps = {"t2d", "d2t"}
+        if not maps & set(missing) or self.draft_vocab_size != self.t2d.shape[0]:
+            return missing
+        device = self.lm_head.weight.device
+        self.t2d = torch.ones(self.draft_vocab_size, dtype=torch.bool, device=device)
+        self.d2t = torch.zeros(self.draft_vocab_size, dtype=torch.long, device=device)
+        return [name for name in missing if name not in maps]
 
     def tie_weights(self, *args: Any, **kwargs: Any) -> None:
         """Never tie: the draft head covers the draft vocabulary, the embeddings the target's."""

@@ -36,11 +36,14 @@ def build_draft_config(
     verifier_fingerprint: str | None = None,
     sliding_window: int | None = None,
     eagle31: dict[str, bool] | None = None,
+    draft_arch: str = "llama",
 ) -> Eagle3SpeculatorConfig:
     """The EAGLE-3 draft's config: a Llama decoder layer shaped like the verifier, with the
     verifier's positions in the form vLLM serves as trained (`utils.draft_positions`),
     `sliding_window` written as vLLM 0.16 reads it (every draft layer `sliding_attention`), and
-    `eagle31`: the EAGLE-3.1 switches by config key (`draft_match.eagle31_flags`), all off if None."""
+    `eagle31`: the EAGLE-3.1 switches by config key (`draft_match.eagle31_flags`), all off if None;
+    or with `draft_arch="mla"` a DeepSeek MLA layer shaped from it (`mla_layer_config`), which has
+    neither a window nor the EAGLE-3.1 norms."""
     from transformers import LlamaConfig
 
     from speculators_vllm016.models.eagle3 import Eagle3SpeculatorConfig
@@ -48,6 +51,25 @@ def build_draft_config(
     get = lambda name, default=None: getattr(text_config, name, default)  # noqa: E731
     heads = get("num_attention_heads")
     hidden = get("hidden_size")
+    speculators_config = _speculators_config(
+        verifier_path, verifier_config, ttt_steps, verifier_fingerprint
+    )
+    if draft_arch == "mla":
+        from speculators_vllm016.models.eagle3.mla_layout import MLA_ARCHITECTURE, mla_layer_config
+
+        return Eagle3SpeculatorConfig(
+            architectures=[MLA_ARCHITECTURE],
+            transformer_layer_config=mla_layer_config(
+                text_config,
+                num_layers=num_layers,
+                verifier_model_type=getattr(verifier_config, "model_type", None),
+            ),
+            draft_vocab_size=draft_vocab,
+            norm_before_residual=norm_before_residual,
+            target_hidden_size=hidden,
+            eagle_aux_hidden_state_layer_ids=aux_layer_ids,
+            speculators_config=speculators_config,
+        )
     llama_like = get("model_type") in {"llama", "mistral", "qwen2", "qwen3"}
     head_dim = (get("head_dim") if llama_like else None) or hidden // heads
     positions = draft_positions(text_config, head_dim)
@@ -85,9 +107,7 @@ def build_draft_config(
         norm_before_residual=norm_before_residual,
         target_hidden_size=hidden,
         eagle_aux_hidden_state_layer_ids=aux_layer_ids,
-        speculators_config=_speculators_config(
-            verifier_path, verifier_config, ttt_steps, verifier_fingerprint
-        ),
+        speculators_config=speculators_config,
         **(eagle31 or {}),
     )
 
@@ -149,6 +169,7 @@ def build_model(config: TrainJobConfig, setup: TrainSetup) -> Eagle3DraftModel:
             verifier_fingerprint=setup.verifier_fingerprint,
             sliding_window=model_config.sliding_window,
             eagle31=eagle31_flags(model_config),
+            draft_arch=model_config.draft_arch,
         )
     model_kwargs = {}
     if config.legacy.no_verifier_norm:

@@ -86,6 +86,12 @@ class ModelConfig:
     verifier_name_or_path: str = field(default="", metadata={"required": True})
     """The target model that generated the data (local folder or hub id). The draft copies its
     layer shape and vocabulary; required."""
+    draft_arch: str = field(default="llama", metadata={"choices": ["llama", "mla"]})
+    """The draft's decoder layer. "llama": a Llama layer the target's width (0.3.0's, what vLLM
+    0.16 serves natively). "mla": one DeepSeek-V3 layer with multi-head latent attention shaped
+    from a DeepSeek-V2/V3 or Kimi-K2/K2.5 target (576 KV-cache values per token at Kimi-K2.5
+    shape instead of a Llama layer's 16,384), saved as vLLM >= 0.18 and TorchSpec's
+    `Eagle3DeepseekV2ForCausalLM` and served on vLLM 0.16 through this package's plugin."""
     num_layers: int = 1
     """Decoder layers of the draft. 1, as 0.3.0 and the EAGLE-3 paper: a deeper draft is slower
     to run than it gains in acceptance."""

@@ -23,6 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from speculators_vllm016.models.eagle3.mla_layout import (
+    MLA_KEY_MAPPING,
+    is_flat_mla_config,
+    speculators_dict_from_flat_mla,
+)
 from speculators_vllm016.train.jobs.job_config import TrainSetupError
 from speculators_vllm016.utils.errors import first_line
 
@@ -63,15 +68,17 @@ class PretrainedDraft:
     folder: Path
     """Where its files are (the hub's snapshot folder for a hub id)."""
     layout: str
-    """"speculators" (this package's or 0.3.0's) or "research" (converted)."""
+    """"speculators" (this package's or 0.3.0's), "mla" (the flat MLA layout of vLLM >= 0.18
+    and TorchSpec, `mla_layout`) or "research" (converted)."""
     config: Eagle3SpeculatorConfig
     weights: dict[str, torch.Tensor]
     """Its tensors under `Eagle3DraftModel`'s names, in their stored dtype."""
 
     @property
     def records_norm_before_residual(self) -> bool:
-        """Research checkpoints do not say; the run's flag gave the converter its value."""
-        return self.layout == "speculators"
+        """Research checkpoints do not say; the run's flag gave the converter its value. An MLA
+        draft's flat config says, or means False (vLLM's and TorchSpec's MLA layer)."""
+        return self.layout in ("speculators", "mla")
 
 
 def locate_draft(name: str) -> Path:
@@ -121,6 +128,8 @@ def read_pretrained_draft(
     folder = locate_draft(name)
     raw = _read_config(folder, name)
     kind = raw.get("speculators_model_type")
+    if kind is None and is_flat_mla_config(raw):
+        return _read_mla_draft(name, folder, raw)
     if kind is None:
         if research_reader is None:
             raise TrainSetupError(
@@ -144,6 +153,34 @@ def read_pretrained_draft(
     except (ValueError, OSError) as error:
         raise TrainSetupError(f"--from-pretrained {name}: {first_line(error)}") from None
     return PretrainedDraft(name, folder, "speculators", config, weights)
+
+
+def _read_mla_draft(name: str, folder: Path, raw: dict[str, Any]) -> PretrainedDraft:
+    """An MLA draft in the flat layout vLLM >= 0.18 and TorchSpec write (`mla_layout`):
+    TorchSpec's `midlayer.` names read as `layers.0.`, and the identity vocabulary maps of a
+    full-vocabulary draft that left them out."""
+    import re
+
+    import torch
+
+    from speculators_vllm016.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators_vllm016.utils.loading import read_checkpoint_tensors
+
+    try:
+        config = Eagle3SpeculatorConfig.from_dict(speculators_dict_from_flat_mla(raw))
+        stored = read_checkpoint_tensors(folder)
+    except (ValueError, OSError) as error:
+        raise TrainSetupError(f"--from-pretrained {name}: {first_line(error)}") from None
+    weights = {}
+    for key, tensor in stored.items():
+        for pattern, replacement in MLA_KEY_MAPPING.items():
+            key = re.sub(pattern, replacement, key)
+        weights[key] = tensor
+    vocab = int(config.transformer_layer_config.vocab_size)
+    if config.draft_vocab_size == vocab and "d2t" not in weights and "t2d" not in weights:
+        weights["d2t"] = torch.zeros(vocab, dtype=torch.long)
+        weights["t2d"] = torch.ones(vocab, dtype=torch.bool)
+    return PretrainedDraft(name, folder, "mla", config, weights)
 
 
 def draft_vocab_maps(draft: PretrainedDraft) -> VocabMaps:

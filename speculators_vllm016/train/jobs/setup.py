@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from speculators_vllm016.train.jobs.draft_arch import check_draft_arch, check_pretrained_arch
 from speculators_vllm016.train.jobs.draft_match import (
     RunFacts,
     check_draft_fits,
@@ -515,6 +516,7 @@ def prepare(config: TrainJobConfig, research_reader: ResearchReader | None = Non
         verifier, config.online.engine.trust_remote_code
     )
     _check_verifier_weights(verifier)
+    check_draft_arch(config, text_config)
     hidden_size, target_vocab = int(text_config.hidden_size), int(text_config.vocab_size)
     standardize = (
         standardize_data_v1 if config.data.data_format_version == 1 else standardize_data_v0
@@ -529,6 +531,8 @@ def prepare(config: TrainJobConfig, research_reader: ResearchReader | None = Non
         _check_online_verifier(config, online, fingerprint)
     aux_ids = _aux_layer_ids(layer_ids, text_config)
     pretrained = _pretrained_draft(config, save_path, research_reader)
+    if pretrained is not None:
+        check_pretrained_arch(config, pretrained)
     vocab, vocab_source = _run_vocab(config, online, data_path, save_path, target_vocab, pretrained)
     _check_resumed_draft(config, save_path, int(vocab.d2t.shape[0]), aux_ids)
     if pretrained is not None:
