@@ -44,32 +44,39 @@ def build_draft_config(
     `eagle31`: the EAGLE-3.1 switches by config key (`draft_match.eagle31_flags`), all off if None;
     or with `draft_arch="mla"` a DeepSeek MLA layer shaped from it (`mla_layer_config`), which has
     neither a window nor the EAGLE-3.1 norms."""
-    from transformers import LlamaConfig
-
     from speculators_vllm016.models.eagle3 import Eagle3SpeculatorConfig
+
+    if draft_arch == "mla":
+        from speculators_vllm016.models.eagle3.mla_layout import MLA_ARCHITECTURE, mla_layer_config
+
+        model_type = getattr(verifier_config, "model_type", None)
+        layer = mla_layer_config(text_config, num_layers=num_layers, verifier_model_type=model_type)
+        by_arch: dict[str, Any] = {"architectures": [MLA_ARCHITECTURE]}
+    else:
+        layer = _llama_layer_config(text_config, num_layers, ttt_steps, sliding_window)
+        by_arch = dict(eagle31 or {})
+    return Eagle3SpeculatorConfig(
+        transformer_layer_config=layer,
+        draft_vocab_size=draft_vocab,
+        norm_before_residual=norm_before_residual,
+        target_hidden_size=getattr(text_config, "hidden_size", None),
+        eagle_aux_hidden_state_layer_ids=aux_layer_ids,
+        speculators_config=_speculators_config(
+            verifier_path, verifier_config, ttt_steps, verifier_fingerprint
+        ),
+        **by_arch,
+    )
+
+
+def _llama_layer_config(
+    text_config: Any, num_layers: int, ttt_steps: int, sliding_window: int | None
+) -> Any:
+    """The Llama decoder layer shaped like the verifier, with its positions and window."""
+    from transformers import LlamaConfig
 
     get = lambda name, default=None: getattr(text_config, name, default)  # noqa: E731
     heads = get("num_attention_heads")
     hidden = get("hidden_size")
-    speculators_config = _speculators_config(
-        verifier_path, verifier_config, ttt_steps, verifier_fingerprint
-    )
-    if draft_arch == "mla":
-        from speculators_vllm016.models.eagle3.mla_layout import MLA_ARCHITECTURE, mla_layer_config
-
-        return Eagle3SpeculatorConfig(
-            architectures=[MLA_ARCHITECTURE],
-            transformer_layer_config=mla_layer_config(
-                text_config,
-                num_layers=num_layers,
-                verifier_model_type=getattr(verifier_config, "model_type", None),
-            ),
-            draft_vocab_size=draft_vocab,
-            norm_before_residual=norm_before_residual,
-            target_hidden_size=hidden,
-            eagle_aux_hidden_state_layer_ids=aux_layer_ids,
-            speculators_config=speculators_config,
-        )
     llama_like = get("model_type") in {"llama", "mistral", "qwen2", "qwen3"}
     head_dim = (get("head_dim") if llama_like else None) or hidden // heads
     positions = draft_positions(text_config, head_dim)
@@ -84,7 +91,7 @@ def build_draft_config(
             "layer_types": ["sliding_attention"] * num_layers,
             "sliding_window": sliding_window,
         }
-    layer = LlamaConfig(
+    return LlamaConfig(
         vocab_size=get("vocab_size"),
         hidden_size=hidden,
         intermediate_size=get("intermediate_size"),
@@ -100,15 +107,6 @@ def build_draft_config(
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
         **window,
-    )
-    return Eagle3SpeculatorConfig(
-        transformer_layer_config=layer,
-        draft_vocab_size=draft_vocab,
-        norm_before_residual=norm_before_residual,
-        target_hidden_size=hidden,
-        eagle_aux_hidden_state_layer_ids=aux_layer_ids,
-        speculators_config=speculators_config,
-        **(eagle31 or {}),
     )
 
 
