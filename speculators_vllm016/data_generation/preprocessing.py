@@ -31,6 +31,7 @@ from speculators_vllm016.data_generation.conversations import (
     skip_reason,
 )
 from speculators_vllm016.utils.errors import InvalidInputError, type_and_first_line
+from speculators_vllm016.utils.stop_signals import ctrl_c_left_to_this_process
 
 __all__ = [
     "PreprocessResult",
@@ -256,22 +257,23 @@ def preprocess_conversations(
     if ROW_COLUMN not in dataset.column_names:
         dataset = dataset.add_column(ROW_COLUMN, list(range(len(dataset))))
     workers = max(1, min(num_proc, os.cpu_count() or 1, len(dataset) // 256 or 1))
-    processed = dataset.map(
-        _preprocess_rows,
-        batched=True,
-        batch_size=256,
-        num_proc=workers if workers > 1 else None,
-        remove_columns=dataset.column_names,
-        fn_kwargs={
-            "tokenizer": tokenizer,
-            "max_length": max_length,
-            "pattern": assistant_pattern,
-            "turn_dropout": turn_dropout,
-            "seed": seed,
-            "template_kwargs": chat_template_kwargs,
-        },
-        desc="Tokenizing conversations",
-    )
+    with ctrl_c_left_to_this_process():  # a worker prints no traceback of its own
+        processed = dataset.map(
+            _preprocess_rows,
+            batched=True,
+            batch_size=256,
+            num_proc=workers if workers > 1 else None,
+            remove_columns=dataset.column_names,
+            fn_kwargs={
+                "tokenizer": tokenizer,
+                "max_length": max_length,
+                "pattern": assistant_pattern,
+                "turn_dropout": turn_dropout,
+                "seed": seed,
+                "template_kwargs": chat_template_kwargs,
+            },
+            desc="Tokenizing conversations",
+        )
     errors = [
         (row, error) for row, error in zip(processed[ROW_COLUMN], processed["error"]) if error
     ]
@@ -396,9 +398,10 @@ def load_raw_dataset(
         )
     dataset = load_dataset(config.hf_path, split=config.split, cache_dir=cache_dir)
     if config.normalize_fn is not None:
-        dataset = dataset.map(
-            config.normalize_fn, num_proc=max(1, min(num_proc, os.cpu_count() or 1))
-        )
+        with ctrl_c_left_to_this_process():
+            dataset = dataset.map(
+                config.normalize_fn, num_proc=max(1, min(num_proc, os.cpu_count() or 1))
+            )
         if "conversations" in dataset.column_names and "messages" in dataset.column_names:
             dataset = dataset.remove_columns("messages")  # now copied into "conversations"
     return dataset

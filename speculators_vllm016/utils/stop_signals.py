@@ -12,7 +12,8 @@ back after it: a library caller keeps its own.
 
 Helper processes that must not die of a signal sent to the whole process group ignore it
 (`ignore_stop_signals`) and are started with the signals held back (`stop_signals_held`) so that
-none arrives before they do.
+none arrives before they do. Worker pools a library forks without a hook for that (datasets'
+`map(num_proc=N)`) run inside `ctrl_c_left_to_this_process()`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from types import FrameType
 from typing import Any
@@ -31,6 +33,7 @@ __all__ = [
     "STOP_SIGNALS",
     "StopSignalled",
     "StopSignals",
+    "ctrl_c_left_to_this_process",
     "ignore_stop_signals",
     "stop_signals_held",
 ]
@@ -64,6 +67,30 @@ def stop_signals_held() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+@contextlib.contextmanager
+def ctrl_c_left_to_this_process() -> Iterator[None]:
+    """For a block in which a library forks a worker pool it offers no start-up hook for (datasets'
+    `map(num_proc=N)`): Ctrl-C to the process group raises KeyboardInterrupt in this process as
+    usual, while the forked workers, which inherit the handler, let it pass; this process ends the
+    pool, and no worker prints a traceback of its own. Only over Python's own Ctrl-C handler and
+    in the main thread; otherwise the block runs as it is."""
+    owner = os.getpid()
+
+    def interrupt_owner_only(signum: int, frame: FrameType | None) -> None:
+        if os.getpid() == owner:
+            raise KeyboardInterrupt
+
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    signal.signal(signal.SIGINT, interrupt_owner_only)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class StopSignals:

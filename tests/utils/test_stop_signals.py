@@ -11,7 +11,11 @@ import time
 import pytest
 
 from speculators_vllm016.utils.command_errors import report_errors
-from speculators_vllm016.utils.stop_signals import StopSignalled, StopSignals
+from speculators_vllm016.utils.stop_signals import (
+    StopSignalled,
+    StopSignals,
+    ctrl_c_left_to_this_process,
+)
 
 
 def _signal_self(signum: int) -> None:
@@ -84,4 +88,29 @@ def test_the_earlier_handlers_are_back_after_the_block_however_it_ends(ending):
         if ending == "raises":
             raise RuntimeError("the run failed")
     assert signal.getsignal(signal.SIGTERM) is _earlier_sigterm_handler
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _sleep_through_a_ctrl_c(started) -> None:
+    started.set()
+    time.sleep(1.5)  # a KeyboardInterrupt here would end the worker with exit code 1
+
+
+def test_forked_workers_leave_ctrl_c_to_the_process_that_forked_them():
+    """datasets' `map(num_proc=N)` forks its pool inside `ctrl_c_left_to_this_process`: a Ctrl-C
+    to the group stops this process (KeyboardInterrupt) and no worker raises its own."""
+    import multiprocessing
+
+    fork = multiprocessing.get_context("fork")
+    with ctrl_c_left_to_this_process():
+        started = fork.Event()
+        worker = fork.Process(target=_sleep_through_a_ctrl_c, args=(started,))
+        worker.start()
+        assert started.wait(10)
+        os.kill(worker.pid, signal.SIGINT)
+        worker.join(10)
+        assert worker.exitcode == 0
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
