@@ -46,10 +46,14 @@ def test_per_epoch_rates_waits_and_first_steps(tmp_path) -> None:
         "steps_waiting_over_0.2_s": 0,
         "total_data_wait_seconds": 0.0,
         "first_step_seconds": 30.0,
+        "median_step_seconds": 0.1,  # the timed steps only (the first compiles)
+        "last_step_seconds": 0.1,
+        "last_step_tokens": 8000.0,
     }
     assert second["tokens_per_second"] == round(24000 / 2.2, 1)
     assert second["max_data_wait_seconds"] == 1.9 and second["first_step_seconds"] == 2.0
     assert second["steps_waiting_over_0.2_s"] == 1
+    assert second["last_step_seconds"] == 0.1 and second["median_step_seconds"] == 0.1
     assert summary["median_step_tokens_per_second"] == 80000.0
 
 

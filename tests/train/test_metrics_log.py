@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from speculators_vllm016.evaluate import training_metrics
-from speculators_vllm016.train import trainer
+from speculators_vllm016.train import train_step
 from speculators_vllm016.train.logger import METRICS_LOGGER, JsonlHandler
 from speculators_vllm016.train.metrics_log import (
     MetricsLog,
@@ -23,7 +23,7 @@ from speculators_vllm016.train.metrics_log import (
 
 def test_one_tau_sim_formula():
     assert training_metrics.simulated_tau is simulated_tau
-    assert trainer.tau_sim is tau_sim
+    assert train_step.tau_sim is tau_sim  # validation means score with it
     assert tau_sim({"loss": 2.0, "full_acc_0": 0.5, "full_acc_1": 0.25}) == pytest.approx(1.75)
     assert tau_sim({"loss": 2.0}) is None
 

@@ -97,7 +97,12 @@ def test_every_job_setting_reaches_the_trainer():
 def test_no_trainer_setting_is_left_at_its_default():
     """A new `TrainerConfig` field that `from_job_config` does not set fails here."""
     # The trainer's default is 0.3.0's (no resume); a job resumes unless told not to.
-    resuming = {**JOB, "checkpoint": {**JOB["checkpoint"], "no_resume_from_checkpoint": False}}
+    # A fine-tuning job names its draft in the start line (`start`).
+    resuming = {
+        **JOB,
+        "model": {**JOB["model"], "from_pretrained": "drafts/earlier"},
+        "checkpoint": {**JOB["checkpoint"], "no_resume_from_checkpoint": False},
+    }
     built = _from_job(resuming)
     defaults = TrainerConfig(lr=0.0, num_epochs=0, save_path="")
     same = [

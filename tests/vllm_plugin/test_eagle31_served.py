@@ -86,10 +86,8 @@ def _same_counts(served: AcceptanceCounts, hf: AcceptanceCounts) -> None:
 
 def _lens(target: Path) -> Eagle3DraftModel:
     """The logit lens of layer 3's input, fusing three distinct layers (vLLM's Llama captures a
-    repeated id once, so `logit_lens_draft`'s [1, 3, 3] would hand vLLM two states)."""
-    draft = logit_lens_draft(str(target), "LlamaForCausalLM", 3, K)
-    draft.config.eagle_aux_hidden_state_layer_ids = [1, 2, 3]  # fc reads the third
-    return draft
+    repeated id once)."""
+    return logit_lens_draft(str(target), "LlamaForCausalLM", (1, 2, 3), K)
 
 
 @pytest.fixture(scope="module")
