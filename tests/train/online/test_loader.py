@@ -157,6 +157,26 @@ def assert_same_weights(a: Path, b: Path) -> None:
     assert not different, f"not bit-identical: {different[:5]}"
 
 
+# vLLM's CPU kernels (oneDNN) on an AVX-512 processor compute a sequence's hidden states a few
+# ulp differently depending on the batch it shares: a resumed online run re-extracts its remaining
+# samples in other batches than the uninterrupted run did, and its weights then differ by ~1e-7
+# (measured on an Intel Xeon with AMX; bit for bit on the AVX2 processors this ran on before). A
+# resume that trains on another sample, order or noise differs by orders of magnitude more.
+CPU_FLAGS = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+REEXTRACTION_TOLERANCE = 1e-5 if " avx512f " in CPU_FLAGS else 0.0
+
+
+def assert_same_weights_after_reextraction(a: Path, b: Path) -> None:
+    """`assert_same_weights` for a run that extracted part of its samples again after a kill."""
+    if REEXTRACTION_TOLERANCE == 0.0:
+        assert_same_weights(a, b)
+        return
+    left, right = weights(a), weights(b)
+    assert left.keys() == right.keys()
+    worst = max((left[n].float() - right[n].float()).abs().max().item() for n in left)
+    assert worst <= REEXTRACTION_TOLERANCE, f"weights differ by {worst:.3g}"
+
+
 @pytest.mark.engine
 def test_online_steps_equal_offline_steps_on_datagens_files(hybrid_run, offline_run):
     save, _, _ = hybrid_run
@@ -211,7 +231,7 @@ def test_sigkill_then_the_same_command_ends_at_the_uninterrupted_checkpoint(
     assert not (save / "1").exists()
     finished = subprocess.run(command, env=cli_env(), capture_output=True, text=True)
     assert finished.returncode == 0, finished.stderr[-3000:]
-    assert_same_weights(save / "1", offline_run / "1")
+    assert_same_weights_after_reextraction(save / "1", offline_run / "1")
 
 
 def engine_workers(pid: int) -> list:
@@ -277,7 +297,7 @@ def test_a_real_engine_worker_killed_mid_run_leaves_a_checkpoint_then_the_same_c
     assert saved and all(state["global_step"] >= 1 for state in saved), saved
     finished = subprocess.run(command, env=cli_env(), capture_output=True, text=True, timeout=1200)
     assert finished.returncode == 0, finished.stderr[-3000:]
-    assert_same_weights(save / "1", offline_run / "1")
+    assert_same_weights_after_reextraction(save / "1", offline_run / "1")
 
 
 class StandInGenerator:
