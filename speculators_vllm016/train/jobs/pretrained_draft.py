@@ -23,11 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from speculators_vllm016.models.eagle3.mla_layout import (
-    MLA_KEY_MAPPING,
-    is_flat_mla_config,
-    speculators_dict_from_flat_mla,
-)
 from speculators_vllm016.train.jobs.job_config import TrainSetupError
 from speculators_vllm016.utils.errors import first_line
 
@@ -123,6 +118,7 @@ def read_pretrained_draft(
 ) -> PretrainedDraft:
     """The draft `name` in either layout; `norm_before_residual` is used only for a research
     checkpoint (which does not record it)."""
+    from speculators_vllm016.models.eagle3.mla_layout import is_flat_mla_config
     from speculators_vllm016.utils.loading import read_checkpoint_tensors
 
     folder = locate_draft(name)
@@ -164,6 +160,10 @@ def _read_mla_draft(name: str, folder: Path, raw: dict[str, Any]) -> PretrainedD
     import torch
 
     from speculators_vllm016.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators_vllm016.models.eagle3.mla_layout import (
+        MLA_KEY_MAPPING,
+        speculators_dict_from_flat_mla,
+    )
     from speculators_vllm016.utils.loading import read_checkpoint_tensors
 
     try:
