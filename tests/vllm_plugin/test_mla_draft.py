@@ -157,7 +157,8 @@ def test_every_parameter_is_loaded_from_our_checkpoint(served):
 
 
 def test_vllms_layers_on_our_weights_compute_what_our_draft_does(served):
-    from speculators_vllm016.models.eagle3.mla_layer import _rotary, mla_softmax_scale
+    from speculators_vllm016.models.eagle3.mla_layer import mla_softmax_scale
+    from speculators_vllm016.models.eagle3.model_definitions import _rotary
 
     model, ours = served.model, served.ours
     ours_layer, layer = ours.layers[0], model.model.layers[0]
