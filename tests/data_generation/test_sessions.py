@@ -209,3 +209,61 @@ def test_a_changed_session_flag_is_named_when_a_folder_of_another_run_is_refused
         check_identity(
             tmp_path, identity(session_tokens=1200, sessions_only=True), adopt_existing=False
         )
+
+
+LONG = 131_072
+
+
+def test_a_128k_token_session_stays_whole_from_preprocessing_to_the_packed_training_row(
+    tiny_llama, tmp_path, caplog
+):
+    """`--seq-length 131072 --session-tokens 131072`: nothing on the way cuts the session (the
+    chat template, the tokenizer, the sample file, the trainer's lengths, sampler and packing)."""
+    import torch
+
+    from speculators_vllm016.data_generation.sample_io import write_sample
+    from speculators_vllm016.train.data import Eagle3SampleFileDataset, create_collate_fn
+    from speculators_vllm016.train.distributed_batch_sampler import (
+        MultipackDistributedBatchSamplerV2,
+    )
+
+    answer = json.loads(demo_conversations_path().read_text().splitlines()[0])["conversations"]
+    text = " ".join(turn["value"] for turn in answer)
+    rows = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"part {i}?"},
+                {"from": "gpt", "value": text},
+            ]
+        }
+        for i in range(40 * 8)
+    ]
+    chats = tmp_path / "long.jsonl"
+    chats.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = load_and_preprocess(
+        str(tiny_llama),
+        str(chats),
+        LONG,
+        build_dataset_num_proc=1,
+        token_freq_path=None,
+        session_tokens=LONG,
+        sessions_only=True,
+    )
+    ids, mask = result.dataset[0]["input_ids"], result.dataset[0]["loss_mask"]
+    assert 0.97 * LONG < len(ids) <= LONG
+    decoded = result.tokenizer.decode(ids)
+    turns = decoded.count("<|start_header_id|>assistant<|end_header_id|>")
+    assert decoded.endswith("<|eot_id|>") and len(runs_of_ones(mask.tolist())) == turns
+
+    hidden = 8
+    states = [torch.randn(len(ids), hidden, dtype=torch.bfloat16) for _ in range(4)]
+    path = tmp_path / "data_0.pt"
+    write_sample(path, {"input_ids": ids, "loss_mask": mask, "hidden_states": states})
+    data = Eagle3SampleFileDataset(LONG, file_list=[str(path)], widths=(3 * hidden, hidden))
+    with caplog.at_level(logging.WARNING):
+        sampler = MultipackDistributedBatchSamplerV2(LONG, data.lengths, 1, 0)
+        [[index]] = list(iter(sampler))
+    assert "longer than" not in caplog.text
+    row = create_collate_fn(LONG)([data[index]])
+    assert row["lengths"].tolist() == [len(ids) - 1]  # every position after the one-token shift
+    assert int(row["loss_mask"].sum()) >= int(mask.sum()) - 1
