@@ -97,16 +97,15 @@ def assemble_sessions(
     counted in a warning. System turns are not part of any pair: sessions have none. A session of
     one pair only is left out too (it is no longer than the conversation it comes from).
     """
-    pool: deque[Pair] = deque(pair for messages in conversations for pair in turn_pairs(messages))
-    costs: dict[int, int] = {}
+    pairs = [pair for messages in conversations for pair in turn_pairs(messages)]
+    # Each pair rendered once, by identity: `pairs` keeps every pair alive, so no id is reused.
+    costs = {id(pair): len(render(pair)) for pair in pairs}
 
     def cost(pair: Pair) -> int:
-        if id(pair) not in costs:
-            costs[id(pair)] = len(render(pair))
         return costs[id(pair)]
 
-    too_long = [pair for pair in pool if cost(pair) > length]
-    pool = deque(pair for pair in pool if cost(pair) <= length)
+    too_long = sum(cost(pair) > length for pair in pairs)
+    pool = deque(pair for pair in pairs if cost(pair) <= length)
     sessions: list[list[Message]] = []
     while pool:
         chosen: list[Pair] = []
@@ -132,7 +131,7 @@ def assemble_sessions(
         logger.warning(
             "%d user/assistant pairs are longer than a session's %d tokens on their own and are "
             "in no session",
-            len(too_long),
+            too_long,
             length,
         )
     return sessions
