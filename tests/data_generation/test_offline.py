@@ -252,6 +252,8 @@ def test_sessions_are_sharded_samples_that_hold_the_models_hidden_states(
     assert len(sessions) >= 2 and sample_files(output) == [
         f"data_{i}.pt" for i in range(len(sessions))
     ]
+    recorded = json.loads((output / "data_config.json").read_text())["data"]
+    assert recorded["session_tokens"] == 255 and recorded["sessions_only"] is True
     reference = HFReference(tiny_llama)
     for index, row in enumerate(sessions):
         sample = load_sample(output / f"data_{index}.pt")
