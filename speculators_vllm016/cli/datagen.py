@@ -143,6 +143,20 @@ def add_preprocessing_arguments(
         "template's defaults (0.3.0's rendering)",
     )
 
+    group.add_argument(
+        "--session-tokens",
+        type=int,
+        default=0,
+        help="also write long samples: the user/assistant pairs of the conversations, in their "
+        "(seeded) order, chained into sessions of about N tokens (whole pairs; at most "
+        "--seq-length); 0: none",
+    )
+    group.add_argument(
+        "--sessions-only",
+        action="store_true",
+        help="with --session-tokens: write the sessions only, not the conversations themselves",
+    )
+
 
 def add_sample_file_arguments(group) -> None:
     """Which layers are captured and how sample files are written (shared with train)."""

@@ -94,6 +94,11 @@ class DataConfig:
     chat_template_kwargs: dict[str, Any] | None = None
     """`--chat-template-kwargs`: the arguments the template rendered every sample with (None:
     none, as 0.3.0 rendered; a file written before the field existed means None)."""
+    session_tokens: int = 0
+    """`--session-tokens`: the bound of the sessions chained from several conversations that
+    follow the conversations' samples (0: none; a file written before the field existed means 0)."""
+    sessions_only: bool = False
+    """`--sessions-only`: the samples are the sessions alone."""
 
 
 @dataclass
@@ -244,6 +249,8 @@ class DataGenerationConfig:
         file_pattern: str = "data_{idx}.pt",
         storage_dtype: str = "bf16",
         chat_template_kwargs: dict[str, Any] | None = None,
+        session_tokens: int = 0,
+        sessions_only: bool = False,
     ) -> DataGenerationConfig:
         versions = PackageVersions.from_environment()
         return cls(
@@ -268,6 +275,8 @@ class DataGenerationConfig:
                 num_samples=num_samples,
                 seed=seed,
                 chat_template_kwargs=chat_template_kwargs or None,
+                session_tokens=session_tokens,
+                sessions_only=sessions_only,
             ),
             hidden_states=HiddenStatesConfig(layer_ids=list(generator.layer_ids)),
             generation=GenerationConfig(cache_dir=cache_dir),

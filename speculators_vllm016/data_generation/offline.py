@@ -116,6 +116,8 @@ def preprocess_samples(options: DatagenOptions, facts: ModelFacts) -> Preprocess
         turn_dropout=data.turn_dropout,
         trust_remote_code=options.engine.trust_remote_code,
         chat_template_kwargs=data.template_kwargs(),
+        session_tokens=data.session_tokens,
+        sessions_only=data.sessions_only,
     )
 
 

@@ -91,6 +91,12 @@ class PreprocessingOptions:
     chat_template_kwargs: str | None = None
     """JSON object of arguments for the chat template, e.g. '{"thinking": false}' (Kimi-K2.5's
     thinking switch); None: the template's own defaults, as 0.3.0 rendered."""
+    session_tokens: int = 0
+    """Also write long samples: the user/assistant pairs of the conversations, in their (seeded)
+    order, chained into sessions of about this many tokens (whole pairs; at most --seq-length);
+    0: none."""
+    sessions_only: bool = False
+    """With --session-tokens: write the sessions only, not the conversations themselves."""
 
     def template_kwargs(self) -> dict[str, Any]:
         """`chat_template_kwargs` as the keyword arguments the template is rendered with."""
@@ -260,6 +266,17 @@ class DatagenOptions:
             raise InvalidInputError(f"--batch-size must be at least 1, got {output.batch_size}")
         if data.seq_length < 1:
             raise InvalidInputError(f"--seq-length must be at least 1, got {data.seq_length}")
+        if data.session_tokens < 0:
+            raise InvalidInputError(
+                f"--session-tokens must be 0 (no sessions) or more, got {data.session_tokens}"
+            )
+        if data.session_tokens > data.seq_length:
+            raise InvalidInputError(
+                f"--session-tokens {data.session_tokens} is over --seq-length {data.seq_length}: "
+                "a session is never cut; raise --seq-length or lower --session-tokens"
+            )
+        if data.sessions_only and not data.session_tokens:
+            raise InvalidInputError("--sessions-only needs --session-tokens N (N > 0)")
         if output.start_idx < 0:
             raise InvalidInputError(f"--start-idx must be non-negative, got {output.start_idx}")
         if engine.max_model_len is not None and engine.max_model_len <= data.seq_length:

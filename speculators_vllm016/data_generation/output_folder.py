@@ -263,4 +263,6 @@ def data_config_of(
         file_pattern=SAMPLE_PATTERNS[options.output.output_format],
         storage_dtype=options.output.storage_dtype,
         chat_template_kwargs=data.template_kwargs(),
+        session_tokens=data.session_tokens,
+        sessions_only=data.sessions_only,
     )

@@ -279,7 +279,7 @@ def preprocess_conversations(
     ]
     if errors:
         reasons = Counter(skip_reason(error) for _, error in errors)
-        named = "; ".join(f"row {row}: {error}" for row, error in errors[:_MAX_NAMED_ROWS])
+        named = "; ".join(f"{_row_name(row)}: {error}" for row, error in errors[:_MAX_NAMED_ROWS])
         more = (
             f" (and {len(errors) - _MAX_NAMED_ROWS} more)" if len(errors) > _MAX_NAMED_ROWS else ""
         )
@@ -294,12 +294,17 @@ def preprocess_conversations(
     if len(errors) == len(processed):
         raise InvalidInputError(
             f"none of the {len(processed)} conversations is usable; first problems: "
-            + "; ".join(f"row {row}: {error}" for row, error in errors[:5])
+            + "; ".join(f"{_row_name(row)}: {error}" for row, error in errors[:5])
         )
     good = processed.filter(lambda error: not error, input_columns="error")
     good = good.remove_columns("error")
     good.set_format(type="torch", columns=["input_ids", "loss_mask"], output_all_columns=True)
     return PreprocessResult(dataset=good, skipped_rows=len(errors))
+
+
+def _row_name(row: int) -> str:
+    """A sample's source in messages: its row of the data, or the session (`session_dataset`)."""
+    return f"row {row}" if row >= 0 else f"session {-row}"
 
 
 def _load_json_rows(path: str) -> HFDataset:
@@ -437,6 +442,59 @@ def load_and_preprocess_dataset(
     return result.dataset, result.tokenizer
 
 
+def session_dataset(
+    raw: HFDataset,
+    tokenizer: PreTrainedTokenizer,
+    length: int,
+    template_kwargs: dict[str, Any] | None = None,
+) -> HFDataset:
+    """The sessions of `raw`'s conversations (`sessions.assemble_sessions`, at most `length`
+    tokens as the template renders them), as rows to preprocess: session k (from 1) is source
+    row -k. Malformed rows give no pairs (preprocessing names them)."""
+    from speculators_vllm016.data_generation.sessions import assemble_sessions
+
+    conversations = []
+    for turns in _ensure_conversations(raw)["conversations"]:
+        try:
+            conversations.append(normalize_conversation(turns))
+        except MalformedRowError:
+            continue
+
+    def render(messages: list[dict[str, str]]) -> list[int]:
+        text = _render(tokenizer, messages, False, template_kwargs)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    sessions = assemble_sessions(conversations, render, length)
+    if not sessions:
+        raise InvalidInputError(
+            f"no session of two or more user/assistant pairs fits --session-tokens {length} "
+            f"from {len(conversations)} conversations; raise --session-tokens or add data"
+        )
+    logger.info(
+        "%d sessions of at most %d tokens chained from %d conversations",
+        len(sessions),
+        length,
+        len(conversations),
+    )
+    return HFDataset.from_dict(
+        {
+            "conversations": [json.dumps(session) for session in sessions],
+            ROW_COLUMN: [-k for k in range(1, len(sessions) + 1)],
+        }
+    )
+
+
+def _joined(results: list[PreprocessResult]) -> PreprocessResult:
+    """The conversations' samples, then the sessions' (one result as it is)."""
+    if len(results) == 1:
+        return results[0]
+    from datasets import concatenate_datasets
+
+    dataset = concatenate_datasets([result.dataset for result in results])
+    dataset.set_format(type="torch", columns=["input_ids", "loss_mask"], output_all_columns=True)
+    return PreprocessResult(dataset, sum(result.skipped_rows for result in results))
+
+
 def load_chat_tokenizer(target_model_path: str, trust_remote_code: bool = False):
     """The target's tokenizer, with a pad token and a chat template (refused without one).
 
@@ -480,12 +538,17 @@ def load_and_preprocess(
     turn_dropout: bool = False,
     trust_remote_code: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
+    session_tokens: int = 0,
+    sessions_only: bool = False,
 ) -> PreprocessResult:
     """Load, shuffle (by `seed`), cap at `max_samples`, tokenize (the template rendered with
     `chat_template_kwargs`); save token frequencies.
 
-    `token_freq_path=None` skips the counts (datagen writes them itself, once the run is
-    accepted). The model folder's own Python runs only with `trust_remote_code=True`.
+    `session_tokens` > 0: after the conversations (none with `sessions_only`) come sessions of
+    at most that many tokens chained from their pairs (`sessions.assemble_sessions`, in the
+    shuffled order, so `seed` decides them too). `token_freq_path=None` skips the counts
+    (datagen writes them itself, once the run is accepted). The model folder's own Python runs
+    only with `trust_remote_code=True`.
     """
     from speculators_vllm016.data_generation.token_counts import (
         count_trained_tokens,
@@ -504,16 +567,23 @@ def load_and_preprocess(
     raw = raw.shuffle(seed=seed)
     if max_samples is not None and len(raw) > max_samples:
         raw = raw.select(range(max_samples))
-    result = preprocess_conversations(
-        raw,
-        tokenizer,
-        max_length=seq_length,
-        num_proc=build_dataset_num_proc,
-        assistant_pattern=assistant_pattern,
-        turn_dropout=turn_dropout,
-        seed=seed,
-        chat_template_kwargs=chat_template_kwargs,
-    )
+    parts = [] if sessions_only else [raw]
+    if session_tokens:
+        parts.append(session_dataset(raw, tokenizer, session_tokens, chat_template_kwargs))
+    results = [
+        preprocess_conversations(
+            part,
+            tokenizer,
+            max_length=seq_length,
+            num_proc=build_dataset_num_proc,
+            assistant_pattern=assistant_pattern,
+            turn_dropout=turn_dropout,
+            seed=seed,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        for part in parts
+    ]
+    result = _joined(results)
     if token_freq_path is not None:
         save_token_counts(count_trained_tokens(result.dataset), token_freq_path)
     return PreprocessResult(result.dataset, result.skipped_rows, tokenizer)

@@ -64,6 +64,8 @@ CAUSES = (
     "assistant_pattern",
     "turn_dropout",
     "chat_template_kwargs",
+    "session_tokens",
+    "sessions_only",
     "train_data",
 )
 
@@ -107,6 +109,8 @@ def run_identity(
             "turn_dropout": options.preprocessing.turn_dropout,
             # None when not given: records written before the flag existed read the same.
             "chat_template_kwargs": options.preprocessing.template_kwargs() or None,
+            "session_tokens": options.preprocessing.session_tokens,
+            "sessions_only": options.preprocessing.sessions_only,
             "num_samples": num_samples,
         },
     )

@@ -61,6 +61,7 @@ __all__ = [
     "load_sample",
     "quantized_sample",
     "remove_partial_files",
+    "sample_bytes",
     "sample_path",
     "write_sample",
     "write_sample_file",
@@ -228,6 +229,21 @@ def quantized_sample(sample: dict[str, Any]) -> dict[str, Any]:
         "hidden_states_dtype": str(layers[0].dtype).removeprefix("torch."),
         "loss_mask": sample["loss_mask"],
     }
+
+
+def sample_bytes(
+    num_tokens: int,
+    hidden_size: int,
+    num_layers: int,
+    storage_dtype: str = "bf16",
+    state_bytes: int = 2,
+) -> int:
+    """The bytes of one sample's tensors as `write_sample_file` stores them, to plan disks (a
+    file adds a header of a few KB): per token, `input_ids` and `loss_mask` (int64 each) and each
+    captured layer's state, `hidden_size` x `state_bytes` (the engine's dtype: 2 for bf16), or
+    with `storage_dtype="fp8"` one byte a value and an fp32 scale per layer."""
+    per_layer = hidden_size + 4 if storage_dtype == "fp8" else hidden_size * state_bytes
+    return num_tokens * (num_layers * per_layer + 2 * 8)
 
 
 def write_sample_file(

@@ -5,9 +5,11 @@ acceptance there is what it is worth. At context length L, evaluation question i
 question as at the short prompt: conversation i up to its first answer) is asked after earlier
 turns of the other conversations of the same data: the user/assistant pairs of conversations
 i + 1, i + 2, ... (in file order, wrapping round, never i itself), whole pairs while the rendered
-prompt stays within L tokens (a pair too long for what is left is passed over). Deterministic: the same data and tokenizer give the same
-prompts. A data set too small to reach L gives shorter prompts, and the report shows the mean
-length reached beside L (nothing is cut inside a turn).
+prompt stays within L tokens (a pair too long for what is left is passed over), chosen by
+`data_generation.sessions`, the code that chains training sessions (`--session-tokens`).
+Deterministic: the same data and tokenizer give the same prompts. A data set too small to reach
+L gives shorter prompts, and the report shows the mean length reached beside L (nothing is cut
+inside a turn).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from transformers import PreTrainedTokenizerBase
 
@@ -26,16 +29,18 @@ from speculators_vllm016.data_generation.preprocessing import (
     _ensure_conversations,
     load_raw_dataset,
 )
+from speculators_vllm016.data_generation.sessions import (
+    Message,
+    fill_with_pairs,
+    fit_whole,
+    turn_pairs,
+)
 from speculators_vllm016.evaluate.prompts import prompt_messages
 from speculators_vllm016.utils.errors import InvalidInputError
 
 __all__ = ["ContextPrompts", "context_prompt_sets", "parse_context_lengths"]
 
 logger = logging.getLogger(__name__)
-
-Message = dict[str, str]
-# Pairs in a row that may not fit before the search for more history gives up.
-_MISSES = 16
 
 
 @dataclass(frozen=True)
@@ -80,17 +85,10 @@ def _conversations(data_path: str, cache_dir: str | None) -> list[list[Message]]
     return rows
 
 
-def _pairs(messages: Sequence[Message]) -> Iterator[list[Message]]:
-    """The conversation's user turns each with the assistant answer that follows it."""
-    for first, second in zip(messages, messages[1:]):
-        if first["role"] == "user" and second["role"] == "assistant":
-            yield [first, second]
-
-
 def _history(rows: list[list[Message]], question: int) -> Iterator[list[Message]]:
     """The turn pairs that may come before question `question`: the other rows, from the next."""
     for step in range(1, len(rows)):
-        yield from _pairs(rows[(question + step) % len(rows)])
+        yield from turn_pairs(rows[(question + step) % len(rows)])
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> list[int]:
@@ -107,32 +105,19 @@ def _long_prompt(
 ) -> list[int]:
     """Question `question` (its messages `asked`) after earlier pairs, within `length` tokens.
 
-    The pairs are taken in order, each costed by what it adds in front of the question alone (a
-    template's own header counted once); a pair that does not fit is passed over (turns are
-    never cut), and the search ends when the prompt is full or `_MISSES` pairs in a row did not
-    fit. Then the prompt is rendered whole and the last pairs dropped while it is over.
+    The pairs are chosen by `data_generation.sessions` (the code that chains training sessions),
+    each costed by what it adds in front of the question alone (a template's own header counted
+    once); the prompt is then rendered whole and the last pairs dropped while it is over.
     """
     system = [m for m in asked if m["role"] == "system"]
     question_part = [m for m in asked if m["role"] != "system"]
     alone = len(_render(tokenizer, system + question_part))
-    budget = length - alone
-    chosen: list[list[Message]] = []
-    misses = 0
-    for pair in _history(rows, question):
-        if budget <= 0 or misses >= _MISSES:
-            break
-        cost = len(_render(tokenizer, system + pair + question_part)) - alone
-        if cost > budget:
-            misses += 1
-            continue
-        chosen.append(pair)
-        budget -= cost
-        misses = 0
-    while True:
-        ids = _render(tokenizer, system + [m for p in chosen for m in p] + question_part)
-        if len(ids) <= length or not chosen:
-            return ids
-        chosen.pop()
+
+    def cost(pair: list[Message]) -> int:
+        return len(_render(tokenizer, system + pair + question_part)) - alone
+
+    chosen = fill_with_pairs(_history(rows, question), cost, length - alone)
+    return fit_whole(chosen, partial(_render, tokenizer), length, system, question_part)
 
 
 def context_prompt_sets(

@@ -177,7 +177,7 @@ def test_the_online_flags_are_datagens_flags():
         )
 
     shared = [action for action in datagen._actions if action.dest != "help"]
-    assert len(shared) == 25  # 23, --storage-dtype and --chat-template-kwargs
+    assert len(shared) == 27  # 23, --storage-dtype, --chat-template-kwargs, the two session flags
     for action in shared:
         assert shape(train[action.dest]) == shape(action), action.dest
 

@@ -227,6 +227,59 @@ def test_shards_together_equal_the_unsharded_run(
     assert_same_dataset(sharded, reference)
 
 
+def test_sessions_are_sharded_samples_that_hold_the_models_hidden_states(
+    tiny_llama, chat_file, tmp_path, engine
+):
+    """`--session-tokens 255 --sessions-only` (sessions of whole pairs chained from several
+    conversations) in 2 shards on the module's engine: the files are preprocessing's sessions,
+    each once, and their states are transformers' on the same weights."""
+    from speculators_vllm016.data_generation.preprocessing import load_and_preprocess
+
+    flags = dict(session_tokens=255, sessions_only=True)
+    output = tmp_path / "sessions"
+    for shard in range(2):
+        options = options_for(tiny_llama, chat_file, output, num_shards=2, shard_index=shard)
+        run_datagen(DatagenOptions.from_fields({**vars_of(options), **flags}), generator=engine)
+    sessions = load_and_preprocess(
+        str(tiny_llama),
+        str(chat_file),
+        255,
+        build_dataset_num_proc=1,
+        token_freq_path=None,
+        cache_dir=options.hf_cache_dir,
+        **flags,
+    ).dataset
+    assert len(sessions) >= 2 and sample_files(output) == [
+        f"data_{i}.pt" for i in range(len(sessions))
+    ]
+    recorded = json.loads((output / "data_config.json").read_text())["data"]
+    assert recorded["session_tokens"] == 255 and recorded["sessions_only"] is True
+    reference = HFReference(tiny_llama)
+    for index, row in enumerate(sessions):
+        sample = load_sample(output / f"data_{index}.pt")
+        ids = sample["input_ids"].tolist()
+        assert (
+            ids == row["input_ids"].tolist()
+            and sample["loss_mask"].tolist() == row["loss_mask"].tolist()
+        )
+        assert len(runs_of_ones(sample["loss_mask"].tolist())) >= 2  # two answers at least
+        for layer, got, want in zip(
+            [2, 2, 1, 3], sample["hidden_states"], reference.streams(ids, [2, 2, 1, 3])
+        ):
+            assert relative_error(got, want) <= 1e-4, f"session {index} layer {layer}"
+
+
+def vars_of(options: DatagenOptions) -> dict:
+    """The flat flags of `options` (the inverse of `DatagenOptions.from_fields`)."""
+    from dataclasses import asdict
+
+    return {
+        name: value
+        for part in (options.engine, options.preprocessing, options.output)
+        for name, value in asdict(part).items()
+    }
+
+
 def partly_written_batches(
     directory: Path, batch_size: int, total: int, missing: int = 1
 ) -> list[int]:

@@ -14,6 +14,7 @@ from speculators_vllm016.data_generation.sample_io import (
     existing_sample_indices,
     load_sample,
     remove_partial_files,
+    sample_bytes,
     sample_path,
     write_sample,
 )
@@ -157,3 +158,19 @@ def test_partial_files_are_removed(tmp_path):
     write_sample(sample_path(tmp_path, 4, "pt"), make_sample(), "pt")
     assert remove_partial_files(tmp_path) == 1
     assert existing_sample_indices(tmp_path, "pt") == {4}
+
+
+@pytest.mark.parametrize("output_format", ["pt", "safetensors"])
+def test_sample_bytes_is_what_a_file_takes_but_its_header(tmp_path, output_format):
+    """docs/datagen.md's disk figures (Kimi-K2.5 at 2k, 20k and 128k tokens) come from
+    `sample_bytes`: it must be the writer's real size per token (ids, mask, states, fp8 scales)."""
+    tokens, hidden, layers = 1000, 96, 4
+    sample = make_sample(seq=tokens, hidden=hidden, layers=layers)
+    sample["loss_mask"] = torch.ones(tokens, dtype=torch.long)
+    for storage, state_bytes, dtype in (("bf16", 2, torch.bfloat16), ("bf16", 4, torch.float32)):
+        sample["hidden_states"] = [layer.to(dtype) for layer in sample["hidden_states"]]
+        size = write_sample(tmp_path / f"a.{output_format}", sample, output_format)
+        header = size - sample_bytes(tokens, hidden, layers, storage, state_bytes)
+        assert 0 <= header < 4096, (storage, state_bytes)
+    size = write_sample(tmp_path / f"b.{output_format}", sample, output_format, storage_dtype="fp8")
+    assert 0 <= size - sample_bytes(tokens, hidden, layers, "fp8") < 4096

@@ -80,3 +80,15 @@ def test_tau_is_compared_with_the_same_drafts_shortest_length():
     rows = [_row("a", 1000, 10), _row("a", 0, 20), _row("b", 0, 10), _row("b", 1000, 10)]
     assert tau_ratios(rows) == [pytest.approx(2.0 / 3.0), 1.0, 1.0, 1.0]
     assert tau_ratios([_row("a", None, 5)]) == [None]
+
+
+def test_the_prompts_are_those_built_before_the_assembly_moved_to_data_generation(tokenizer):
+    """`data_generation.sessions` now chooses the pairs (as it does for training sessions); the
+    prompts are token for token those of the code before the move (its sha256 pinned here)."""
+    import hashlib
+
+    data = str(DEMO_DATA)
+    short = load_eval_prompts(data, tokenizer, max_prompts=4)
+    sets = context_prompt_sets(data, tokenizer, [0, 300, 900], short.rows)
+    digest = hashlib.sha256(json.dumps([s.token_ids for s in sets]).encode()).hexdigest()
+    assert digest == "a28cd2561577a92a2741c0b8ea63b725156fd5790c796a1674ceeb41635ed00e"

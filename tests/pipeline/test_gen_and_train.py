@@ -244,13 +244,31 @@ def test_a_record_written_before_the_newer_datagen_flags_is_still_done(tmp_path,
     record = tmp_path / "data" / DATAGEN_DONE
     older = json.loads(record.read_text())
     newer = ("regenerate", "temperature", "max_tokens", "reasoning", "storage_dtype")
-    newer += ("ray_address", "ray_max_retries")
+    newer += ("ray_address", "ray_max_retries", "session_tokens", "sessions_only")
     record.write_text(json.dumps({k: v for k, v in older.items() if k not in newer}))
     capsys.readouterr()
     assert run_gen_and_train(plan_from_argv(_argv(tmp_path)), train) == 0
     out = capsys.readouterr().out
     assert "[1/3] datagen: done earlier" in out and "[2/3] vocabulary maps: done earlier" in out
     assert calls["datagen"] == [None]
+
+
+def test_the_session_flags_are_in_datagens_record_and_a_change_runs_datagen_again(
+    tmp_path, capsys, stand_ins
+):
+    """(Plain datagen then finds its folder's samples differ and refuses it naming the flag:
+    tests/data_generation/test_sessions.py.)"""
+    calls, train, _ = stand_ins
+    assert run_gen_and_train(plan_from_argv(_argv(tmp_path)), train) == 0
+    sessions = [*_argv(tmp_path, "--session-tokens", "1000"), "--sessions-only"]
+    assert run_gen_and_train(plan_from_argv(sessions), train) == 0
+    assert len(calls["datagen"]) == 2
+    record = json.loads((tmp_path / "data" / DATAGEN_DONE).read_text())
+    assert record["session_tokens"] == 1000 and record["sessions_only"] is True
+    capsys.readouterr()
+    assert run_gen_and_train(plan_from_argv(sessions), train) == 0
+    assert "[1/3] datagen: done earlier" in capsys.readouterr().out
+    assert len(calls["datagen"]) == 2
 
 
 def test_a_mistake_in_the_changed_flags_is_refused_before_the_old_run_is_removed(

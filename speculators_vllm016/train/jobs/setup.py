@@ -167,6 +167,12 @@ def _check_online(config: TrainJobConfig) -> OnlineSetup:
         )
     if online.online_queue_size < 1:
         raise TrainSetupError("--online-queue-size must be at least 1")
+    sessions, row = online.preprocessing.session_tokens, config.training.total_seq_len
+    if sessions > row:
+        raise TrainSetupError(
+            f"--session-tokens {sessions} is over --total-seq-len {row}: each session would be cut "
+            "in its packed row; raise --total-seq-len or lower --session-tokens"
+        )
     devices = _check_train_devices(config)
     options = online.datagen_options(config.model.verifier_name_or_path)
     try:

@@ -23,6 +23,8 @@ ONLINE = {
     "data_seed": 7,
     "layer_ids": [1, 3],
     "output_format": "safetensors",
+    "session_tokens": 250,
+    "sessions_only": True,
 }
 
 
@@ -71,6 +73,7 @@ def test_the_online_section_gives_datagens_options():
     assert options.engine.target_model_path == "verifier"  # None: --verifier-name-or-path
     assert options.engine.tensor_parallel_size == 2 and options.engine.dtype == "bfloat16"
     assert options.preprocessing.seed == 7 and options.seq_length == 300
+    assert options.preprocessing.session_tokens == 250 and options.preprocessing.sessions_only
     assert options.output.output_dir == "/cache" and options.output.output_format == "safetensors"
     assert options.output.show_progress is False and options.output.token_freq_path is None
     options.output.layer_ids.append(5)
@@ -78,3 +81,14 @@ def test_the_online_section_gives_datagens_options():
     given = TrainJobConfig.from_dict({"online": {**ONLINE, "target_model_path": "t"}})
     assert given.online.datagen_options("verifier").target_model_path == "t"
     assert TrainJobConfig().online.datagen_options("v").output.output_dir == ""
+
+
+def test_online_sessions_longer_than_the_packed_row_are_refused_before_any_work():
+    import pytest
+
+    from speculators_vllm016.train.jobs.setup import TrainSetupError, _check_online
+
+    online = {**ONLINE, "session_tokens": 9000, "seq_length": 9000}
+    config = TrainJobConfig.from_dict({"online": online, "training": {"total_seq_len": 8192}})
+    with pytest.raises(TrainSetupError, match="--session-tokens 9000 is over --total-seq-len 8192"):
+        _check_online(config)
