@@ -200,9 +200,9 @@ class VerifierInfo:
     path: str
     listing: CheckpointListing
     """Its tensors' names and where they are stored (its index or header, read once)."""
-    config: Any = None
+    config: Any = field(default=None, repr=False)
     """vLLM's config object of it, where the job built one (`train`); None otherwise."""
-    text_config: Any = None
+    text_config: Any = field(default=None, repr=False)
     """Its language model's config (nested in a multimodal config), with `config`."""
     _config_dict: dict | None = field(default=None, repr=False)
     _tensors: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)

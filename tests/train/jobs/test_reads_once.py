@@ -89,6 +89,8 @@ def _set_up(args: list[str], folders: dict[str, Path]) -> Openings:
     with counting(folders) as seen:
         setup = prepare(config)
         build_model(config, setup)
+    # Read once, and not kept: the draft holds its copies (a 1T target's head is gigabytes).
+    assert setup.verifier is not None and not setup.verifier._tensors
     return seen
 
 
