@@ -10,20 +10,23 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from speculators_vllm016.cli.field_flags import add_option_flags
 from speculators_vllm016.cli.regeneration_flags import (
     add_regeneration_arguments,
     fit_lengths_to_model,
     refuse_misplaced_regeneration_flags,
     sampling_from_args,
 )
-from speculators_vllm016.data_generation.options import DTYPES, DatagenOptions
+from speculators_vllm016.data_generation.options import (
+    DatagenOptions,
+    EngineOptions,
+    OutputOptions,
+    PreprocessingOptions,
+)
 from speculators_vllm016.data_generation.vllm_logging import keep_vllm_quiet
 from speculators_vllm016.utils.command_errors import EXIT_STOPPED, report_errors
 
 __all__ = [
-    "add_preprocessing_arguments",
-    "add_sample_file_arguments",
-    "add_target_model_arguments",
     "build_parser",
     "main",
     "options_from_args",
@@ -43,152 +46,6 @@ With --ray-address (a cluster's address, or 'local') one command runs all N shar
 each with tensor x pipeline parallel size GPUs, restarts a failed shard up to --ray-max-retries
 times and writes each shard's output to <output-dir>/logs/shard-I-of-N.log.
 """
-
-
-def add_target_model_arguments(group, required: bool = True) -> None:
-    """The target model and engine flags (shared with `speculators train --online`)."""
-    group.add_argument(
-        "--target-model-path", required=required, default=None, help="HF model id or local folder"
-    )
-    group.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="GPUs (or CPU workers) per model copy; 0.3.0 used every visible GPU, now 1",
-    )
-    group.add_argument(
-        "--pipeline-parallel-size", type=int, default=1, help="pipeline stages per model copy"
-    )
-    group.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="engine context length; None: --seq-length + 1",
-    )
-    group.add_argument(
-        "--gpu-memory-utilization", type=float, default=0.8, help="share of GPU memory vLLM may use"
-    )
-    group.add_argument("--dtype", default="auto", choices=DTYPES, help="model dtype")
-    group.add_argument(
-        "--max-num-seqs", type=int, default=None, help="engine batch; None: max(32, --batch-size)"
-    )
-    group.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="tokens per engine step; None: max(8192, max model len)",
-    )
-    group.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="run Python code shipped in the model folder (some models need it, e.g. Kimi-K2.5); "
-        "off by default (0.3.0 always ran it)",
-    )
-    group.add_argument(
-        "--transfer-root",
-        default=None,
-        help="folder for the shared-memory files that carry hidden states from the engine; "
-        "None: $SPECULATORS_TRANSFER_ROOT, else /dev/shm, else the temp dir",
-    )
-
-
-def add_preprocessing_arguments(
-    group, required: bool = True, seed_flag: str = "--seed", token_freq: bool = True
-) -> None:
-    """The chat-data flags: which rows, how they are tokenized and masked (shared with train)."""
-    group.add_argument(
-        "--train-data-path",
-        required=required,
-        default=None,
-        help="local .json/.jsonl (ShareGPT or messages shape), or 'sharegpt' / 'ultrachat'",
-    )
-    group.add_argument("--seq-length", type=int, default=2048, help="truncate samples to this")
-    group.add_argument(
-        "--max-samples",
-        type=int,
-        default=None,
-        help="use at most this many conversations; None: all",
-    )
-    if token_freq:
-        group.add_argument(
-            "--token-freq-path",
-            default=None,
-            help="also write the token counts here (0.3.0's file; '.shard-I-of-N' is added when "
-            "sharded); they always go to <output-dir>/token_freq/",
-        )
-    group.add_argument("--hf-cache-dir", default=None, help="datasets cache directory")
-    group.add_argument(
-        "--assistant-pattern",
-        default=None,
-        help="regex whose first group is assistant text; None: found from the chat template",
-    )
-    group.add_argument(
-        "--turn-dropout", action="store_true", help="keep a random prefix of each conversation"
-    )
-    group.add_argument(
-        seed_flag,
-        type=int,
-        default=0,
-        dest="seed" if seed_flag == "--seed" else None,
-        help="shuffle seed of the chat data (datagen's --seed)",
-    )
-    group.add_argument(
-        "--num-preprocessing-workers", type=int, default=8, help="processes for tokenizing"
-    )
-    group.add_argument(
-        "--chat-template-kwargs",
-        default=None,
-        help="JSON object of arguments for the chat template, e.g. '{\"thinking\": false}' "
-        "(Kimi-K2.5); with --regenerate the target answers with them too. None: the "
-        "template's defaults (0.3.0's rendering)",
-    )
-
-    group.add_argument(
-        "--session-tokens",
-        type=int,
-        default=0,
-        help="also write long samples: the user/assistant pairs of the conversations, in their "
-        "(seeded) order, chained into sessions of about N tokens (whole pairs; at most "
-        "--seq-length); 0: none",
-    )
-    group.add_argument(
-        "--sessions-only",
-        action="store_true",
-        help="with --session-tokens: write the sessions only, not the conversations themselves",
-    )
-
-
-def add_sample_file_arguments(group) -> None:
-    """Which layers are captured and how sample files are written (shared with train)."""
-    group.add_argument(
-        "--output-format", choices=["pt", "safetensors"], default="pt", help="sample file format"
-    )
-    group.add_argument(
-        "--storage-dtype",
-        choices=["bf16", "fp8"],
-        default="bf16",
-        help=(
-            "how hidden states are stored: bf16 as the engine makes them; fp8 (e4m3, one scale "
-            "per token and layer) takes half the bytes, read back by `speculators train` only "
-            "(docs/storage-dtype.md measures what it costs)"
-        ),
-    )
-    group.add_argument("--start-idx", type=int, default=0, help="index of the first file")
-    group.add_argument(
-        "--layer-ids",
-        type=int,
-        nargs="+",
-        default=None,
-        help="decoder layers to capture; None: [2, N/2, N-3, N-1] of N layers",
-    )
-    group.add_argument(
-        "--num-writer-threads", type=int, default=4, help="threads writing sample files"
-    )
-    group.add_argument(
-        "--fsync",
-        action="store_true",
-        help="fsync every sample file (survives power loss; files are always whole after a crash)",
-    )
 
 
 def add_ray_arguments(group) -> None:
@@ -215,31 +72,11 @@ def build_parser(prog: str = "speculators datagen") -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    add_target_model_arguments(parser.add_argument_group("target model"))
-    add_preprocessing_arguments(parser.add_argument_group("data"))
-
-    output = parser.add_argument_group("output")
-    output.add_argument("--output-dir", required=True, help="folder for the sample files")
-    add_sample_file_arguments(output)
-    output.add_argument(
-        "--batch-size",
-        type=int,
-        default=128,
-        help=(
-            "sequences per extraction call (0.3.0 used 8). The engine runs a call's sequences "
-            "continuously and samples are written as they finish, but each call ends with a "
-            "partly filled step, so larger is faster; a resumed run computes only the missing samples"
-        ),
-    )
-    output.add_argument("--num-shards", type=int, default=1, help="shards of the whole job")
-    output.add_argument("--shard-index", type=int, default=0, help="this process's shard")
-    output.add_argument(
-        "--adopt-existing",
-        action="store_true",
-        help="accept a folder that holds sample files of an unrecorded run (e.g. 0.3.0's): "
-        "each is checked against this run's samples and recomputed if it differs",
-    )
-    output.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    # Every flag of these three groups is a field of its options part, its help the field's
+    # docstring (`cli.field_flags`): declared once, shared with `speculators train --online`.
+    add_option_flags(parser.add_argument_group("target model"), EngineOptions)
+    add_option_flags(parser.add_argument_group("data"), PreprocessingOptions)
+    add_option_flags(parser.add_argument_group("output"), OutputOptions)
     add_ray_arguments(parser.add_argument_group("Ray (all shards from one command)"))
     regeneration = parser.add_argument_group(
         "regeneration (one engine load: answer the turns with the target, then extract)"

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from speculators_vllm016.cli.field_flags import add_field_flag
 from speculators_vllm016.train.jobs.draft_build import build_model as _build_model
 from speculators_vllm016.train.jobs.job_config import (
-    FieldSpec,
     JobConfigError,
     TrainJobConfig,
     config_fields,
@@ -41,22 +41,6 @@ __all__ = [
     "prepare",
     "run_config",
 ]
-
-
-def _add_field(group: argparse._ArgumentGroup, spec: FieldSpec, default: object) -> None:
-    """One config field as its flag: type, choices and help from the field itself."""
-    kwargs: dict = {"default": default, "help": spec.doc.replace("%", "%%") or None}
-    if spec.type is bool:
-        kwargs["action"] = argparse.BooleanOptionalAction if spec.negatable else "store_true"
-    elif spec.type is list:
-        kwargs.update(type=int, nargs="+")
-    elif spec.type is not str:  # argparse's values are text already
-        kwargs["type"] = spec.type
-    if spec.choices is not None:
-        kwargs["choices"] = list(spec.choices)
-    if spec.required and not default:  # unless the --config file gave it
-        kwargs.update(required=True, default=None)
-    group.add_argument(spec.flag, **kwargs)
 
 
 def build_parser(
@@ -83,7 +67,7 @@ def build_parser(
         doc = (type(values).__doc__ or section.name).strip()
         group = parser.add_argument_group(f"{section.name}: {doc}")
         for spec in config_fields(type(values)):
-            _add_field(group, spec, spec.read(values))
+            add_field_flag(group, spec, spec.read(values))
     return parser
 
 

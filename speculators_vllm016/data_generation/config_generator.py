@@ -251,7 +251,9 @@ class DataGenerationConfig:
         chat_template_kwargs: dict[str, Any] | None = None,
         session_tokens: int = 0,
         sessions_only: bool = False,
+        target_config: dict | None = None,
     ) -> DataGenerationConfig:
+        """`target_config`: the target's config.json where the run read it already."""
         versions = PackageVersions.from_environment()
         return cls(
             version=cls.VERSION,
@@ -266,7 +268,7 @@ class DataGenerationConfig:
                 tensor_parallel_size=generator.tensor_parallel_size,
                 gpu_memory_utilization=generator.vllm_config.cache_config.gpu_memory_utilization,
                 hidden_size=generator.hidden_size,
-                verifier_fingerprint=_fingerprint(generator.model_path),
+                verifier_fingerprint=_fingerprint(generator.model_path, target_config),
             ),
             data=DataConfig(
                 train_data_path=train_data_path,
@@ -290,13 +292,13 @@ class DataGenerationConfig:
         )
 
 
-def _fingerprint(model_path: str) -> str | None:
+def _fingerprint(model_path: str, config_dict: dict | None = None) -> str | None:
     """The target's fingerprint; None (and a warning) when its tensors cannot be read: the data
     is still usable, only the check of the verifier it trains against is lost."""
-    from speculators_vllm016.utils.verifier_weights import verifier_fingerprint
+    from speculators_vllm016.utils.verifier_weights import VerifierInfo
 
-    try:
-        return verifier_fingerprint(model_path)
+    try:  # the config the run read already (`config_dict`) is not read again
+        return VerifierInfo.read(model_path, config_dict).fingerprint()
     except Exception as error:  # noqa: BLE001 - any failure: record none, keep the data
         logging.getLogger(__name__).warning(
             "no fingerprint of %s's final norm and LM head recorded (%s): training cannot check "

@@ -320,7 +320,7 @@ class ShardExtraction:
                 )
                 written, tokens = totals.samples_written, totals.tokens_extracted
                 extraction_seconds = time.perf_counter() - extraction_started
-            folder.write_data_config(generator, options, len(self.dataset))
+            folder.write_data_config(generator, options, len(self.dataset), self.facts.config_dict)
         finally:
             if generator is not None and generator is not self.started_generator:
                 generator.close()

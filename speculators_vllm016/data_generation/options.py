@@ -1,7 +1,8 @@
 """What a datagen run is asked to do, in three typed parts: engine, preprocessing and output.
 
 Each part holds the flags of one group of `speculators datagen --help` (the same names, without the
-dashes), and each consumer takes the part it needs: the engine builder `EngineOptions`, the
+dashes; `cli.field_flags` makes the flags from the fields, the docstrings are their help), and each
+consumer takes the part it needs: the engine builder `EngineOptions`, the
 preprocessing `PreprocessingOptions`, the folder and the writers `OutputOptions`. `DatagenOptions`
 joins them; `DatagenOptions.from_args` is the one way from datagen's parsed flags to options.
 `speculators train --online` nests the parts themselves in its job config (`OnlineConfig`): each
@@ -38,7 +39,7 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 
 @dataclass
 class EngineOptions:
-    """The target model and its vLLM engine (`add_target_model_arguments`)."""
+    """The target model and its vLLM engine (datagen's "target model" flags)."""
 
     # The docstrings below are `speculators train --online`'s help for these flags too.
     target_model_path: str
@@ -69,7 +70,7 @@ class EngineOptions:
 @dataclass
 class PreprocessingOptions:
     """Which chat rows become samples and how they are tokenized and masked
-    (`add_preprocessing_arguments`); all of it is hashed into the run identity through the samples."""
+    (datagen's "data" flags); all of it is hashed into the run identity through the samples."""
 
     # The docstrings below are `speculators train --online`'s help for these flags too.
     train_data_path: str
@@ -90,7 +91,8 @@ class PreprocessingOptions:
     """Processes for tokenizing."""
     chat_template_kwargs: str | None = None
     """JSON object of arguments for the chat template, e.g. '{"thinking": false}' (Kimi-K2.5's
-    thinking switch); None: the template's own defaults, as 0.3.0 rendered."""
+    thinking switch); with datagen's --regenerate the target answers with them too. None: the
+    template's own defaults, as 0.3.0 rendered."""
     session_tokens: int = 0
     """Also write long samples: the user/assistant pairs of the conversations, in their (seeded)
     order, chained into sessions of about this many tokens (whole pairs; at most --seq-length);
@@ -106,7 +108,7 @@ class PreprocessingOptions:
 @dataclass
 class OutputOptions:
     """The sample files: where, which layers, in what format, by which shard and writers
-    (datagen's output group and `add_sample_file_arguments`)."""
+    (datagen's "output" flags)."""
 
     output_dir: str
     """Folder of the sample files (train's `--cache-dir`; "" when online training keeps none)."""
@@ -116,7 +118,8 @@ class OutputOptions:
     """Sample file format."""
     storage_dtype: str = field(default="bf16", metadata={"choices": STORAGE_DTYPES})
     """How hidden states are stored: "bf16" as the engine makes them, "fp8" as e4m3 with a scale
-    per token and layer (half the bytes; training reads either)."""
+    per token and layer (half the bytes; read back by `speculators train` only;
+    docs/storage-dtype.md measures what it costs)."""
     start_idx: int = 0
     """Index of the first sample file: row i becomes data_<start-idx + i>."""
     layer_ids: list[int] | None = None
@@ -127,17 +130,21 @@ class OutputOptions:
     fsync: bool = False
     """fsync every sample file (survives power loss; files are always whole after a crash)."""
     batch_size: int = 128
-    """Sequences per extraction call; a resumed run recomputes whole calls."""
+    """Sequences per extraction call (0.3.0 used 8). The engine runs a call's sequences
+    continuously and samples are written as they finish, but each call ends with a partly filled
+    step, so larger is faster; a resumed run computes only the missing samples."""
     num_shards: int = 1
     """Shards of the whole job; shard I extracts rows I, I+N, I+2N, ..."""
     shard_index: int = 0
     """This process's shard."""
     token_freq_path: str | None = None
-    """Also write the token counts here (0.3.0's file); they always go beside the data too."""
+    """Also write the token counts here (0.3.0's file; '.shard-I-of-N' is added when sharded);
+    they always go to <output-dir>/token_freq/ too."""
     adopt_existing: bool = False
-    """Accept a folder with sample files of an unrecorded run, checking each against this run."""
-    show_progress: bool = True
-    """Show the progress bar (the flag is `--no-progress`)."""
+    """Accept a folder that holds sample files of an unrecorded run (e.g. 0.3.0's): each is
+    checked against this run's samples and recomputed if it differs."""
+    show_progress: bool = field(default=True, metadata={"flag": "--no-progress"})
+    """Show the progress bar; `--no-progress` hides it."""
 
 
 _PARTS: dict[str, type] = {

@@ -233,16 +233,23 @@ class DatagenFolder:
             save_token_counts(counts, path)
             logger.info("token counts also in %s", path)
 
-    def write_data_config(self, generator: Any, options: DatagenOptions, num_samples: int) -> None:
+    def write_data_config(
+        self,
+        generator: Any,
+        options: DatagenOptions,
+        num_samples: int,
+        target_config: dict | None = None,
+    ) -> None:
         """Write `data_config.json` of a run whose engine is `generator`; when no engine ran
-        (every file was already there) the one written by the run that made them stands."""
-        config = data_config_of(generator, options, num_samples)
+        (every file was already there) the one written by the run that made them stands.
+        `target_config`: the target's config.json as the run read it (not read again)."""
+        config = data_config_of(generator, options, num_samples, target_config)
         if config is not None:
             atomic_write_json(self.path / CONFIG_FILE, config.to_dict())
 
 
 def data_config_of(
-    generator: Any, options: DatagenOptions, num_samples: int
+    generator: Any, options: DatagenOptions, num_samples: int, target_config: dict | None = None
 ) -> DataGenerationConfig | None:
     """`data_config.json` of a run whose engine is `generator`; None when no engine ran."""
     from datasets import config as datasets_config
@@ -265,4 +272,5 @@ def data_config_of(
         chat_template_kwargs=data.template_kwargs(),
         session_tokens=data.session_tokens,
         sessions_only=data.sessions_only,
+        target_config=target_config,
     )

@@ -121,15 +121,16 @@ def named_verifier(settings: list[DraftSettings]) -> str:
 
 
 def _check_trained_for(
-    options: EvalOptions, settings: list[DraftSettings], verifier_path: str
+    options: EvalOptions, settings: list[DraftSettings], verifier_path: str, config_dict: dict
 ) -> None:
     """Refuse a draft whose recorded verifier weights (final norm and LM head) differ from the
     verifier's: same shapes, other model; it would be measured against targets it never saw."""
     if options.allow_other_verifier or not any(s.verifier_fingerprint for s in settings):
         return
-    from speculators_vllm016.utils.verifier_weights import verifier_fingerprint
+    from speculators_vllm016.utils.verifier_weights import VerifierInfo
 
-    mine = verifier_fingerprint(verifier_path)
+    # The config already read (`config_dict`) is not read again.
+    mine = VerifierInfo.read(verifier_path, config_dict).fingerprint()
     for draft, setting in zip(options.drafts, settings, strict=True):
         if setting.verifier_fingerprint and setting.verifier_fingerprint != mine:
             raise InvalidInputError(
@@ -228,7 +229,7 @@ def run_evaluation(options: EvalOptions) -> EvaluationReport:
         ) from None
     for draft, setting in zip(options.drafts, settings, strict=True):
         check_verifier_matches(draft, setting.expects, verifier_path, verifier_config)
-    _check_trained_for(options, settings, verifier_path)
+    _check_trained_for(options, settings, verifier_path, verifier_config)
     engine = resolve_engine(options.engine)
     if engine == "hf" and options.tensor_parallel_size != 1:
         raise InvalidInputError(

@@ -25,12 +25,16 @@ __all__ = ["TrainerConfig"]
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    """How to train. The first twelve fields are 0.3.0's `TrainerConfig`, in its order."""
+    """How to train. The first twelve fields are 0.3.0's `TrainerConfig`, in its order.
 
-    lr: float
-    """AdamW's learning rate (the peak, after warm-up)."""
-    num_epochs: int
-    """Epochs to train; a resumed run counts the epochs already done."""
+    A field a job sets from one of its settings names it (`metadata["job"]`, "section.field" of
+    `TrainJobConfig`): that field's docstring, the flag's `--help`, is its one description
+    (`TrainerConfig.field_doc`); the docstring here names the flag only."""
+
+    lr: float = field(metadata={"job": "training.lr"})
+    """`--lr`."""
+    num_epochs: int = field(metadata={"job": "training.epochs"})
+    """`--epochs`."""
     save_path: str
     """The checkpoint folder: `<epoch>/`, `<epoch>-step<global>/`, `best`, `metrics.jsonl`."""
     resume_from_checkpoint: bool = False
@@ -46,55 +50,62 @@ class TrainerConfig:
     `use_off_policy_tokens`); 0.3.0's dict of the same names is accepted and converted."""
     val_call_kwargs: DraftCallOptions = field(default_factory=DraftCallOptions)
     """Options of the model's validation call, as `train_call_kwargs`."""
-    scheduler_type: Literal["linear", "cosine", "none"] = "linear"
-    """Learning-rate decay after the warm-up, or none (constant `lr`)."""
-    scheduler_warmup_steps: int | None = None
-    """Warm-up steps; None: 1% of the run's steps (epochs x steps per epoch, capped at
-    `max_steps`: 0.3.0's value without the cap)."""
-    scheduler_total_steps: int | None = None
-    """Steps the schedule spans; None: the run's steps."""
-    scheduler_num_cosine_cycles: float = 0.5
-    """Cosine cycles over the schedule (0.5: one decay from `lr` to 0)."""
-    weight_decay: float = 0.01
-    """AdamW's decoupled weight decay."""
-    max_grad_norm: float = 1.0
-    """Gradients are clipped to this global norm before each step."""
-    seed: int = 0
-    """Seeds the sampler's shuffles and the noise (set on the loaders by the caller); recorded
-    in checkpoints so a resume with another seed warns."""
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """"fp32", or "bf16" (bf16 autocast over fp32 master weights); "auto" is bf16 on CUDA and
-    fp32 on CPUs."""
-    parallel: Literal["fsdp", "ddp"] = "fsdp"
-    """Under torchrun: "fsdp" (FSDP2, shards weights and optimizer state) or "ddp"."""
+    scheduler_type: Literal["linear", "cosine", "none"] = field(
+        default="linear", metadata={"job": "training.scheduler_type"}
+    )
+    """`--scheduler-type`."""
+    scheduler_warmup_steps: int | None = field(
+        default=None, metadata={"job": "training.scheduler_warmup_steps"}
+    )
+    """`--scheduler-warmup-steps`."""
+    scheduler_total_steps: int | None = field(
+        default=None, metadata={"job": "training.scheduler_total_steps"}
+    )
+    """`--scheduler-total-steps`."""
+    scheduler_num_cosine_cycles: float = field(
+        default=0.5, metadata={"job": "training.scheduler_num_cosine_cycles"}
+    )
+    """`--scheduler-num-cosine-cycles`."""
+    weight_decay: float = field(default=0.01, metadata={"job": "training.weight_decay"})
+    """`--weight-decay`."""
+    max_grad_norm: float = field(default=1.0, metadata={"job": "training.max_grad_norm"})
+    """`--max-grad-norm`."""
+    seed: int = field(default=0, metadata={"job": "training.seed"})
+    """`--seed` (set on the loaders by the caller; recorded in checkpoints: a resume with
+    another seed warns)."""
+    precision: Literal["auto", "fp32", "bf16"] = field(
+        default="auto", metadata={"job": "runtime.precision"}
+    )
+    """`--precision`."""
+    parallel: Literal["fsdp", "ddp"] = field(default="fsdp", metadata={"job": "runtime.parallel"})
+    """`--parallel`."""
     device: str | None = None
     """Where to train ("cpu", "cuda"); None: this rank's GPU, else the CPU."""
-    checkpoint_freq: float | None = None
-    """Also checkpoint every this fraction of an epoch (0.25: four times); None: epoch ends only."""
-    max_steps: int | None = None
-    """Stop (with a checkpoint) after this many optimizer steps in all."""
+    checkpoint_freq: float | None = field(
+        default=None, metadata={"job": "checkpoint.checkpoint_freq"}
+    )
+    """`--checkpoint-freq`."""
+    max_steps: int | None = field(default=None, metadata={"job": "training.max_steps"})
+    """`--max-steps`."""
     checkpoint_dtype: torch.dtype = torch.bfloat16
     """Dtype of the served `model.safetensors` (fp32 master weights are kept beside it)."""
     optimizer_state_dtype: torch.dtype | None = None
     """None keeps the optimizer state as it is (fp32); bf16 is 0.3.0's (its defect D2)."""
-    keep_mid_epoch_checkpoints: int = 1
-    """How many mid-epoch checkpoints after the newest epoch one to keep (older ones are
-    deleted; epoch ones stay). The checkpoint just written is never deleted, so 0 keeps just
-    that one, like 1."""
-    keep_last_checkpoints: int | None = None
-    """How many checkpoints of any kind to keep (older ones are deleted after each save; the
-    best one by validation tau_sim stays besides); None keeps them all."""
+    keep_mid_epoch_checkpoints: int = field(
+        default=1, metadata={"job": "checkpoint.keep_mid_epoch_checkpoints"}
+    )
+    """`--keep-mid-epoch-checkpoints`."""
+    keep_last_checkpoints: int | None = field(
+        default=None, metadata={"job": "checkpoint.keep_last"}
+    )
+    """`--keep-last`."""
     background_checkpoints: bool = True
     """Write checkpoints in a background thread: the step loop only waits for a snapshot of
     the weights and optimizer state (`checkpointing.background_writer`)."""
-    fsdp_bf16_params: bool = False
-    """Under FSDP2, gather bf16 copies of the weights instead of the fp32 masters (half the
-    traffic, less memory; norms then scale by bf16 weights)."""
-    deterministic: bool = False
-    """Compile the draft's blocks so that a GPU run's numbers do not depend on the shapes
-    compiled before (`use_reproducible_compilation`): a resumed run then ends with the
-    uninterrupted run's weights bit for bit, as CPU runs always do. Slower (7% a step on an
-    H200 at 8B-draft shapes, one measurement)."""
+    fsdp_bf16_params: bool = field(default=False, metadata={"job": "runtime.fsdp_bf16_params"})
+    """`--fsdp-bf16-params`."""
+    deterministic: bool = field(default=False, metadata={"job": "runtime.deterministic"})
+    """`--deterministic` (`use_reproducible_compilation`)."""
     show_progress: bool = True
     """A progress bar per epoch and for validation (rank 0)."""
     start: str = "starting from scratch"
@@ -120,39 +131,23 @@ class TrainerConfig:
     ) -> TrainerConfig:
         """The trainer's settings of a job: the job config's, plus where this process trains
         (known once its process group is joined)."""
-        training, runtime, checkpoint = config.training, config.runtime, config.checkpoint
+        training, checkpoint = config.training, config.checkpoint
         call = DraftCallOptions(
             ttt_steps=config.model.ttt_steps,
             ttt_step_loss_decay=config.model.ttt_step_loss_decay,
             use_off_policy_tokens=training.teacher_forcing,
         )
         return cls(
-            lr=training.lr,
-            num_epochs=training.epochs,
+            **{item.name: _job_value(config, item.metadata["job"]) for item in _FROM_JOB},
             save_path=save_path,
             resume_from_checkpoint=not checkpoint.no_resume_from_checkpoint,
             is_distributed=is_distributed,
             local_rank=local_rank,
             train_call_kwargs=call,
             val_call_kwargs=call,
-            scheduler_type=training.scheduler_type,
-            scheduler_warmup_steps=training.scheduler_warmup_steps,
-            scheduler_total_steps=training.scheduler_total_steps,
-            scheduler_num_cosine_cycles=training.scheduler_num_cosine_cycles,
-            weight_decay=training.weight_decay,
-            max_grad_norm=training.max_grad_norm,
-            seed=training.seed,
-            precision=runtime.precision,
-            parallel=runtime.parallel,
             device=device,
-            checkpoint_freq=checkpoint.checkpoint_freq,
-            max_steps=training.max_steps,
             checkpoint_dtype=getattr(torch, CHECKPOINT_DTYPES[checkpoint.checkpoint_dtype]),
             optimizer_state_dtype=torch.bfloat16 if config.legacy.bf16_optimizer_state else None,
-            keep_mid_epoch_checkpoints=checkpoint.keep_mid_epoch_checkpoints,
-            keep_last_checkpoints=checkpoint.keep_last,
-            fsdp_bf16_params=runtime.fsdp_bf16_params,
-            deterministic=runtime.deterministic,
             show_progress=not config.logging.no_progress,
             start=(
                 f"starting from the weights of --from-pretrained {config.model.from_pretrained}"
@@ -164,3 +159,27 @@ class TrainerConfig:
     def _replace(self, **changes: Any) -> TrainerConfig:
         """NamedTuple-style copy with changes (0.3.0's config was a NamedTuple)."""
         return dataclasses.replace(self, **changes)
+
+    @staticmethod
+    def field_doc(name: str) -> str:
+        """What the field `name` means: for a setting of the job config (metadata `job`), that
+        field's docstring (the flag's help: the one description of it), else its own."""
+        from speculators_vllm016.utils.field_docs import field_docs
+
+        item = next(item for item in dataclasses.fields(TrainerConfig) if item.name == name)
+        job = item.metadata.get("job")
+        if job is None:
+            return field_docs(TrainerConfig).get(name, "")
+        from speculators_vllm016.train.jobs.job_config import TrainJobConfig
+
+        section, key = job.split(".")
+        return field_docs(type(getattr(TrainJobConfig(), section))).get(key, "")
+
+
+_FROM_JOB = tuple(item for item in dataclasses.fields(TrainerConfig) if "job" in item.metadata)
+"""The fields a job sets straight from its config: `metadata["job"]` is "section.field"."""
+
+
+def _job_value(config: TrainJobConfig, path: str) -> Any:
+    section, key = path.split(".")
+    return getattr(getattr(config, section), key)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,9 @@ import torch
 from speculators_vllm016.utils.errors import InvalidInputError, first_line
 
 __all__ = [
+    "CheckpointListing",
     "checkpoint_tensor_names",
+    "list_checkpoint",
     "load_model_layers",
     "read_checkpoint_tensors",
     "read_weights_file",
@@ -120,6 +123,44 @@ def _weights_location(
     raise _no_weights(model_path)
 
 
+@dataclass(frozen=True)
+class CheckpointListing:
+    """Where a checkpoint keeps its tensors and what they are called, found once: a job that
+    reads some of its tensors later reads them from here, without opening its index or its
+    safetensors header again (on a network filesystem, or for a hub checkpoint, every pass
+    over a 1T-parameter model's index costs)."""
+
+    model_path: str
+    location: Path
+    """Its index file, or its single weights file."""
+    weight_map: dict[str, str] | None
+    """The index's tensor name -> shard file; None for a single weights file."""
+    names: tuple[str, ...]
+    """Every tensor it holds, sorted."""
+    cache_dir: str | Path | None = None
+
+    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The tensors called `names` that it holds (the others are left out)."""
+        return _read_located(
+            self.model_path, self.location, self.weight_map, set(names), self.cache_dir
+        )
+
+
+def list_checkpoint(
+    model_path: str | Path, *, cache_dir: str | Path | None = None
+) -> CheckpointListing:
+    """The checkpoint's `CheckpointListing`: its index, or its safetensors header, read once (no
+    tensor data is read; a single PyTorch .bin is memory-mapped)."""
+    location, weight_map = _weights_location(model_path, cache_dir)
+    return CheckpointListing(
+        str(model_path),
+        location,
+        weight_map,
+        tuple(_tensor_names(location, weight_map)),
+        cache_dir,
+    )
+
+
 def read_checkpoint_tensors(
     model_path: str | Path,
     names: Iterable[str] | None = None,
@@ -132,6 +173,17 @@ def read_checkpoint_tensors(
     """
     wanted = None if names is None else set(names)
     location, weight_map = _weights_location(model_path, cache_dir)
+    return _read_located(model_path, location, weight_map, wanted, cache_dir)
+
+
+def _read_located(
+    model_path: str | Path,
+    location: Path,
+    weight_map: dict[str, str] | None,
+    wanted: set[str] | None,
+    cache_dir: str | Path | None,
+) -> dict[str, torch.Tensor]:
+    """`read_checkpoint_tensors` once the index (or the single file) is known."""
     if weight_map is None:
         return read_weights_file(location, wanted)
     files = sorted(
@@ -153,7 +205,11 @@ def checkpoint_tensor_names(
 ) -> list[str]:
     """The names of every tensor the checkpoint holds, read from its index or safetensors header
     (no tensor data is read; a single PyTorch .bin is memory-mapped)."""
-    location, weight_map = _weights_location(model_path, cache_dir)
+    return list(list_checkpoint(model_path, cache_dir=cache_dir).names)
+
+
+def _tensor_names(location: Path, weight_map: dict[str, str] | None) -> list[str]:
+    """`checkpoint_tensor_names` once the index (or the single file) is known."""
     if weight_map is not None:
         return sorted(weight_map)
     if location.suffix != ".safetensors":

@@ -12,12 +12,23 @@ hidden states into the training targets): datagen records it in `data_config.jso
 compares it with the verifier it is given and records it in the draft, `eval` compares it with
 the verifier it runs. Two models of the same shapes but other weights differ there, whatever
 their paths. It lives in `utils` so that datagen (below the models) can record it.
+
+`VerifierInfo` is the verifier as a job reads it: once. A job's set-up asks many questions of its
+verifier (where the copied tensors are and whether they are quantized, its fingerprint, its
+norm's eps, its embeddings for comparing a `--from-pretrained` draft's); each used to read the
+checkpoint again, and for a 1T-parameter target on a network filesystem (or a hub id, whose index
+is a download) every pass costs. `VerifierInfo.read(path)` lists the checkpoint once (its index or
+safetensors header); its config.json and its tensors are read the first time they are asked for
+and kept, each tensor once; the checks are functions of what was read. vLLM's own config classes
+(train's `load_verifier_config`) read config.json themselves: they cannot be handed a dict.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,7 +37,7 @@ from speculators_vllm016.utils.language_model_layout import (
     LANGUAGE_MODEL_LAYOUTS,
     find_language_model_layout,
 )
-from speculators_vllm016.utils.loading import checkpoint_tensor_names, load_model_layers
+from speculators_vllm016.utils.loading import CheckpointListing, list_checkpoint
 from speculators_vllm016.utils.quantized_weights import (
     FULL_PRECISION_DTYPES,
     config_quantizes,
@@ -38,11 +49,15 @@ from speculators_vllm016.utils.verifier_config import load_verifier_config_dict
 __all__ = [
     "VERIFIER_WEIGHT_LAYOUTS",
     "QuantizedVerifierWeight",
+    "VerifierInfo",
     "VerifierWeightNames",
     "VerifierWeights",
+    "check_full_precision",
     "fingerprint_of",
+    "locate_in_names",
     "locate_verifier_weights",
     "read_verifier_weights",
+    "rms_norm_eps_of",
     "verifier_fingerprint",
     "verifier_rms_norm_eps",
 ]
@@ -98,19 +113,20 @@ def locate_verifier_weights(path: str, config_dict: dict | None = None) -> Verif
     """The names of the verifier's embeddings, final norm and LM head, from the checkpoint's tensor
     names (no tensor is read). Raises `QuantizedVerifierWeight` when its tensors or its
     compressed-tensors `quantization_config` say one of them is stored quantized."""
-    return _locate(path, checkpoint_tensor_names(path), config_dict)
+    return VerifierInfo.read(path, config_dict).weight_names()
 
 
-def _locate(path: str, names: list[str], config_dict: dict | None) -> VerifierWeightNames:
-    """`locate_verifier_weights` on tensor names already listed."""
+def locate_in_names(
+    path: str, names: list[str], config_dict: Callable[[], dict]
+) -> VerifierWeightNames:
+    """`locate_verifier_weights` on tensor names already listed; `config_dict` gives the
+    verifier's config.json (asked for only once the embeddings are found)."""
     layout = find_language_model_layout(names)
     if layout is None:
         raise InvalidInputError(
             f"{path} has no token embeddings (looked for {[lay[0] for lay in VERIFIER_WEIGHT_LAYOUTS]})"
         )
-    if config_dict is None:
-        config_dict = load_verifier_config_dict(path)
-    quantization = quantization_config_of(config_dict)
+    quantization = quantization_config_of(config_dict())
     present = set(names)
     for module, module_class in _COPIED:
         stored = layout.stored_name(f"{module}.weight").removesuffix(".weight")
@@ -127,7 +143,8 @@ def _locate(path: str, names: list[str], config_dict: dict | None) -> VerifierWe
     return VerifierWeightNames(*(layout.stored_name(f"{module}.weight") for module, _ in _COPIED))
 
 
-def _check_full_precision(path: str, name: str, tensor: torch.Tensor) -> None:
+def check_full_precision(path: str, name: str, tensor: torch.Tensor) -> None:
+    """Refuse (one line) a copied tensor stored in a quantized dtype."""
     if tensor.dtype not in FULL_PRECISION_DTYPES:
         module = name.removesuffix(".weight")
         role = next((r for m, r in _ROLE.items() if module.endswith(m)), "tensor")
@@ -136,22 +153,11 @@ def _check_full_precision(path: str, name: str, tensor: torch.Tensor) -> None:
 
 def read_verifier_weights(path: str) -> VerifierWeights:
     """Embeddings, LM head and final norm of the verifier at `path` (a folder or a hub id)."""
-    located = locate_verifier_weights(path)
-    weights = load_model_layers([located.embeddings, located.norm, located.head], path)
-    for name, tensor in weights.items():
-        _check_full_precision(path, name, tensor)
-    embeddings = weights[located.embeddings]
-    return VerifierWeights(
-        embeddings=embeddings,
-        head=weights.get(located.head, embeddings),  # tied embeddings
-        norm=weights.get(located.norm),
-        norm_name=located.norm,
-    )
+    return VerifierInfo.read(path).weights()
 
 
-def verifier_rms_norm_eps(path: str) -> float | None:
-    """The verifier's `rms_norm_eps`, at the top of its config or in its text config."""
-    config_dict = load_verifier_config_dict(path)
+def rms_norm_eps_of(config_dict: dict) -> float | None:
+    """`rms_norm_eps` of a verifier's config.json, at its top or in its text config."""
     for candidate in (
         config_dict,
         config_dict.get("text_config"),
@@ -160,6 +166,11 @@ def verifier_rms_norm_eps(path: str) -> float | None:
         if isinstance(candidate, dict) and candidate.get("rms_norm_eps") is not None:
             return float(candidate["rms_norm_eps"])
     return None
+
+
+def verifier_rms_norm_eps(path: str) -> float | None:
+    """The verifier's `rms_norm_eps`, at the top of its config or in its text config."""
+    return rms_norm_eps_of(load_verifier_config_dict(path))
 
 
 def fingerprint_of(weights: VerifierWeights) -> str:
@@ -178,18 +189,96 @@ def fingerprint_of(weights: VerifierWeights) -> str:
 def verifier_fingerprint(path: str) -> str:
     """The identity of the verifier at `path` (a folder or a hub id): `fingerprint_of` its final
     norm and LM head, found as `read_verifier_weights` finds them (plain, multimodal and
-    Kimi-K2.5 layouts). Only those two are read: the embeddings of a large vocabulary are
-    gigabytes (Kimi-K2.5: 2.3 GB), read once more when the draft copies them."""
-    names = checkpoint_tensor_names(path)  # listed once: a hub checkpoint's index is a download
-    located = _locate(path, names, None)
-    stored = set(names)
-    head_name = located.head if located.head in stored else located.embeddings  # tied
-    weights = load_model_layers([located.norm, head_name], path)
-    for name, tensor in weights.items():
-        _check_full_precision(path, name, tensor)
-    head = weights[head_name]
-    return fingerprint_of(
-        VerifierWeights(
-            embeddings=head, head=head, norm=weights.get(located.norm), norm_name=located.norm
+    Kimi-K2.5 layouts). Only those two are read (`VerifierInfo.fingerprint`)."""
+    return VerifierInfo.read(path).fingerprint()
+
+
+@dataclass
+class VerifierInfo:
+    """One verifier (a folder or a hub id), read once; the checks are functions of it."""
+
+    path: str
+    listing: CheckpointListing
+    """Its tensors' names and where they are stored (its index or header, read once)."""
+    config: Any = field(default=None, repr=False)
+    """vLLM's config object of it, where the job built one (`train`); None otherwise."""
+    text_config: Any = field(default=None, repr=False)
+    """Its language model's config (nested in a multimodal config), with `config`."""
+    _config_dict: dict | None = field(default=None, repr=False)
+    _tensors: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    _fingerprint: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def read(cls, path: str, config_dict: dict | None = None) -> VerifierInfo:
+        """List the checkpoint at `path` (its index or safetensors header, no tensor data);
+        `config_dict`: its config.json when the caller has read it already."""
+        return cls(path=str(path), listing=list_checkpoint(path), _config_dict=config_dict)
+
+    @property
+    def config_dict(self) -> dict:
+        """Its config.json, read the first time it is asked for."""
+        if self._config_dict is None:
+            self._config_dict = load_verifier_config_dict(self.path)
+        return self._config_dict
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        return self.listing.names
+
+    def weight_names(self) -> VerifierWeightNames:
+        """Where it stores the embeddings, final norm and LM head (raises, in one line, when
+        one of them is stored quantized: `utils.verifier_weights.locate_in_names`)."""
+        return locate_in_names(self.path, list(self.listing.names), lambda: self.config_dict)
+
+    @property
+    def rms_norm_eps(self) -> float | None:
+        """Its `rms_norm_eps`, at the top of its config or in its text config."""
+        return rms_norm_eps_of(self.config_dict)
+
+    def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The tensors of `names` it holds, each read from the checkpoint once."""
+        wanted = [name for name in names if name not in self._tensors]
+        if wanted:
+            found = self.listing.read(wanted)
+            if not found and not any(name in self._tensors for name in names):
+                raise InvalidInputError(f"{self.path} holds none of the tensors {sorted(wanted)}")
+            for name, tensor in found.items():
+                check_full_precision(self.path, name, tensor)
+            self._tensors.update(found)
+        return {name: self._tensors[name] for name in names if name in self._tensors}
+
+    def fingerprint(self) -> str:
+        """`utils.verifier_weights.fingerprint_of` its final norm and LM head (only those two
+        are read: the embeddings of a large vocabulary are gigabytes, read when asked for)."""
+        if self._fingerprint is None:
+            located = self.weight_names()
+            head_name = located.head if located.head in self.listing.names else located.embeddings
+            found = self._read([located.norm, head_name])
+            head = found[head_name]
+            self._fingerprint = fingerprint_of(
+                VerifierWeights(
+                    embeddings=head, head=head, norm=found.get(located.norm), norm_name=located.norm
+                )
+            )
+        return self._fingerprint
+
+    def weights(self) -> VerifierWeights:
+        """Its embeddings, LM head (the embeddings when tied) and final norm, as stored."""
+        located = self.weight_names()
+        found = self._read([located.embeddings, located.norm, located.head])
+        embeddings = found[located.embeddings]
+        return VerifierWeights(
+            embeddings=embeddings,
+            head=found.get(located.head, embeddings),
+            norm=found.get(located.norm),
+            norm_name=located.norm,
         )
-    )
+
+    def embeddings(self) -> torch.Tensor | None:
+        """Its token embeddings as stored (None when the checkpoint holds none)."""
+        name = self.weight_names().embeddings
+        return self._read([name]).get(name) if name in self.listing.names else None
+
+    def release_tensors(self) -> None:
+        """Forget the tensors read so far (the draft holds its copies; the fingerprint stays)."""
+        self._tensors.clear()

@@ -15,6 +15,7 @@ from speculators_vllm016.train.jobs.job_config import (
     TrainingConfig,
     TrainJobConfig,
     all_fields,
+    config_fields,
     load_job_config,
     save_job_config,
 )
@@ -149,37 +150,44 @@ def test_every_field_is_one_flag_and_one_yaml_key():
 
 
 def test_the_online_flags_are_datagens_flags():
-    """The online section's flags come from datagen's option parts, while `speculators datagen`
-    still declares its own flags by hand: same names, defaults, types and choices in both (and
-    0.3.0's train script)."""
-    from speculators_vllm016.cli.datagen import (
-        add_preprocessing_arguments,
-        add_sample_file_arguments,
-        add_target_model_arguments,
-    )
+    """`speculators datagen`'s flags and the online section's come from the same option fields
+    (`cli.field_flags`): same names, defaults, types, choices and help in both (and 0.3.0's
+    train script)."""
+    from speculators_vllm016.cli.datagen import build_parser as datagen_parser
 
-    datagen = argparse.ArgumentParser()
-    add_target_model_arguments(datagen, required=False)
-    add_preprocessing_arguments(datagen, required=False, seed_flag="--data-seed", token_freq=False)
-    add_sample_file_arguments(datagen)
+    datagen = {action.dest: action for action in datagen_parser()._actions}
     train = {action.dest: action for action in build_parser()._actions}
 
     def shape(action: argparse.Action) -> tuple:
         choices = list(action.choices) if action.choices is not None else None
-        return (
-            action.option_strings,
-            action.default,
-            action.type,
-            choices,
-            action.nargs,
-            action.required,
-            type(action).__name__,
-        )
+        return (action.default, action.type, choices, action.nargs, type(action).__name__)
 
-    shared = [action for action in datagen._actions if action.dest != "help"]
-    assert len(shared) == 27  # 23, --storage-dtype, --chat-template-kwargs, the two session flags
-    for action in shared:
-        assert shape(train[action.dest]) == shape(action), action.dest
+    online = TrainJobConfig().online
+    shared = 0
+    for spec in config_fields(type(online)):
+        if len(spec.path) != 2:
+            continue  # the online section's own fields
+        part = getattr(online, spec.path[0])
+        mine = next(f for f in config_fields(type(part)) if f.name == spec.path[1])
+        action = datagen[mine.dest]
+        assert shape(train[spec.dest]) == shape(action), spec.flag
+        assert action.help.replace("%%", "%").startswith(mine.doc), mine.flag
+        assert train[spec.dest].help.replace("%%", "%").startswith(mine.doc), spec.flag
+        shared += 1
+    assert shared == 27  # 23, --storage-dtype, --chat-template-kwargs, the two session flags
+
+
+def test_every_datagen_option_field_is_one_datagen_flag():
+    """A field added to a datagen options part (with its docstring) is a flag of `speculators
+    datagen` with that docstring as its help; nothing else declares it."""
+    from speculators_vllm016.cli.datagen import build_parser as datagen_parser
+    from speculators_vllm016.data_generation.options import _PART_OF
+
+    actions = {action.dest: action for action in datagen_parser()._actions}
+    for name in _PART_OF:
+        dest = "no_progress" if name == "show_progress" else name
+        assert dest in actions, name
+        assert actions[dest].help, name
 
 
 def test_the_cli_and_the_library_build_the_same_config():

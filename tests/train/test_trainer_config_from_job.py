@@ -129,3 +129,24 @@ def test_a_default_job_trains_as_the_job_config_documents():
         ttt_step_loss_decay=job.model.ttt_step_loss_decay,
         use_off_policy_tokens=job.training.teacher_forcing,
     )
+
+
+def test_a_job_setting_is_described_once():
+    """A trainer field a job sets from one of its settings names that setting (`metadata["job"]`)
+    and says no more than its flag: the job field's docstring (the flag's --help) is its one
+    description, which `TrainerConfig.field_doc` gives; the trainer's own fields keep theirs."""
+    from speculators_vllm016.train.jobs.job_config import all_fields
+    from speculators_vllm016.utils.field_docs import field_docs
+
+    flags = {f"{section}.{spec.name}": (spec.flag, spec.doc) for section, spec in all_fields()}
+    own = field_docs(TrainerConfig)
+    mirrored = [item for item in dataclasses.fields(TrainerConfig) if "job" in item.metadata]
+    assert len(mirrored) == 17
+    for item in mirrored:
+        flag, doc = flags[item.metadata["job"]]
+        # The flag, at most with a note of what the trainer does with it; no second description.
+        assert own[item.name] == f"`{flag}`." or own[item.name].startswith(f"`{flag}` ("), item.name
+        assert TrainerConfig.field_doc(item.name) == doc
+    for item in dataclasses.fields(TrainerConfig):
+        if "job" not in item.metadata:
+            assert TrainerConfig.field_doc(item.name) == own[item.name] != "", item.name

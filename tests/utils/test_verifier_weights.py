@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from speculators_vllm016.utils import verifier_weights
+from speculators_vllm016.utils.loading import CheckpointListing
 from speculators_vllm016.utils.verifier_weights import (
     QuantizedVerifierWeight,
     fingerprint_of,
@@ -110,12 +110,12 @@ def test_the_fingerprint_reads_only_the_norm_and_the_head(name, request, tmp_pat
     expected = fingerprint_of(read_verifier_weights(str(path)))
     located = locate_verifier_weights(str(path))
     asked: list[str] = []
-    real = verifier_weights.load_model_layers
+    real = CheckpointListing.read
 
-    def spy(names, model_path, **kwargs):
+    def spy(listing, names):
         asked.extend(names)
-        return real(names, model_path, **kwargs)
+        return real(listing, names)
 
-    monkeypatch.setattr(verifier_weights, "load_model_layers", spy)
+    monkeypatch.setattr(CheckpointListing, "read", spy)
     assert verifier_fingerprint(str(path)) == expected
     assert (located.embeddings in asked) == (name == "tied")

@@ -60,10 +60,7 @@ from speculators_vllm016.models.eagle3.scoring import (
 )
 from speculators_vllm016.utils.errors import InvalidInputError
 from speculators_vllm016.utils.layer_ids import eagle3_aux_layer_ids
-from speculators_vllm016.utils.verifier_weights import (
-    read_verifier_weights,
-    verifier_rms_norm_eps,
-)
+from speculators_vllm016.utils.verifier_weights import VerifierInfo
 
 __all__ = [
     "AttentionBackend",
@@ -161,6 +158,7 @@ class Eagle3DraftModel(SpeculatorModel):
         d2t: torch.Tensor | None = None,
         *,
         use_verifier_norm: bool = True,
+        verifier: VerifierInfo | None = None,
     ) -> None:
         super().__init__(config=config, verifier=None, verifier_attachment_mode="train_only")
         requested = getattr(config.transformer_layer_config, "_attn_implementation", None)
@@ -232,7 +230,7 @@ class Eagle3DraftModel(SpeculatorModel):
         if self.verifier_norm is not None:
             self.verifier_norm.weight.requires_grad_(False)
         if from_verifier:
-            self.load_verifier_weights()
+            self.load_verifier_weights(verifier)
 
     @classmethod
     def checkpoint_key_mapping(cls, config: Eagle3SpeculatorConfig) -> dict[str, str] | None:
@@ -270,9 +268,10 @@ class Eagle3DraftModel(SpeculatorModel):
                 f"{self.draft_vocab_size}"
             )
 
-    def load_verifier_weights(self, verifier_path: str | None = None) -> None:
+    def load_verifier_weights(self, verifier_path: str | VerifierInfo | None = None) -> None:
         """Copy embeddings, the final norm (with its eps) and the draft-vocabulary rows of the
-        LM head from the verifier; all three stay frozen."""
+        LM head from the verifier (a `VerifierInfo` a job already read: not read again); all
+        three stay frozen."""
         verifier = (
             self.config.speculators_config.verifier if self.config.speculators_config else None
         )
@@ -281,7 +280,8 @@ class Eagle3DraftModel(SpeculatorModel):
             raise InvalidInputError(
                 "the config names no verifier (speculators_config.verifier.name_or_path)"
             )
-        found = read_verifier_weights(path)
+        info = path if isinstance(path, VerifierInfo) else VerifierInfo.read(path)
+        found = info.weights()
         embeddings, head = found.embeddings, found.head
         if embeddings.shape != self.embed_tokens.weight.shape:
             raise InvalidInputError(
@@ -300,7 +300,7 @@ class Eagle3DraftModel(SpeculatorModel):
         norm = found.norm
         if norm is None:
             raise InvalidInputError(
-                f"{path} has no final norm {found.norm_name!r}; pass use_verifier_norm=False to "
+                f"{info.path} has no final norm {found.norm_name!r}; pass use_verifier_norm=False to "
                 "score against the LM head alone (0.3.0's behaviour)"
             )
         if norm.shape != self.verifier_norm.weight.shape:
@@ -308,7 +308,7 @@ class Eagle3DraftModel(SpeculatorModel):
                 f"verifier norm {tuple(norm.shape)} does not fit target_hidden_size "
                 f"{self.target_hidden_size}"
             )
-        eps = verifier_rms_norm_eps(path)
+        eps = info.rms_norm_eps
         if eps is not None:
             self.verifier_norm.variance_epsilon = eps
         with torch.no_grad():

@@ -172,7 +172,15 @@ def build_model(config: TrainJobConfig, setup: TrainSetup) -> Eagle3DraftModel:
     model_kwargs = {}
     if config.legacy.no_verifier_norm:
         model_kwargs["use_verifier_norm"] = False
-    model = Eagle3DraftModel(draft_config, t2d=setup.vocab.t2d, d2t=setup.vocab.d2t, **model_kwargs)
+    model = Eagle3DraftModel(
+        draft_config,
+        t2d=setup.vocab.t2d,
+        d2t=setup.vocab.d2t,
+        verifier=setup.verifier,
+        **model_kwargs,
+    )
+    if setup.verifier is not None:
+        setup.verifier.release_tensors()  # the draft holds its copies now
     if setup.pretrained is not None:
         load_draft_weights(model, setup.pretrained)
     # Training reads only the loss: on CUDA each TTT step's layer skips the positions

@@ -29,7 +29,6 @@ __all__ = [
     "check_draft_fits",
     "draft_mismatches",
     "eagle31_flags",
-    "verifier_embeddings",
 ]
 
 logger = logging.getLogger("speculators")
@@ -76,16 +75,6 @@ def eagle31_flags(model: Any) -> dict[str, bool]:
     from speculators_vllm016.utils.eagle31 import EAGLE31_FIELDS
 
     return {name: bool(getattr(model, name, False)) for name in EAGLE31_FIELDS}
-
-
-def verifier_embeddings(verifier: str) -> torch.Tensor | None:
-    """The verifier's token embeddings as stored (None when no layout we know holds them)."""
-    from speculators_vllm016.utils.loading import read_checkpoint_tensors
-    from speculators_vllm016.utils.verifier_weights import VERIFIER_WEIGHT_LAYOUTS
-
-    names = [layout[0] for layout in VERIFIER_WEIGHT_LAYOUTS]
-    found = read_checkpoint_tensors(verifier, names)
-    return next((found[name] for name in names if name in found), None)
 
 
 def _verifier_lines(draft: PretrainedDraft, run: RunFacts) -> list[str]:

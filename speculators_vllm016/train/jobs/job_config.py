@@ -550,9 +550,8 @@ def config_fields(section: type) -> list[FieldSpec]:
     hints = typing.get_type_hints(section)
     specs = []
     for spec in dataclasses.fields(section):
-        default = (
-            spec.default if spec.default is not dataclasses.MISSING else spec.default_factory()
-        )  # type: ignore[misc]
+        factory = spec.default_factory  # neither (an option without default): MISSING
+        default = factory() if factory is not dataclasses.MISSING else spec.default  # type: ignore[misc]
         part = spec.metadata.get("datagen_part")
         if part is not None:
             specs.extend(_part_fields(spec.name, default, part))

@@ -59,6 +59,8 @@ def join_ranks(config: TrainJobConfig, setup: TrainSetup) -> RankPlan | None:
     groups = join_split_groups(layout)
     if layout.extracts:
         setup_root_logger("INFO", ranks="every")
+        if setup.verifier is not None:  # it builds no draft: the verifier tensors read go
+            setup.verifier.release_tensors()
         run_extraction_rank(config, setup, layout, groups)
         return None
     transport = groups.transport()

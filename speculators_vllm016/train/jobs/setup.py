@@ -15,13 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from speculators_vllm016.train.jobs.data_folder import DataFolder, read_data_folder
 from speculators_vllm016.train.jobs.draft_arch import check_draft_arch, check_pretrained_arch
-from speculators_vllm016.train.jobs.draft_match import (
-    RunFacts,
-    check_draft_fits,
-    eagle31_flags,
-    verifier_embeddings,
-)
+from speculators_vllm016.train.jobs.draft_match import RunFacts, check_draft_fits, eagle31_flags
 from speculators_vllm016.train.jobs.job_config import TrainJobConfig, TrainSetupError
 from speculators_vllm016.train.jobs.pretrained_draft import (
     check_draft_weights,
@@ -30,8 +26,8 @@ from speculators_vllm016.train.jobs.pretrained_draft import (
 )
 from speculators_vllm016.train.jobs.verifier_identity import (
     check_same_verifier,
-    data_model,
     fingerprint_of_verifier,
+    read_verifier,
     recorded_verifier_path,
 )
 from speculators_vllm016.train.vocab_maps import (
@@ -52,6 +48,7 @@ if TYPE_CHECKING:
     from speculators_vllm016.data_generation.preflight import ModelFacts
     from speculators_vllm016.train.jobs.devices import TrainDevices
     from speculators_vllm016.train.jobs.pretrained_draft import PretrainedDraft, ResearchReader
+    from speculators_vllm016.utils.verifier_weights import VerifierInfo
 
 __all__ = [
     "OnlineSetup",
@@ -98,6 +95,10 @@ class TrainSetup:
     """The draft a fresh run fine-tunes (`--from-pretrained`, checked against the run), else None."""
     verifier_fingerprint: str | None = None
     """The verifier's final norm and LM head, hashed: recorded in the draft for `eval`."""
+    verifier: VerifierInfo | None = None
+    """The verifier as the job read it once (its tensors are read from here, not again)."""
+    data: DataFolder | None = None
+    """--data-path as the job read it once (offline training), else None."""
 
 
 def _check_train_devices(config: TrainJobConfig) -> TrainDevices | None:
@@ -245,35 +246,10 @@ def verifier_text_config(
     return config, text_config
 
 
-def _check_verifier_weights(path: str) -> None:
-    """The tensors the draft copies (embeddings, final norm, LM head) are there and unquantized:
-    read only from tensor names and the config, before anything is written."""
-    from speculators_vllm016.utils.verifier_weights import locate_verifier_weights
-
-    try:
-        locate_verifier_weights(path)
-    except (ValueError, OSError) as error:
-        raise TrainSetupError(first_line(error)) from None
-
-
-def _data_layer_ids(data_path: Path) -> list[int] | None:
-    """The captured layer ids datagen recorded in `data_config.json`; None when it does not say."""
-    from speculators_vllm016.data_generation.config_generator import read_data_config
-
-    recorded = read_data_config(data_path)
-    if (
-        recorded is None
-        or recorded.hidden_states is None
-        or recorded.hidden_states.layer_ids is None
-    ):
-        return None
-    return list(recorded.hidden_states.layer_ids)
-
-
-def _offline_layer_ids(data_path: Path, flag: list[int] | None) -> list[int]:
+def _offline_layer_ids(data: DataFolder, flag: list[int] | None) -> list[int]:
     """The captured layers of --data-path: data_config.json's, else --layer-ids. Never unknown:
     a draft whose config names no layers is fed other layers by vLLM than it was trained on."""
-    recorded = _data_layer_ids(data_path)
+    data_path, recorded = data.path, data.layer_ids
     if recorded is None and flag is None:
         raise TrainSetupError(
             f"{data_path} has no data_config.json naming the layers its hidden states come from; "
@@ -292,14 +268,11 @@ def _offline_layer_ids(data_path: Path, flag: list[int] | None) -> list[int]:
     return layer_ids
 
 
-def _check_sample(path: Path, standardize: Callable[[dict], dict], hidden_size: int) -> None:
-    """The first sample's shapes against the verifier: fused width 3*H and teacher width H."""
-    from speculators_vllm016.data_generation.sample_io import load_sample
-
-    try:
-        sample = load_sample(path)
-    except Exception as error:  # noqa: BLE001
-        raise TrainSetupError(f"cannot read sample {path} ({error}); regenerate the data") from None
+def _check_sample(
+    path: Path, sample: dict, standardize: Callable[[dict], dict], hidden_size: int
+) -> None:
+    """The first sample's shapes (`sample`, read from `path`) against the verifier: fused width
+    3*H and teacher width H."""
     if "hidden_states" in sample and isinstance(sample["hidden_states"], (list, tuple)):
         layers = sample["hidden_states"]
         widths = {int(layer.shape[-1]) for layer in layers}
@@ -515,23 +488,23 @@ def prepare(config: TrainJobConfig, research_reader: ResearchReader | None = Non
         )
     _check_extraction_ranks(config)
     online = _check_online(config) if config.online.enabled else None
-    files = _check_data_folder(data_path) if online is None else []
+    data = read_data_folder(data_path) if online is None else None
     _check_save_path(save_path)
     verifier = config.model.verifier_name_or_path
     verifier_config, text_config = verifier_text_config(
         verifier, config.online.engine.trust_remote_code
     )
-    _check_verifier_weights(verifier)
+    info = read_verifier(verifier, verifier_config, text_config)
     check_draft_arch(config, text_config)
     hidden_size, target_vocab = int(text_config.hidden_size), int(text_config.vocab_size)
     standardize = (
         standardize_data_v1 if config.data.data_format_version == 1 else standardize_data_v0
     )
-    fingerprint = fingerprint_of_verifier(verifier)
-    if online is None:
-        _check_sample(files[0], standardize, hidden_size)
-        layer_ids = _offline_layer_ids(data_path, config.online.output.layer_ids)
-        _check_data_verifier(config, data_path, fingerprint)
+    fingerprint = fingerprint_of_verifier(info)
+    if data is not None:
+        _check_sample(data.files[0], data.first_sample(), standardize, hidden_size)
+        layer_ids = _offline_layer_ids(data, config.online.output.layer_ids)
+        _check_data_verifier(config, data, fingerprint)
     else:
         layer_ids = _check_online_model(online, hidden_size)
         _check_online_verifier(config, online, fingerprint)
@@ -556,7 +529,7 @@ def prepare(config: TrainJobConfig, research_reader: ResearchReader | None = Non
                 aux_ids=aux_ids,
                 num_layers=config.model.num_layers,
                 norm_before_residual=config.model.norm_before_residual,
-                embeddings=verifier_embeddings(verifier),
+                embeddings=info.embeddings(),
                 eagle31=eagle31_flags(config.model),
             ),
         )
@@ -572,29 +545,14 @@ def prepare(config: TrainJobConfig, research_reader: ResearchReader | None = Non
         online=online,
         pretrained=pretrained,
         verifier_fingerprint=fingerprint,
+        verifier=info,
+        data=data,
     )
 
 
-def _check_data_folder(data_path: Path) -> list[Path]:
-    """The sample files of --data-path (offline training), at least one."""
-    from speculators_vllm016.train.data import list_files
-
-    if not data_path.is_dir():
-        raise TrainSetupError(
-            f"--data-path {data_path} is not a folder; run `speculators datagen` first"
-        )
-    files = list_files(data_path)
-    if not files:
-        raise TrainSetupError(
-            f"no sample files (data_<i>.pt / data_<i>.safetensors) under {data_path}; "
-            "point --data-path at datagen's --output-dir"
-        )
-    return files
-
-
-def _check_data_verifier(config: TrainJobConfig, data_path: Path, fingerprint: str) -> None:
+def _check_data_verifier(config: TrainJobConfig, data: DataFolder, fingerprint: str) -> None:
     """The verifier against the model `data_config.json` says the data comes from."""
-    recorded = data_model(data_path)
+    recorded, data_path = data.model, data.path
     if recorded is not None:
         check_same_verifier(
             config.model.verifier_name_or_path,

@@ -10,36 +10,49 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from speculators_vllm016.train.jobs.job_config import TrainSetupError
 from speculators_vllm016.utils.errors import first_line
 
+if TYPE_CHECKING:
+    from speculators_vllm016.utils.verifier_weights import VerifierInfo
+
 __all__ = [
     "check_same_verifier",
-    "data_model",
     "fingerprint_of_verifier",
+    "read_verifier",
     "recorded_verifier_path",
 ]
 
 
-def data_model(data_path: Path) -> Any:
-    """The `model` section of `data_config.json` (the target the data comes from), or None."""
-    from speculators_vllm016.data_generation.config_generator import read_data_config
-
-    recorded = read_data_config(data_path)
-    return None if recorded is None else recorded.model
-
-
-def fingerprint_of_verifier(verifier: str) -> str:
-    """`utils.verifier_weights.verifier_fingerprint` of --verifier-name-or-path (one line if not)."""
-    from speculators_vllm016.utils.verifier_weights import verifier_fingerprint
+def read_verifier(path: str, config: Any = None, text_config: Any = None) -> VerifierInfo:
+    """The verifier read once (`utils.verifier_weights.VerifierInfo`, with vLLM's `config` and
+    `text_config` of it where read): its tensor names listed, and the tensors the draft copies
+    (embeddings, final norm, LM head) found there and unquantized, before anything is written."""
+    from speculators_vllm016.utils.verifier_weights import VerifierInfo
 
     try:
-        return verifier_fingerprint(verifier)
+        info = VerifierInfo.read(path)
+        info.config, info.text_config = config, text_config
+        info.weight_names()
+    except (ValueError, OSError) as error:
+        raise TrainSetupError(first_line(error)) from None
+    return info
+
+
+def fingerprint_of_verifier(verifier: str | VerifierInfo) -> str:
+    """`VerifierInfo.fingerprint` of --verifier-name-or-path (a path is read; one line if not)."""
+    path = verifier if isinstance(verifier, str) else verifier.path
+    try:
+        if isinstance(verifier, str):
+            from speculators_vllm016.utils.verifier_weights import VerifierInfo
+
+            verifier = VerifierInfo.read(verifier)
+        return verifier.fingerprint()
     except (ValueError, OSError) as error:
         raise TrainSetupError(
-            f"cannot read the final norm and LM head of --verifier-name-or-path {verifier} "
+            f"cannot read the final norm and LM head of --verifier-name-or-path {path} "
             f"({first_line(error)})"
         ) from None
 

@@ -86,7 +86,8 @@ def test_the_online_section_gives_datagens_options():
 def test_online_sessions_longer_than_the_packed_row_are_refused_before_any_work():
     import pytest
 
-    from speculators_vllm016.train.jobs.setup import TrainSetupError, _check_online
+    from speculators_vllm016.train.jobs.job_config import TrainSetupError
+    from speculators_vllm016.train.jobs.setup import _check_online
 
     online = {**ONLINE, "session_tokens": 9000, "seq_length": 9000}
     config = TrainJobConfig.from_dict({"online": online, "training": {"total_seq_len": 8192}})
