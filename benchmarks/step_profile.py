@@ -174,11 +174,14 @@ def _own_time(event: Any, cuda: bool) -> float:
     return event.self_cpu_time_total
 
 
-def attribute_device_time(events: Any, cuda: bool) -> dict[str, float]:
+def attribute_device_time(
+    events: Any, cuda: bool, ops: dict[str, dict[str, float]] | None = None
+) -> dict[str, float]:
     """Milliseconds per op class of one profiled step's events (`prof.events()`): each CPU op's
     own kernels (own CPU time on a CPU) go to the region it ran in; an op of the backward pass
     runs in none, and goes to the region of the forward op whose autograd node it evaluates
-    (same sequence number), found through its enclosing `evaluate_function` range."""
+    (same sequence number), found through its enclosing `evaluate_function` range. `ops`, when
+    given, gets per class the microseconds of each op name (`bwd ` before a backward one)."""
     forward_region: dict[int, str] = {}
     for event in events:
         seq = getattr(event, "sequence_nr", -1)
@@ -194,14 +197,17 @@ def attribute_device_time(events: Any, cuda: bool) -> dict[str, float]:
         own = _own_time(event, cuda)
         if not own:
             continue
-        region = _region_of(event)
+        region, name = _region_of(event), event.name
         if region is None:
             node = event
             while node is not None and not node.name.startswith("autograd::engine"):
                 node = node.cpu_parent
             if node is not None:
-                region = forward_region.get(node.sequence_nr)
+                region, name = forward_region.get(node.sequence_nr), f"bwd {event.name}"
         totals[region or "other"] += own
+        if ops is not None:
+            by_name = ops.setdefault(region or "other", {})
+            by_name[name] = by_name.get(name, 0.0) + own
         if cuda:
             copies += sum(
                 k.duration for k in event.kernels if any(m in k.name.lower() for m in _COPY_MARKERS)
@@ -213,8 +219,8 @@ def attribute_device_time(events: Any, cuda: bool) -> dict[str, float]:
 
 
 def profile_step(step: Callable[[], Any], model: Any, cuda: bool) -> dict[str, Any]:
-    """One step under the profiler: milliseconds per op class, the step's wall time and the
-    device's busy total (every kernel, attributed or not)."""
+    """One step under the profiler: milliseconds per op class, the step's wall time, and per
+    class its costliest ops (`top_ops_ms`)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -232,11 +238,16 @@ def profile_step(step: Callable[[], Any], model: Any, cuda: bool) -> dict[str, A
     finally:
         restore()
     events = prof.events()
-    summary = attribute_device_time(events, cuda)
+    ops: dict[str, dict[str, float]] = {}
+    summary: dict[str, Any] = attribute_device_time(events, cuda, ops)
     summary["wall"] = round(wall * 1e3, 3)
-    if cuda:
-        kernels = [e for e in events if e.device_type.name == "CUDA"]
-        summary["all_kernels"] = round(sum(e.time_range.elapsed_us() for e in kernels) / 1e3, 3)
+    summary["top_ops_ms"] = {
+        region: [
+            [name, round(us / 1e3, 3)]
+            for name, us in sorted(by_name.items(), key=lambda x: -x[1])[:8]
+        ]
+        for region, by_name in ops.items()
+    }
     sort_key = "self_device_time_total" if cuda else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=sort_key, row_limit=25, max_name_column_width=90))
     return summary
@@ -337,7 +348,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for result in results:
         print(
             f"{result['arch']}: {result['median_tokens_per_second']:,.0f} tokens/s "
-            f"(first step {result['first_step_seconds']} s) profile {result['profile_ms']}"
+            f"(first step {result['first_step_seconds']} s), ms: "
+            f"{ {k: v for k, v in result['profile_ms'].items() if k != 'top_ops_ms'} }"
         )
     return results
 
