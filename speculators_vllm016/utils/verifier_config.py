@@ -61,8 +61,10 @@ def load_verifier_config(path: str, trust_remote_code: bool = False) -> Pretrain
         raise InvalidInputError(f"{path} is a file, not a model folder")
     if not local.exists() and looks_local(path):
         raise InvalidInputError(f"no model folder at {path}")
-    from vllm.transformers_utils.config import get_config
-
+    try:
+        from vllm.transformers_utils.config import get_config
+    except ImportError:  # a training machine without vLLM (the trainer needs none)
+        get_config = _transformers_config
     try:
         return get_config(path, trust_remote_code=trust_remote_code)
     except Exception as error:  # noqa: BLE001 - any failure means: not a readable model config
@@ -75,6 +77,15 @@ def load_verifier_config(path: str, trust_remote_code: bool = False) -> Pretrain
         raise InvalidInputError(
             f"cannot read the model config of {path!r} ({first_line(cause)})"
         ) from None
+
+
+def _transformers_config(path: str, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The config transformers alone builds, where vLLM is not installed: the same for every
+    model type transformers knows; a wrapper only vLLM has classes for (Kimi-K2.5) then needs
+    its folder's code, and says so (`remote_code_hint`)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def load_verifier_config_dict(base_model: str) -> dict:

@@ -3,6 +3,7 @@ read without the folder's code; code runs only with --trust-remote-code, where i
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,14 @@ def test_no_folder_and_a_file_are_one_line_errors(tmp_path: Path):
         load_verifier_config(str(tmp_path / "empty"))
     for error in (missing, empty):
         assert "\n" not in str(error.value)
+
+
+def test_without_vllm_transformers_reads_the_config(tmp_path: Path, monkeypatch):
+    # Training machines need no vLLM (the lent GPU image has none): `speculators train` read the
+    # verifier's config through vLLM and stopped there with "No module named 'vllm'".
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=320, hidden_size=64, num_hidden_layers=2).save_pretrained(tmp_path)
+    monkeypatch.setitem(sys.modules, "vllm.transformers_utils.config", None)  # import fails
+    config = load_verifier_config(str(tmp_path))
+    assert (config.model_type, config.vocab_size, config.num_hidden_layers) == ("llama", 320, 2)
