@@ -889,5 +889,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
+def failed_runs(result: dict) -> list[str]:
+    """The runs of a result that did not finish: a trainer that exited non-zero (e.g. refused its
+    arguments with exit 2) measured nothing, and the benchmark must not end as if it had."""
+    return [
+        f"{run['name']}: {run.get('error') or 'exit ' + str(run.get('returncode'))}"
+        for run in result["runs"]
+        if run.get("returncode") not in (0, None) or run.get("error")
+    ]
+
+
 if __name__ == "__main__":
-    main()
+    failed = failed_runs(main())
+    if failed:
+        print("runs that failed: " + "; ".join(failed), file=sys.stderr, flush=True)
+        sys.exit(1)

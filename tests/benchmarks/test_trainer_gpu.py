@@ -104,3 +104,22 @@ def test_resume_check_times_checkpoints_and_finds_the_resumed_run_equal(tmp_path
     assert run["resumed_equal"] is True and run["resumed_max_abs_diff"] == 0
     assert run["repeat_equal"] is True
     assert "equal, bit for bit" in (tmp_path / "out" / "trainer-cpu-small.md").read_text()
+
+
+def test_a_run_that_exited_non_zero_fails_the_benchmark():
+    """A trainer that stopped (exit 2 on a machine without vLLM) used to leave the script at
+    exit 0 with an empty row; the failed run is named so the script exits 1."""
+    from benchmarks.trainer_gpu import failed_runs
+
+    result = {
+        "runs": [
+            {"name": "baseline", "returncode": 0, "error": None},
+            {"name": "single", "returncode": 2, "error": "exit 2: No module named 'vllm'"},
+            {"name": "timeout", "returncode": None, "error": "timed out after 240 s"},
+        ]
+    }
+    assert failed_runs(result) == [
+        "single: exit 2: No module named 'vllm'",
+        "timeout: timed out after 240 s",
+    ]
+    assert failed_runs({"runs": [{"name": "single", "returncode": 0, "error": None}]}) == []
