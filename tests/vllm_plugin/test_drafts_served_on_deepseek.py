@@ -1,7 +1,7 @@
 """EAGLE-3.1 and a converted Model Optimizer draft served on the DeepSeek-V3 family by vLLM 0.16's
 own speculative decoding on its CPU build (#47 item 3): lossless, and vLLM's acceptance counters
 equal to the `hf` engine's (`speculative_generate`) on the same draft, prompts and greedy decoding.
-One engine per draft (vLLM serves one draft per target engine): two engines in all.
+One engine per draft (vLLM serves one draft per target engine): three engines in all.
 
 Both drafts are logit lenses of the target's last layer (tests/evaluate/drafts.py) fusing aux ids
 [1, 2, 3] of the 3-layer tiny DeepSeek-V3: id 3 is the last layer's output before the final
@@ -13,6 +13,8 @@ norm, so served and `hf` agree only if both read that state (`models/verifier_st
   `speculators convert` against the tiny Kimi-K2.5 wrapper and served on it. Read with the other
   numbering (output of layer i, ids + 1) the list does not fit the target and is refused; the
   ids one lower (the fused state one layer earlier) change what the `hf` engine accepts.
+- A TorchSpec export (its own numbering, output of layer i) converted and served on the tiny
+  DeepSeek-V3, accepting as the original draft on the `hf` engine.
 """
 
 from __future__ import annotations
@@ -183,3 +185,23 @@ def test_a_modelopt_kimi_recipe_draft_converts_and_serves_on_the_kimi_wrapper(
     )
     _, shifted_counts = _hf(tiny_kimi_k25, shifted, prompts)
     assert shifted_counts.accepted_per_position != hf_counts.accepted_per_position
+
+
+def test_a_converted_torchspec_draft_serves_on_deepseek_v3(tiny_deepseek_v3, tmp_path):
+    """TorchSpec's export layout and numbering (output of layer i: [0, 1, 2]), converted into
+    ours ([1, 2, 3], id 3 the last layer's output) and served: as the original on `hf`."""
+    from speculators_vllm016.convert.entrypoints import convert_model
+    from tests.vllm_plugin.test_eagle31_served import _torchspec_folder
+
+    ours = tmp_path / "ours"
+    _lens(tiny_deepseek_v3).save_pretrained(ours)
+    converted = tmp_path / "converted"
+    exported = _torchspec_folder(ours, tmp_path / "torchspec", [0, 1, 2])
+    convert_model(str(exported), str(tiny_deepseek_v3), "eagle3", str(converted))
+    config = json.loads((converted / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    prompts = _prompts()
+    served, served_counts = _serve(tiny_deepseek_v3, converted, prompts)
+    hf, hf_counts = _hf(tiny_deepseek_v3, ours, prompts)
+    assert served == hf
+    _same_counts(served_counts, hf_counts)
