@@ -19,6 +19,7 @@ from torch import nn
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 
 from speculators_vllm016.config import SpeculatorModelConfig, default_speculative_tokens
+from speculators_vllm016.models.verifier_states import ResidualStreamStates
 from speculators_vllm016.utils import ClassRegistryMixin
 from speculators_vllm016.utils.errors import InvalidInputError, UnsupportedError
 
@@ -403,15 +404,33 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
 
         verifier = self.verifier
         tokens = input_ids.to(next(verifier.parameters()).device)
+        with ResidualStreamStates(verifier) as streams:  # aux id N: the last layer's output
+            generated, proposed, accepted = self._speculate(
+                verifier, streams, tokens, k, max_new_tokens, eos_ids
+            )
+        self.last_acceptance = {"proposed": proposed, "accepted": accepted}
+        return generated
+
+    def _speculate(
+        self,
+        verifier: nn.Module,
+        streams: ResidualStreamStates,
+        tokens: torch.Tensor,
+        k: int,
+        max_new_tokens: int,
+        eos_ids: set[int],
+    ) -> tuple[torch.Tensor, int, int]:
+        """`generate`'s loop: the output ids, and the tokens proposed and accepted."""
         prompt_length = tokens.shape[1]
         proposed = accepted = 0
         output = verifier(tokens, output_hidden_states=True, use_cache=False)
+        states = streams.of(output)
         tokens = torch.cat([tokens, output.logits[:, -1:].argmax(-1)], dim=1)
         while (
             tokens.shape[1] - prompt_length < max_new_tokens and int(tokens[0, -1]) not in eos_ids
         ):
             # The draft sees the verifier's states for every position but the newest token.
-            draft = self.propose_tokens(output.hidden_states, tokens, k)
+            draft = self.propose_tokens(states, tokens, k)
             candidate = torch.cat([tokens, draft.view(1, -1).to(tokens.device)], dim=1)
             output = verifier(candidate, output_hidden_states=True, use_cache=False)
             choices = output.logits[0, tokens.shape[1] - 1 :].argmax(-1)  # k + 1 verdicts
@@ -422,7 +441,7 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
             new = choices[: taken + 1].view(1, -1)
             tokens = torch.cat([tokens, new], dim=1)
             # Keep only what was accepted: the states of rejected drafts are not the sequence's.
-            output.hidden_states = tuple(h[:, : tokens.shape[1] - 1] for h in output.hidden_states)
+            states = tuple(h[:, : tokens.shape[1] - 1] for h in streams.of(output))
         generated = tokens[:, : prompt_length + max_new_tokens]
         if eos_ids:
             produced = generated[0, prompt_length:].tolist()
@@ -430,8 +449,7 @@ class SpeculatorModel(ClassRegistryMixin, PreTrainedModel, GenerationMixin):
                 if token in eos_ids:
                     generated = generated[:, : prompt_length + position + 1]
                     break
-        self.last_acceptance = {"proposed": proposed, "accepted": accepted}
-        return generated
+        return generated, proposed, accepted
 
     def propose_tokens(
         self, verifier_hidden_states: tuple[torch.Tensor, ...], tokens: torch.Tensor, count: int

@@ -26,6 +26,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from speculators_vllm016.evaluate.acceptance import AcceptanceCounts
 from speculators_vllm016.evaluate.generation import GenerationResult
+from speculators_vllm016.models.verifier_states import ResidualStreamStates
 from speculators_vllm016.utils.errors import InvalidInputError
 
 __all__ = ["speculative_generate"]
@@ -156,6 +157,7 @@ def _run_batch(
     counts: AcceptanceCounts,
     on_done,
     cached_draft: bool,
+    streams: ResidualStreamStates,
 ) -> tuple[dict[int, list[int]], int]:
     device = _device_of(verifier)
     longest = max(len(prompt) for _, prompt in prompts)
@@ -186,7 +188,7 @@ def _run_batch(
     # What the draft has not seen yet: verifier states of the newest accepted positions, the
     # token after each, and which columns hold them (left padding in the prefill, right later).
     pending = (
-        out.hidden_states,
+        streams.of(out),
         torch.cat([input_ids[:, 1:], first[:, None]], dim=1),
         slot_mask.bool(),
     )
@@ -240,7 +242,7 @@ def _run_batch(
         taken = agree.sum(dim=1)  # accepted proposals per row
         accepted_slots = offsets[None] <= taken[:, None]
         slot_mask = torch.cat([slot_mask, accepted_slots.long()], dim=1)
-        pending = (out.hidden_states, choices, accepted_slots)
+        pending = (streams.of(out), choices, accepted_slots)
         for position, row in enumerate(rows):
             accepted = int(taken[position])
             counts.observe(k, accepted)
@@ -306,6 +308,7 @@ def speculative_generate(
     draft.eval()
     verifier.eval()
     start = time.perf_counter()
+    streams = ResidualStreamStates(verifier)  # aux id N: the last layer's output, pre-norm
     try:
         for first in range(0, len(order), batch_size):
             chunk = [
@@ -322,10 +325,12 @@ def speculative_generate(
                 counts,
                 on_done,
                 cached_draft,
+                streams,
             )
             outputs.update(done)
             passes += batch_passes
     finally:
+        streams.close()
         seconds = time.perf_counter() - start
         draft.train(was_training[0])
         verifier.train(was_training[1])

@@ -61,6 +61,20 @@ def test_output_of_layer_ids_become_input_of_layer_ids():
         post_layer_ids_to_ours([2, 30, 58, 61], KIMI_K25, "modelopt")
 
 
+def test_modelopt_four_id_lists_are_its_vllm_recipes_fused_layers_then_the_final_layer():
+    from speculators_vllm016.convert.eagle3_sources.modelopt import modelopt_layer_ids
+
+    # Kimi-K2.5's recipe: fused 2, 30, 58 (vLLM's numbering, = TorchSpec's post-layer [1, 29,
+    # 57]); 61 = N, the last layer's output before the final norm (60 without vLLM's fix).
+    assert modelopt_layer_ids([2, 30, 58, 61], KIMI_K25) == [2, 30, 58]
+    assert modelopt_layer_ids([2, 30, 58, 60], KIMI_K25) == [2, 30, 58]
+    assert modelopt_layer_ids([1, 29, 57], KIMI_K25) == [2, 30, 58]  # three: its HF hooks
+    with pytest.raises(InvalidInputError, match="must end in the final layer"):
+        modelopt_layer_ids([2, 30, 58, 59], KIMI_K25)
+    with pytest.raises(InvalidInputError, match="not increasing"):
+        modelopt_layer_ids([30, 2, 58, 61], KIMI_K25)
+
+
 def _converted(tmp_path: Path, draft: Path, verifier: Path, **kwargs) -> Path:
     out = tmp_path / "converted"
     convert_model(str(draft), str(verifier), "eagle3", str(out), validate_device="cpu", **kwargs)
@@ -113,3 +127,16 @@ def test_a_speculators07_draft_needs_no_conversion_and_vllm_loads_its_norm(
     assert "model.input_norm.weight" in result.loaded and result.model.norm_output
     stored = load_file(draft / "model.safetensors")["input_norm.weight"]
     assert torch.equal(result.model.model.input_norm.weight.to(stored.dtype), stored)
+
+
+def test_a_draft_without_embeddings_takes_them_from_a_wrapped_verifier(
+    ours, tiny_kimi_k25, tmp_path
+):
+    """Model Optimizer ships no embeddings; against the Kimi-K2.5 wrapper (its language model's
+    tensors under `language_model.`) the converter finds them there."""
+    from speculators_vllm016.utils.verifier_weights import read_verifier_weights
+
+    draft = write_modelopt_draft(ours, tmp_path / "modelopt", [0, 1, 2])
+    out = _converted(tmp_path, draft, tiny_kimi_k25)
+    embeddings = load_file(out / "model.safetensors")["embed_tokens.weight"].float()
+    assert torch.equal(embeddings, read_verifier_weights(str(tiny_kimi_k25)).embeddings.float())

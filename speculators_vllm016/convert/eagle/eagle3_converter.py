@@ -38,7 +38,8 @@ REQUIRED = ("fc.weight", "norm.weight", "lm_head.weight")
 
 
 def verifier_embeddings(base_model: str, cache_dir: str | Path | None = None) -> torch.Tensor:
-    """The verifier's input embedding matrix, read (and downloaded) without the rest."""
+    """The verifier's input embedding matrix, read (and downloaded) without the rest; inside a
+    multimodal wrapper (Kimi-K2.5's `language_model.model.embed_tokens`) too."""
     names = (
         "model.embed_tokens.weight",
         "embed_tokens.weight",
@@ -47,11 +48,27 @@ def verifier_embeddings(base_model: str, cache_dir: str | Path | None = None) ->
     try:
         found = load_model_layers(list(names), base_model, cache_dir=cache_dir)
     except (ValueError, FileNotFoundError) as err:
+        wrapped = _wrapped_embeddings_name(base_model)
+        if wrapped is not None:
+            return load_model_layers([wrapped], base_model, cache_dir=cache_dir)[wrapped]
         raise FileNotFoundError(
             f"the checkpoint has no embed_tokens.weight and none was found in the verifier "
             f"{base_model!r} (looked for {names}): {err}"
         ) from err
     return next(found[name] for name in names if name in found)
+
+
+def _wrapped_embeddings_name(base_model: str) -> str | None:
+    """Where a local verifier keeps its embeddings under another layout (a wrapper's language
+    model), or None."""
+    if not Path(base_model).is_dir():
+        return None
+    from speculators_vllm016.utils.verifier_weights import locate_verifier_weights
+
+    try:
+        return locate_verifier_weights(base_model).embeddings
+    except (InvalidInputError, FileNotFoundError, ValueError):
+        return None
 
 
 class Eagle3Converter:

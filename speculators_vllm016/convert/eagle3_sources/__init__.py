@@ -10,7 +10,7 @@ id i is the input of target decoder layer i, i.e. the output of layer i - 1
 | --- | --- | --- | --- |
 | `research` (SafeAILab EAGLE-3, SpecForge) | anything else | SGLang's / vLLM's capture ids, when recorded | as they are |
 | `torchspec` (TorchSpec's `LlamaForCausalLMEagle3`) | `_torchspec_version` in config.json | the output of layer i (forward hooks on the layers) | i + 1; none recorded: TorchSpec's default [1, N//2 - 1, N - 4] + 1 |
-| `modelopt` (NVIDIA Model Optimizer's export) | an `eagle_config` with `use_mtp_layernorm` | the output of layer i (its HF plugin's hooks) | i + 1; none recorded: ModelOpt's default [1, N//2 - 1, N - 4] + 1 |
+| `modelopt` (NVIDIA Model Optimizer's export) | an `eagle_config` with `use_mtp_layernorm` | three ids: the output of layer i (its HF plugin's hooks); four ids ending in N or N - 1: its vLLM-collected recipe (vLLM's ids, the fourth the final layer it trains against) | three: i + 1; four: the first three as they are; none recorded: ModelOpt's default [1, N//2 - 1, N - 4] + 1 |
 
 Upstream speculators 0.7 drafts are in the speculators format already (`speculators_model_type`),
 read as they are (`norm_before_fc`, `fc_norm`, `norm_output` included); their ids are vLLM's.
@@ -25,7 +25,14 @@ import torch
 
 from speculators_vllm016.utils.errors import InvalidInputError
 
-__all__ = ["SOURCES", "SourceDraft", "adapt_checkpoint", "detect_source"]
+__all__ = [
+    "SOURCES",
+    "SourceDraft",
+    "adapt_checkpoint",
+    "detect_source",
+    "post_layer_ids_to_ours",
+    "target_layer_count",
+]
 
 SOURCES = ("research", "torchspec", "modelopt")
 
@@ -76,18 +83,29 @@ def adapt_checkpoint(
     return adapted
 
 
+def target_layer_count(verifier_config: dict[str, Any]) -> int:
+    """The target's number of decoder layers (of its text model inside a wrapper)."""
+    from speculators_vllm016.utils.text_config import text_config_of
+
+    layers = text_config_of(verifier_config).get("num_hidden_layers")
+    if not isinstance(layers, int) or layers < 1:
+        raise InvalidInputError("the verifier's config.json has no usable num_hidden_layers")
+    return layers
+
+
 def post_layer_ids_to_ours(
     ids: list[int] | None, verifier_config: dict[str, Any], source: str
 ) -> list[int]:
     """Ids that number the output of layer i as i (TorchSpec, ModelOpt), in our numbering (+1);
     None: the tool's default [1, N//2 - 1, N - 4]. An id past the target's last layer is refused
     (the checkpoint was made with another numbering: give the ids explicitly)."""
-    from speculators_vllm016.utils.text_config import text_config_of
-
-    layers = text_config_of(verifier_config).get("num_hidden_layers")
-    if not isinstance(layers, int) or layers < 4:
-        raise InvalidInputError("the verifier's config.json has no usable num_hidden_layers")
+    layers = target_layer_count(verifier_config)
     if ids is None:
+        if layers < 4:
+            raise InvalidInputError(
+                f"{source}: the draft records no fused layers and a {layers}-layer target has "
+                "no default; give eagle_aux_hidden_state_layer_ids (vLLM's numbering)"
+            )
         ids = [1, layers // 2 - 1, layers - 4]
     if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
         raise InvalidInputError(f"{source}: eagle_aux_hidden_state_layer_ids must be ints: {ids}")

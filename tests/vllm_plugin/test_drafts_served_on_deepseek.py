@@ -1,0 +1,207 @@
+"""EAGLE-3.1 and a converted Model Optimizer draft served on the DeepSeek-V3 family by vLLM 0.16's
+own speculative decoding on its CPU build (#47 item 3): lossless, and vLLM's acceptance counters
+equal to the `hf` engine's (`speculative_generate`) on the same draft, prompts and greedy decoding.
+One engine per draft (vLLM serves one draft per target engine): three engines in all.
+
+Both drafts are logit lenses of the target's last layer (tests/evaluate/drafts.py) fusing aux ids
+[1, 2, 3] of the 3-layer tiny DeepSeek-V3: id 3 is the last layer's output before the final
+norm, so served and `hf` agree only if both read that state (`models/verifier_states.py`).
+- EAGLE-3.1 (`fc_norm` with weights away from one, `norm_output` with a final norm that is not
+  flat) on the tiny DeepSeek-V3.
+- A Model Optimizer export recording its Kimi-K2.5 recipe's four-id list in the tiny target's
+  terms, [1, 2, 3, 3] (fused layers in vLLM's numbering, then N: the final layer), converted by
+  `speculators convert` against the tiny Kimi-K2.5 wrapper and served on it. Read with the other
+  numbering (output of layer i, ids + 1) the list does not fit the target and is refused; the
+  ids one lower (the fused state one layer earlier) change what the `hf` engine accepts.
+- A TorchSpec export (its own numbering, output of layer i) converted and served on the tiny
+  DeepSeek-V3, accepting as the original draft on the `hf` engine.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from speculators_vllm016.evaluate.acceptance import AcceptanceCounts
+from speculators_vllm016.evaluate.speculative import speculative_generate
+from speculators_vllm016.models.eagle3 import Eagle3DraftModel
+from speculators_vllm016.models.verifier_lm import load_verifier_lm
+from tests.evaluate.drafts import logit_lens_draft
+from tests.train.pretrained_drafts import _as_midlayer, _llama_fields
+
+pytestmark = pytest.mark.engine
+
+K = 3
+NEW_TOKENS = 24
+LENGTHS = [9, 17, 26, 40, 12, 30]
+
+
+def _prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(11)
+    return [torch.randint(3, 512, (n,), generator=generator).tolist() for n in LENGTHS]
+
+
+def _serve(target: Path, draft: Path, prompts: list[list[int]]):
+    """vLLM's greedy speculative decoding of `prompts` and its acceptance counters."""
+    import gc
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from speculators_vllm016.data_generation.cpu_defaults import cpu_defaults_applied
+    from speculators_vllm016.data_generation.engine_setup import TEXT_ONLY_MODALITIES
+    from speculators_vllm016.evaluate.vllm_engine import counts_from_metrics
+
+    config = json.loads((target / "config.json").read_text())
+    with cpu_defaults_applied(1, config):
+        llm = LLM(
+            model=str(target),
+            speculative_config={
+                "method": "eagle3",
+                "model": str(draft),
+                "num_speculative_tokens": K,
+            },
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=256,
+            max_num_seqs=8,
+            limit_mm_per_prompt=dict.fromkeys(TEXT_ONLY_MODALITIES, 0),  # Kimi: text only
+            disable_log_stats=False,
+            seed=0,
+        )
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        results = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+        )
+        counts = counts_from_metrics(llm.get_metrics(), K)
+        return [list(r.outputs[0].token_ids) for r in results], counts
+    finally:
+        del llm
+        gc.collect()
+
+
+def _hf(target: Path, draft: Path, prompts: list[list[int]]):
+    verifier = load_verifier_lm(str(target), torch.float32).eval()
+    model = Eagle3DraftModel.from_pretrained(draft).float().eval()
+    result = speculative_generate(verifier, model, prompts, NEW_TOKENS, K, eos_token_ids=[])
+    return result.outputs, result.counts
+
+
+def _same_counts(served: AcceptanceCounts, hf: AcceptanceCounts) -> None:
+    assert served.num_drafts > 0 and 0 < served.num_accepted_tokens < served.num_draft_tokens
+    assert (served.num_drafts, served.num_draft_tokens, served.num_accepted_tokens) == (
+        hf.num_drafts,
+        hf.num_draft_tokens,
+        hf.num_accepted_tokens,
+    )
+    assert served.accepted_per_position == hf.accepted_per_position
+
+
+def _lens(target: Path, aux_ids=(1, 2, 3)) -> Eagle3DraftModel:
+    architecture = json.loads((target / "config.json").read_text())["architectures"][0]
+    return logit_lens_draft(str(target), architecture, aux_ids, K)
+
+
+def test_eagle31_served_on_deepseek_v3_is_lossless_and_accepts_as_hf(tiny_deepseek_v3, tmp_path):
+    draft = _lens(tiny_deepseek_v3)
+    config = draft.config
+    config.fc_norm, config.norm_output = True, True
+    shell = Eagle3DraftModel(config)
+    state = draft.state_dict()
+    generator = torch.Generator().manual_seed(3)
+    for index in range(3):
+        state[f"fc_norm.{index}.weight"] = 0.8 + 0.4 * torch.rand(256, generator=generator)
+    state["norm.weight"] = state["norm.weight"] * (0.7 + 0.6 * torch.rand(256, generator=generator))
+    shell.load_state_dict(state, strict=False)
+    shell.save_pretrained(tmp_path / "draft31")
+    prompts = _prompts()
+    served, served_counts = _serve(tiny_deepseek_v3, tmp_path / "draft31", prompts)
+    hf, hf_counts = _hf(tiny_deepseek_v3, tmp_path / "draft31", prompts)
+    assert served == hf
+    _same_counts(served_counts, hf_counts)
+
+
+def _modelopt_folder(ours: Path, out: Path, recorded: list[int]) -> Path:
+    """`ours` as Model Optimizer exports it: `midlayer.*`, no embeddings, no `t2d`, its
+    `eagle_config` recording `recorded`."""
+    out.mkdir(parents=True)
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **_llama_fields(ours),
+        "draft_vocab_size": 512,
+        "torch_dtype": "float32",
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": recorded,
+            "use_aux_hidden_state": True,
+            "use_input_layernorm_in_first_layer": True,
+            "use_last_layernorm": False,
+            "use_mtp_layernorm": False,
+        },
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    weights = _as_midlayer(load_file(ours / "model.safetensors"))
+    for dropped in ("embed_tokens.weight", "t2d"):
+        weights.pop(dropped)
+    save_file(weights, str(out / "model.safetensors"))
+    return out
+
+
+def test_a_modelopt_kimi_recipe_draft_converts_and_serves_on_the_kimi_wrapper(
+    tiny_kimi_k25, tmp_path
+):
+    from speculators_vllm016.convert.entrypoints import convert_model
+    from speculators_vllm016.utils.errors import InvalidInputError
+
+    ours = tmp_path / "ours"
+    _lens(tiny_kimi_k25).save_pretrained(ours)
+    exported = _modelopt_folder(ours, tmp_path / "modelopt", [1, 2, 3, 3])
+    converted = tmp_path / "converted"
+    convert_model(str(exported), str(tiny_kimi_k25), "eagle3", str(converted))
+    config = json.loads((converted / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    # Read as outputs of layers (the three-id rule), the list does not fit a 3-layer target.
+    post_layer = _modelopt_folder(ours, tmp_path / "post_layer", [1, 2, 3])
+    with pytest.raises(InvalidInputError, match="do not fit a 3-layer target"):
+        convert_model(str(post_layer), str(tiny_kimi_k25), "eagle3", str(tmp_path / "x"))
+
+    prompts = _prompts()
+    served, served_counts = _serve(tiny_kimi_k25, converted, prompts)
+    hf, hf_counts = _hf(tiny_kimi_k25, converted, prompts)
+    assert served == hf
+    _same_counts(served_counts, hf_counts)
+    # One layer off (the fused states one layer earlier): other acceptance.
+    shifted = tmp_path / "shifted"
+    convert_model(
+        str(exported),
+        str(tiny_kimi_k25),
+        "eagle3",
+        str(shifted),
+        eagle_aux_hidden_state_layer_ids=[0, 1, 2],
+    )
+    _, shifted_counts = _hf(tiny_kimi_k25, shifted, prompts)
+    assert shifted_counts.accepted_per_position != hf_counts.accepted_per_position
+
+
+def test_a_converted_torchspec_draft_serves_on_deepseek_v3(tiny_deepseek_v3, tmp_path):
+    """TorchSpec's export layout and numbering (output of layer i: [0, 1, 2]), converted into
+    ours ([1, 2, 3], id 3 the last layer's output) and served: as the original on `hf`."""
+    from speculators_vllm016.convert.entrypoints import convert_model
+    from tests.vllm_plugin.test_eagle31_served import _torchspec_folder
+
+    ours = tmp_path / "ours"
+    _lens(tiny_deepseek_v3).save_pretrained(ours)
+    converted = tmp_path / "converted"
+    exported = _torchspec_folder(ours, tmp_path / "torchspec", [0, 1, 2])
+    convert_model(str(exported), str(tiny_deepseek_v3), "eagle3", str(converted))
+    config = json.loads((converted / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    prompts = _prompts()
+    served, served_counts = _serve(tiny_deepseek_v3, converted, prompts)
+    hf, hf_counts = _hf(tiny_deepseek_v3, ours, prompts)
+    assert served == hf
+    _same_counts(served_counts, hf_counts)
