@@ -112,6 +112,11 @@ def train_one(work: Path, target_name: str, target: Path, arm: str, seed: int, a
     last = folder / "checkpoints" / str(args.epochs - 1)
     if (last / "config.json").is_file():
         return last
+    try:  # several `--stage train` processes may share the work: each draft goes to one
+        folder.mkdir(parents=True, exist_ok=False)
+    except FileExistsError:
+        print(f"{folder}: trained or being trained by another process; skipped", flush=True)
+        return last
     options = DemoOptions(epochs=args.epochs, lr=args.lr, seed=seed, show_progress=False)
     config = train_config(options, lane_of(work, target_name), target)
     config = dataclasses.replace(
@@ -264,7 +269,7 @@ def stage_eval(work: Path, targets: dict[str, Path], args: argparse.Namespace) -
     print(markdown(result), flush=True)
     if args.output_stem:
         stem = Path(args.results_dir) / args.output_stem
-        stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+        stem.with_suffix(".json").write_text(json.dumps(result, indent=2, default=str) + "\n")
         stem.with_suffix(".md").write_text(markdown(result))
 
 
@@ -278,11 +283,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--arms", nargs="+", default=[], help="only these arms (default: all)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--draft-rows", type=int, default=128, help="demo rows the drafts train on")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--ks", type=int, nargs="+", default=[3, 6], help="proposal lengths")
     parser.add_argument("--context-lengths", type=parse_context_lengths, default=[0, 1750])
-    parser.add_argument("--eval-prompts", type=int, default=36)
+    parser.add_argument("--eval-prompts", type=int, default=24)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--results-dir", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--output-stem", default=None, help="eval: results file name, no suffix")
