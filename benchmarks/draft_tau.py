@@ -24,7 +24,9 @@ The parts run apart, each reusing what the earlier ones wrote under `--work`:
     nice -n 10 python benchmarks/draft_tau.py --work W --stage train
     nice -n 10 python benchmarks/draft_tau.py --work W --stage eval --output-stem NAME
 
-`--stage data` is the only part that starts a vLLM engine. `eval` writes `NAME.json` and
+`--stage data` is the only part that starts a vLLM engine. Several `--stage train` processes may
+share the drafts (each takes a draft whose folder does not exist yet); a draft whose training
+was killed keeps its folder and is skipped until that folder is removed. `eval` writes `NAME.json` and
 `NAME.md` under `--results-dir`.
 """
 
@@ -293,6 +295,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output-stem", default=None, help="eval: results file name, no suffix")
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    unknown = sorted(set(args.arms) - {arm for arms in ARMS.values() for arm in arms})
+    if unknown:
+        parser.error(f"--arms {' '.join(unknown)}: not an arm of any target ({ARMS})")
     if max(args.ks) > TTT_STEPS:
         parser.error(f"--ks goes up to the {TTT_STEPS} TTT steps the drafts are trained for")
     return args
