@@ -295,9 +295,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output-stem", default=None, help="eval: results file name, no suffix")
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    unknown = sorted(set(args.arms) - {arm for arms in ARMS.values() for arm in arms})
+    known = sorted({arm for arms in ARMS.values() for arm in arms})
+    unknown = sorted(set(args.arms) - set(known))
     if unknown:
-        parser.error(f"--arms {' '.join(unknown)}: not an arm of any target ({ARMS})")
+        parser.error(f"--arms {' '.join(unknown)}: the arms are {', '.join(known)}")
     if max(args.ks) > TTT_STEPS:
         parser.error(f"--ks goes up to the {TTT_STEPS} TTT steps the drafts are trained for")
     return args
