@@ -32,8 +32,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 
-def build_targets(root: Path, which: list[str]) -> dict[str, Path]:
-    """The taught targets, built once under `root` (reused when there)."""
+def build_targets(root: Path, which: list[str], deepseek_positions: int = 1024) -> dict[str, Path]:
+    """The taught targets, built once under `root` (reused when there). `deepseek_positions`:
+    the tiny DeepSeek-V3's `max_position_embeddings` (its RoPE is plain, so only the limit on
+    prompt length changes; `benchmarks/draft_tau.py` asks 2048 for its long prompts)."""
     from speculators_vllm016.demo import build_demo_model, demo_conversations_path
     from speculators_vllm016.demo.target import TargetTraining, train_demo_target
 
@@ -49,11 +51,22 @@ def build_targets(root: Path, which: list[str]) -> dict[str, Path]:
     if "deepseek-v3" in which:
         from tests.tiny_models import build_taught_tiny_deepseek_v3
 
-        targets["deepseek-v3"] = build_taught_tiny_deepseek_v3(root / "deepseek-v3")
+        targets["deepseek-v3"] = build_taught_tiny_deepseek_v3(
+            root / "deepseek-v3", max_position_embeddings=deepseek_positions
+        )
     return targets
 
 
-def run_datagen(target: Path, output: Path, storage: str, args: argparse.Namespace) -> dict:
+def run_datagen(
+    target: Path,
+    output: Path,
+    storage: str,
+    args: argparse.Namespace,
+    conversations: Path | None = None,
+    dtype: str = "bfloat16",
+) -> dict:
+    """Datagen of `args.samples` rows of `conversations` (default: the demo's) into `output` with
+    the engine in `dtype`, hidden states stored as `storage`; its rate and bytes per token."""
     from speculators_vllm016.data_generation.offline import run_datagen as datagen
     from speculators_vllm016.data_generation.options import (
         DatagenOptions,
@@ -65,9 +78,9 @@ def run_datagen(target: Path, output: Path, storage: str, args: argparse.Namespa
 
     summary = datagen(
         DatagenOptions(
-            engine=EngineOptions(target_model_path=str(target), dtype="bfloat16"),
+            engine=EngineOptions(target_model_path=str(target), dtype=dtype),
             preprocessing=PreprocessingOptions(
-                train_data_path=str(demo_conversations_path()),
+                train_data_path=str(conversations or demo_conversations_path()),
                 seq_length=512,
                 max_samples=args.samples,
                 hf_cache_dir=str(output.parent / "hf-cache"),

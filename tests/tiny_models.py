@@ -148,7 +148,9 @@ def build_tiny_deepseek_v3(
     return out
 
 
-def build_taught_tiny_deepseek_v3(path: str | Path, *, steps: int = 40) -> Path:
+def build_taught_tiny_deepseek_v3(
+    path: str | Path, *, steps: int = 40, max_position_embeddings: int = 1024
+) -> Path:
     """A tiny DeepSeek-V3 that has learnt the demo conversations: a target a draft can learn from.
 
     A random target's next tokens are noise (a draft trained on it stays at tau ~1.0), so, as the
@@ -156,7 +158,8 @@ def build_taught_tiny_deepseek_v3(path: str | Path, *, steps: int = 40) -> Path:
     shipped conversations with a tokenizer trained on them. Seven layers: the smallest count whose
     default datagen layers `[2, N // 2, N - 3, N - 1]` are distinct, so the tutorial's commands run
     without `--layer-ids`. The tokenizer keeps one id of the 512 free, for the Kimi-K2.5 wrapper's
-    media token. Reused when `path` holds a finished build.
+    media token. Reused when `path` holds a finished build. `max_position_embeddings` only bounds
+    prompt length (the yarn factor is 1.0: plain RoPE, the same weights at any limit).
     """
     from speculators_vllm016.demo import demo_conversations_path, read_conversations
     from speculators_vllm016.demo.target import TargetTraining, train_demo_target
@@ -165,7 +168,12 @@ def build_taught_tiny_deepseek_v3(path: str | Path, *, steps: int = 40) -> Path:
     out = Path(path)
     initial = out.with_name(f"{out.name}-initial")
     if not (initial / "tokenizer.json").is_file():
-        build_tiny_deepseek_v3(initial, num_hidden_layers=7, tokenizer_style=None)
+        build_tiny_deepseek_v3(
+            initial,
+            num_hidden_layers=7,
+            tokenizer_style=None,
+            max_position_embeddings=max_position_embeddings,
+        )
         corpus = [
             m["content"]
             for messages in read_conversations(demo_conversations_path())
