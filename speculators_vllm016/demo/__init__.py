@@ -23,6 +23,8 @@ __all__ = ["CONVERSATIONS", "build_demo_model", "demo_conversations_path", "read
 logger = logging.getLogger(__name__)
 
 CONVERSATIONS = "conversations.jsonl"
+MAX_POSITIONS = 2048
+"""The demo target's positions: its prompts and answers (`--long-context` too) fit within them."""
 
 
 def demo_conversations_path() -> Path:
@@ -67,6 +69,6 @@ def build_demo_model(path: str | Path, conversations: str | Path | None = None) 
         num_key_value_heads=2,
         intermediate_size=768,
         vocab_size=1024,
-        max_position_embeddings=2048,
+        max_position_embeddings=MAX_POSITIONS,
         corpus=_corpus(conversations or demo_conversations_path()),
     )

@@ -63,6 +63,21 @@ def build_parser(prog: str = "speculators demo") -> argparse.ArgumentParser:
         "--total-seq-len", type=int, default=2048, help="tokens per packed draft row"
     )
     parser.add_argument(
+        "--sliding-window",
+        type=int,
+        default=DemoOptions.sliding_window,
+        help="both drafts attend to the last W positions only, in training and as vLLM serves "
+        "them (train --sliding-window); 0: full attention",
+    )
+    parser.add_argument(
+        "--long-context",
+        type=int,
+        default=DemoOptions.long_context,
+        help="the serve stage also asks the held-out questions after earlier turns of other "
+        "conversations, prompts of about this many tokens, and prints each draft's tau there "
+        "and long/short; 0: short prompts only",
+    )
+    parser.add_argument(
         "--held-out-every",
         type=int,
         default=6,
@@ -113,6 +128,7 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
     values["show_progress"] = not values.pop("no_progress")
     values["regenerate"] = not values.pop("no_regenerate")
     values["serve"] = not values.pop("no_serve")
+    values["sliding_window"] = values["sliding_window"] or None  # 0: full attention
     return DemoOptions(**values)
 
 

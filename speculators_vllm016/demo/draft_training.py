@@ -73,7 +73,7 @@ def train_config(
     from speculators_vllm016.train.vocab_maps import D2T_FILE, T2D_FILE
 
     return TrainJobConfig(
-        model=ModelConfig(verifier_name_or_path=str(target)),
+        model=ModelConfig(verifier_name_or_path=str(target), sliding_window=options.sliding_window),
         data=DataConfig(data_path=str(lane.data)),
         vocab=VocabConfig(d2t_path=str(lane.vocab / D2T_FILE), t2d_path=str(lane.vocab / T2D_FILE)),
         checkpoint=CheckpointConfig(save_path=str(lane.checkpoints)),

@@ -33,4 +33,11 @@ class DemoOptions:
     regenerate_max_tokens: int = 64
     serve: bool = True
     """Last, serve the held-out prompts with vLLM and each trained draft (`demo.serving`)."""
+    long_context: int = 1750
+    """The serve stage also serves the held-out questions after earlier turns of other held-out
+    conversations, prompts of about this many tokens (0: short prompts only), and reports each
+    draft's tau there beside the short prompts' (`demo.serving`)."""
+    sliding_window: int | None = None
+    """Both drafts' attention window in training and serving (`train --sliding-window`); None:
+    full attention."""
     show_progress: bool = True

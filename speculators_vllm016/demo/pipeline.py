@@ -126,6 +126,7 @@ def stage_options(options: DemoOptions) -> dict[str, dict[str, Any]]:
             "epochs": options.epochs,
             "lr": options.lr,
             "total_seq_len": options.total_seq_len,
+            "sliding_window": options.sliding_window,
         },
         "regen datagen": {"regenerate_max_tokens": options.regenerate_max_tokens},
         "regen vocab": {},
@@ -135,7 +136,7 @@ def stage_options(options: DemoOptions) -> dict[str, dict[str, Any]]:
             "max_new_tokens": options.max_new_tokens,
             "regenerate": options.regenerate,
         },
-        "serve": {"serve": options.serve},
+        "serve": {"serve": options.serve, "long_context": options.long_context},
     }
     result: dict[str, dict[str, Any]] = {}
     for name, needs in _NEEDS.items():
@@ -196,6 +197,24 @@ def _run_stage(
     )
 
 
+def _check_long_context(options: DemoOptions) -> None:
+    """Refuse, in one line naming the flag, long prompts the target cannot hold with their answers
+    and a window no draft step can see through (before anything is written)."""
+    from speculators_vllm016.demo import MAX_POSITIONS
+
+    room = MAX_POSITIONS - options.max_new_tokens
+    if not 0 <= options.long_context <= room:
+        raise InvalidInputError(
+            f"--long-context must be between 0 and {room} (the target's {MAX_POSITIONS} positions "
+            f"less --max-new-tokens {options.max_new_tokens}), got {options.long_context}"
+        )
+    if options.sliding_window is not None and options.sliding_window < 3:
+        raise InvalidInputError(
+            f"--sliding-window must be 0 (full attention) or at least the 3 tokens a draft "
+            f"proposes, got {options.sliding_window}"
+        )
+
+
 def run_demo(options: DemoOptions) -> DemoResult:
     """Run (or resume) every stage; returns what each stage wrote and measured."""
     from speculators_vllm016.demo import demo_conversations_path
@@ -211,6 +230,7 @@ def run_demo(options: DemoOptions) -> DemoResult:
         raise InvalidInputError(
             f"--regenerate-max-tokens must be at least 1, got {options.regenerate_max_tokens}"
         )
+    _check_long_context(options)
     dtype, why = choose_engine_dtype(options.dtype)
     if why is not None:
         print(why)

@@ -4,9 +4,13 @@ The held-out prompts the eval stage measured go through `LLM(speculative_config=
 trained draft and once without a draft. vLLM's own acceptance counters are printed beside the hf
 engine's figures from the eval stage (greedy, fp32: they should be equal), the speculative
 outputs are compared with the plain ones (lossless: all equal), and tokens/s with and without
-speculation are reported. On vLLM's CPU build this runs through this package's plugin
-(`vllm_plugin/cpu_speculation.py`); where vLLM cannot speculate here, the stage says why and
-records nothing measured rather than failing the demo.
+speculation are reported. With `long_context` L (default 1,750 tokens), the same questions are
+also served after earlier turns of the other held-out conversations until the prompt reaches
+about L tokens (`evaluate.context_prompts`, as `speculators eval --context-lengths` builds them),
+on the same engine: each draft's tau there and its ratio to the short prompts' tau say how much
+acceptance the draft keeps as the context grows (#46). On vLLM's CPU build this runs through this
+package's plugin (`vllm_plugin/cpu_speculation.py`); where vLLM cannot speculate here, the stage
+says why and records nothing measured rather than failing the demo.
 """
 
 from __future__ import annotations
@@ -33,11 +37,12 @@ def serve_stage(run: Any) -> tuple[dict, dict]:
     `run` is the demo's `stages.DemoRun` (not imported: `stages` imports this module)."""
     from transformers import AutoTokenizer
 
+    from speculators_vllm016.evaluate.context_prompts import context_prompt_sets
     from speculators_vllm016.evaluate.prompts import load_eval_prompts
     from speculators_vllm016.evaluate.runner import draft_settings
     from speculators_vllm016.evaluate.vllm_engine import (
         VllmSettings,
-        generate_with_vllm,
+        generate_sets_with_vllm,
         speculative_decoding_unavailable,
     )
 
@@ -46,36 +51,67 @@ def serve_stage(run: Any) -> tuple[dict, dict]:
         return {}, {"skipped": reason}
     options = run.options
     tokenizer = AutoTokenizer.from_pretrained(str(run.target))
-    prompts = load_eval_prompts(
-        str(run.split / HELD_OUT_FILE),
-        tokenizer,
-        max_prompts=options.eval_prompts,
-        cache_dir=str(run.root / "hf-datasets-cache"),
-    ).token_ids
+    held_out = str(run.split / HELD_OUT_FILE)
+    cache = str(run.root / "hf-datasets-cache")
+    short = load_eval_prompts(
+        held_out, tokenizer, max_prompts=options.eval_prompts, cache_dir=cache
+    )
+    prompt_sets = [short.token_ids]
+    if options.long_context:
+        (long,) = context_prompt_sets(
+            held_out, tokenizer, [options.long_context], short.rows, cache_dir=cache
+        )
+        prompt_sets.append(long.token_ids)
     settings = VllmSettings(dtype="float32", show_progress=options.show_progress)
     drafts = {"shipped": run.trained(run.shipped)}
     if options.regenerate:
         drafts["regenerated"] = run.trained(run.regenerated)
-    plain = generate_with_vllm(str(run.target), prompts, options.max_new_tokens, settings)
-    figures: dict = {"prompts": len(prompts), "plain_tokens_per_second": plain.tokens_per_second}
+    plain = generate_sets_with_vllm(str(run.target), prompt_sets, options.max_new_tokens, settings)
+    figures: dict = {
+        "prompts": len(short.token_ids),
+        "plain_tokens_per_second": plain[0].tokens_per_second,
+    }
+    if options.long_context:
+        figures["long_context"] = options.long_context
+        figures["long_prompt_tokens"] = sum(map(len, prompt_sets[1])) / len(prompt_sets[1])
     for label, draft in drafts.items():
         k = draft_settings(str(draft)).speculative_tokens
         config = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": k}
-        served = generate_with_vllm(
-            str(run.target), prompts, options.max_new_tokens, settings, config
+        served = generate_sets_with_vllm(
+            str(run.target), prompt_sets, options.max_new_tokens, settings, config
         )
-        figures[f"vllm_tau_{label}"] = served.counts.acceptance_length
-        figures[f"vllm_rates_{label}"] = served.counts.per_position_rates
-        figures[f"tokens_per_second_{label}"] = served.tokens_per_second
-        figures[f"lossless_{label}"] = sum(
-            a == b for a, b in zip(served.outputs, plain.outputs, strict=True)
-        )
+        figures.update(_draft_figures(label, served, plain))
     eval_json = run.root / "eval" / "eval.json"
     figures["eval_tau"] = {
         row["label"]: row["acceptance_length"]
         for row in json.loads(Path(eval_json).read_text())["drafts"]
     }
     return {}, figures
+
+
+def _draft_figures(label: str, served: list, plain: list) -> dict:
+    """One draft's figures: short prompts' tau, rates, tokens/s and outputs equal to plain
+    greedy; with long prompts (a second set) their tau, equal outputs and tau long / short."""
+    short = served[0]
+    figures = {
+        f"vllm_tau_{label}": short.counts.acceptance_length,
+        f"vllm_rates_{label}": short.counts.per_position_rates,
+        f"tokens_per_second_{label}": short.tokens_per_second,
+        f"lossless_{label}": _equal_outputs(short, plain[0]),
+    }
+    if len(served) > 1:
+        long = served[1]
+        figures[f"vllm_tau_long_{label}"] = long.counts.acceptance_length
+        figures[f"vllm_rates_long_{label}"] = long.counts.per_position_rates
+        figures[f"lossless_long_{label}"] = _equal_outputs(long, plain[1])
+        figures[f"long_over_short_{label}"] = (
+            long.counts.acceptance_length / short.counts.acceptance_length
+        )
+    return figures
+
+
+def _equal_outputs(served: Any, plain: Any) -> int:
+    return sum(a == b for a, b in zip(served.outputs, plain.outputs, strict=True))
 
 
 def serving_lines(figures: dict) -> list[str]:
@@ -94,6 +130,13 @@ def serving_lines(figures: dict) -> list[str]:
             f"{figures[f'lossless_{label}']}/{prompts}; "
             f"{figures[f'tokens_per_second_{label}']:.1f} tokens/s"
         )
+        if f"vllm_tau_long_{label}" in figures:
+            lines.append(
+                f"    at ~{figures['long_prompt_tokens']:.0f}-token prompts (--long-context "
+                f"{figures['long_context']}): tau {figures[f'vllm_tau_long_{label}']:.4f}, "
+                f"long/short {figures[f'long_over_short_{label}']:.2f}; outputs equal to plain "
+                f"greedy on {figures[f'lossless_long_{label}']}/{prompts}"
+            )
     lines.append(f"  without speculation: {figures['plain_tokens_per_second']:.1f} tokens/s")
     lines.append(f"  {WHAT_IT_SHOWS}")
     return lines

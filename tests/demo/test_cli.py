@@ -37,6 +37,8 @@ SMALL = [
     "16",
     "--regenerate-max-tokens",
     "32",
+    "--long-context",
+    "600",
     "--no-progress",
 ]
 STAGES = [
@@ -151,7 +153,16 @@ def test_the_last_stage_serves_each_trained_draft_as_eval_measured_it_and_lossle
         assert served[f"lossless_{label}"] == prompts
         assert served[f"tokens_per_second_{label}"] > 0
     assert served["plain_tokens_per_second"] > 0
+    # The same questions after earlier turns of other conversations (#46): measured on the same
+    # engines, lossless too, with each draft's tau there over its tau on the short prompts.
+    assert served["long_context"] == 600
+    assert 300 < served["long_prompt_tokens"] <= 600
+    for label in ("shipped", "regenerated"):
+        assert served[f"lossless_long_{label}"] == prompts
+        long, short = served[f"vllm_tau_long_{label}"], served[f"vllm_tau_{label}"]
+        assert long >= 1.0 and served[f"long_over_short_{label}"] == pytest.approx(long / short)
     printed = state["printed"]
+    assert "-token prompts (--long-context 600): tau " in printed and "long/short " in printed
     assert "served by vLLM 0.16" in printed and "without speculation:" in printed
     assert f"outputs equal to plain greedy on {prompts}/{prompts}" in printed
     assert "what this shows:" in printed

@@ -89,6 +89,9 @@ def test_each_stage_depends_on_its_options_and_those_of_the_stages_it_reads():
     assert changed(seed=1) == names[1:]
     assert changed(seq_length=512) == names[2:]
     assert changed(max_new_tokens=8) == ["eval", "serve"]
+    # The drafts' window retrains both drafts; the long prompts' length only serves again.
+    assert changed(sliding_window=64) == ["train", "regen train", "eval", "serve"]
+    assert changed(long_context=900) == ["serve"]
     # The regeneration's own options leave the target, the shipped draft and their data alone.
     assert changed(regenerate_max_tokens=16) == [
         "regen datagen",
@@ -295,6 +298,37 @@ def test_a_user_mistake_in_the_split_is_refused_before_the_demo_folder_is_made(t
     assert not output.exists()
     error = capsys.readouterr().err.strip()
     assert error.count("\n") == 0 and "--eval-prompts" in error and "36 held-out" in error
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--long-context", "2040"], "--long-context must be between 0 and 2016"),
+        (["--long-context", "-1"], "--long-context must be between 0 and 2016"),
+        (
+            ["--sliding-window", "2"],
+            "--sliding-window must be 0 (full attention) or at least the 3",
+        ),
+    ],
+)
+def test_long_prompts_past_the_targets_positions_or_a_window_too_short_are_refused(
+    flags, named, tmp_path, capsys
+):
+    from speculators_vllm016.demo.cli import main
+
+    output = tmp_path / "demo"
+    assert main(["--output-dir", str(output), *flags, "--no-progress"]) == 2
+    assert not output.exists()
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and named in error
+
+
+def test_a_window_of_zero_is_full_attention():
+    from speculators_vllm016.demo.cli import build_parser, options_from_args
+
+    parse = build_parser().parse_args
+    assert options_from_args(parse(["--sliding-window", "0"])).sliding_window is None
+    assert options_from_args(parse(["--sliding-window", "64"])).sliding_window == 64
 
 
 def test_the_summary_without_regeneration_names_the_held_out_rows_and_two_taus(capsys, tmp_path):

@@ -8,8 +8,10 @@ the acceptance path (accepted prefixes, bonus tokens, rejected tails dropped fro
 ran, not only rejection.
 
 EAGLE-3 drafts are "logit lens" drafts (tests/evaluate/drafts.py): right often, not always.
-DeepSeek-V3 and the Kimi-K2.5 wrapper are served through this package's plugin; the Kimi case
-runs at tensor parallel 2 (its language model is the DeepSeek-V3 path of the TP1 case, so one
+DeepSeek-V3 and the Kimi-K2.5 wrapper are served through this package's plugin; their drafts carry
+the positions `speculators train` writes for Kimi-K2.5, the published Kimi-K2.5 drafts' (theta
+50000, YaRN factor 64 from 4096, 262,144 positions): vLLM loads and speculates with them as
+written (#46). The Kimi case runs at tensor parallel 2 (its language model is the DeepSeek-V3 path of the TP1 case, so one
 model at TP2 covers the sharded runner), checked against the same DeepSeek-V3 weights.
 """
 
@@ -41,6 +43,21 @@ CASES = [
 ]
 
 
+# What `speculators train` writes for a Kimi-K2.5 (DeepSeek-V3) target's Llama-layer draft
+# (tests/vllm_compat/test_draft_positions.py checks the writing and vLLM's rotation of it).
+KIMI_K25_DRAFT_POSITIONS = {
+    "rope_theta": 50000.0,
+    "rope_scaling": {
+        "rope_type": "yarn",
+        "factor": 64.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+    },
+    "max_position_embeddings": 262144,
+}
+
+
 def speculative_config(method: str, target: Path, aux_ids: tuple | None, folder: Path) -> dict:
     if method == "ngram":
         return {
@@ -52,7 +69,11 @@ def speculative_config(method: str, target: Path, aux_ids: tuple | None, folder:
     import json
 
     architecture = json.loads((target / "config.json").read_text())["architectures"][0]
-    logit_lens_draft(str(target), architecture, aux_ids, K).save_pretrained(folder)
+    draft = logit_lens_draft(str(target), architecture, aux_ids, K)
+    if architecture in ("DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"):
+        for key, value in KIMI_K25_DRAFT_POSITIONS.items():
+            setattr(draft.config.transformer_layer_config, key, value)
+    draft.save_pretrained(folder)
     return {"method": method, "model": str(folder), "num_speculative_tokens": K}
 
 
