@@ -1,20 +1,20 @@
 """EAGLE-3.1 and a converted Model Optimizer draft served on the DeepSeek-V3 family by vLLM 0.16's
 own speculative decoding on its CPU build (#47 item 3): lossless, and vLLM's acceptance counters
 equal to the `hf` engine's (`speculative_generate`) on the same draft, prompts and greedy decoding.
-One engine per draft (vLLM serves one draft per target engine): three engines in all.
+One engine per draft and target (vLLM serves one draft per target engine): five engines in all.
 
 Both drafts are logit lenses of the target's last layer (tests/evaluate/drafts.py) fusing aux ids
 [1, 2, 3] of the 3-layer tiny DeepSeek-V3: id 3 is the last layer's output before the final
 norm, so served and `hf` agree only if both read that state (`models/verifier_states.py`).
 - EAGLE-3.1 (`fc_norm` with weights away from one, `norm_output` with a final norm that is not
-  flat) on the tiny DeepSeek-V3.
+  flat) on the tiny DeepSeek-V3 and the tiny Kimi-K2.5 wrapper.
 - A Model Optimizer export recording its Kimi-K2.5 recipe's four-id list in the tiny target's
   terms, [1, 2, 3, 3] (fused layers in vLLM's numbering, then N: the final layer), converted by
   `speculators convert` against the tiny Kimi-K2.5 wrapper and served on it. Read with the other
   numbering (output of layer i, ids + 1) the list does not fit the target and is refused; the
   ids one lower (the fused state one layer earlier) change what the `hf` engine accepts.
 - A TorchSpec export (its own numbering, output of layer i) converted and served on the tiny
-  DeepSeek-V3, accepting as the original draft on the `hf` engine.
+  DeepSeek-V3 and the Kimi-K2.5 wrapper, accepting as the original draft on the `hf` engine.
 """
 
 from __future__ import annotations
@@ -107,21 +107,27 @@ def _lens(target: Path, aux_ids=(1, 2, 3)) -> Eagle3DraftModel:
     return logit_lens_draft(str(target), architecture, aux_ids, K)
 
 
-def test_eagle31_served_on_deepseek_v3_is_lossless_and_accepts_as_hf(tiny_deepseek_v3, tmp_path):
-    draft = _lens(tiny_deepseek_v3)
+@pytest.mark.parametrize("target_fixture", ["tiny_deepseek_v3", "tiny_kimi_k25"])
+def test_eagle31_served_on_the_deepseek_family_is_lossless_and_accepts_as_hf(
+    target_fixture, request, tmp_path
+):
+    target = request.getfixturevalue(target_fixture)
+    draft = _lens(target)
     config = draft.config
     config.fc_norm, config.norm_output = True, True
     shell = Eagle3DraftModel(config)
     state = draft.state_dict()
     generator = torch.Generator().manual_seed(3)
+    hidden = config.transformer_layer_config.hidden_size
     for index in range(3):
-        state[f"fc_norm.{index}.weight"] = 0.8 + 0.4 * torch.rand(256, generator=generator)
-    state["norm.weight"] = state["norm.weight"] * (0.7 + 0.6 * torch.rand(256, generator=generator))
+        state[f"fc_norm.{index}.weight"] = 0.8 + 0.4 * torch.rand(hidden, generator=generator)
+    norm = state["norm.weight"]
+    state["norm.weight"] = norm * (0.7 + 0.6 * torch.rand(hidden, generator=generator))
     shell.load_state_dict(state, strict=False)
     shell.save_pretrained(tmp_path / "draft31")
     prompts = _prompts()
-    served, served_counts = _serve(tiny_deepseek_v3, tmp_path / "draft31", prompts)
-    hf, hf_counts = _hf(tiny_deepseek_v3, tmp_path / "draft31", prompts)
+    served, served_counts = _serve(target, tmp_path / "draft31", prompts)
+    hf, hf_counts = _hf(target, tmp_path / "draft31", prompts)
     assert served == hf
     _same_counts(served_counts, hf_counts)
 
@@ -187,9 +193,13 @@ def test_a_modelopt_kimi_recipe_draft_converts_and_serves_on_the_kimi_wrapper(
     assert shifted_counts.accepted_per_position != hf_counts.accepted_per_position
 
 
-def test_a_converted_torchspec_draft_serves_on_deepseek_v3(tiny_deepseek_v3, tmp_path):
+@pytest.mark.parametrize("target_fixture", ["tiny_deepseek_v3", "tiny_kimi_k25"])
+def test_a_converted_torchspec_draft_serves_on_the_deepseek_family(
+    target_fixture, request, tmp_path
+):
     """TorchSpec's export layout and numbering (output of layer i: [0, 1, 2]), converted into
     ours ([1, 2, 3], id 3 the last layer's output) and served: as the original on `hf`."""
+    tiny_deepseek_v3 = request.getfixturevalue(target_fixture)  # either target of the family
     from speculators_vllm016.convert.entrypoints import convert_model
     from tests.vllm_plugin.test_eagle31_served import _torchspec_folder
 
