@@ -65,3 +65,48 @@ def test_gpu_paths_match_the_plain_computation():
         assert 0 < int((tokens[-1] == -1).sum()) < tokens[-1].numel() // 2 or not variant.get(
             "unused"
         )
+
+
+def test_sparse_rows_compile_nothing_and_dense_rows_keep_their_bits(monkeypatch):
+    """Issue #48 item 2 on CUDA: after a dense row, rows whose layers run over subsets of their
+    positions (new lengths every step and row) compile nothing, since the layer's blocks are
+    compiled symbolic in the row length (`_rows_symbolic`). That must not change a bit of the
+    dense row's loss or gradients against the blocks compiled for its fixed length (before)."""
+    from torch._dynamo.utils import counters
+
+    from benchmarks.training import PRESETS, build_model, synthetic_batch
+    from speculators_vllm016.models.eagle3 import model_definitions
+
+    device = torch.device("cuda")
+    preset = PRESETS["cpu-small"]
+    torch.manual_seed(0)
+    model = build_model(preset, device, torch.bfloat16, "auto", None)
+    model.train()
+    model.flex_row_length = 1024
+    dense = synthetic_batch(preset, 1000, device, torch.bfloat16)
+    dense["loss_mask"] = torch.ones_like(dense["loss_mask"])
+
+    def fresh_dense_step():
+        torch._dynamo.reset()
+        model_definitions._COMPILED.clear()
+        return _step(model, dense, skip=True, unused=True)
+
+    try:
+        with monkeypatch.context() as fixed_length:
+            fixed_length.setattr(model_definitions, "_ROW_BLOCKS", frozenset())
+            before_loss, before_grads, _ = fresh_dense_step()
+        loss, grads, _ = fresh_dense_step()
+        assert torch.equal(loss, before_loss)
+        assert _worst_relative_difference(grads, before_grads) == 0.0
+        for seed, spans in ((1, ((100, 300), (600, 700))), (2, ((50, 450),))):
+            sparse = synthetic_batch(preset, 1000, device, torch.bfloat16, seed=seed)
+            sparse["loss_mask"] = torch.zeros_like(sparse["loss_mask"])
+            for start, end in spans:
+                sparse["loss_mask"][0, start:end] = 1
+            graphs = counters["stats"]["unique_graphs"]
+            _, _, tokens = _step(model, sparse, skip=True, unused=True)
+            assert int((tokens[0] == -1).sum()) > 100  # the subset path ran
+            assert counters["stats"]["unique_graphs"] == graphs, spans
+    finally:
+        torch._dynamo.reset()
+        model_definitions._COMPILED.clear()
