@@ -70,7 +70,7 @@ def build_draft(preset: TrainingPreset, arch: str, device: Any, packed_tokens: i
     """The draft as the trainer sets it up: `build_model`'s Llama draft, or the MLA one."""
     import torch
 
-    from benchmarks.training import build_model
+    from benchmarks.training import build_model, draw_vocab_subset
 
     frozen = torch.bfloat16 if torch.device(device).type == "cuda" else None  # as the trainer
     if arch == "llama":
@@ -88,17 +88,7 @@ def build_draft(preset: TrainingPreset, arch: str, device: Any, packed_tokens: i
         )
         with torch.device(device):
             model = Eagle3DraftModel(config)
-        keep = (
-            torch.randperm(preset.target_vocab_size, generator=torch.Generator().manual_seed(0))[
-                : preset.draft_vocab_size
-            ]
-            .sort()
-            .values
-        )
-        with torch.no_grad():
-            model.t2d.zero_()
-            model.t2d[keep.to(device)] = True
-            model.d2t.copy_((keep - torch.arange(preset.draft_vocab_size)).to(device))
+        draw_vocab_subset(model, preset, device)
         if frozen is not None:
             model.frozen_weights_to(frozen)
     model.skip_unused_positions = None  # the trainer's choice (draft_build)

@@ -119,6 +119,20 @@ class LengthResult:
     profile_ms: dict[str, float] | None = None
 
 
+def draw_vocab_subset(model: Any, preset: TrainingPreset, device) -> None:
+    """Point `model`'s vocabulary maps at a fixed random (seed 0) draft-vocabulary subset of the
+    target's: the same subset for every draft a benchmark builds, Llama or MLA layer."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    keep = torch.randperm(preset.target_vocab_size, generator=generator)[: preset.draft_vocab_size]
+    keep = keep.sort().values
+    with torch.no_grad():
+        model.t2d.zero_()
+        model.t2d[keep.to(device)] = True
+        model.d2t.copy_((keep - torch.arange(preset.draft_vocab_size)).to(device))
+
+
 def build_model(preset: TrainingPreset, device, frozen_dtype, attention: str, compile_blocks):
     import torch
     from transformers import LlamaConfig
@@ -143,13 +157,7 @@ def build_model(preset: TrainingPreset, device, frozen_dtype, attention: str, co
     )
     with torch.device(device):
         model = Eagle3DraftModel(config)
-    generator = torch.Generator().manual_seed(0)
-    keep = torch.randperm(preset.target_vocab_size, generator=generator)[: preset.draft_vocab_size]
-    keep = keep.sort().values
-    with torch.no_grad():
-        model.t2d.zero_()
-        model.t2d[keep.to(device)] = True
-        model.d2t.copy_((keep - torch.arange(preset.draft_vocab_size)).to(device))
+    draw_vocab_subset(model, preset, device)
     model.attention_backend = attention
     model.compile_blocks = compile_blocks
     if frozen_dtype is not None:

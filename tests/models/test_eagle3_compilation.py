@@ -106,3 +106,45 @@ def test_a_shorter_row_after_a_longer_one_compiles_nothing(tiny_llama, scored) -
     finally:
         torch._dynamo.reset()
         model_definitions._COMPILED.clear()
+
+
+def test_rows_of_new_used_position_counts_compile_nothing_after_the_first(tiny_llama) -> None:
+    """Rows whose loss masks leave few positions used run each step's layer over that subset
+    (`ScoringPass.select_used_positions`); every step and row has its own subset size. On an
+    H100 the first such row, epoch 0's shorter last one, compiled the layer's blocks again for
+    the subset's length (6.8 s): they must be symbolic in the row length from the first, dense
+    row on, so that no sparse row compiles anything (counted by dynamo)."""
+    from torch._dynamo.utils import counters
+
+    from speculators_vllm016.models.eagle3 import Eagle3DraftModel
+    from speculators_vllm016.train.vocab_mapping import build_vocab_mappings_from_distribution
+    from tests.models.test_eagle3 import DRAFT_VOCAB, batch, eagle3_config
+
+    torch._dynamo.reset()
+    model_definitions._COMPILED.clear()
+    torch.manual_seed(0)
+    d2t, t2d = build_vocab_mappings_from_distribution(
+        {token: 1000 - token for token in range(0, 512, 3)}, DRAFT_VOCAB, 512
+    )
+    draft = Eagle3DraftModel(eagle3_config(str(tiny_llama)), t2d=t2d, d2t=d2t)
+    draft.attention_backend, draft.compile_blocks = "flex", True
+    draft.skip_unscored_rows = draft.skip_unused_positions = True  # as on a GPU
+    draft.flex_row_length = 256
+
+    def compiled_graphs(spans: list[tuple[int, int]], seed: int) -> int:
+        before = counters["stats"]["unique_graphs"]
+        data = {**batch(250, seed=seed), "lengths": torch.tensor([130, 120])}
+        mask = torch.zeros_like(data["loss_mask"])
+        for start, end in spans:  # answer turns: the rest is prompt
+            mask[0, start:end] = 1
+        data["loss_mask"] = mask
+        draft(**data, ttt_steps=3).loss.backward()
+        return counters["stats"]["unique_graphs"] - before
+
+    try:
+        assert compiled_graphs([(0, 250)], seed=1) > 0  # a dense row: every position runs
+        assert compiled_graphs([(20, 90), (150, 200)], seed=2) == 0  # the subset path
+        assert compiled_graphs([(10, 60), (140, 230)], seed=3) == 0  # other counts
+    finally:
+        torch._dynamo.reset()
+        model_definitions._COMPILED.clear()

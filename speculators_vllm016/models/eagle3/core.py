@@ -131,8 +131,9 @@ class Eagle3DraftModel(SpeculatorModel):
     not computed (-1), which 0.3.0 never returned: hence off by default.
     `flex_row_length` (None) pads every flex row to at least that many positions (the trainer
     sets its `--total-seq-len`): every row of a run then has one shape, so the compiled blocks
-    and flex attention compile once, for the fastest static-shape kernels, and a shorter row
-    (the last of an epoch) recompiles nothing. The padding sees only itself and is never scored.
+    compile once (the layer's row-wise ones symbolic in the row length: the subsets of
+    `skip_unused_positions` vary) and a shorter row (the last of an epoch) recompiles nothing.
+    The padding sees only itself and is never scored.
     Mixed precision: keep the parameters fp32 and run the forward under
     `torch.autocast(device, torch.bfloat16)`; `frozen_weights_to(torch.bfloat16)` halves the
     memory of the frozen verifier copies.

@@ -70,8 +70,30 @@ def maybe_compiled(function: Callable, enabled: bool) -> Callable:
     if not enabled:
         return function
     if function not in _COMPILED:
-        _COMPILED[function] = torch.compile(function, dynamic=True if _REPRODUCIBLE else None)
+        block = torch.compile(function, dynamic=True if _REPRODUCIBLE else None)
+        _COMPILED[function] = _rows_symbolic(block) if function in _ROW_BLOCKS else block
     return _COMPILED[function]
+
+
+def _rows_symbolic(block: Callable) -> Callable:
+    """`block` with the row length (dim 1 of every `[B, L, ...]` argument) symbolic from its
+    first call, the other dimensions fixed.
+
+    A row whose layer runs over a subset of its positions (`skip_unused_positions`) hands these
+    blocks `[B, n, ...]` tensors, n new for every step and row. Compiled for the first row's
+    fixed length, the first such row compiled every block again (6.8 s on an H100 at the
+    Kimi-K2.5 draft's shapes); compiled symbolic in L from the start, it compiles nothing.
+    The blocks work row by row (norms over the hidden size, element-wise products), so a
+    kernel's sums within a row do not depend on how many rows it is launched over.
+    """
+
+    def call(*args: Any) -> Any:
+        for arg in args:
+            if isinstance(arg, torch.Tensor) and arg.dim() >= 3:
+                torch._dynamo.maybe_mark_dynamic(arg, 1)
+        return block(*args)
+
+    return call
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -146,6 +168,13 @@ def _silu_product_backward(gate_up: torch.Tensor, grad_product: torch.Tensor):
     grad_gate = grad * up * sigmoid * (1 + gate * (1 - sigmoid))
     dtype = gate_up.dtype
     return (silu * up).to(dtype), torch.cat([grad_gate, grad * silu], dim=-1).to(dtype)
+
+
+_ROW_BLOCKS = frozenset(
+    {_unit_rms, _normed, _attention_input, _rotary, _silu_product, _silu_product_backward}
+)
+"""The blocks a layer runs on its rows, `[B, L, ...]` arguments and per-hidden weights: compiled
+with L symbolic (`_rows_symbolic`)."""
 
 
 class _SiluGatedDown(torch.autograd.Function):

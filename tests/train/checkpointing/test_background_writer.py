@@ -233,3 +233,42 @@ def test_keep_last_below_one_is_refused_before_anything_is_written():
         _check_numbers(config)
     config.checkpoint.keep_last = 1
     _check_numbers(config)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape"),
+    [
+        (torch.float32, (3, 7)),  # 84 bytes: chunks of 16 and a short last one
+        (torch.bfloat16, (5, 9)),
+        (torch.int64, ()),  # a step count
+        (torch.bool, (33,)),
+        (torch.float32, (0, 4)),
+        (torch.float32, (4, 4)),  # exactly 4 chunks
+    ],
+)
+def test_a_snapshot_comes_to_the_host_through_the_buffers_bit_for_bit(dtype, shape) -> None:
+    """`copy_through` (how a device snapshot reaches the host in the writer thread) splits the
+    tensor's bytes over two small reused buffers: every byte must land where it was, for any
+    size (a short last chunk, one element, none) and dtype; the non-contiguous source too."""
+    from speculators_vllm016.train.checkpointing.background_writer import copy_through
+
+    generator = torch.Generator().manual_seed(0)
+    source = torch.randn(shape, generator=generator).to(dtype) if dtype != torch.bool else None
+    if source is None:
+        source = torch.rand(shape, generator=generator) > 0.5
+    buffers = [torch.full((16,), 255, dtype=torch.uint8) for _ in range(2)]
+    waited: list[bool] = []  # per chunk copied: whether its wait ran before it was read
+
+    def after_copy():
+        index = len(waited)
+        waited.append(False)
+        return lambda: waited.__setitem__(index, True)
+
+    copied = copy_through(source, buffers, after_copy)
+    assert copied.dtype == source.dtype and copied.shape == source.shape
+    assert torch.equal(copied.reshape(-1).view(torch.uint8), source.reshape(-1).view(torch.uint8))
+    chunks = -(-source.numel() * source.element_size() // 16)
+    assert waited == [True] * chunks  # one copy per chunk, each waited for
+    if source.dim() == 2 and source.numel():
+        transposed = source.t()
+        assert torch.equal(copy_through(transposed, buffers, after_copy), transposed)
