@@ -68,7 +68,9 @@ class ModelConfig:
     """Sliding-window draft attention: each position attends to the keys fewer than this many
     positions back, in training and as vLLM 0.16 serves it (`layer_types: sliding_attention`);
     meant to keep acceptance at prompts longer than the rows trained on (measure it: `eval
-    --context-lengths`). At least --ttt-steps. None: full attention."""
+    --context-lengths`). At least --ttt-steps. None: full attention. With --from-pretrained it
+    replaces the draft's window (a window changes no weight; the saved config has the new one);
+    left out, the draft keeps its own attention, windowed or not."""
     fc_norm: bool = False
     """EAGLE-3.1: an RMSNorm per auxiliary target state before they are fused (config key and
     weights as upstream speculators 0.7 and vLLM >= 0.22 read them; served on 0.16 by this
@@ -84,8 +86,8 @@ class ModelConfig:
     research/SpecForge one does not record --norm-before-residual, so give its value). It seeds a fresh
     run only: its served weights (model.safetensors) bit for bit, a fresh optimizer and schedule;
     a --save-path that already has checkpoints resumes them instead and does not read it. Its verifier, hidden size,
-    vocabularies, fused layers and layer count must match this run (each mismatch is named, and
-    nothing is written); without --d2t-path/--draft-vocab-size it trains with the draft's own
+    vocabularies, fused layers, layer count and norms must match this run (each mismatch is
+    named, and nothing is written); --sliding-window applies to it; without --d2t-path/--draft-vocab-size it trains with the draft's own
     maps. None: a new draft."""
     allow_other_verifier: bool = False
     """Train against a verifier whose final norm and LM head differ from those of the model the
