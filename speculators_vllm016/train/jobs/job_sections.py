@@ -155,6 +155,12 @@ class CheckpointConfig:
     checkpoint_dtype: str = field(default="bf16", metadata={"choices": sorted(CHECKPOINT_DTYPES)})
     """Dtype of the served model.safetensors; bf16 is what vLLM serves a draft in (training keeps
     fp32 masters either way)."""
+    background_checkpoints: bool = field(default=True, metadata={"negatable": True})
+    """Write checkpoints in a background thread: the step loop waits only for a snapshot of the
+    weights and optimizer state (a copy on the GPU where it has room) and trains on while the
+    files are written. --no-background-checkpoints writes them in the step loop, copying
+    nothing (for a machine short of memory, or to debug a write). Either way a crash leaves the
+    previous or the new checkpoint whole."""
 
 
 @dataclass
