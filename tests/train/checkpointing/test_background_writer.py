@@ -240,11 +240,20 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-@pytest.mark.parametrize("writer", ["background", "inline"])
-@pytest.mark.parametrize(("kill_at", "kept"), [("optimizer", 2), ("rename", 2), ("never", 4)])
+@pytest.mark.parametrize(
+    ("kill_at", "kept", "writer"),
+    [
+        ("optimizer", 2, "background"),
+        ("rename", 2, "background"),
+        ("never", 4, "background"),
+        ("optimizer", 2, "inline"),
+        ("rename", 2, "inline"),
+    ],
+)
 def test_a_kill_during_a_write_leaves_a_whole_checkpoint(tmp_path, kill_at, kept, writer):
     """The same guarantee with --no-background-checkpoints (`writer` "inline": the files are
-    written by `save` itself, in the step loop)."""
+    written by `save` itself, in the step loop; a write that ends is
+    `test_the_trainer_writes_inline_when_the_job_says_so`)."""
     save = tmp_path / "ckpt"
     died = subprocess.run(
         [sys.executable, "-c", _KILL_DURING_WRITE, str(save), kill_at, writer],
