@@ -134,6 +134,25 @@ def target_fidelity(target: Path, bf16_folder: Path) -> dict[str, float]:
     }
 
 
+def draft_job(target: Path, data: Path, vocab: Path, folder: Path, seed: int, epochs: int):
+    """The training job of one draft: the demo's (`demo.draft_training.train_config`, its one
+    home) with this benchmark's schedule (the demo's lr and row length, written out so that the
+    results stay comparable if the demo's defaults change); `data` and `vocab` are linked into
+    the draft's lane `folder`."""
+    from speculators_vllm016.demo.draft_training import DraftLane, train_config
+    from speculators_vllm016.demo.options import DemoOptions
+
+    options = DemoOptions(
+        epochs=epochs, lr=1e-3, total_seq_len=2048, seed=seed, show_progress=False
+    )
+    lane = DraftLane(folder)
+    lane.folder.mkdir(parents=True, exist_ok=True)
+    for link, source in ((lane.data, data), (lane.vocab, vocab)):
+        if not link.is_symlink():
+            link.symlink_to(source.resolve(), target_is_directory=True)
+    return train_config(options, lane, target)
+
+
 def train_and_eval(target: Path, folders: dict[str, Path], root: Path, args) -> dict[str, Any]:
     """One draft per (storage, seed), same steps; all evaluated in one run on held-out prompts."""
     from transformers import AutoConfig
@@ -142,21 +161,7 @@ def train_and_eval(target: Path, folders: dict[str, Path], root: Path, args) -> 
     from speculators_vllm016.demo import demo_conversations_path
     from speculators_vllm016.evaluate.runner import EvalOptions, run_evaluation
     from speculators_vllm016.train.jobs.job import run_train_job
-    from speculators_vllm016.train.jobs.job_config import (
-        CheckpointConfig,
-        DataConfig,
-        LoggingConfig,
-        ModelConfig,
-        RuntimeConfig,
-        TrainingConfig,
-        TrainJobConfig,
-        VocabConfig,
-    )
-    from speculators_vllm016.train.vocab_maps import (
-        D2T_FILE,
-        T2D_FILE,
-        write_vocab_mappings_from_counts,
-    )
+    from speculators_vllm016.train.vocab_maps import write_vocab_mappings_from_counts
 
     vocab = root / "vocab"
     write_vocab_mappings_from_counts(
@@ -168,23 +173,11 @@ def train_and_eval(target: Path, folders: dict[str, Path], root: Path, args) -> 
     drafts, labels = [], []
     for seed in args.seeds:
         for storage, folder in folders.items():
-            save = root / f"draft-{storage}-seed{seed}"
-            run_train_job(
-                TrainJobConfig(
-                    model=ModelConfig(verifier_name_or_path=str(target)),
-                    data=DataConfig(data_path=str(folder)),
-                    vocab=VocabConfig(
-                        d2t_path=str(vocab / D2T_FILE), t2d_path=str(vocab / T2D_FILE)
-                    ),
-                    checkpoint=CheckpointConfig(save_path=str(save)),
-                    training=TrainingConfig(
-                        epochs=args.epochs, lr=1e-3, total_seq_len=2048, seed=seed
-                    ),
-                    runtime=RuntimeConfig(num_workers=0, device="cpu"),
-                    logging=LoggingConfig(log_dir=str(save / "logs"), no_progress=True),
-                )
+            config = draft_job(
+                target, folder, vocab, root / f"draft-{storage}-seed{seed}", seed, args.epochs
             )
-            drafts.append(str(save / str(args.epochs - 1)))
+            run_train_job(config)
+            drafts.append(str(Path(config.checkpoint.save_path) / str(args.epochs - 1)))
             labels.append(f"{storage}-seed{seed}")
     report = run_evaluation(
         EvalOptions(

@@ -72,8 +72,7 @@ def serve_stage(run: Any) -> tuple[dict, dict]:
         "plain_tokens_per_second": plain[0].tokens_per_second,
     }
     if options.long_context:
-        figures["long_context"] = options.long_context
-        figures["long_prompt_tokens"] = sum(map(len, prompt_sets[1])) / len(prompt_sets[1])
+        figures.update(_long_prompt_figures(options.long_context, prompt_sets[1]))
     for label, draft in drafts.items():
         k = draft_settings(str(draft)).speculative_tokens
         config = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": k}
@@ -87,6 +86,15 @@ def serve_stage(run: Any) -> tuple[dict, dict]:
         for row in json.loads(Path(eval_json).read_text())["drafts"]
     }
     return {}, figures
+
+
+def _long_prompt_figures(long_context: int, long_prompts: list[list[int]]) -> dict:
+    """The long prompts asked for (`--long-context`) and their mean length in tokens as built
+    (each question after whole earlier turns: at most the length asked for)."""
+    return {
+        "long_context": long_context,
+        "long_prompt_tokens": sum(map(len, long_prompts)) / len(long_prompts),
+    }
 
 
 def _draft_figures(label: str, served: list, plain: list) -> dict:

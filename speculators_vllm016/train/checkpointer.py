@@ -446,8 +446,11 @@ class BaseCheckpointer(CheckpointRetention):
             inner = _unwrap(model)
             skipped = set(getattr(inner, "_keys_to_ignore_on_save", None) or ())
             weights = {k: v for k, v in self._model_state(model).items() if k not in skipped}
-            staged_weights = stage(weights, live=not self.sharded)
-            staged_optimizer = stage(self._optimizer_state(model, optimizer), live=not self.sharded)
+            live, background = not self.sharded, self.writer.background
+            staged_weights = stage(weights, live=live, background=background)
+            staged_optimizer = stage(
+                self._optimizer_state(model, optimizer), live=live, background=background
+            )
         final = self.path / name
         temporary = self.path / f"{TEMP_PREFIX}{name}"
         if rank == 0:

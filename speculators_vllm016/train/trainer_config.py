@@ -99,9 +99,10 @@ class TrainerConfig:
         default=None, metadata={"job": "checkpoint.keep_last"}
     )
     """`--keep-last`."""
-    background_checkpoints: bool = True
-    """Write checkpoints in a background thread: the step loop only waits for a snapshot of
-    the weights and optimizer state (`checkpointing.background_writer`)."""
+    background_checkpoints: bool = field(
+        default=True, metadata={"job": "checkpoint.background_checkpoints"}
+    )
+    """`--background-checkpoints` (`checkpointing.background_writer`)."""
     fsdp_bf16_params: bool = field(default=False, metadata={"job": "runtime.fsdp_bf16_params"})
     """`--fsdp-bf16-params`."""
     deterministic: bool = field(default=False, metadata={"job": "runtime.deterministic"})

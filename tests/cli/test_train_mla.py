@@ -72,7 +72,7 @@ def test_mla_run_saves_the_vllm_layout_and_resumes_bit_for_bit(
 
 
 def test_mla_fine_tune_starts_from_the_draft_exactly(
-    tiny_deepseek_v3, deepseek_data, tmp_path, monkeypatch
+    tiny_deepseek_v3, deepseek_data, tmp_path, monkeypatch, capsys
 ):
     first = tmp_path / "first"
     one_step = ("--epochs", "1", "--max-steps", "1")
@@ -96,6 +96,13 @@ def test_mla_fine_tune_starts_from_the_draft_exactly(
         assert torch.equal(seen[name], tensor.to(seen[name].dtype)), name
     llama = train_args(tiny_deepseek_v3, deepseek_data, tmp_path / "no", "--from-pretrained")
     assert main([*llama, str(draft)]) == 2
+    # A window is the Llama layer's: an MLA draft cannot take one (one line, both flags named).
+    capsys.readouterr()
+    windowed = train_args(tiny_deepseek_v3, deepseek_data, tmp_path / "no", *MLA)
+    assert main([*windowed, "--from-pretrained", str(draft), "--sliding-window", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--sliding-window" in err[0] and "--from-pretrained" in err[0], err
+    assert not (tmp_path / "no").exists()
 
     # `speculators eval --engine hf` reads the flat layout (verifier and k from speculators_draft).
     chat = tmp_path / "chat.jsonl"

@@ -129,3 +129,55 @@ def test_token_counts_go_exactly_to_token_freq_path_unless_sharded(
     assert read_token_counts(expected) == counts
     own = shard_token_freq_path(tmp_path / "data", shard_index, num_shards)
     assert read_token_counts(own) == counts
+
+
+def _engine(tmp_path):
+    """What `write_data_config` reads of the hidden-states generator (pure logic: no engine)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    return SimpleNamespace(
+        model_path=str(tmp_path / "target"),
+        tensor_parallel_size=1,
+        vllm_config=SimpleNamespace(cache_config=SimpleNamespace(gpu_memory_utilization=0.5)),
+        hidden_size=8,
+        layer_ids=[1, 2, 3],
+        dtype=torch.float32,
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "recorded"),
+    [
+        ({}, (0, False)),
+        ({"session_tokens": 300}, (300, False)),
+        ({"session_tokens": 300, "sessions_only": True}, (300, True)),
+    ],
+)
+def test_data_config_records_the_session_flags(tmp_path, monkeypatch, flags, recorded):
+    """`--session-tokens` / `--sessions-only` reach data_config.json as given (train and eval read
+    what the samples are from it); a record written before the fields existed reads as none."""
+    from speculators_vllm016.data_generation import config_generator
+    from speculators_vllm016.data_generation.options import DatagenOptions
+
+    monkeypatch.setattr(config_generator, "_fingerprint", lambda path, config=None: "fp")
+    options = DatagenOptions(
+        target_model_path=str(tmp_path / "target"),
+        train_data_path="chats.jsonl",
+        output_dir=str(tmp_path / "out"),
+        seq_length=512,
+        **flags,
+    )
+    folder = tmp_path / "out"
+    folder.mkdir()
+    DatagenFolder(folder).write_data_config(_engine(tmp_path), options, 5)
+    data = read_data_config(folder).data
+    assert (data.session_tokens, data.sessions_only) == recorded
+    assert (data.seq_length, data.num_samples) == (512, 5)
+    raw = json.loads((folder / "data_config.json").read_text())
+    for key in ("session_tokens", "sessions_only"):
+        del raw["data"][key]
+    (folder / "data_config.json").write_text(json.dumps(raw))
+    older = read_data_config(folder).data
+    assert (older.session_tokens, older.sessions_only) == (0, False)

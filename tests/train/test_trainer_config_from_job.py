@@ -15,8 +15,7 @@ from speculators_vllm016.train.jobs.job_config import TrainJobConfig
 from speculators_vllm016.train.trainer_config import TrainerConfig
 
 # Set by the trainer's own callers only (a test's signal handling), never by a job.
-# background_checkpoints: always on for jobs (the library can write in the loop, as 0.3.0 did).
-NOT_FROM_THE_JOB = {"handle_sigterm", "background_checkpoints"}
+NOT_FROM_THE_JOB = {"handle_sigterm"}
 
 JOB = {
     "model": {"ttt_steps": 5, "ttt_step_loss_decay": 0.8},
@@ -39,6 +38,7 @@ JOB = {
         "checkpoint_dtype": "fp16",
         "keep_mid_epoch_checkpoints": 3,
         "keep_last": 4,
+        "background_checkpoints": False,
     },
     "runtime": {
         "precision": "bf16",
@@ -88,6 +88,7 @@ def test_every_job_setting_reaches_the_trainer():
         optimizer_state_dtype=torch.bfloat16,
         keep_mid_epoch_checkpoints=3,
         keep_last_checkpoints=4,
+        background_checkpoints=False,
         fsdp_bf16_params=True,
         deterministic=True,
         show_progress=False,
@@ -122,7 +123,7 @@ def test_a_default_job_trains_as_the_job_config_documents():
         job.training.epochs,
         job.training.seed,
     )
-    assert built.resume_from_checkpoint and built.show_progress
+    assert built.resume_from_checkpoint and built.show_progress and built.background_checkpoints
     assert built.checkpoint_dtype == torch.bfloat16 and built.optimizer_state_dtype is None
     assert built.train_call_kwargs == DraftCallOptions(
         ttt_steps=job.model.ttt_steps,
@@ -141,7 +142,7 @@ def test_a_job_setting_is_described_once():
     flags = {f"{section}.{spec.name}": (spec.flag, spec.doc) for section, spec in all_fields()}
     own = field_docs(TrainerConfig)
     mirrored = [item for item in dataclasses.fields(TrainerConfig) if "job" in item.metadata]
-    assert len(mirrored) == 17
+    assert len(mirrored) == 18
     for item in mirrored:
         flag, doc = flags[item.metadata["job"]]
         # The flag, at most with a note of what the trainer does with it; no second description.

@@ -75,18 +75,21 @@ def _room_on_device(device: torch.device, nbytes: int) -> bool:
     return nbytes + DEVICE_HEADROOM_BYTES <= free
 
 
-def stage(tree: Any, *, live: bool = True) -> Staged:
+def stage(tree: Any, *, live: bool = True, background: bool = True) -> Staged:
     """A copy of `tree`'s containers and tensors that later steps cannot change (see module).
 
     `live=False`: the tensors are already copies nobody else holds (a gathered full state);
-    only the containers are copied.
+    only the containers are copied. `background=False` (the files are written before the step
+    loop goes on, `CheckpointWriter(background=False)`): nothing changes the tensors meanwhile,
+    so host tensors are not copied and device ones come to the host directly, never cloned on
+    the device: no memory beyond what writing needs.
     """
     tensors = _tensors(tree)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     if not live:  # new containers, the same tensors
         return Staged(tree=pytree.tree_map(lambda value: value, tree), nbytes=nbytes)
     cuda = [tensor for tensor in tensors if tensor.is_cuda]
-    on_device = bool(cuda) and _room_on_device(cuda[0].device, nbytes)
+    on_device = background and bool(cuda) and _room_on_device(cuda[0].device, nbytes)
 
     def copy_of(value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
@@ -94,7 +97,7 @@ def stage(tree: Any, *, live: bool = True) -> Staged:
         value = value.detach()
         if value.is_cuda and not on_device:
             return value.to("cpu")  # waits for the device: the fallback
-        return value.clone()
+        return value.clone() if background else value
 
     staged = pytree.tree_map(copy_of, tree)
     ready = None

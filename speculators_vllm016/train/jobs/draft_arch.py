@@ -21,8 +21,10 @@ def check_draft_arch(config: TrainJobConfig, text_config: Any) -> None:
         return
     names = ("sliding_window", "fc_norm", "norm_output", "norm_before_fc")
     if given := [f"--{name.replace('_', '-')}" for name in names if getattr(model, name)]:
+        draft = f" (--from-pretrained {model.from_pretrained})" if model.from_pretrained else ""
         raise TrainSetupError(
-            f"{', '.join(given)}: Llama-layer draft options; not with --draft-arch mla"
+            f"{', '.join(given)}: Llama-layer draft options; not with --draft-arch mla{draft}: "
+            "the MLA layer has none of them"
         )
     if model.from_pretrained:
         return

@@ -153,6 +153,7 @@ def build_model(config: TrainJobConfig, setup: TrainSetup) -> Eagle3DraftModel:
                 setup.verifier_fingerprint,
             ),
             setup.aux_ids,
+            sliding_window=model_config.sliding_window,
         )
     else:
         draft_config = build_draft_config(

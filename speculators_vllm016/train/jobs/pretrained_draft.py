@@ -18,6 +18,7 @@ layers and the proposal length (`fine_tune_config`). Whether the draft fits the 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,16 +203,36 @@ def draft_vocab_maps(draft: PretrainedDraft) -> VocabMaps:
 
 
 def fine_tune_config(
-    draft: PretrainedDraft, speculators_config: Any, aux_layer_ids: list[int] | None
+    draft: PretrainedDraft,
+    speculators_config: Any,
+    aux_layer_ids: list[int] | None,
+    sliding_window: int | None = None,
 ) -> Eagle3SpeculatorConfig:
     """The fine-tune's config: the draft's layer shape and head, the run's verifier, proposal
-    length and fused layers (equal to the draft's where it records them: `draft_match`)."""
+    length and fused layers (equal to the draft's where it records them: `draft_match`).
+
+    `sliding_window` (the run's --sliding-window) replaces the draft's window, or gives a
+    full-attention draft one: a window changes no weight, so the draft's weights fine-tune
+    under it, and the saved config says the window trained (what vLLM then serves). None keeps
+    the draft's own attention, windowed or not."""
     import copy
 
     from speculators_vllm016.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators_vllm016.models.eagle3.config import SLIDING, sliding_window_of
 
     source = draft.config
     layer = copy.deepcopy(source.transformer_layer_config)
+    if sliding_window is not None:
+        own = sliding_window_of(layer)
+        if own != sliding_window:
+            logging.getLogger("speculators").info(
+                "--from-pretrained %s was trained with %s; fine-tuning it with --sliding-window %d",
+                draft.source,
+                "full attention" if own is None else f"a sliding window of {own}",
+                sliding_window,
+            )
+        layer.layer_types = [SLIDING] * int(layer.num_hidden_layers)
+        layer.sliding_window = int(sliding_window)
     return Eagle3SpeculatorConfig(
         transformer_layer_config=layer,
         draft_vocab_size=source.draft_vocab_size,

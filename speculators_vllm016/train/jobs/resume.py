@@ -12,7 +12,8 @@ applied from the resumed step on, with one warning naming each change old -> new
 the steps trained after it; the checkpoint records the settings its steps used.
 
 What shapes the draft (`--num-layers`, `--norm-before-residual`, the draft vocabulary, the fused
-layers) cannot change on resume: the checkpoint's weights are that draft. A run started with
+layers) and what it attends to (`--sliding-window`: the draft is rebuilt from the flags, so a
+flag left out would silently drop the checkpoint's window) cannot change on resume: the checkpoint's weights are that draft. A run started with
 other values is refused before anything is written (`check_resumed_draft`), naming each flag
 and the checkpoint's value, so `train_config.yaml` never describes a draft the run did not train.
 """
@@ -195,6 +196,7 @@ def check_resumed_draft(
     norm_before_residual: bool,
     draft_vocab: int,
     aux_ids: list[int] | None,
+    sliding_window: int | None = None,
 ) -> None:
     """The run's draft settings against the checkpoint it resumes (`checkpoint`'s config.json):
     any difference refused in one line naming the flags, the checkpoint's values and the two
@@ -223,9 +225,31 @@ def check_resumed_draft(
     ids = recorded.get("eagle_aux_hidden_state_layer_ids")
     if ids is not None and aux_ids is not None and list(ids) != list(aux_ids):
         differences.append(f"fused layers {aux_ids} (--layer-ids; checkpoint: {ids})")
+    window = _recorded_window(layer)
+    if window != sliding_window:
+        given = (
+            "no --sliding-window"
+            if sliding_window is None
+            else f"--sliding-window {sliding_window}"
+        )
+        differences.append(f"{given} (checkpoint: {window or 'full attention'})")
     if differences:
         raise TrainSetupError(
             f"--save-path {checkpoint.parent} resumes checkpoint {checkpoint.name}, whose draft "
             f"differs: {'; '.join(differences)}; a resumed run cannot change the draft: give the "
             "checkpoint's values, or a new --save-path (or --no-resume-from-checkpoint) for a new run"
         )
+
+
+def _recorded_window(layer: dict[str, Any]) -> int | None:
+    """The sliding window a checkpoint's layer config records (None: full attention, or a config
+    the load itself refuses with its own message)."""
+    from types import SimpleNamespace
+
+    from speculators_vllm016.models.eagle3.config import sliding_window_of
+    from speculators_vllm016.utils.errors import InvalidInputError
+
+    try:
+        return sliding_window_of(SimpleNamespace(**layer))  # type: ignore[arg-type]
+    except InvalidInputError:
+        return None

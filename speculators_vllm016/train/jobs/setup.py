@@ -393,6 +393,7 @@ def _check_resumed_draft(
             norm_before_residual=config.model.norm_before_residual,
             draft_vocab=draft_vocab,
             aux_ids=aux_ids,
+            sliding_window=config.model.sliding_window,
         )
 
 

@@ -1,7 +1,8 @@
 """Checkpoints written in the background (`checkpointing.background_writer`): the step loop
 gets back control after a snapshot, the files hold that snapshot and nothing later, a kill at
 any point of the write leaves the previous checkpoint whole, a failed write stops the run, and
-`keep_last` bounds the disk."""
+`keep_last` bounds the disk. Written inline (--no-background-checkpoints) they keep the same
+crash guarantees, with no thread and no snapshot copy."""
 
 from __future__ import annotations
 
@@ -108,6 +109,67 @@ def test_a_failed_background_write_is_raised_once_and_leaves_the_previous_one(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0-step2"]  # the temporary one went
 
 
+def test_inline_the_files_are_in_place_when_save_returns_and_nothing_is_copied(
+    tmp_path, monkeypatch
+):
+    """--no-background-checkpoints: no thread, no snapshot of host tensors (the loop waits for
+    the write, so nothing changes them meanwhile: a RAM-tight machine holds no second copy)."""
+    from speculators_vllm016.train.checkpointing import background_writer
+
+    model, optimizer = _stepped(2.0)
+    staged: list = []
+    real_stage = background_writer.stage
+
+    def watched(tree, **kwargs):
+        staged.append((tree, real_stage(tree, **kwargs)))
+        return staged[-1][1]
+
+    monkeypatch.setattr(checkpointer_module, "stage", watched)
+    saver = SingleGPUCheckpointer(tmp_path, background=False)
+    path = saver.save("0-step2", model, optimizer, None, _state(2))
+    assert path.is_dir() and not saver.writer.busy and saver.writer._thread is None
+    assert torch.all(load_file(path / MASTER_WEIGHTS)["fc.weight"] == 2.0)
+    weights, copy = staged[0]
+    # The live tensor's storage, written as it is.
+    assert copy.tree["fc.weight"].data_ptr() == weights["fc.weight"].data_ptr()
+    background = SingleGPUCheckpointer(tmp_path / "bg", background=True)
+    background.save("0-step2", model, optimizer, None, _state(2))
+    background.wait()
+    weights, copy = staged[-2]
+    # In the background: a snapshot.
+    assert copy.tree["fc.weight"].data_ptr() != weights["fc.weight"].data_ptr()
+
+
+def test_inline_a_failed_write_is_raised_by_save_and_leaves_the_previous_one(tmp_path, monkeypatch):
+    model, optimizer = _stepped(2.0)
+    saver = SingleGPUCheckpointer(tmp_path, background=False)
+    saver.save("0-step2", model, optimizer, None, _state(2))
+
+    def full_disk(self, temporary, job, weights, optimizer_state):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(SingleGPUCheckpointer, "_write_files", full_disk)
+    with pytest.raises(CheckpointWriteError, match="0-step4 .*resume from .*0-step2"):
+        saver.save("0-step4", model, optimizer, None, _state(4))
+    assert [ref.name for ref in find_checkpoints(tmp_path)] == ["0-step2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0-step2"]  # the temporary one went
+
+
+def test_the_trainer_writes_inline_when_the_job_says_so(tmp_path):
+    """`background_checkpoints=False` (--no-background-checkpoints) reaches the checkpointer;
+    the run's checkpoints are all there."""
+    trainer = scripted_trainer(
+        tmp_path / "ckpt",
+        [packed_row()] * 4,
+        checkpoint_freq=0.5,
+        keep_mid_epoch_checkpoints=None,
+        background_checkpoints=False,
+    )
+    assert not trainer.checkpointer.writer.background
+    trainer.run_training()
+    assert [ref.name for ref in find_checkpoints(tmp_path / "ckpt")] == ["0-step2", "0"]
+
+
 def test_the_trainer_stops_after_the_step_in_which_a_background_write_failed(tmp_path, monkeypatch):
     """Not at the next checkpoint or the run's end: the step after the write failed."""
     import time
@@ -144,9 +206,9 @@ from speculators_vllm016.train import checkpointer
 from speculators_vllm016.train.checkpointer import SingleGPUCheckpointer
 from tests.train.checkpointing.test_background_writer import _stepped, _state
 
-save, kill_at = Path(sys.argv[1]), sys.argv[2]
+save, kill_at, background = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "background"
 model, optimizer = _stepped(2.0)
-saver = SingleGPUCheckpointer(save, background=True)
+saver = SingleGPUCheckpointer(save, background=background)
 saver.save("0-step2", model, optimizer, None, _state(2))
 saver.wait()
 
@@ -178,11 +240,23 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-@pytest.mark.parametrize(("kill_at", "kept"), [("optimizer", 2), ("rename", 2), ("never", 4)])
-def test_a_kill_during_a_background_write_leaves_a_whole_checkpoint(tmp_path, kill_at, kept):
+@pytest.mark.parametrize(
+    ("kill_at", "kept", "writer"),
+    [
+        ("optimizer", 2, "background"),
+        ("rename", 2, "background"),
+        ("never", 4, "background"),
+        ("optimizer", 2, "inline"),
+        ("rename", 2, "inline"),
+    ],
+)
+def test_a_kill_during_a_write_leaves_a_whole_checkpoint(tmp_path, kill_at, kept, writer):
+    """The same guarantee with --no-background-checkpoints (`writer` "inline": the files are
+    written by `save` itself, in the step loop; a write that ends is
+    `test_the_trainer_writes_inline_when_the_job_says_so`)."""
     save = tmp_path / "ckpt"
     died = subprocess.run(
-        [sys.executable, "-c", _KILL_DURING_WRITE, str(save), kill_at],
+        [sys.executable, "-c", _KILL_DURING_WRITE, str(save), kill_at, writer],
         env=cli_env(),
         capture_output=True,
         text=True,

@@ -410,3 +410,50 @@ def test_a_draft_whose_ids_are_read_in_the_wrong_numbering_is_refused(
     err = capsys.readouterr().err
     assert "[2, 3, 4]" in err
     assert not save.exists()
+
+
+def _with_window(window: int):
+    def edit(values: dict) -> None:
+        layer = values["transformer_layer_config"]
+        layer["layer_types"] = ["sliding_attention"] * int(layer["num_hidden_layers"])
+        layer["sliding_window"] = window
+
+    return edit
+
+
+def _written_window(save: Path) -> tuple[list | None, int | None]:
+    written = json.loads((save / finished_checkpoints(save)[-1] / "config.json").read_text())
+    layer = written["transformer_layer_config"]
+    return layer.get("layer_types"), layer.get("sliding_window")
+
+
+def test_sliding_window_applies_to_the_draft_and_is_saved(
+    ours, tiny_llama, training_data, tmp_path, first_step
+):
+    """A window changes no weight: `--sliding-window` fine-tunes the draft's weights under it,
+    and the saved config (what vLLM serves) has it; step 0's loss is that of the draft read
+    with the window, not without."""
+    save = tmp_path / "save"
+    flags = (*FINE_TUNE, "--from-pretrained", str(ours), "--sliding-window", "4")
+    assert main(train_args(tiny_llama, training_data, save, *flags)) == 0
+    assert _written_window(save) == (["sliding_attention"], 4)
+    _assert_started_from(first_step, _served(ours))
+    windowed = draft_variant(ours, tmp_path / "windowed", config=_with_window(4))
+    loss = _evaluate_draft(windowed, tiny_llama, first_step["row"], first_step["options"])
+    assert first_step["loss"] == loss
+    full = _evaluate_draft(ours, tiny_llama, first_step["row"], first_step["options"])
+    assert full != loss  # the tiny rows are longer than the window: it changes the loss
+
+
+def test_a_windowed_drafts_window_is_kept_or_replaced_by_the_flag(
+    ours, tiny_llama, training_data, tmp_path
+):
+    draft = draft_variant(ours, tmp_path / "draft", config=_with_window(6))
+    kept, replaced = tmp_path / "kept", tmp_path / "replaced"
+    plain = (*FINE_TUNE, "--from-pretrained", str(draft))
+    assert main(train_args(tiny_llama, training_data, kept, *plain)) == 0
+    assert _written_window(kept) == (["sliding_attention"], 6)
+    assert (
+        main(train_args(tiny_llama, training_data, replaced, *plain, "--sliding-window", "3")) == 0
+    )
+    assert _written_window(replaced) == (["sliding_attention"], 3)

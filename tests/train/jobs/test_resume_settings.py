@@ -103,6 +103,7 @@ def test_epochs_are_numbered_as_the_checkpoint_folders_everywhere(
     [
         (("--num-layers", "2"), "--num-layers 2 (checkpoint: 1)"),
         (("--no-norm-before-residual",), "--no-norm-before-residual (checkpoint: True)"),
+        (("--sliding-window", "4"), "--sliding-window 4 (checkpoint: full attention)"),
     ],
 )
 @pytest.mark.parametrize("epochs", ["1", "2"])
@@ -135,3 +136,22 @@ def test_a_new_run_on_request_may_change_the_draft(
     config = json.loads((save / "0" / "config.json").read_text())
     assert config["transformer_layer_config"]["num_hidden_layers"] == 2
     assert yaml.safe_load((save / "train_config.yaml").read_text())["model"]["num_layers"] == 2
+
+
+def test_a_windowed_checkpoint_resumed_without_its_window_is_refused(
+    tiny_llama, training_data, finished_run, tmp_path, capfd
+):
+    """The draft is rebuilt from the flags: without --sliding-window it would lose the
+    checkpoint's window (a fine-tune of a windowed draft, or the flag forgotten) silently."""
+    save = tmp_path / "ckpt"
+    shutil.copytree(finished_run, save, symlinks=True)
+    recorded = json.loads((save / "0" / "config.json").read_text())
+    layer = recorded["transformer_layer_config"]
+    layer["layer_types"], layer["sliding_window"] = ["sliding_attention"], 6
+    (save / "0" / "config.json").write_text(json.dumps(recorded))
+    capfd.readouterr()
+    args = train_args(tiny_llama, training_data, save, "--epochs", "2", *FIXED_SCHEDULE)
+    assert main(args) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no --sliding-window (checkpoint: 6)" in err[0], err
+    assert sorted(p.name for p in save.iterdir() if p.name[0].isdigit()) == ["0"]
