@@ -102,7 +102,7 @@ def run_datagen_regenerating(
             wait_for_shards(folder, regenerate.num_shards)
             joined = join_shard_files(folder, regenerate.num_shards, regenerate.fsync)
             options.preprocessing.train_data_path = str(joined)
-        extracted = run_datagen(options, generator=generator)
+        extracted = run_datagen(options, generator=generator, facts=facts)
     finally:
         if own_generator:
             generator.close()
