@@ -97,6 +97,10 @@ def counting(folders: dict[str, Path]) -> Iterator[Openings]:
         patch.setattr(builtins, "open", opened)
         patch.setattr(io, "open", opened)
         patch.setattr(safetensors, "safe_open", safe_opened)
+        # transformers loads weights through its own name for it (imported before the patch).
+        from transformers import modeling_utils
+
+        patch.setattr(modeling_utils, "safe_open", safe_opened)
         patch.setattr(torch, "load", loaded)
         yield seen
     finally:
