@@ -107,7 +107,7 @@ def regeneration_options(args: argparse.Namespace):
     from speculators_vllm016.data_generation.regeneration.one_pass import default_regenerate_dir
     from speculators_vllm016.data_generation.regeneration.options import RegenerateOptions
 
-    fit_lengths_to_model(args)
+    target_config = fit_lengths_to_model(args)  # None where it read no config
     return RegenerateOptions(
         target_model_path=args.target_model_path,
         train_data_path=args.train_data_path,
@@ -126,6 +126,7 @@ def regeneration_options(args: argparse.Namespace):
         num_preprocessing_workers=args.num_preprocessing_workers,
         fsync=args.fsync,
         show_progress=not args.no_progress,
+        target_config=target_config,
     )
 
 

@@ -110,7 +110,7 @@ def build_parser(prog: str = "speculators regenerate") -> argparse.ArgumentParse
 
 
 def regenerate_options_from_args(args: argparse.Namespace) -> RegenerateOptions:
-    fit_lengths_to_model(args)
+    target_config = fit_lengths_to_model(args)  # None where it read no config
     return RegenerateOptions(
         target_model_path=args.target_model_path,
         train_data_path=args.train_data_path,
@@ -140,6 +140,7 @@ def regenerate_options_from_args(args: argparse.Namespace) -> RegenerateOptions:
         num_preprocessing_workers=args.num_preprocessing_workers,
         fsync=args.fsync,
         show_progress=not args.no_progress,
+        target_config=target_config,
     )
 
 

@@ -92,11 +92,12 @@ def add_regeneration_arguments(
     add_option_flags(group, RegenerationFlags, regeneration_view(seed_flag, template_kwargs))
 
 
-def _model_context(args: argparse.Namespace) -> int | None:
+def _model_context(args: argparse.Namespace) -> tuple[int | None, dict | None]:
     """The engine's longest context: --max-model-len where given, else the model's own (None
-    where it stretches it by RoPE scaling or cannot be read here: the engine's start says)."""
+    where it stretches it by RoPE scaling or cannot be read here: the engine's start says);
+    and the target's config.json where it was read for it."""
     if getattr(args, "max_model_len", None) is not None:
-        return int(args.max_model_len)
+        return int(args.max_model_len), None
     try:
         from transformers import PretrainedConfig
 
@@ -106,24 +107,27 @@ def _model_context(args: argparse.Namespace) -> int | None:
             args.target_model_path, trust_remote_code=getattr(args, "trust_remote_code", False)
         )
     except Exception:  # noqa: BLE001 - an unreadable model is reported where it is loaded
-        return None
+        return None, None
     text = text_config_of(config)
     limit = text.get("max_position_embeddings")
-    return limit if isinstance(limit, int) and not text.get("rope_scaling") else None
+    return (limit if isinstance(limit, int) and not text.get("rope_scaling") else None), config
 
 
-def fit_lengths_to_model(args: argparse.Namespace) -> None:
+def fit_lengths_to_model(args: argparse.Namespace) -> dict | None:
     """Set `args.max_prompt_tokens` and `args.max_tokens`: the values given, and for each left
     unset its default, lowered (one log line says so) where the two together would not fit the
     model's context: --max-tokens given, the prompt gets the rest; --max-prompt-tokens given, the
     response does; neither, the response gets half the context (at most its default) and the
-    prompt the rest. Values given that do not fit are left for the one-line refusal."""
+    prompt the rest. Values given that do not fit are left for the one-line refusal.
+
+    Returns the target's config.json where it was read here (for the engine's start, which then
+    reads it no more: `RegenerateOptions.target_config`); None where it was not."""
     prompt, tokens = args.max_prompt_tokens, args.max_tokens
     if prompt is not None and tokens is not None:
-        return
+        return None
     fitted_prompt = DEFAULT_MAX_PROMPT_TOKENS if prompt is None else prompt
     fitted_tokens = DEFAULT_MAX_TOKENS if tokens is None else tokens
-    context = _model_context(args)
+    context, config = _model_context(args)
     if context is not None and fitted_prompt + fitted_tokens > context:
         if prompt is None and tokens is None:
             fitted_tokens = min(DEFAULT_MAX_TOKENS, context // 2)
@@ -150,6 +154,7 @@ def fit_lengths_to_model(args: argparse.Namespace) -> None:
             fitted_prompt = DEFAULT_MAX_PROMPT_TOKENS if prompt is None else prompt
             fitted_tokens = DEFAULT_MAX_TOKENS if tokens is None else tokens
     args.max_prompt_tokens, args.max_tokens = fitted_prompt, fitted_tokens
+    return config
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingOptions:

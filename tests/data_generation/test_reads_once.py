@@ -160,3 +160,50 @@ def test_a_one_pass_run_hands_its_reading_to_the_extraction(job, monkeypatch, tm
     with counting(job.folders) as seen:
         one_pass.run_datagen_regenerating(job.options, regenerate, generator=StandIn(facts))
     assert_counts(seen, {"ours": FIRST_RUN, **LIBRARY_READS})
+
+
+def _regenerate_argv(job, tmp_path) -> list[str]:
+    options = job.options
+    return [
+        "--target-model-path",
+        options.target_model_path,
+        "--train-data-path",
+        options.preprocessing.train_data_path,
+        "--output-dir",
+        str(tmp_path / "regenerated"),
+    ]
+
+
+def test_regenerate_reads_the_target_config_once_before_its_engine(job, tmp_path, monkeypatch):
+    """`speculators regenerate`: the lengths are fitted to the model's context from its
+    config.json, and the engine's start (its context check, CPU defaults) uses that reading."""
+    import vllm
+
+    from speculators_vllm016.cli import regenerate
+    from speculators_vllm016.data_generation.regeneration.local_engine import LocalEngine
+
+    def stop(*args, **kwargs):
+        raise HandedToWorkers
+
+    monkeypatch.setattr(vllm, "LLM", stop)
+    args = regenerate.build_parser().parse_args(_regenerate_argv(job, tmp_path))
+    with counting(job.folders) as seen:
+        options = regenerate.regenerate_options_from_args(args)
+        with pytest.raises(HandedToWorkers):
+            LocalEngine(options)
+    assert_counts(seen, {"transformers": {"target:config.json": 1}})
+
+
+def test_datagen_regenerate_reads_the_target_config_once_before_its_engine(job, tmp_path):
+    """`datagen --regenerate`: the reading that fitted the lengths is the one its checks use."""
+    from speculators_vllm016.cli import datagen
+    from speculators_vllm016.data_generation.regeneration.one_pass import prepare_one_pass
+
+    argv = [*_regenerate_argv(job, tmp_path), "--seq-length", "64", "--regenerate"]
+    args = datagen.build_parser().parse_args(argv)
+    with counting(job.folders) as seen:
+        _, facts = prepare_one_pass(
+            datagen.options_from_args(args), datagen.regeneration_options(args)
+        )
+    assert facts.num_layers > 0
+    assert_counts(seen, {"transformers": {"target:config.json": 1}})

@@ -77,7 +77,10 @@ def prepare_one_pass(
             f"--max-tokens ({regenerate.resolved_max_model_len}); raise it or leave it unset"
         )
     facts = inspect_model(
-        engine.target_model_path, options.output.layer_ids, engine.trust_remote_code
+        engine.target_model_path,
+        options.output.layer_ids,
+        engine.trust_remote_code,
+        config_dict=regenerate.target_config,  # where the command read it already
     )
     refuse_beyond_model_context(engine.max_model_len, facts.config_dict, spare=1)
     return options, facts

@@ -105,6 +105,9 @@ class RegenerateOptions:
     num_preprocessing_workers: int = 8
     fsync: bool = False
     """fsync every finished row."""
+    target_config: dict | None = field(default=None, repr=False, compare=False)
+    """Not a flag: the target's config.json where the command read it already (to fit the
+    lengths to its context); the engine's start uses it instead of reading it again."""
     show_progress: bool = field(default=True, metadata={"flag": "--no-progress"})
     """Show the progress bar; `--no-progress` hides it."""
 
