@@ -83,3 +83,20 @@ def test_a_view_naming_no_field_is_refused():
 
     with pytest.raises(ValueError, match="no fields"):
         source_flags([FlagSource("x", Options, FlagView(names=("nmae",)))])
+
+
+def test_the_length_flags_help_names_the_defaults_they_are_fitted_from():
+    """The docstrings of --max-tokens/--max-prompt-tokens say the defaults in words; they must
+    be the ones `fit_lengths_to_model` uses."""
+    from speculators_vllm016.cli.regeneration_flags import (
+        DEFAULT_MAX_PROMPT_TOKENS,
+        DEFAULT_MAX_TOKENS,
+    )
+
+    helps = {
+        flag: action.help
+        for action in regenerate.build_parser()._actions
+        for flag in action.option_strings
+    }
+    assert f"None: {DEFAULT_MAX_TOKENS}," in helps["--max-tokens"]
+    assert f"None: {DEFAULT_MAX_PROMPT_TOKENS}," in helps["--max-prompt-tokens"]
