@@ -10,11 +10,13 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from speculators_vllm016.cli.field_flags import add_option_flags
+from speculators_vllm016.cli.field_flags import FlagSource, add_flag_sources
 from speculators_vllm016.cli.regeneration_flags import (
-    add_regeneration_arguments,
+    OnePassFlags,
+    RegenerationFlags,
     fit_lengths_to_model,
     refuse_misplaced_regeneration_flags,
+    regeneration_view,
     sampling_from_args,
 )
 from speculators_vllm016.data_generation.options import (
@@ -22,11 +24,13 @@ from speculators_vllm016.data_generation.options import (
     EngineOptions,
     OutputOptions,
     PreprocessingOptions,
+    RayOptions,
 )
 from speculators_vllm016.data_generation.vllm_logging import keep_vllm_quiet
 from speculators_vllm016.utils.command_errors import EXIT_STOPPED, report_errors
 
 __all__ = [
+    "FLAG_SOURCES",
     "build_parser",
     "main",
     "options_from_args",
@@ -48,21 +52,20 @@ times and writes each shard's output to <output-dir>/logs/shard-I-of-N.log.
 """
 
 
-def add_ray_arguments(group) -> None:
-    """The flags that run every shard as a Ray task (`data_generation.ray_shards`)."""
-    group.add_argument(
-        "--ray-address",
-        default=None,
-        help="run the --num-shards shards as tasks on this Ray cluster ('ray start' address, "
-        "or 'auto'), or 'local' to start Ray on this machine; needs "
-        "pip install 'speculators-vllm016[ray]'",
-    )
-    group.add_argument(
-        "--ray-max-retries",
-        type=int,
-        default=2,
-        help="times a failed or killed shard is started again (it resumes) before the run fails",
-    )
+_REGENERATION = "regeneration (one engine load: answer the turns with the target, then extract)"
+# Every flag but --help/--debug/--verbose, each a field of one of these (`cli.field_flags`): the
+# target-model, data and output flags are shared with `speculators train --online` and (some)
+# with `speculators regenerate`, the regeneration flags with both. --chat-template-kwargs is the
+# data group's: one flag for both halves of a --regenerate run; the sampling seed is
+# --regenerate-seed (--seed shuffles the data).
+FLAG_SOURCES = [
+    FlagSource("target model", EngineOptions),
+    FlagSource("data", PreprocessingOptions),
+    FlagSource("output", OutputOptions),
+    FlagSource("Ray (all shards from one command)", RayOptions),
+    FlagSource(_REGENERATION, OnePassFlags),
+    FlagSource(_REGENERATION, RegenerationFlags, regeneration_view("--regenerate-seed", False)),
+]
 
 
 def build_parser(prog: str = "speculators datagen") -> argparse.ArgumentParser:
@@ -72,28 +75,7 @@ def build_parser(prog: str = "speculators datagen") -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    # Every flag of these three groups is a field of its options part, its help the field's
-    # docstring (`cli.field_flags`): declared once, shared with `speculators train --online`.
-    add_option_flags(parser.add_argument_group("target model"), EngineOptions)
-    add_option_flags(parser.add_argument_group("data"), PreprocessingOptions)
-    add_option_flags(parser.add_argument_group("output"), OutputOptions)
-    add_ray_arguments(parser.add_argument_group("Ray (all shards from one command)"))
-    regeneration = parser.add_argument_group(
-        "regeneration (one engine load: answer the turns with the target, then extract)"
-    )
-    regeneration.add_argument(
-        "--regenerate",
-        action="store_true",
-        help="first replace every assistant turn by the target's own response (as `speculators "
-        "regenerate` does), then extract the regenerated conversations",
-    )
-    regeneration.add_argument(
-        "--regenerate-dir",
-        default=None,
-        help="folder of the regenerated conversations; None: <output-dir>/regenerated",
-    )
-    # --chat-template-kwargs is the data group's: one flag for both halves of a --regenerate run.
-    add_regeneration_arguments(regeneration, seed_flag="--regenerate-seed", template_kwargs=False)
+    add_flag_sources(parser, FLAG_SOURCES)
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     parser.add_argument(
         "--verbose",
@@ -125,7 +107,7 @@ def regeneration_options(args: argparse.Namespace):
     from speculators_vllm016.data_generation.regeneration.one_pass import default_regenerate_dir
     from speculators_vllm016.data_generation.regeneration.options import RegenerateOptions
 
-    fit_lengths_to_model(args)
+    target_config = fit_lengths_to_model(args)  # None where it read no config
     return RegenerateOptions(
         target_model_path=args.target_model_path,
         train_data_path=args.train_data_path,
@@ -144,6 +126,7 @@ def regeneration_options(args: argparse.Namespace):
         num_preprocessing_workers=args.num_preprocessing_workers,
         fsync=args.fsync,
         show_progress=not args.no_progress,
+        target_config=target_config,
     )
 
 

@@ -17,9 +17,11 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from speculators_vllm016.cli.field_flags import FlagSource, add_flag_sources
 from speculators_vllm016.pipeline.gen_and_train import PipelinePlan
 from speculators_vllm016.train.jobs.job_config import JobConfigError
 from speculators_vllm016.train.jobs.vocab_size_rule import draft_vocab_too_large
@@ -28,7 +30,32 @@ from speculators_vllm016.utils.errors import InvalidInputError
 if TYPE_CHECKING:
     from speculators_vllm016.data_generation.regeneration.options import RegenerateOptions
 
-__all__ = ["build_parser", "main", "plan_from_argv"]
+__all__ = ["FLAG_SOURCES", "GenAndTrainFlags", "build_parser", "main", "plan_from_argv"]
+
+
+@dataclass
+class GenAndTrainFlags:
+    """gen-and-train's own flags (every other flag is datagen's or train's, passed on)."""
+
+    target_model_path: str | None = None
+    """The target (verifier) model: hub id or local folder."""
+    train_data_path: str | None = None
+    """Chat data, as for datagen."""
+    output_dir: str | None = None
+    """Folder for data/, vocab/ and checkpoints/."""
+    draft_vocab_size: int = 32000
+    """Tokens the draft predicts."""
+    target_vocab_size: int | None = None
+    """Target vocabulary size; None: from the target's config."""
+    seed: int = 0
+    """Seed of datagen's shuffle and of training."""
+    no_progress: bool = False
+    """Hide the progress bars."""
+
+
+# Every flag but --help/--debug (`cli.field_flags`); the three paths are checked by
+# `plan_from_argv` (a missing one is named with the others).
+FLAG_SOURCES = [FlagSource("", GenAndTrainFlags)]
 
 
 def build_parser(prog: str = "speculators gen-and-train") -> argparse.ArgumentParser:
@@ -48,24 +75,7 @@ def build_parser(prog: str = "speculators gen-and-train") -> argparse.ArgumentPa
     parser.add_argument(
         "-h", "--help", action="store_true", help="show this help and the stages' flags"
     )
-    parser.add_argument(
-        "--target-model-path", help="the target (verifier) model: hub id or local folder"
-    )
-    parser.add_argument("--train-data-path", help="chat data, as for datagen")
-    parser.add_argument("--output-dir", help="folder for data/, vocab/ and checkpoints/")
-    parser.add_argument(
-        "--draft-vocab-size", type=int, default=32000, help="tokens the draft predicts"
-    )
-    parser.add_argument(
-        "--target-vocab-size",
-        type=int,
-        default=None,
-        help="target vocabulary size; None: from the target's config",
-    )
-    parser.add_argument(
-        "--seed", type=int, default=0, help="seed of datagen's shuffle and of training"
-    )
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    add_flag_sources(parser, FLAG_SOURCES)
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     return parser
 

@@ -11,16 +11,78 @@ import logging
 from collections.abc import Sequence
 
 from speculators_vllm016.cli.datagen import keep_vllm_quiet
+from speculators_vllm016.cli.field_flags import FlagSource, FlagView, add_flag_sources
 from speculators_vllm016.cli.regeneration_flags import (
-    add_regeneration_arguments,
+    RegenerationFlags,
     fit_lengths_to_model,
+    regeneration_view,
     sampling_from_args,
 )
-from speculators_vllm016.data_generation.options import DTYPES, parse_template_kwargs
+from speculators_vllm016.data_generation.options import (
+    EngineOptions,
+    PreprocessingOptions,
+    parse_template_kwargs,
+)
 from speculators_vllm016.data_generation.regeneration.options import RegenerateOptions
 from speculators_vllm016.utils.command_errors import report_errors
 
-__all__ = ["build_parser", "main", "regenerate_options_from_args"]
+__all__ = ["FLAG_SOURCES", "build_parser", "main", "regenerate_options_from_args"]
+
+# Every flag but --help/--debug/--verbose, each a field of one of these (`cli.field_flags`): the
+# target-model and data flags are datagen's own fields, shown with regenerate's defaults where
+# they differ (--max-num-seqs 256: the engine only answers turns); the regeneration flags are
+# datagen --regenerate's, with the sampling seed as --seed.
+FLAG_SOURCES = [
+    FlagSource(
+        "target model",
+        EngineOptions,
+        FlagView(
+            names=(
+                "target_model_path",
+                "tensor_parallel_size",
+                "pipeline_parallel_size",
+                "max_model_len",
+                "gpu_memory_utilization",
+                "dtype",
+                "max_num_seqs",
+                "trust_remote_code",
+            ),
+            defaults={"max_num_seqs": 256},
+            notes={
+                "max_model_len": "Here None: --max-prompt-tokens + --max-tokens (their defaults "
+                "are lowered to fit the model's context).",
+                "max_num_seqs": "Here 256 unless given.",
+            },
+        ),
+    ),
+    FlagSource(
+        "server (instead of the in-process engine)",
+        RegenerateOptions,
+        FlagView(names=("endpoint", "endpoint_model", "concurrency", "request_timeout", "retries")),
+    ),
+    FlagSource(
+        "data",
+        PreprocessingOptions,
+        FlagView(
+            names=("train_data_path", "max_samples", "hf_cache_dir", "num_preprocessing_workers")
+        ),
+    ),
+    FlagSource("regeneration", RegenerationFlags, regeneration_view("--seed")),
+    FlagSource(
+        "output",
+        RegenerateOptions,
+        FlagView(
+            names=(
+                "output_dir",
+                "num_shards",
+                "shard_index",
+                "batch_size",
+                "fsync",
+                "show_progress",
+            )
+        ),
+    ),
+]
 
 EPILOG = """\
 Multi-turn rows: turn k is generated after the regenerated turns before it; system and user
@@ -41,64 +103,14 @@ def build_parser(prog: str = "speculators regenerate") -> argparse.ArgumentParse
         epilog=EPILOG,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    model = parser.add_argument_group("target model")
-    model.add_argument("--target-model-path", required=True, help="HF model id or local folder")
-    model.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per model copy")
-    model.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages")
-    model.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="engine context; None: --max-prompt-tokens + --max-tokens (their defaults are "
-        "lowered to fit the model's context)",
-    )
-    model.add_argument("--gpu-memory-utilization", type=float, default=0.8, help="vLLM's share")
-    model.add_argument("--dtype", default="auto", choices=DTYPES, help="model dtype")
-    model.add_argument("--max-num-seqs", type=int, default=256, help="engine batch")
-    model.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="run Python code shipped in the model folder (e.g. Kimi-K2.5's tokenizer)",
-    )
-    endpoint = parser.add_argument_group("server (instead of the in-process engine)")
-    endpoint.add_argument(
-        "--endpoint",
-        default=None,
-        help="base URL of a running OpenAI-compatible server (e.g. vllm serve) to ask instead; "
-        "--target-model-path still gives the tokenizer and chat template",
-    )
-    endpoint.add_argument("--endpoint-model", default=None, help="served model name (if several)")
-    endpoint.add_argument("--concurrency", type=int, default=64, help="requests in flight")
-    endpoint.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
-    endpoint.add_argument("--retries", type=int, default=4, help="retries with backoff")
-
-    data = parser.add_argument_group("data")
-    data.add_argument(
-        "--train-data-path",
-        required=True,
-        help="local .json/.jsonl (ShareGPT or messages shape), or 'sharegpt' / 'ultrachat'",
-    )
-    data.add_argument("--max-samples", type=int, default=None, help="the first N rows; None: all")
-    data.add_argument("--hf-cache-dir", default=None, help="datasets cache directory")
-    data.add_argument("--num-preprocessing-workers", type=int, default=8, help="loader processes")
-    add_regeneration_arguments(parser.add_argument_group("regeneration"))
-
-    output = parser.add_argument_group("output")
-    output.add_argument("--output-dir", required=True, help="folder for conversations.jsonl")
-    output.add_argument("--num-shards", type=int, default=1, help="shards of the whole job")
-    output.add_argument("--shard-index", type=int, default=0, help="this process's shard")
-    output.add_argument(
-        "--batch-size", type=int, default=256, help="rows generated together (a crash loses these)"
-    )
-    output.add_argument("--fsync", action="store_true", help="fsync every finished row")
-    output.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_flag_sources(parser, FLAG_SOURCES)
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     parser.add_argument("--verbose", action="store_true", help="show vLLM's start-up lines")
     return parser
 
 
 def regenerate_options_from_args(args: argparse.Namespace) -> RegenerateOptions:
-    fit_lengths_to_model(args)
+    target_config = fit_lengths_to_model(args)  # None where it read no config
     return RegenerateOptions(
         target_model_path=args.target_model_path,
         train_data_path=args.train_data_path,
@@ -128,6 +140,7 @@ def regenerate_options_from_args(args: argparse.Namespace) -> RegenerateOptions:
         num_preprocessing_workers=args.num_preprocessing_workers,
         fsync=args.fsync,
         show_progress=not args.no_progress,
+        target_config=target_config,
     )
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import dataclass, field
 
+from speculators_vllm016.cli.field_flags import FlagView, add_option_flags, option_field_specs
 from speculators_vllm016.data_generation.regeneration.options import (
     REASONING_MODES,
     TOOL_ROW_MODES,
@@ -23,71 +25,79 @@ DEFAULT_MAX_PROMPT_TOKENS = 4096
 __all__ = [
     "DEFAULT_MAX_PROMPT_TOKENS",
     "DEFAULT_MAX_TOKENS",
+    "OnePassFlags",
+    "RegenerationFlags",
     "add_regeneration_arguments",
+    "regeneration_view",
     "fit_lengths_to_model",
     "refuse_misplaced_regeneration_flags",
     "sampling_from_args",
 ]
 
 
+@dataclass
+class RegenerationFlags:
+    """The regeneration flags of `speculators regenerate`, `datagen --regenerate` and
+    `gen-and-train --regenerate`: each declared once, here (its docstring is its help). The
+    lengths left None are fitted to the model's context (`fit_lengths_to_model`) before they
+    become `RegenerateOptions`."""
+
+    temperature: float | None = None
+    """None: the model's generation config."""
+    top_p: float | None = None
+    """None: generation config."""
+    top_k: int | None = None
+    """None: generation config."""
+    max_tokens: int | None = None
+    """At most this many per turn; None: 2048, lowered to fit the model's context."""
+    regenerate_seed: int = 0
+    """Sampling seed; each turn's own seed is drawn from (seed, row, turn)."""
+    chat_template_kwargs: str | None = None
+    """JSON object for the chat template, e.g. '{"thinking": false}'."""
+    reasoning: str = field(default="keep", metadata={"choices": REASONING_MODES})
+    """Keep the thinking block in the turn as generated, or drop it (keep what follows)."""
+    tool_rows: str = field(default="skip", metadata={"choices": TOOL_ROW_MODES})
+    """Rows with tool calls: skip them (listed, counted) or keep them unchanged."""
+    max_prompt_tokens: int | None = None
+    """A turn whose prompt is longer fails its row (listed with the reason); None: 4096, lowered
+    to fit the model's context with --max-tokens."""
+
+
+@dataclass
+class OnePassFlags:
+    """`datagen --regenerate`'s own flags: regenerate, then extract, with one engine load."""
+
+    regenerate: bool = False
+    """First replace every assistant turn by the target's own response (as `speculators
+    regenerate` does), then extract the regenerated conversations."""
+    regenerate_dir: str | None = None
+    """Folder of the regenerated conversations; None: <output-dir>/regenerated."""
+
+
+def regeneration_view(seed_flag: str = "--seed", template_kwargs: bool = True) -> FlagView:
+    """How a command shows `RegenerationFlags`: `speculators regenerate` names the sampling seed
+    `--seed`; datagen, whose own `--seed` shuffles the data, `--regenerate-seed`, and its
+    `--chat-template-kwargs` is a data flag both halves use (`template_kwargs=False`)."""
+    names = [spec.name for spec in option_field_specs(RegenerationFlags)]
+    if not template_kwargs:
+        names.remove("chat_template_kwargs")
+    flags = {} if seed_flag == "--regenerate-seed" else {"regenerate_seed": seed_flag}
+    return FlagView(names=tuple(names), flags=flags)
+
+
 def add_regeneration_arguments(
     group, seed_flag: str = "--seed", template_kwargs: bool = True
 ) -> None:
-    """Sampling, template and limit flags (shared with `datagen --regenerate`, whose own
-    `--seed` shuffles the data: there the sampling seed is `seed_flag="--regenerate-seed"`, and
-    `--chat-template-kwargs` is a data flag of datagen's that both halves use:
-    `template_kwargs=False`)."""
-    group.add_argument(
-        "--temperature", type=float, default=None, help="None: the model's generation config"
-    )
-    group.add_argument("--top-p", type=float, default=None, help="None: generation config")
-    group.add_argument("--top-k", type=int, default=None, help="None: generation config")
-    group.add_argument(
-        "--max-tokens",
-        type=int,
-        default=None,
-        help=f"at most this many per turn; None: {DEFAULT_MAX_TOKENS}, lowered to fit the "
-        "model's context",
-    )
-    group.add_argument(
-        seed_flag,
-        dest="regenerate_seed",
-        type=int,
-        default=0,
-        help="sampling seed; each turn's own seed is drawn from (seed, row, turn)",
-    )
-    if template_kwargs:
-        group.add_argument(
-            "--chat-template-kwargs",
-            default=None,
-            help="JSON object for the chat template, e.g. '{\"thinking\": false}'",
-        )
-    group.add_argument(
-        "--reasoning",
-        choices=REASONING_MODES,
-        default="keep",
-        help="keep the thinking block in the turn as generated, or drop it (keep what follows)",
-    )
-    group.add_argument(
-        "--tool-rows",
-        choices=TOOL_ROW_MODES,
-        default="skip",
-        help="rows with tool calls: skip them (listed, counted) or keep them unchanged",
-    )
-    group.add_argument(
-        "--max-prompt-tokens",
-        type=int,
-        default=None,
-        help="a turn whose prompt is longer fails its row (listed with the reason); None: "
-        f"{DEFAULT_MAX_PROMPT_TOKENS}, lowered to fit the model's context with --max-tokens",
-    )
+    """The `RegenerationFlags` as flags of `group`, as `regeneration_view` shows them."""
+    add_option_flags(group, RegenerationFlags, regeneration_view(seed_flag, template_kwargs))
 
 
-def _model_context(args: argparse.Namespace) -> int | None:
+def _model_context(args: argparse.Namespace) -> tuple[int | None, dict | None]:
     """The engine's longest context: --max-model-len where given, else the model's own (None
-    where it stretches it by RoPE scaling or cannot be read here: the engine's start says)."""
+    where it stretches it by RoPE scaling or cannot be read here: the engine's start says);
+    and the target's config.json where it was read for it."""
     if getattr(args, "max_model_len", None) is not None:
-        return int(args.max_model_len)
+        return int(args.max_model_len), None
     try:
         from transformers import PretrainedConfig
 
@@ -97,24 +107,27 @@ def _model_context(args: argparse.Namespace) -> int | None:
             args.target_model_path, trust_remote_code=getattr(args, "trust_remote_code", False)
         )
     except Exception:  # noqa: BLE001 - an unreadable model is reported where it is loaded
-        return None
+        return None, None
     text = text_config_of(config)
     limit = text.get("max_position_embeddings")
-    return limit if isinstance(limit, int) and not text.get("rope_scaling") else None
+    return (limit if isinstance(limit, int) and not text.get("rope_scaling") else None), config
 
 
-def fit_lengths_to_model(args: argparse.Namespace) -> None:
+def fit_lengths_to_model(args: argparse.Namespace) -> dict | None:
     """Set `args.max_prompt_tokens` and `args.max_tokens`: the values given, and for each left
     unset its default, lowered (one log line says so) where the two together would not fit the
     model's context: --max-tokens given, the prompt gets the rest; --max-prompt-tokens given, the
     response does; neither, the response gets half the context (at most its default) and the
-    prompt the rest. Values given that do not fit are left for the one-line refusal."""
+    prompt the rest. Values given that do not fit are left for the one-line refusal.
+
+    Returns the target's config.json where it was read here (for the engine's start, which then
+    reads it no more: `RegenerateOptions.target_config`); None where it was not."""
     prompt, tokens = args.max_prompt_tokens, args.max_tokens
     if prompt is not None and tokens is not None:
-        return
+        return None
     fitted_prompt = DEFAULT_MAX_PROMPT_TOKENS if prompt is None else prompt
     fitted_tokens = DEFAULT_MAX_TOKENS if tokens is None else tokens
-    context = _model_context(args)
+    context, config = _model_context(args)
     if context is not None and fitted_prompt + fitted_tokens > context:
         if prompt is None and tokens is None:
             fitted_tokens = min(DEFAULT_MAX_TOKENS, context // 2)
@@ -141,6 +154,7 @@ def fit_lengths_to_model(args: argparse.Namespace) -> None:
             fitted_prompt = DEFAULT_MAX_PROMPT_TOKENS if prompt is None else prompt
             fitted_tokens = DEFAULT_MAX_TOKENS if tokens is None else tokens
     args.max_prompt_tokens, args.max_tokens = fitted_prompt, fitted_tokens
+    return config
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingOptions:

@@ -71,6 +71,9 @@ class EngineSettings:
     enable_prefix_caching: bool
     transfer_root: str | os.PathLike | None
     max_transfer_bytes: int | None  # None: half the free room of the transfer root
+    target_config: dict | None = None
+    """The target's config.json as the caller read it (datagen's `preflight.ModelFacts`): not
+    read again here. None: `build_engine` reads it once (the generator used on its own)."""
 
 
 @dataclass
@@ -144,9 +147,11 @@ def build_engine(settings: EngineSettings) -> HiddenStatesEngine:
     On the CPU build, thread and memory defaults are applied while the workers start. If any
     step fails, what was already started (workers, transfer folder) is shut down again.
     """
-    from transformers import PretrainedConfig
+    config_dict = settings.target_config
+    if config_dict is None:
+        from transformers import PretrainedConfig
 
-    config_dict, _ = PretrainedConfig.get_config_dict(settings.model_path)
+        config_dict, _ = PretrainedConfig.get_config_dict(settings.model_path)
     world_size = settings.tensor_parallel_size * settings.pipeline_parallel_size
     engine_args = engine_args_of(settings)
     defaults = (

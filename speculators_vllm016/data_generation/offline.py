@@ -141,6 +141,7 @@ def start_generator(options: DatagenOptions, facts: ModelFacts, generator_class=
             max_num_batched_tokens=engine.max_num_batched_tokens,
             trust_remote_code=engine.trust_remote_code,
             transfer_root=engine.transfer_root,
+            target_config=facts.config_dict,  # read by `inspect_model`, not again
         )
     except Exception as error:  # noqa: BLE001 - translated when it is the remote-code ask
         hint = remote_code_hint(error, engine.target_model_path)
@@ -149,16 +150,21 @@ def start_generator(options: DatagenOptions, facts: ModelFacts, generator_class=
         raise
 
 
-def run_datagen(options: DatagenOptions, generator: Any = None) -> DatagenSummary:
+def run_datagen(
+    options: DatagenOptions, generator: Any = None, facts: ModelFacts | None = None
+) -> DatagenSummary:
     """Run (or resume) one shard of a datagen job; returns what was done.
 
     Every check that needs no engine runs before anything is written. A folder this call created
     is removed again when the run fails before writing a sample. `generator`: an engine already
     started for these options (`datagen --regenerate` generated with it); the caller closes it.
+    `facts`: the target as the caller read it for these options (`inspect_model`): the one
+    reading of its config.json every check and the engine's start use; None: read here.
     """
     options.validate()
     engine, output = options.engine, options.output
-    facts = inspect_model(engine.target_model_path, output.layer_ids, engine.trust_remote_code)
+    if facts is None:
+        facts = inspect_model(engine.target_model_path, output.layer_ids, engine.trust_remote_code)
     check_transfer_space(options, facts)
     logger.info(target_serving_line(*target_identity(facts.config_dict)))
     started = time.perf_counter()

@@ -31,6 +31,7 @@ __all__ = [
     "EngineOptions",
     "OutputOptions",
     "PreprocessingOptions",
+    "RayOptions",
     "parse_template_kwargs",
 ]
 
@@ -49,7 +50,7 @@ class EngineOptions:
     pipeline_parallel_size: int = 1
     """Pipeline stages per model copy."""
     max_model_len: int | None = None
-    """Engine context length in tokens; None: --seq-length + 1."""
+    """Engine context length in tokens; None: datagen's --seq-length + 1."""
     gpu_memory_utilization: float = 0.8
     """Share of GPU memory vLLM may use."""
     dtype: str = field(default="auto", metadata={"choices": DTYPES})
@@ -145,6 +146,18 @@ class OutputOptions:
     checked against this run's samples and recomputed if it differs."""
     show_progress: bool = field(default=True, metadata={"flag": "--no-progress"})
     """Show the progress bar; `--no-progress` hides it."""
+
+
+@dataclass
+class RayOptions:
+    """Every shard of the job as a Ray task from one command (`data_generation.ray_shards`;
+    datagen's "Ray" flags)."""
+
+    ray_address: str | None = None
+    """Run the --num-shards shards as tasks on this Ray cluster ('ray start' address, or 'auto'),
+    or 'local' to start Ray on this machine; needs pip install 'speculators-vllm016[ray]'."""
+    ray_max_retries: int = 2
+    """Times a failed or killed shard is started again (it resumes) before the run fails."""
 
 
 _PARTS: dict[str, type] = {

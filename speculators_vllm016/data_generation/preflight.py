@@ -88,10 +88,15 @@ def needs_remote_code(config_dict: dict) -> bool:
 
 
 def inspect_model(
-    model: str, layer_ids: list[int] | None, trust_remote_code: bool = False
+    model: str,
+    layer_ids: list[int] | None,
+    trust_remote_code: bool = False,
+    config_dict: dict | None = None,
 ) -> ModelFacts:
-    """Read the model's config (no code from the model folder runs) and resolve the layers."""
-    config_dict = _read_config(model)
+    """Read the model's config (no code from the model folder runs) and resolve the layers.
+    `config_dict`: its config.json where the caller read it already (not read again)."""
+    if config_dict is None:
+        config_dict = _read_config(model)
     if not trust_remote_code and needs_remote_code(config_dict):
         raise InvalidInputError(
             f"{model} needs the Python code shipped in its folder (its config names "

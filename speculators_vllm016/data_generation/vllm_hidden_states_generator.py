@@ -116,7 +116,10 @@ class VllmHiddenStatesGenerator:
         enable_prefix_caching: bool = False,
         transfer_root: str | os.PathLike | None = None,
         max_transfer_bytes: int | None = None,
+        target_config: dict | None = None,
     ) -> None:
+        """`target_config`: the target's config.json where the caller read it already (datagen
+        does, before it starts the engine); None: read here, once."""
         self.model_path = model_path
         self.tensor_parallel_size = tensor_parallel_size
         self.pipeline_parallel_size = pipeline_parallel_size
@@ -147,6 +150,7 @@ class VllmHiddenStatesGenerator:
             enable_prefix_caching=enable_prefix_caching,
             transfer_root=transfer_root,
             max_transfer_bytes=max_transfer_bytes,
+            target_config=target_config,
         )
         self._adopt(build_engine(settings))  # what it started is shut down if it fails
         logger.info(

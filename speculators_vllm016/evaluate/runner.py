@@ -6,7 +6,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from speculators_vllm016.evaluate.context_prompts import ContextPrompts
 from speculators_vllm016.evaluate.generation import GenerationResult
@@ -71,6 +71,9 @@ class DraftSettings:
     """What the draft needs of its verifier (checked before any model loads)."""
     verifier_fingerprint: str | None = None
     """The final norm and LM head it was trained against, hashed (None: not recorded)."""
+    config: Any = field(default=None, repr=False)
+    """Its `SpeculatorModelConfig`, as read here: the hf engine loads the draft with it (its
+    config.json is not read again)."""
 
 
 def draft_settings(draft: str) -> DraftSettings:
@@ -92,6 +95,7 @@ def draft_settings(draft: str) -> DraftSettings:
         speculative_tokens=default_speculative_tokens(config),
         expects=expected_verifier(config),
         verifier_fingerprint=getattr(recorded, "weights_fingerprint", None),
+        config=config,
     )
 
 
@@ -258,11 +262,21 @@ def run_evaluation(options: EvalOptions) -> EvaluationReport:
         max_new_tokens=options.max_new_tokens,
         engine=engine,
     )
+    # The verifier's config.json as read above goes to the engine's start (not read again).
+    verifier = ReadVerifier(verifier_path, verifier_config)
     if engine == "vllm":
-        _run_vllm(options, settings, verifier_path, prompt_sets, labels, report)
+        _run_vllm(options, settings, verifier, prompt_sets, labels, report)
     else:
-        _run_hf(options, settings, verifier_path, tokenizer, prompt_sets, labels, report)
+        _run_hf(options, settings, verifier, tokenizer, prompt_sets, labels, report)
     return report
+
+
+@dataclass(frozen=True)
+class ReadVerifier:
+    """The verifier an evaluation runs: where it is and its config.json, read once."""
+
+    path: str
+    config_dict: dict = field(repr=False)
 
 
 def _check_context_lengths(options: EvalOptions, settings, verifier_config: dict) -> None:
@@ -298,7 +312,7 @@ def _prompt_sets(options: EvalOptions, tokenizer, prompts: EvalPrompts) -> list[
     )
 
 
-def _load_draft(path: str, dtype, device: str):
+def _load_draft(path: str, dtype, device: str, config: Any = None):
     """The draft from its folder, on `device`.
 
     Weights a checkpoint leaves out on purpose (an EAGLE-3 draft's copy of the verifier's LM head,
@@ -310,7 +324,10 @@ def _load_draft(path: str, dtype, device: str):
     from speculators_vllm016.model import SpeculatorModel
 
     # Detached: the evaluation holds the verifier itself; attaching would load it a second time.
-    draft = SpeculatorModel.from_pretrained(path, dtype=dtype, verifier_attachment_mode="detached")
+    # `config`: the draft's config as `draft_settings` read it (None: read here).
+    draft = SpeculatorModel.from_pretrained(
+        path, dtype=dtype, verifier_attachment_mode="detached", config=config
+    )
     for module in draft.modules():
         if any(p.is_meta for p in module.parameters(recurse=False)):
             module.to_empty(device=device, recurse=False)
@@ -327,9 +344,10 @@ def _draft_evaluation(
     k: int,
     result: GenerationResult,
     prompts: ContextPrompts,
+    training: Any = None,
 ) -> DraftEvaluation:
     """One draft's row of the report from either engine's result (counts, tokens, seconds) on
-    one prompt set."""
+    one prompt set. `training`: the draft's `find_training_estimate`, read once per draft."""
     return DraftEvaluation(
         draft=draft_path,
         label=label,
@@ -338,7 +356,7 @@ def _draft_evaluation(
         counts=result.counts,
         generated_tokens=result.generated_tokens,
         seconds=result.seconds,
-        training=find_training_estimate(draft_path),
+        training=training,
         context_length=prompts.context_length,
         prompt_tokens=prompts.mean_prompt_tokens if prompts.context_length is not None else None,
     )
@@ -368,7 +386,7 @@ def _fitting(
     return kept
 
 
-def _run_hf(options, settings, verifier_path, tokenizer, prompt_sets, labels, report) -> None:
+def _run_hf(options, settings, verifier: ReadVerifier, tokenizer, prompt_sets, labels, report):
     import torch
 
     from speculators_vllm016.evaluate.speculative import speculative_generate
@@ -377,18 +395,22 @@ def _run_hf(options, settings, verifier_path, tokenizer, prompt_sets, labels, re
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = _torch_dtype(options.dtype, device)
     # A wrapper (Kimi-K2.5) gives its language model; no vision tower, no code from its folder.
-    verifier = load_verifier_lm(verifier_path, dtype, options.trust_remote_code).to(device).eval()
-    eos = [] if options.ignore_eos else _eos_ids(verifier, tokenizer)
+    verifier_lm = load_verifier_lm(
+        verifier.path, dtype, options.trust_remote_code, config_dict=verifier.config_dict
+    )
+    verifier_lm = verifier_lm.to(device).eval()
+    eos = [] if options.ignore_eos else _eos_ids(verifier_lm, tokenizer)
     ks = [options.num_speculative_tokens or setting.speculative_tokens for setting in settings]
-    limit = getattr(verifier.config, "max_position_embeddings", None)
+    limit = getattr(verifier_lm.config, "max_position_embeddings", None)
     # Sized for the largest k, so every draft is measured on the same prompts.
     prompt_sets = _fitting(prompt_sets, limit, options.max_new_tokens + max(ks) + 1)
     report.num_prompts = len(prompt_sets[0].token_ids)
-    for draft_path, k, label in zip(options.drafts, ks, labels):
-        draft = _load_draft(draft_path, verifier.dtype, device)
+    for draft_path, setting, k, label in zip(options.drafts, settings, ks, labels):
+        draft = _load_draft(draft_path, verifier_lm.dtype, device, setting.config)
+        training = find_training_estimate(draft_path)
         for prompts in prompt_sets:
             result = speculative_generate(
-                verifier,
+                verifier_lm,
                 draft,
                 prompts.token_ids,
                 options.max_new_tokens,
@@ -397,18 +419,20 @@ def _run_hf(options, settings, verifier_path, tokenizer, prompt_sets, labels, re
                 batch_size=options.batch_size,
                 show_progress=options.show_progress,
             )
-            report.drafts.append(_draft_evaluation(draft_path, label, "hf", k, result, prompts))
+            report.drafts.append(
+                _draft_evaluation(draft_path, label, "hf", k, result, prompts, training)
+            )
         del draft
 
 
-def _run_vllm(options, settings, verifier_path, prompt_sets, labels, report) -> None:
+def _run_vllm(options, settings, verifier: ReadVerifier, prompt_sets, labels, report) -> None:
     from speculators_vllm016.evaluate.vllm_engine import evaluate_prompt_sets_with_vllm
 
     for draft_path, setting, label in zip(options.drafts, settings, labels):
         k = options.num_speculative_tokens or setting.speculative_tokens
         results = evaluate_prompt_sets_with_vllm(
             draft_path,
-            verifier_path,
+            verifier.path,
             [prompts.token_ids for prompts in prompt_sets],
             options.max_new_tokens,
             k,
@@ -417,6 +441,10 @@ def _run_vllm(options, settings, verifier_path, prompt_sets, labels, report) -> 
             ignore_eos=options.ignore_eos,
             show_progress=options.show_progress,
             trust_remote_code=options.trust_remote_code,
+            verifier_config=verifier.config_dict,
         )
+        training = find_training_estimate(draft_path)
         for prompts, result in zip(prompt_sets, results, strict=True):
-            report.drafts.append(_draft_evaluation(draft_path, label, "vllm", k, result, prompts))
+            report.drafts.append(
+                _draft_evaluation(draft_path, label, "vllm", k, result, prompts, training)
+            )

@@ -147,6 +147,7 @@ def evaluate_prompt_sets_with_vllm(
     seed: int = 0,
     show_progress: bool = True,
     trust_remote_code: bool = False,
+    verifier_config: dict | None = None,
 ) -> list[GenerationResult]:
     """Greedy generation of each prompt set in turn on one engine (one set's counters apart from
     the others': each is read before and after its own generation)."""
@@ -169,7 +170,7 @@ def evaluate_prompt_sets_with_vllm(
         "num_speculative_tokens": num_speculative_tokens,
     }
     return generate_sets_with_vllm(
-        verifier_path, prompt_sets, max_new_tokens, settings, speculative_config
+        verifier_path, prompt_sets, max_new_tokens, settings, speculative_config, verifier_config
     )
 
 
@@ -194,9 +195,11 @@ def generate_sets_with_vllm(
     max_new_tokens: int,
     settings: VllmSettings,
     speculative_config: dict | None = None,
+    verifier_config: dict | None = None,
 ) -> list[GenerationResult]:
     """`generate_with_vllm` for each prompt set in turn on one engine: vLLM's counters are
-    cumulative, so each set's are read before and after its own generation."""
+    cumulative, so each set's are read before and after its own generation. `verifier_config`:
+    the verifier's config.json where the caller read it (eval's set-up): not read again."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -204,7 +207,7 @@ def generate_sets_with_vllm(
     k = int(speculative_config["num_speculative_tokens"]) if speculative_config else 1
     with (
         library_refusals_as_ours(),
-        _cpu_defaults(cpu, settings.tensor_parallel_size, verifier_path),
+        _cpu_defaults(cpu, settings.tensor_parallel_size, verifier_path, verifier_config),
     ):
         llm = LLM(
             model=verifier_path,
@@ -246,14 +249,18 @@ def generate_sets_with_vllm(
 
 
 @contextmanager
-def _cpu_defaults(cpu: bool, tensor_parallel_size: int, verifier_path: str) -> Iterator[None]:
-    """On the CPU build, the environment datagen's engines get (set for the engine's start)."""
+def _cpu_defaults(
+    cpu: bool, tensor_parallel_size: int, verifier_path: str, config: dict | None = None
+) -> Iterator[None]:
+    """On the CPU build, the environment datagen's engines get (set for the engine's start).
+    `config`: the verifier's config.json as the caller read it (None: read here)."""
     if not cpu:
         yield
         return
     from speculators_vllm016.data_generation.cpu_defaults import cpu_defaults_applied
     from speculators_vllm016.utils.verifier_config import load_verifier_config_dict
 
-    config = load_verifier_config_dict(verifier_path)
+    if config is None:
+        config = load_verifier_config_dict(verifier_path)
     with cpu_defaults_applied(tensor_parallel_size, config):
         yield

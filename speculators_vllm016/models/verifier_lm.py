@@ -30,13 +30,25 @@ logger = logging.getLogger(__name__)
 
 
 def load_verifier_lm(
-    path: str, dtype: torch.dtype | str = "auto", trust_remote_code: bool = False
+    path: str,
+    dtype: torch.dtype | str = "auto",
+    trust_remote_code: bool = False,
+    config_dict: dict | None = None,
 ) -> PreTrainedModel:
     """The verifier at `path` as a transformers causal LM (on the CPU, in `dtype`).
 
     Wrappers (a config with a nested text config) give their language model; errors are one-line
     `ValueError`s (an unknown layout, a quantized language model, missing tensors).
+    `config_dict`: its config.json where the caller read it (eval's set-up); a plain causal LM
+    transformers has a class for is then built from it, without reading config.json again.
     """
+    plain = _plain_config(config_dict) if config_dict is not None else None
+    if plain is not None:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(
+            path, config=plain, dtype=dtype, trust_remote_code=trust_remote_code
+        )
     config = load_verifier_config(path, trust_remote_code=trust_remote_code)
     text_config = text_config_of(config)
     if text_config is config:
@@ -46,6 +58,20 @@ def load_verifier_lm(
             path, dtype=dtype, trust_remote_code=trust_remote_code
         )
     return _load_wrapped_language_model(path, config, text_config, dtype)
+
+
+def _plain_config(config_dict: dict) -> PretrainedConfig | None:
+    """transformers' config of a plain causal LM's config.json, as `AutoConfig` builds it from
+    the file; None for a wrapper (nested text config) or a model type transformers has no
+    class for (those are read as before: `load_verifier_config`)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = config_dict.get("model_type")
+    if text_config_of(config_dict) is not config_dict or model_type not in CONFIG_MAPPING:
+        return None
+    if "AutoConfig" in (config_dict.get("auto_map") or {}):
+        return None  # its folder's own config class: built as before, where it is allowed
+    return CONFIG_MAPPING[model_type].from_dict(dict(config_dict))
 
 
 def _language_model_state(path: str, architecture: str) -> dict[str, Any]:

@@ -115,7 +115,7 @@ def test_help_lists_the_regeneration_flags_with_datagens_defaults(capsys):
     printed = capsys.readouterr().out
     for flag in ("--regenerate ", "--temperature", "--regenerate-seed", "--reasoning {keep,drop}"):
         assert flag in printed
-    assert "at most this many per turn; None: 2048, lowered to fit" in " ".join(printed.split())
+    assert "At most this many per turn; None: 2048, lowered to fit" in " ".join(printed.split())
 
 
 def test_a_draft_vocabulary_larger_than_the_targets_is_refused_before_datagen(

@@ -56,12 +56,15 @@ class LocalEngine:
     """A vLLM `LLM` on the target, started once and used for every round."""
 
     def __init__(self, options: RegenerateOptions) -> None:
-        from transformers import PretrainedConfig
         from vllm import LLM
 
-        config_dict, _ = PretrainedConfig.get_config_dict(
-            options.target_model_path, trust_remote_code=options.trust_remote_code
-        )
+        config_dict = options.target_config  # where the command read it (not read again)
+        if config_dict is None:
+            from transformers import PretrainedConfig
+
+            config_dict, _ = PretrainedConfig.get_config_dict(
+                options.target_model_path, trust_remote_code=options.trust_remote_code
+            )
         refuse_beyond_model_context(options.resolved_max_model_len, config_dict)
         world_size = options.tensor_parallel_size * options.pipeline_parallel_size
         defaults = (

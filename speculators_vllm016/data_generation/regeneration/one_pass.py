@@ -77,7 +77,10 @@ def prepare_one_pass(
             f"--max-tokens ({regenerate.resolved_max_model_len}); raise it or leave it unset"
         )
     facts = inspect_model(
-        engine.target_model_path, options.output.layer_ids, engine.trust_remote_code
+        engine.target_model_path,
+        options.output.layer_ids,
+        engine.trust_remote_code,
+        config_dict=regenerate.target_config,  # where the command read it already
     )
     refuse_beyond_model_context(engine.max_model_len, facts.config_dict, spare=1)
     return options, facts
@@ -102,7 +105,7 @@ def run_datagen_regenerating(
             wait_for_shards(folder, regenerate.num_shards)
             joined = join_shard_files(folder, regenerate.num_shards, regenerate.fsync)
             options.preprocessing.train_data_path = str(joined)
-        extracted = run_datagen(options, generator=generator)
+        extracted = run_datagen(options, generator=generator, facts=facts)
     finally:
         if own_generator:
             generator.close()

@@ -67,6 +67,7 @@ class RegenerateOptions:
     target_model_path: str
     train_data_path: str
     output_dir: str
+    """Folder for conversations.jsonl."""
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     reasoning: str = "keep"
@@ -76,15 +77,22 @@ class RegenerateOptions:
     max_prompt_tokens: int = 4096
     max_samples: int | None = None
     num_shards: int = 1
+    """Shards of the whole job."""
     shard_index: int = 0
+    """This process's shard."""
     batch_size: int = 256
-    """Rows whose turns are generated together; a killed run loses at most these."""
+    """Rows whose turns are generated together (a crash loses at most these)."""
     endpoint: str | None = None
-    """Base URL of an OpenAI-compatible server; None: vLLM in this process."""
+    """Base URL of a running OpenAI-compatible server (e.g. vllm serve) to ask instead of vLLM in
+    this process; --target-model-path still gives the tokenizer and chat template."""
     endpoint_model: str | None = None
+    """Served model name (if several)."""
     concurrency: int = 64
+    """Requests in flight."""
     request_timeout: float = 600.0
+    """Seconds."""
     retries: int = 4
+    """Retries with backoff."""
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     max_model_len: int | None = None
@@ -96,7 +104,12 @@ class RegenerateOptions:
     hf_cache_dir: str | None = None
     num_preprocessing_workers: int = 8
     fsync: bool = False
-    show_progress: bool = True
+    """fsync every finished row."""
+    target_config: dict | None = field(default=None, repr=False, compare=False)
+    """Not a flag: the target's config.json where the command read it already (to fit the
+    lengths to its context); the engine's start uses it instead of reading it again."""
+    show_progress: bool = field(default=True, metadata={"flag": "--no-progress"})
+    """Show the progress bar; `--no-progress` hides it."""
 
     @property
     def resolved_max_model_len(self) -> int:
