@@ -16,8 +16,18 @@ run in its own folder. The only other changes:
   by vLLM's serve parser and its engine configuration built (`create_engine_config`, which loads
   vLLM's general plugins, ours among them), in a fresh process, without starting the server.
 
-Every assertion shares the two runs, one untrained draft, and two online trainings on the tiny
-Kimi-K2.5 (`--online`; `--online --extraction-ranks 1` under torchrun).
+Every assertion shares the two runs, one untrained draft, and one online training on the tiny
+Kimi-K2.5 (`--online --extraction-ranks 1` under torchrun). The DeepSeek-V3 run stops after
+training (its checkpoints must be the Kimi run's); what its eval and serve steps checked is held
+where each belongs:
+- a draft measures the same on the wrapper as on its language model:
+  tests/cli/test_eval_kimi.py::test_a_draft_measures_the_same_on_the_kimi_wrapper_as_on_its_language_model;
+- vLLM takes an EAGLE-3 draft of the DeepSeek-V3 through the plugin (model class with EAGLE-3,
+  the draft's aux ids): tests/vllm_plugin/test_plugin_registration.py::
+  test_speculative_config_accepts_a_draft_for_the_target.
+In-process `--online` on the wrapper extracts with the same `OnlineExtractor` as the extraction
+rank (train/online/extraction_rank.py), and in-process online equals offline on the Llama
+(tests/train/online/test_loader.py::test_online_steps_equal_offline_steps_on_datagens_files).
 """
 
 from __future__ import annotations
@@ -59,6 +69,7 @@ STEPS = [
     ["vllm", "serve"],
 ]
 EPOCHS = ("0", "1", "2")
+TRAINED = STEPS.index(["torchrun", "--nproc-per-node"]) + 1  # the steps up to training
 
 # `vllm serve ARGS` up to the server: vLLM's own serve parser and engine configuration.
 SERVE_CONFIG = """
@@ -159,12 +170,13 @@ class RecipeRun:
         return json.loads((self.folder / argv[argv.index("--output-json") + 1]).read_text())
 
 
-def run_recipe(target: Path, folder: Path, chats: Path) -> RecipeRun:
-    """Every command of the block in order; a failed one leaves the later ones unrun (exit -1)."""
+def run_recipe(target: Path, folder: Path, chats: Path, steps: int = len(STEPS)) -> RecipeRun:
+    """The block's first `steps` commands in order; a failed one leaves the later ones unrun
+    (exit -1)."""
     folder.mkdir(parents=True, exist_ok=True)
     recipe = RecipeRun(folder=folder, target=target, chats=chats)
     failed = False
-    for argv in kimi_block():
+    for argv in kimi_block()[:steps]:
         recipe.argv.append(argv)
         if failed:
             recipe.results.append(
@@ -197,7 +209,9 @@ def kimi_run(taught_kimi_k25, chats, tmp_path_factory) -> RecipeRun:
 
 @pytest.fixture(scope="module")
 def deepseek_run(taught_deepseek_v3, chats, tmp_path_factory) -> RecipeRun:
-    return run_recipe(taught_deepseek_v3, tmp_path_factory.mktemp("deepseek-recipe"), chats)
+    """The block up to training (datagen, vocab-mapping, torchrun): see the module docstring."""
+    folder = tmp_path_factory.mktemp("deepseek-recipe")
+    return run_recipe(taught_deepseek_v3, folder, chats, steps=TRAINED)
 
 
 def train_options(recipe: RecipeRun) -> list[str]:
@@ -268,37 +282,33 @@ def test_the_block_runs_as_written_on_the_tiny_kimi_k25(kimi_run):
 
 @pytest.mark.engine
 @pytest.mark.slow
-def test_vllm_serve_takes_the_trained_draft_with_the_plugin(kimi_run, deepseek_run):
+def test_vllm_serve_takes_the_trained_draft_with_the_plugin(kimi_run):
     """The draft folder the serve command names, accepted by vLLM as an EAGLE-3 draft of the
-    target, whose model class (Kimi-K2.5's wrapper, DeepSeek-V3's causal LM) then supports EAGLE-3
-    and is given the aux layers the draft was trained on (datagen's defaults in vLLM's numbering)."""
-    expected = {"KimiK25ForConditionalGeneration": kimi_run, "DeepseekV3ForCausalLM": deepseek_run}
-    for architecture, recipe in expected.items():
-        recipe.require(*(" ".join(s) for s in STEPS))
-        _, done = recipe.step("vllm serve")
-        line = next(x for x in done.stdout.splitlines() if x.startswith("SERVE_CONFIG "))
-        served = json.loads(line.removeprefix("SERVE_CONFIG "))
-        assert served == {
-            "method": "eagle3",
-            "num_speculative_tokens": 3,
-            "aux_layer_ids": [3, 4, 5],
-            "architecture": architecture,
-            "target_supports_eagle3": True,
-        }
+    target, whose model class (Kimi-K2.5's wrapper) then supports EAGLE-3 and is given the aux
+    layers the draft was trained on (datagen's defaults in vLLM's numbering)."""
+    kimi_run.require(*(" ".join(s) for s in STEPS))
+    _, done = kimi_run.step("vllm serve")
+    line = next(x for x in done.stdout.splitlines() if x.startswith("SERVE_CONFIG "))
+    served = json.loads(line.removeprefix("SERVE_CONFIG "))
+    assert served == {
+        "method": "eagle3",
+        "num_speculative_tokens": 3,
+        "aux_layer_ids": [3, 4, 5],
+        "architecture": "KimiK25ForConditionalGeneration",
+        "target_supports_eagle3": True,
+    }
 
 
 @pytest.mark.engine
 @pytest.mark.slow
 def test_the_kimi_draft_is_the_deepseek_v3_draft(kimi_run, deepseek_run):
     """Same language model, same conversations, same seed: the wrapper changes nothing the draft
-    sees. So both runs' checkpoints hold the same tensors bit for bit, epoch by epoch, and eval
-    measures the same acceptance on the same prompts (same counts, same tau)."""
+    sees. So both runs' vocabularies and checkpoints hold the same bytes and tensors bit for bit,
+    epoch by epoch (that eval then measures the same on either target is
+    tests/cli/test_eval_kimi.py's)."""
     for recipe in (kimi_run, deepseek_run):
         recipe.require(
-            "speculators datagen",
-            "speculators vocab-mapping",
-            "torchrun --nproc-per-node",
-            "speculators eval",
+            "speculators datagen", "speculators vocab-mapping", "torchrun --nproc-per-node"
         )
     for name in ("d2t.npy", "t2d.npy"):
         assert (kimi_run.folder / "kimi/vocab" / name).read_bytes() == (
@@ -306,14 +316,6 @@ def test_the_kimi_draft_is_the_deepseek_v3_draft(kimi_run, deepseek_run):
         ).read_bytes()
     for epoch in EPOCHS:
         assert_same_weights(kimi_run.save / epoch, deepseek_run.save / epoch)
-    kimi, deepseek = kimi_run.eval_report()["drafts"][0], deepseek_run.eval_report()["drafts"][0]
-    for key in (
-        "acceptance_length",
-        "per_position_acceptance_rate",
-        "num_drafts",
-        "num_accepted_tokens",
-    ):
-        assert kimi[key] == deepseek[key], key
 
 
 @pytest.mark.engine
@@ -364,16 +366,6 @@ def torchrun(processes: int, options: list[str]) -> list[str]:
         "train",
         *options,
     ]
-
-
-@pytest.mark.engine
-@pytest.mark.slow
-def test_online_training_on_the_kimi_k25_gives_the_offline_weights(kimi_run):
-    kimi_run.require("speculators datagen", "torchrun --nproc-per-node")
-    done = run(torchrun(1, online_argv(kimi_run, "online")), kimi_run.folder)
-    assert done.returncode == 0, failure(["train", "--online"], done)
-    for epoch in EPOCHS:
-        assert_same_weights(kimi_run.folder / "online" / epoch, kimi_run.save / epoch)
 
 
 @pytest.mark.engine

@@ -12,6 +12,8 @@ from speculators_vllm016.__main__ import app
 from speculators_vllm016.utils.command_errors import DEBUG_HINT
 from tests.evaluate.drafts import build_draft
 
+CONTEXT = 160  # the short-context target's window (test_drafts_of_different_k_...)
+
 CONVERSATIONS = [
     {
         "conversations": [
@@ -114,13 +116,17 @@ def test_eval_needs_a_readable_draft_and_says_so(workspace):
     assert "no config.json" in result.output
 
 
-def test_drafts_of_different_k_are_measured_on_the_same_prompts(workspace, tiny_llama, tmp_path):
+def test_drafts_of_different_k_are_measured_on_the_same_prompts(workspace, tmp_path):
     """--max-new-tokens that leaves room for the longest prompt with k=1 but not with k=5: that
-    prompt is left out for both drafts, and the report counts the prompts they saw."""
+    prompt is left out for both drafts, and the report counts the prompts they saw. The target
+    is the tiny Llama with a CONTEXT-token window (the shared one's 1,024 made each draft
+    generate ~1,000 tokens per prompt: 40 s of the suite for the same guarantee)."""
     from transformers import AutoTokenizer
 
     from speculators_vllm016.evaluate.prompts import load_eval_prompts
+    from speculators_vllm016.tiny_models import build_tiny_llama
 
+    tiny_llama = build_tiny_llama(tmp_path / "short", max_position_embeddings=CONTEXT)
     for k in (1, 5):
         build_draft(str(tiny_llama), speculative_tokens=k).save_pretrained(tmp_path / f"k{k}")
     lengths = [
@@ -132,7 +138,7 @@ def test_drafts_of_different_k_are_measured_on_the_same_prompts(workspace, tiny_
         ).token_ids
     ]
     longest = max(lengths)
-    new_tokens = 1024 - longest - 1 - 1  # room for the longest prompt and 1 draft token, not 5
+    new_tokens = CONTEXT - longest - 1 - 1  # room for the longest prompt and 1 draft token, not 5
     out = tmp_path / "eval.json"
     result = CliRunner().invoke(
         app,
@@ -158,7 +164,7 @@ def test_drafts_of_different_k_are_measured_on_the_same_prompts(workspace, tiny_
     )
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
-    fitting = sum(length + new_tokens + 5 + 1 <= 1024 for length in lengths)
+    fitting = sum(length + new_tokens + 5 + 1 <= CONTEXT for length in lengths)
     assert 0 < fitting < 3 and report["num_prompts"] == fitting
     assert [d["num_speculative_tokens"] for d in report["drafts"]] == [1, 5]
     assert [d["generated_tokens"] for d in report["drafts"]] == [fitting * new_tokens] * 2

@@ -1,7 +1,9 @@
 """EAGLE-3.1 and a converted Model Optimizer draft served on the DeepSeek-V3 family by vLLM 0.16's
 own speculative decoding on its CPU build (#47 item 3): lossless, and vLLM's acceptance counters
 equal to the `hf` engine's (`speculative_generate`) on the same draft, prompts and greedy decoding.
-One engine per draft and target (vLLM serves one draft per target engine): five engines in all.
+One engine per draft and target (vLLM serves one draft per target engine): four engines in all,
+the converted TorchSpec and Model Optimizer drafts on the Kimi-K2.5 wrapper being the same files
+(one engine, `ServedOnce`).
 
 Both drafts are logit lenses of the target's last layer (tests/evaluate/drafts.py) fusing aux ids
 [1, 2, 3] of the 3-layer tiny DeepSeek-V3: id 3 is the last layer's output before the final
@@ -26,12 +28,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from speculators_vllm016.evaluate.acceptance import AcceptanceCounts
-from speculators_vllm016.evaluate.speculative import speculative_generate
 from speculators_vllm016.models.eagle3 import Eagle3DraftModel
-from speculators_vllm016.models.verifier_lm import load_verifier_lm
 from tests.evaluate.drafts import logit_lens_draft
 from tests.train.pretrained_drafts import _as_midlayer, _llama_fields
+from tests.vllm_plugin.served import ServedOnce, assert_same_counts, hf_speculative
 
 pytestmark = pytest.mark.engine
 
@@ -45,61 +45,25 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, 512, (n,), generator=generator).tolist() for n in LENGTHS]
 
 
-def _serve(target: Path, draft: Path, prompts: list[list[int]]):
+@pytest.fixture(scope="module")
+def served_once() -> ServedOnce:
+    """One engine per (target, draft bytes): the Kimi-K2.5 wrapper's converted TorchSpec draft is
+    the converted Model Optimizer draft, file for file, and is served once for both tests."""
+    return ServedOnce()
+
+
+def _serve(served_once: ServedOnce, target: Path, draft: Path, prompts: list[list[int]]):
     """vLLM's greedy speculative decoding of `prompts` and its acceptance counters."""
-    import gc
-
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from speculators_vllm016.data_generation.cpu_defaults import cpu_defaults_applied
-    from speculators_vllm016.data_generation.engine_setup import TEXT_ONLY_MODALITIES
-    from speculators_vllm016.evaluate.vllm_engine import counts_from_metrics
-
-    config = json.loads((target / "config.json").read_text())
-    with cpu_defaults_applied(1, config):
-        llm = LLM(
-            model=str(target),
-            speculative_config={
-                "method": "eagle3",
-                "model": str(draft),
-                "num_speculative_tokens": K,
-            },
-            dtype="float32",
-            enforce_eager=True,
-            max_model_len=256,
-            max_num_seqs=8,
-            limit_mm_per_prompt=dict.fromkeys(TEXT_ONLY_MODALITIES, 0),  # Kimi: text only
-            disable_log_stats=False,
-            seed=0,
-        )
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-        results = llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
-        )
-        counts = counts_from_metrics(llm.get_metrics(), K)
-        return [list(r.outputs[0].token_ids) for r in results], counts
-    finally:
-        del llm
-        gc.collect()
+    config = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": K}
+    served = served_once(
+        target, config, prompts, NEW_TOKENS, passes=1, prefix_caching=False, max_model_len=256
+    )
+    return served.first, served.counts
 
 
 def _hf(target: Path, draft: Path, prompts: list[list[int]]):
-    verifier = load_verifier_lm(str(target), torch.float32).eval()
-    model = Eagle3DraftModel.from_pretrained(draft).float().eval()
-    result = speculative_generate(verifier, model, prompts, NEW_TOKENS, K, eos_token_ids=[])
+    result = hf_speculative(target, draft, prompts, NEW_TOKENS, K)
     return result.outputs, result.counts
-
-
-def _same_counts(served: AcceptanceCounts, hf: AcceptanceCounts) -> None:
-    assert served.num_drafts > 0 and 0 < served.num_accepted_tokens < served.num_draft_tokens
-    assert (served.num_drafts, served.num_draft_tokens, served.num_accepted_tokens) == (
-        hf.num_drafts,
-        hf.num_draft_tokens,
-        hf.num_accepted_tokens,
-    )
-    assert served.accepted_per_position == hf.accepted_per_position
 
 
 def _lens(target: Path, aux_ids=(1, 2, 3)) -> Eagle3DraftModel:
@@ -109,7 +73,7 @@ def _lens(target: Path, aux_ids=(1, 2, 3)) -> Eagle3DraftModel:
 
 @pytest.mark.parametrize("target_fixture", ["tiny_deepseek_v3", "tiny_kimi_k25"])
 def test_eagle31_served_on_the_deepseek_family_is_lossless_and_accepts_as_hf(
-    target_fixture, request, tmp_path
+    target_fixture, request, tmp_path, served_once
 ):
     target = request.getfixturevalue(target_fixture)
     draft = _lens(target)
@@ -126,10 +90,10 @@ def test_eagle31_served_on_the_deepseek_family_is_lossless_and_accepts_as_hf(
     shell.load_state_dict(state, strict=False)
     shell.save_pretrained(tmp_path / "draft31")
     prompts = _prompts()
-    served, served_counts = _serve(target, tmp_path / "draft31", prompts)
+    served, served_counts = _serve(served_once, target, tmp_path / "draft31", prompts)
     hf, hf_counts = _hf(target, tmp_path / "draft31", prompts)
     assert served == hf
-    _same_counts(served_counts, hf_counts)
+    assert_same_counts(served_counts, hf_counts)
 
 
 def _modelopt_folder(ours: Path, out: Path, recorded: list[int]) -> Path:
@@ -158,7 +122,7 @@ def _modelopt_folder(ours: Path, out: Path, recorded: list[int]) -> Path:
 
 
 def test_a_modelopt_kimi_recipe_draft_converts_and_serves_on_the_kimi_wrapper(
-    tiny_kimi_k25, tmp_path
+    tiny_kimi_k25, tmp_path, served_once
 ):
     from speculators_vllm016.convert.entrypoints import convert_model
     from speculators_vllm016.utils.errors import InvalidInputError
@@ -176,10 +140,10 @@ def test_a_modelopt_kimi_recipe_draft_converts_and_serves_on_the_kimi_wrapper(
         convert_model(str(post_layer), str(tiny_kimi_k25), "eagle3", str(tmp_path / "x"))
 
     prompts = _prompts()
-    served, served_counts = _serve(tiny_kimi_k25, converted, prompts)
+    served, served_counts = _serve(served_once, tiny_kimi_k25, converted, prompts)
     hf, hf_counts = _hf(tiny_kimi_k25, converted, prompts)
     assert served == hf
-    _same_counts(served_counts, hf_counts)
+    assert_same_counts(served_counts, hf_counts)
     # One layer off (the fused states one layer earlier): other acceptance.
     shifted = tmp_path / "shifted"
     convert_model(
@@ -195,7 +159,7 @@ def test_a_modelopt_kimi_recipe_draft_converts_and_serves_on_the_kimi_wrapper(
 
 @pytest.mark.parametrize("target_fixture", ["tiny_deepseek_v3", "tiny_kimi_k25"])
 def test_a_converted_torchspec_draft_serves_on_the_deepseek_family(
-    target_fixture, request, tmp_path
+    target_fixture, request, tmp_path, served_once
 ):
     """TorchSpec's export layout and numbering (output of layer i: [0, 1, 2]), converted into
     ours ([1, 2, 3], id 3 the last layer's output) and served: as the original on `hf`."""
@@ -211,7 +175,7 @@ def test_a_converted_torchspec_draft_serves_on_the_deepseek_family(
     config = json.loads((converted / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     prompts = _prompts()
-    served, served_counts = _serve(tiny_deepseek_v3, converted, prompts)
+    served, served_counts = _serve(served_once, tiny_deepseek_v3, converted, prompts)
     hf, hf_counts = _hf(tiny_deepseek_v3, ours, prompts)
     assert served == hf
-    _same_counts(served_counts, hf_counts)
+    assert_same_counts(served_counts, hf_counts)

@@ -21,12 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 
-from speculators_vllm016.evaluate.acceptance import AcceptanceCounts
-from speculators_vllm016.evaluate.speculative import speculative_generate
 from speculators_vllm016.models.eagle3 import Eagle3DraftModel
 from tests.evaluate.drafts import VOCAB, logit_lens_draft
+from tests.vllm_plugin.served import assert_same_counts, hf_speculative, serve
 
 pytestmark = pytest.mark.engine
 
@@ -42,46 +40,24 @@ def _prompts() -> list[list[int]]:
 
 def _serve(target: Path, draft: Path, prompts: list[list[int]]):
     """vLLM's greedy speculative decoding of `prompts` and its acceptance counters."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from speculators_vllm016.evaluate.vllm_engine import counts_difference, counts_from_metrics
-
-    llm = LLM(
-        model=str(target),
-        speculative_config={"method": "eagle3", "model": str(draft), "num_speculative_tokens": K},
-        dtype="float32",
-        enforce_eager=True,
-        async_scheduling=False,
+    config = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": K}
+    served = serve(
+        target,
+        config,
+        prompts,
+        NEW_TOKENS,
+        passes=1,
+        prefix_caching=None,
         max_model_len=256,
-        seed=0,
-        disable_log_stats=False,
+        max_num_seqs=None,
+        async_scheduling=False,
     )
-    try:
-        before = counts_from_metrics(llm.get_metrics(), K)
-        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-        results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
-        counts = counts_difference(counts_from_metrics(llm.get_metrics(), K), before)
-        return [list(r.outputs[0].token_ids) for r in results], counts
-    finally:
-        del llm
+    return served.first, served.counts
 
 
 def _hf(target: Path, draft: Path, prompts: list[list[int]]):
-    verifier = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
-    model = Eagle3DraftModel.from_pretrained(draft).float().eval()
-    result = speculative_generate(verifier, model, prompts, NEW_TOKENS, K)
+    result = hf_speculative(target, draft, prompts, NEW_TOKENS, K)
     return result.outputs, result.counts
-
-
-def _same_counts(served: AcceptanceCounts, hf: AcceptanceCounts) -> None:
-    assert served.num_drafts > 0 and 0 < served.num_accepted_tokens < served.num_draft_tokens
-    assert (served.num_drafts, served.num_draft_tokens, served.num_accepted_tokens) == (
-        hf.num_drafts,
-        hf.num_draft_tokens,
-        hf.num_accepted_tokens,
-    )
-    assert served.accepted_per_position == hf.accepted_per_position
 
 
 def _lens(target: Path) -> Eagle3DraftModel:
@@ -113,7 +89,7 @@ def test_eagle31_served_on_cpu_is_lossless_and_accepts_as_the_hf_engine(tiny_lla
     served, served_counts = _serve(tiny_llama, draft31, prompts)
     hf, hf_counts = _hf(tiny_llama, draft31, prompts)
     assert served == hf  # the hf engine's output is the verifier's greedy output
-    _same_counts(served_counts, hf_counts)
+    assert_same_counts(served_counts, hf_counts)
 
 
 def _torchspec_folder(ours: Path, out: Path, post_layer_ids: list[int]) -> Path:
@@ -160,7 +136,7 @@ def test_a_converted_torchspec_draft_serves_with_its_fused_layers(tiny_llama, tm
     served, served_counts = _serve(tiny_llama, converted, prompts)
     hf, hf_counts = _hf(tiny_llama, ours, prompts)
     assert served == hf
-    _same_counts(served_counts, hf_counts)
+    assert_same_counts(served_counts, hf_counts)
     # The same draft read in the wrong numbering ([0, 1, 2] as vLLM's ids) accepts less.
     wrong = tmp_path / "wrong"
     convert_model(

@@ -22,12 +22,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from speculators_vllm016.evaluate.speculative import speculative_generate
-from speculators_vllm016.evaluate.vllm_engine import counts_from_metrics
 from speculators_vllm016.models.eagle3 import Eagle3DraftModel
-from speculators_vllm016.models.verifier_lm import load_verifier_lm
 from speculators_vllm016.train.jobs.draft_build import build_draft_config
 from speculators_vllm016.utils.verifier_weights import read_verifier_weights
+from tests.vllm_plugin.served import HfRun, Served, hf_speculative, serve
 
 pytestmark = pytest.mark.engine
 
@@ -81,55 +79,23 @@ def prompts() -> list[list[int]]:
     return random + [[token] * 6 for token in (101, 86, 114, 150, 172, 94)]
 
 
-def served(target: Path, draft: Path, requests: list[list[int]]) -> SimpleNamespace:
-    import gc
-
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from speculators_vllm016.data_generation.cpu_defaults import cpu_defaults_applied
-    from speculators_vllm016.data_generation.engine_setup import TEXT_ONLY_MODALITIES
-
-    config = json.loads((target / "config.json").read_text())
-    with cpu_defaults_applied(1, config):
-        llm = LLM(
-            model=str(target),
-            speculative_config={
-                "method": "eagle3",
-                "model": str(draft),
-                "num_speculative_tokens": K,
-            },
-            dtype="float32",
-            enforce_eager=True,
-            max_model_len=256,
-            max_num_seqs=4,
-            # Kimi-K2.5: text only, so vLLM never builds the media processor's profiling inputs
-            limit_mm_per_prompt=dict.fromkeys(TEXT_ONLY_MODALITIES, 0),
-            disable_log_stats=False,
-            seed=0,
-        )
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        results = llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in requests], params, use_tqdm=False
-        )
-        counts = counts_from_metrics(llm.get_metrics(), K)
-    finally:
-        del llm
-        gc.collect()
-    return SimpleNamespace(outputs=[list(r.outputs[0].token_ids) for r in results], counts=counts)
+def served(target: Path, draft: Path, requests: list[list[int]]) -> Served:
+    config = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": K}
+    return serve(
+        target,
+        config,
+        requests,
+        MAX_TOKENS,
+        passes=1,
+        prefix_caching=False,
+        max_model_len=256,
+        max_num_seqs=4,
+    )
 
 
-def reference(verifier: Path, draft: Path, requests: list[list[int]]) -> SimpleNamespace:
+def reference(verifier: Path, draft: Path, requests: list[list[int]]) -> HfRun:
     """What `eval --engine hf` computes: our draft with transformers' verifier, greedy."""
-    from speculators_vllm016.model import SpeculatorModel
-
-    model = load_verifier_lm(str(verifier), torch.float32, False).eval()
-    mla = SpeculatorModel.from_pretrained(str(draft), verifier_attachment_mode="detached")
-    mla = mla.float().eval()
-    mla.load_verifier_weights(str(verifier))
-    result = speculative_generate(model, mla, requests, MAX_TOKENS, K, eos_token_ids=[])
-    return SimpleNamespace(outputs=result.outputs, counts=result.counts)
+    return hf_speculative(verifier, draft, requests, MAX_TOKENS, K, verifier_weights=True)
 
 
 @pytest.mark.parametrize("target_name", ["tiny_deepseek_v3", "tiny_kimi_k25"])
@@ -139,7 +105,7 @@ def test_served_mla_draft_is_lossless_and_accepts_as_eval_hf(target_name, reques
     requests = prompts()
     ours = reference(target, draft, requests)
     theirs = served(target, draft, requests)
-    assert theirs.outputs == ours.outputs  # vLLM with the draft = the verifier's greedy tokens
+    assert theirs.first == ours.outputs  # vLLM with the draft = the verifier's greedy tokens
     assert 0 < ours.counts.num_accepted_tokens < ours.counts.num_draft_tokens
     assert all(accepted > 0 for accepted in ours.counts.accepted_per_position)  # every step
     assert theirs.counts.num_drafts == ours.counts.num_drafts

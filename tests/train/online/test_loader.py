@@ -33,11 +33,6 @@ ROWS = 12
 SEQ_LENGTH = 96
 
 
-@pytest.fixture(scope="module")
-def setup(tiny_llama, tmp_path_factory):
-    return make_setup(tiny_llama, tmp_path_factory.mktemp("online"))
-
-
 def make_setup(tiny_llama: Path, root: Path) -> tuple[Path, Path, Path]:
     """Chat data, datagen's folder of it, and vocabulary maps from its token counts."""
     chats = root / "chats.jsonl"
@@ -539,16 +534,16 @@ def test_the_engine_starts_under_the_engines_cuda_visible_devices(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.engine
-def test_two_rank_online_training_equals_two_rank_offline_training(setup, tiny_llama):
+def test_two_rank_online_training_equals_two_rank_offline_training(setup, tiny_llama, offline_two):
     """torchrun --nproc-per-node 2 (gloo): rank 0's engine extracts, each rank trains on its own
-    batches; the weights equal 2-rank offline training on datagen's folder, bit for bit (fp32),
-    with and without --cache-dir (written by rank 0, read by both ranks in epoch 2)."""
+    batches; the weights equal 2-rank offline training on datagen's folder (conftest's
+    `offline_two`), bit for bit (fp32), with and without --cache-dir (written by rank 0, read by
+    both ranks in epoch 2)."""
     from tests.training_fixtures import train_command
 
     root, chats, datagen = setup
-    runs = {}
+    runs = {"offline-2": offline_two}
     for name, flags in (
-        ("offline-2", ["--data-path", str(datagen)]),
         ("online-2", online_flags(chats, root)),
         ("hybrid-2", [*online_flags(chats, root), "--cache-dir", str(root / "cache-2")]),
     ):
