@@ -9,7 +9,12 @@ Both drafts are logit lenses of the target's last layer (tests/evaluate/drafts.p
 [1, 2, 3] of the 3-layer tiny DeepSeek-V3: id 3 is the last layer's output before the final
 norm, so served and `hf` agree only if both read that state (`models/verifier_states.py`).
 - EAGLE-3.1 (`fc_norm` with weights away from one, `norm_output` with a final norm that is not
-  flat) on the tiny DeepSeek-V3 and the tiny Kimi-K2.5 wrapper.
+  flat) on the tiny DeepSeek-V3 and the tiny Kimi-K2.5 wrapper. `fc_norm` is held here (served
+  without it, the Kimi case fails); `norm_output` is not: the lens draft's layer is the identity
+  on its residual, so a later step proposes from the same state either way and the counters do
+  not move (checked by serving with the plugin always handing on the state before the norm:
+  both cases pass). The plugin serves `norm_output` the same whatever the target; that is held
+  on a Llama target by tests/vllm_plugin/test_eagle31_served.py.
 - A Model Optimizer export recording its Kimi-K2.5 recipe's four-id list in the tiny target's
   terms, [1, 2, 3, 3] (fused layers in vLLM's numbering, then N: the final layer), converted by
   `speculators convert` against the tiny Kimi-K2.5 wrapper and served on it. Read with the other
