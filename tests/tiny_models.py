@@ -192,8 +192,6 @@ def build_taught_tiny_deepseek_v3(
                 steps=steps,
                 row_tokens=64,
                 rows_per_step=8,
-                # The rows this target was taught on when the tests' thresholds were set.
-                rows_at_conversation_starts=False,
                 lr=3e-3,
                 show_progress=False,
             ),

@@ -59,7 +59,7 @@ def build_parser(prog: str = "speculators demo") -> argparse.ArgumentParser:
         "--target-row-tokens",
         type=int,
         default=128,
-        help="tokens per short target training row (each from a conversation's start)",
+        help="tokens per short target training row (cut from the conversations' token stream)",
     )
     parser.add_argument("--target-rows-per-step", type=int, default=8, help="rows per target step")
     parser.add_argument(

@@ -5,21 +5,20 @@ demo first teaches the target the conversations (plain causal-LM training over t
 rendering of each conversation). Seeded and deterministic on one machine; the result is written
 whole (into a hidden folder, then renamed), so a rerun reuses it.
 
-Two kinds of rows, both beginning where a served prompt begins (a conversation's first token at
-position 0):
+Two kinds of rows:
 
-- short rows (`row_tokens`, `rows_per_step` of them a step): each conversation's tokens from its
-  start, continued into the next conversations when it is shorter than a row;
-- long rows (`long_row_tokens`, one every `long_every`-th step): sessions of the conversations'
-  user/assistant pairs chained into one chat (`data_generation.sessions`, the shape of the long
-  prompts `--long-context` serves).
+- short rows (`row_tokens`, `rows_per_step` of them a step), cut one after the other from one
+  token stream of the rendered conversations;
+- long rows (`long_row_tokens`, one every `long_every`-th step instead of the short rows):
+  sessions of the conversations' user/assistant pairs chained into one chat
+  (`data_generation.sessions`, the shape of the long prompts `--long-context` serves), each
+  starting at position 0 as a prompt does.
 
 A target taught on short rows only has never seen a position past them: at ~1,750-token prompts
 the demo's target ended its answers after 7.5 tokens on average (32 at short prompts), and every
-draft's acceptance fell with it (#46). Rows cut anywhere from one token stream (the demo's rows
-until then) put the start of a conversation anywhere but at position 0, where every prompt
-starts; with long rows cut that way the target answered 60 of 160 short regeneration prompts with
-nothing at all.
+draft's acceptance fell with it (#46). Long rows cut from the stream instead (`row_tokens` 2048,
+one a step) removed that fall but put a prompt's start (a conversation's first token at position
+0) nowhere in training: that target answered 60 of 160 short regeneration prompts with nothing.
 """
 
 from __future__ import annotations
@@ -47,9 +46,6 @@ class TargetTraining:
     steps: int = 60
     row_tokens: int = 256
     rows_per_step: int = 8
-    rows_at_conversation_starts: bool = True
-    """False: short rows cut one after the other from one token stream of the conversations (the
-    demo's rows until #46; the tests' taught tiny DeepSeek-V3 keeps them)."""
     long_row_tokens: int = 0
     """Tokens of the long rows (sessions of chained pairs); 0: short rows only."""
     long_every: int = 4
@@ -87,26 +83,10 @@ def render_conversations(tokenizer, path: str | Path, limit: int | None = None) 
     return rendered
 
 
-def conversation_rows(conversations: list[list[int]], row_tokens: int) -> list[list[int]]:
-    """One row of `row_tokens` per conversation, from its first token on, continued into the
-    conversations after it when it is shorter (the model shifts the labels itself); the last
-    conversations, which the data cannot fill a row from, start no row."""
+def stream_rows(conversations: list[list[int]], row_tokens: int) -> list[list[int]]:
+    """One token stream cut into rows of `row_tokens` (the model shifts the labels itself)."""
     stream = [token for ids in conversations for token in ids]
-    starts, offset = [], 0
-    for ids in conversations:
-        starts.append(offset)
-        offset += len(ids)
-    return [stream[start : start + row_tokens] for start in starts if start + row_tokens <= offset]
-
-
-def short_rows(conversations: list[list[int]], options: TargetTraining) -> list[list[int]]:
-    """The short rows `options` asks for: from each conversation's start, or cut from one
-    stream."""
-    if options.rows_at_conversation_starts:
-        return conversation_rows(conversations, options.row_tokens)
-    stream = [token for ids in conversations for token in ids]
-    size = options.row_tokens
-    return [stream[i : i + size] for i in range(0, len(stream) - size + 1, size)]
+    return [stream[i : i + row_tokens] for i in range(0, len(stream) - row_tokens + 1, row_tokens)]
 
 
 def session_rows(
@@ -145,7 +125,7 @@ def train_demo_target(
     model = AutoModelForCausalLM.from_pretrained(initial, dtype=torch.float32)
     model.train()
     conversations = render_conversations(tokenizer, data_path, options.max_conversations)
-    rows = torch.tensor(short_rows(conversations, options))
+    rows = torch.tensor(stream_rows(conversations, options.row_tokens))
     if len(rows) < options.rows_per_step:
         raise InvalidInputError(
             f"the conversations fill {len(rows)} rows of {options.row_tokens} tokens; "
