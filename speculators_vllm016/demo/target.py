@@ -17,8 +17,11 @@ Two kinds of rows:
 A target taught on short rows only has never seen a position past them: at ~1,750-token prompts
 the demo's target ended its answers after 7.5 tokens on average (32 at short prompts), and every
 draft's acceptance fell with it (#46). Long rows cut from the stream instead (`row_tokens` 2048,
-one a step) removed that fall but put a prompt's start (a conversation's first token at position
-0) nowhere in training: that target answered 60 of 160 short regeneration prompts with nothing.
+one a step) removed that fall but answered 60 of 160 short regeneration prompts with nothing (in
+such rows a conversation's first token is almost never at position 0, where every prompt puts
+it). With the session rows beside the stream rows both drafts keep their tau at ~1,730-token
+prompts and no regeneration is empty; short rows from each conversation's start instead of the
+stream measured worse at the long prompts (docs/evaluation.md).
 """
 
 from __future__ import annotations
