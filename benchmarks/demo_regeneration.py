@@ -1,5 +1,7 @@
 """Benchmark: does the demo's draft gain from on-policy data? tau of the untrained draft, the
-draft trained on the shipped conversations and the one trained on their regenerated version.
+draft trained on the shipped conversations and the one trained on their regenerated version;
+and, from the serve stage, vLLM's own tau of both trained drafts at short and at ~1,750-token
+prompts with long / short (#46).
 
     python benchmarks/demo_regeneration.py --seeds 0 1 2 \
         --output benchmarks/results/demo-regeneration-tiny-cpu-<yyyymmdd>.json
@@ -7,8 +9,10 @@ draft trained on the shipped conversations and the one trained on their regenera
 Each seed is one default `speculators demo --seed N` (its own target, data, drafts), run as a
 separate process into its own folder (`--jobs` of them at once); extra demo flags go after `--`. The taus and the seconds
 of every stage are read from the run's `demo_state.json`. It prints a table (per seed, then the
-median with min..max of each tau and of the regenerated-minus-shipped gap) and writes it, with
-the environment, as JSON.
+median with min..max of each tau and of the regenerated-minus-shipped gap) and the served taus
+and writes them, with the environment, as JSON. `--baseline-dir` reads finished runs of another
+version (seedN folders, e.g. the previous default demo's, run on the same machine) into the same
+file, side by side.
 """
 
 from __future__ import annotations
@@ -55,9 +59,53 @@ def read_run(seed: int, folder: Path, wall: float | None) -> dict:
         "prompts": figures["prompts"],
         "held_out_rows": state["split"]["figures"]["held_out_rows"][: figures["prompts"]],
         "regeneration": state["regen datagen"]["figures"],
+        "served": served_figures(state.get("serve", {}).get("figures", {})),
+        "target": state["target"]["figures"],
         "stage_seconds": {name: entry["seconds"] for name, entry in state.items()},
         "wall_seconds": wall,
     }
+
+
+def served_figures(figures: dict) -> dict:
+    """The serve stage's tau by vLLM's counters per trained draft, short and long, and how many
+    outputs equal plain greedy (empty where the run served nothing)."""
+    served: dict = {"long_prompt_tokens": figures.get("long_prompt_tokens")}
+    for draft in DRAFTS[1:]:
+        if f"vllm_tau_{draft}" in figures:
+            served[draft] = {
+                "tau_short": figures[f"vllm_tau_{draft}"],
+                "tau_long": figures.get(f"vllm_tau_long_{draft}"),
+                "long_over_short": figures.get(f"long_over_short_{draft}"),
+                "lossless": figures[f"lossless_{draft}"],
+                "lossless_long": figures.get(f"lossless_long_{draft}"),
+            }
+    return served
+
+
+def format_served(runs: list[dict]) -> str:
+    """Per seed: each trained draft's vLLM tau short / long (long/short), regenerations empty,
+    target and total seconds."""
+    lines = [
+        "| seed | shipped short / long (ratio) | regenerated short / long (ratio) | "
+        "not regenerated | target s | total s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        cells = []
+        for draft in DRAFTS[1:]:
+            figures = run["served"].get(draft)
+            cells.append(
+                "-"
+                if not figures or figures["tau_long"] is None
+                else f"{figures['tau_short']:.2f} / {figures['tau_long']:.2f} "
+                f"({figures['long_over_short']:.2f})"
+            )
+        seconds = run["stage_seconds"]
+        lines.append(
+            f"| {run['seed']} | {' | '.join(cells)} | {run['regeneration']['not_regenerated']} | "
+            f"{seconds['target']:.0f} | {sum(seconds.values()):.0f} |"
+        )
+    return "\n".join(lines)
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -107,6 +155,11 @@ def main() -> int:
         action="store_true",
         help="run nothing: read the finished runs in --work-dir (e.g. after an interrupted call)",
     )
+    parser.add_argument(
+        "--baseline-dir",
+        default=None,
+        help="also read the finished runs (seedN folders) of another version here, side by side",
+    )
     parser.add_argument("demo_args", nargs="*", help="extra `speculators demo` flags, after --")
     args = parser.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="demo-regen-bench-"))
@@ -131,12 +184,21 @@ def main() -> int:
         runs = list(pool.map(one, args.seeds))
     summary = summarise(runs)
     print(format_table(runs, summary))
+    print(format_served(runs))
+    baseline = None
+    if args.baseline_dir:
+        folder = Path(args.baseline_dir)
+        baseline = [read_run(seed, folder / f"seed{seed}", None) for seed in args.seeds]
+        print(f"baseline ({folder}):")
+        print(format_table(baseline, summarise(baseline)))
+        print(format_served(baseline))
     if args.output:
         result = {
             "command": "speculators demo --seed N" + "".join(f" {a}" for a in args.demo_args),
             "seeds_at_once": args.jobs,
             "runs": runs,
             "summary": summary,
+            "baseline": baseline,
             "environment": describe_environment(),
         }
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)

@@ -49,11 +49,33 @@ def build_parser(prog: str = "speculators demo") -> argparse.ArgumentParser:
     parser.add_argument(
         "--output-format", choices=["pt", "safetensors"], default="pt", help="sample file format"
     )
-    parser.add_argument("--target-steps", type=int, default=40, help="training steps of the target")
     parser.add_argument(
-        "--target-row-tokens", type=int, default=128, help="tokens per target training row"
+        "--target-steps",
+        type=int,
+        default=DemoOptions.target_steps,
+        help="training steps of the target",
+    )
+    parser.add_argument(
+        "--target-row-tokens",
+        type=int,
+        default=128,
+        help="tokens per short target training row (cut from the conversations' token stream)",
     )
     parser.add_argument("--target-rows-per-step", type=int, default=8, help="rows per target step")
+    parser.add_argument(
+        "--target-long-row-tokens",
+        type=int,
+        default=DemoOptions.target_long_row_tokens,
+        help="tokens per long target row (turns of the conversations chained into one chat, the "
+        "long prompts' shape), so the target answers at long prompts as at short ones; 0: short "
+        "rows only",
+    )
+    parser.add_argument(
+        "--target-long-every",
+        type=int,
+        default=DemoOptions.target_long_every,
+        help="every N-th target step trains on one long row instead of the short rows",
+    )
     parser.add_argument(
         "--draft-vocab-size", type=int, default=512, help="tokens the draft predicts"
     )

@@ -14,9 +14,14 @@ class DemoOptions:
     seq_length: int = 1024
     batch_size: int = 128
     output_format: str = "pt"
-    target_steps: int = 40
+    target_steps: int = 50
     target_row_tokens: int = 128
     target_rows_per_step: int = 8
+    target_long_row_tokens: int = 2048
+    """The target's long rows: sessions of chained turns of about this many tokens, so it answers
+    at the long prompts as at short ones (`demo.target`); 0: short rows only."""
+    target_long_every: int = 5
+    """Every N-th target step trains on one long row instead of the short rows."""
     draft_vocab_size: int = 512
     epochs: int = 2
     lr: float = 1e-3

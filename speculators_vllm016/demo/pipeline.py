@@ -113,6 +113,8 @@ def stage_options(options: DemoOptions) -> dict[str, dict[str, Any]]:
             "target_steps": options.target_steps,
             "target_row_tokens": options.target_row_tokens,
             "target_rows_per_step": options.target_rows_per_step,
+            "target_long_row_tokens": options.target_long_row_tokens,
+            "target_long_every": options.target_long_every,
         },
         "datagen": {
             "seq_length": options.seq_length,
@@ -215,6 +217,22 @@ def _check_long_context(options: DemoOptions) -> None:
         )
 
 
+def _check_target_rows(options: DemoOptions) -> None:
+    """Refuse, in one line naming the flag, long target rows past the target's positions or a
+    step rhythm that never comes (before anything is written)."""
+    from speculators_vllm016.demo import MAX_POSITIONS
+
+    if not 0 <= options.target_long_row_tokens <= MAX_POSITIONS:
+        raise InvalidInputError(
+            f"--target-long-row-tokens must be between 0 and the target's {MAX_POSITIONS} "
+            f"positions, got {options.target_long_row_tokens}"
+        )
+    if options.target_long_row_tokens and options.target_long_every < 1:
+        raise InvalidInputError(
+            f"--target-long-every must be at least 1, got {options.target_long_every}"
+        )
+
+
 def run_demo(options: DemoOptions) -> DemoResult:
     """Run (or resume) every stage; returns what each stage wrote and measured."""
     from speculators_vllm016.demo import demo_conversations_path
@@ -231,6 +249,7 @@ def run_demo(options: DemoOptions) -> DemoResult:
             f"--regenerate-max-tokens must be at least 1, got {options.regenerate_max_tokens}"
         )
     _check_long_context(options)
+    _check_target_rows(options)
     dtype, why = choose_engine_dtype(options.dtype)
     if why is not None:
         print(why)

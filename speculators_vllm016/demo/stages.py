@@ -99,6 +99,8 @@ def _target_stage(run: DemoRun) -> tuple[dict, dict]:
             steps=options.target_steps,
             row_tokens=options.target_row_tokens,
             rows_per_step=options.target_rows_per_step,
+            long_row_tokens=options.target_long_row_tokens,
+            long_every=options.target_long_every,
             seed=options.seed,
             show_progress=options.show_progress,
         ),

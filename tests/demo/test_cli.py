@@ -27,6 +27,9 @@ SMALL = [
     "safetensors",
     "--target-steps",
     "24",
+    # Long target rows as long as the long prompts below (the default 2,048 would cost more).
+    "--target-long-row-tokens",
+    "640",
     "--epochs",
     "4",
     "--lr",

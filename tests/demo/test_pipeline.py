@@ -92,6 +92,9 @@ def test_each_stage_depends_on_its_options_and_those_of_the_stages_it_reads():
     # The drafts' window retrains both drafts; the long prompts' length only serves again.
     assert changed(sliding_window=64) == ["train", "regen train", "eval", "serve"]
     assert changed(long_context=900) == ["serve"]
+    # The target's long rows change the target, so everything after the split.
+    assert changed(target_long_row_tokens=1024) == names[1:]
+    assert changed(target_long_every=2) == names[1:]
     # The regeneration's own options leave the target, the shipped draft and their data alone.
     assert changed(regenerate_max_tokens=16) == [
         "regen datagen",
@@ -309,6 +312,11 @@ def test_a_user_mistake_in_the_split_is_refused_before_the_demo_folder_is_made(t
             ["--sliding-window", "2"],
             "--sliding-window must be 0 (full attention) or at least the 3",
         ),
+        (
+            ["--target-long-row-tokens", "4096"],
+            "--target-long-row-tokens must be between 0 and the target's 2048 positions",
+        ),
+        (["--target-long-every", "0"], "--target-long-every must be at least 1"),
     ],
 )
 def test_long_prompts_past_the_targets_positions_or_a_window_too_short_are_refused(
