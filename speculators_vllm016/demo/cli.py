@@ -35,19 +35,29 @@ def build_parser(prog: str = "speculators demo") -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument(
-        "--output-dir", default="output/demo", help="folder for everything the demo writes"
+        "--output-dir", default=DemoOptions.output_dir, help="folder for everything the demo writes"
     )
     parser.add_argument(
         "--max-samples",
         type=int,
-        default=160,
+        default=DemoOptions.max_samples,
         help="conversations both drafts train on: the first N of those not held out (the "
         "package ships 320)",
     )
-    parser.add_argument("--seq-length", type=int, default=1024, help="truncate samples to this")
-    parser.add_argument("--batch-size", type=int, default=128, help="sequences per extraction call")
     parser.add_argument(
-        "--output-format", choices=["pt", "safetensors"], default="pt", help="sample file format"
+        "--seq-length", type=int, default=DemoOptions.seq_length, help="truncate samples to this"
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=DemoOptions.batch_size,
+        help="sequences per extraction call",
+    )
+    parser.add_argument(
+        "--output-format",
+        choices=["pt", "safetensors"],
+        default=DemoOptions.output_format,
+        help="sample file format",
     )
     parser.add_argument(
         "--target-steps",
@@ -58,10 +68,15 @@ def build_parser(prog: str = "speculators demo") -> argparse.ArgumentParser:
     parser.add_argument(
         "--target-row-tokens",
         type=int,
-        default=128,
+        default=DemoOptions.target_row_tokens,
         help="tokens per short target training row (cut from the conversations' token stream)",
     )
-    parser.add_argument("--target-rows-per-step", type=int, default=8, help="rows per target step")
+    parser.add_argument(
+        "--target-rows-per-step",
+        type=int,
+        default=DemoOptions.target_rows_per_step,
+        help="rows per target step",
+    )
     parser.add_argument(
         "--target-long-row-tokens",
         type=int,
@@ -77,12 +92,20 @@ def build_parser(prog: str = "speculators demo") -> argparse.ArgumentParser:
         help="every N-th target step trains on one long row instead of the short rows",
     )
     parser.add_argument(
-        "--draft-vocab-size", type=int, default=512, help="tokens the draft predicts"
+        "--draft-vocab-size",
+        type=int,
+        default=DemoOptions.draft_vocab_size,
+        help="tokens the draft predicts",
     )
-    parser.add_argument("--epochs", type=int, default=2, help="draft training epochs")
-    parser.add_argument("--lr", type=float, default=1e-3, help="draft learning rate")
     parser.add_argument(
-        "--total-seq-len", type=int, default=2048, help="tokens per packed draft row"
+        "--epochs", type=int, default=DemoOptions.epochs, help="draft training epochs"
+    )
+    parser.add_argument("--lr", type=float, default=DemoOptions.lr, help="draft learning rate")
+    parser.add_argument(
+        "--total-seq-len",
+        type=int,
+        default=DemoOptions.total_seq_len,
+        help="tokens per packed draft row",
     )
     parser.add_argument(
         "--sliding-window",
@@ -102,20 +125,26 @@ def build_parser(prog: str = "speculators demo") -> argparse.ArgumentParser:
     parser.add_argument(
         "--held-out-every",
         type=int,
-        default=6,
+        default=DemoOptions.held_out_every,
         help="hold out every N-th distinct opening question of the shipped conversations for "
         "the evaluation: no row asking it trains the target or a draft",
     )
     parser.add_argument(
-        "--eval-prompts", type=int, default=24, help="held-out prompts for the evaluation"
+        "--eval-prompts",
+        type=int,
+        default=DemoOptions.eval_prompts,
+        help="held-out prompts for the evaluation",
     )
     parser.add_argument(
-        "--max-new-tokens", type=int, default=32, help="tokens generated per prompt"
+        "--max-new-tokens",
+        type=int,
+        default=DemoOptions.max_new_tokens,
+        help="tokens generated per prompt",
     )
     parser.add_argument(
         "--regenerate-max-tokens",
         type=int,
-        default=64,
+        default=DemoOptions.regenerate_max_tokens,
         help="the regenerated draft's data: at most this many tokens per regenerated answer",
     )
     parser.add_argument(
@@ -129,11 +158,11 @@ def build_parser(prog: str = "speculators demo") -> argparse.ArgumentParser:
         action="store_true",
         help="skip the last stage, vLLM serving the held-out prompts with each trained draft",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seeds every stage")
+    parser.add_argument("--seed", type=int, default=DemoOptions.seed, help="seeds every stage")
     parser.add_argument(
         "--dtype",
         choices=ENGINE_DTYPES,
-        default="auto",
+        default=DemoOptions.dtype,
         help="the extraction engine's dtype; auto: vLLM's choice (bfloat16 for this "
         "model) where the CPU computes bfloat16 natively, float32 where it "
         "would be emulated (about 5x slower)",

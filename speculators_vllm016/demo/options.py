@@ -23,7 +23,7 @@ class DemoOptions:
     target_long_every: int = 5
     """Every N-th target step trains on one long row instead of the short rows."""
     draft_vocab_size: int = 512
-    epochs: int = 2
+    epochs: int = 3
     lr: float = 1e-3
     total_seq_len: int = 2048
     eval_prompts: int = 24

@@ -159,7 +159,7 @@ def test_a_stage_whose_options_changed_runs_again_from_scratch_with_every_later_
     records = _stages(tmp_path, replace(base, epochs=7), ran)
     assert ran == ["train", "regen train", "eval", "serve"]  # old outputs were removed first
     assert [r.reused for r in records] == [True] * 5 + [False, True, True, False, False, False]
-    assert "train: running it again (epochs: 2 -> 7)" in capsys.readouterr().out
+    assert "train: running it again (epochs: 3 -> 7)" in capsys.readouterr().out
     assert json.loads((tmp_path / "train" / "out").read_text())["epochs"] == 7
 
     # A crash in eval, then a rerun with other options: train and eval run again.
@@ -358,3 +358,12 @@ def test_the_summary_without_regeneration_names_the_held_out_rows_and_two_taus(c
     assert "24 held-out prompts" in printed and "(rows 5, 11, 17, ..., 24 of the shipped" in printed
     assert "tau: untrained 1.000, shipped 2.500\n" in printed
     assert "regenerat" not in printed
+
+
+def test_the_command_lines_defaults_are_the_options_defaults():
+    """Each flag's default is `DemoOptions`' (one declaration): the command line given nothing
+    asks for exactly the default demo, and `--help` shows the defaults the demo runs with."""
+    from speculators_vllm016.demo.cli import build_parser, options_from_args
+    from speculators_vllm016.demo.options import DemoOptions
+
+    assert options_from_args(build_parser().parse_args([])) == DemoOptions()
