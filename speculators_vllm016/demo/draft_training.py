@@ -60,14 +60,14 @@ def train_config(
     target: Path,
 ) -> TrainJobConfig:
     """A draft's training job: its lane's folders, the demo's options, the CPU in this process."""
-    from speculators_vllm016.train.jobs.job_config import (
+    from speculators_vllm016.train.jobs.job_config import TrainJobConfig
+    from speculators_vllm016.train.jobs.job_sections import (
         CheckpointConfig,
         DataConfig,
         LoggingConfig,
         ModelConfig,
         RuntimeConfig,
         TrainingConfig,
-        TrainJobConfig,
         VocabConfig,
     )
     from speculators_vllm016.train.vocab_maps import D2T_FILE, T2D_FILE

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from speculators_vllm016.train.draft_contract import DraftCallOptions
-from speculators_vllm016.train.jobs.job_config import CHECKPOINT_DTYPES
+from speculators_vllm016.train.jobs.job_sections import CHECKPOINT_DTYPES
 
 if TYPE_CHECKING:
     from speculators_vllm016.train.jobs.job_config import TrainJobConfig

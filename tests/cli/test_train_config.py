@@ -12,13 +12,13 @@ from speculators_vllm016.cli.train import build_parser, config_from_argv, main
 from speculators_vllm016.train.jobs.job_config import (
     CONFIG_FILE,
     JobConfigError,
-    TrainingConfig,
     TrainJobConfig,
     all_fields,
     config_fields,
     load_job_config,
     save_job_config,
 )
+from speculators_vllm016.train.jobs.job_sections import TrainingConfig
 from speculators_vllm016.utils.field_docs import field_docs
 from tests.training_fixtures import train_args
 

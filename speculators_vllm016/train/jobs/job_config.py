@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from speculators_vllm016.train.jobs.job_sections import (
-    CHECKPOINT_DTYPES,
     CheckpointConfig,
     DataConfig,
     DatagenPart,
@@ -45,32 +44,19 @@ from speculators_vllm016.train.jobs.job_sections import (
     RuntimeConfig,
     TrainingConfig,
     VocabConfig,
-    datagen_part,
 )
 from speculators_vllm016.utils.atomic_files import atomic_write_text
 from speculators_vllm016.utils.errors import InvalidInputError
 from speculators_vllm016.utils.field_docs import field_docs
 
 __all__ = [
-    "CHECKPOINT_DTYPES",
     "CONFIG_FILE",
-    "CheckpointConfig",
-    "DataConfig",
-    "DatagenPart",
     "FieldSpec",
     "JobConfigError",
-    "LegacyConfig",
-    "LoggingConfig",
-    "ModelConfig",
-    "OnlineConfig",
     "all_fields",
-    "RuntimeConfig",
     "TrainJobConfig",
     "TrainSetupError",
-    "TrainingConfig",
-    "VocabConfig",
     "config_fields",
-    "datagen_part",
     "load_job_config",
     "save_job_config",
 ]

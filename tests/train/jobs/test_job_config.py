@@ -10,7 +10,8 @@ from speculators_vllm016.data_generation.options import (
     OutputOptions,
     PreprocessingOptions,
 )
-from speculators_vllm016.train.jobs.job_config import OnlineConfig, TrainJobConfig, config_fields
+from speculators_vllm016.train.jobs.job_config import TrainJobConfig, config_fields
+from speculators_vllm016.train.jobs.job_sections import OnlineConfig
 from speculators_vllm016.utils.field_docs import field_docs
 
 ONLINE = {
