@@ -5,13 +5,11 @@ start and a torchrun less per suite."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.train.online.test_loader import common, make_setup
-from tests.training_fixtures import cli_env, train_command
+from tests.train.online.test_loader import common, make_setup, train_two_ranks
 
 
 @pytest.fixture(scope="session")
@@ -25,13 +23,7 @@ def offline_two(setup, tiny_llama) -> Path:
     """Offline training on datagen's folder under torchrun, two ranks (gloo, DDP)."""
     root, _, datagen = setup
     save = root / "offline-2"
-    argv = [*common(tiny_llama, root, save), "--parallel", "ddp", "--data-path", str(datagen)]
-    done = subprocess.run(
-        train_command(argv, processes=2),
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=1200,
+    train_two_ranks(
+        [*common(tiny_llama, root, save), "--parallel", "ddp", "--data-path", str(datagen)]
     )
-    assert done.returncode == 0, done.stderr[-3000:]
     return save

@@ -27,7 +27,7 @@ from speculators_vllm016.data_generation.vllm_hidden_states_generator import Hid
 from speculators_vllm016.demo import demo_conversations_path
 from speculators_vllm016.train.data import list_files
 from speculators_vllm016.train.vocab_mapping import build_vocab_mappings_from_distribution
-from tests.training_fixtures import cli_env
+from tests.training_fixtures import cli_env, train_command
 
 ROWS = 12
 SEQ_LENGTH = 96
@@ -143,6 +143,19 @@ def hybrid_run(setup, tiny_llama):
 
 def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     return load_file(str(checkpoint / "model.safetensors"))
+
+
+def train_two_ranks(argv: list[str]) -> None:
+    """`speculators train argv` under torchrun with two processes; a hang (e.g. an engine's
+    worker joining torchrun's store) fails by the timeout."""
+    done = subprocess.run(
+        train_command(argv, processes=2),
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
 
 
 def assert_same_weights(a: Path, b: Path) -> None:
@@ -539,7 +552,6 @@ def test_two_rank_online_training_equals_two_rank_offline_training(setup, tiny_l
     batches; the weights equal 2-rank offline training on datagen's folder (conftest's
     `offline_two`), bit for bit (fp32), with and without --cache-dir (written by rank 0, read by
     both ranks in epoch 2)."""
-    from tests.training_fixtures import train_command
 
     root, chats, datagen = setup
     runs = {"offline-2": offline_two}
@@ -548,15 +560,7 @@ def test_two_rank_online_training_equals_two_rank_offline_training(setup, tiny_l
         ("hybrid-2", [*online_flags(chats, root), "--cache-dir", str(root / "cache-2")]),
     ):
         save = root / name
-        argv = [*common(tiny_llama, root, save), "--parallel", "ddp", *flags]
-        done = subprocess.run(  # a hang (e.g. the engine's worker joining torchrun's store) fails
-            train_command(argv, processes=2),
-            env=cli_env(),
-            capture_output=True,
-            text=True,
-            timeout=1200,
-        )
-        assert done.returncode == 0, done.stderr[-4000:]
+        train_two_ranks([*common(tiny_llama, root, save), "--parallel", "ddp", *flags])
         runs[name] = save
     for epoch in ("0", "1"):
         assert_same_weights(runs["online-2"] / epoch, runs["offline-2"] / epoch)
