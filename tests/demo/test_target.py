@@ -101,3 +101,105 @@ def test_every_nth_step_trains_on_one_long_row(tokenizer):
     assert all(torch.equal(a, b) for a, b in zip(batches, again, strict=True))
     without = list(_step_batches(rows, [], options, torch.Generator().manual_seed(0)))
     assert [tuple(b.shape) for b in without] == [(2, 4)] * 12
+
+
+def test_short_rows_are_the_token_stream_cut_into_consecutive_whole_rows():
+    """No token twice, none skipped but the last partial row (a row is never padded)."""
+    from speculators_vllm016.demo.target import stream_rows
+
+    conversations = [list(range(0, 5)), list(range(5, 12)), list(range(12, 23))]
+    assert stream_rows(conversations, 4) == [list(range(i, i + 4)) for i in range(0, 20, 4)]
+    assert stream_rows(conversations, 23) == [list(range(23))]
+    assert stream_rows(conversations, 24) == []
+
+
+def test_each_pass_over_the_short_rows_trains_every_row_once_and_long_rows_are_shuffled():
+    """A pass is a permutation of the rows (no row twice before every row once); the long rows
+    come in a seeded shuffle too, not in the sessions' order."""
+    import torch
+
+    from speculators_vllm016.demo.target import TargetTraining, _step_batches
+
+    rows = torch.arange(10).reshape(10, 1)
+    options = TargetTraining(steps=10, row_tokens=1, rows_per_step=2)
+    batches = list(_step_batches(rows, [], options, torch.Generator().manual_seed(0)))
+    for first in (0, 5):  # two passes of five steps
+        seen = sorted(int(v) for batch in batches[first : first + 5] for v in batch.flatten())
+        assert seen == list(range(10))
+    long_rows = [torch.full((1, 3), i) for i in range(8)]
+    options = TargetTraining(steps=16, row_tokens=1, rows_per_step=2, long_every=2)
+    batches = list(_step_batches(rows, long_rows, options, torch.Generator().manual_seed(0)))
+    order = [int(batch[0, 0]) for batch in batches[1::2]]
+    assert sorted(order) == list(range(8)) and order != list(range(8))
+
+
+def test_long_rows_are_chained_from_the_first_conversations_only(tokenizer):
+    """`max_conversations` (the demo's split) bounds the long rows as it bounds the short ones."""
+    from speculators_vllm016.demo import demo_conversations_path, read_conversations
+    from speculators_vllm016.demo.target import session_rows
+
+    first = list(read_conversations(demo_conversations_path()))[:30]
+    questions = {m["content"] for chat in first for m in chat if m["role"] == "user"}
+    rows = session_rows(tokenizer, demo_conversations_path(), 400, limit=30)
+    assert rows
+    for row in rows:
+        text = tokenizer.decode(row)
+        asked = [
+            part.split("<|eot_id|>")[0] for part in text.split("user<|end_header_id|>\n\n")[1:]
+        ]
+        assert asked and set(asked) <= questions
+
+
+def _small_training(**change):
+    from speculators_vllm016.demo.target import TargetTraining
+
+    base = dict(steps=2, row_tokens=32, rows_per_step=2, long_row_tokens=400, long_every=2)
+    return TargetTraining(**{**base, "max_conversations": 30, "show_progress": False, **change})
+
+
+def test_the_target_trains_on_the_first_conversations_and_is_written_whole(
+    tiny_llama, tmp_path, monkeypatch
+):
+    """Both kinds of rows come from the `max_conversations` first conversations; the result is
+    written whole and a second call reuses it."""
+    from speculators_vllm016.demo import demo_conversations_path, target
+
+    limits = []
+    for name in ("render_conversations", "session_rows"):
+        real = getattr(target, name)
+
+        def spy(*args, _real=real, **kwargs):
+            limits.append(args[-1] if len(args) == 4 else args[2])
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(target, name, spy)
+    output = tmp_path / "target"
+    result = target.train_demo_target(
+        tiny_llama, output, demo_conversations_path(), _small_training()
+    )
+    assert limits == [30, 30]
+    assert result.steps == 2 and not result.reused
+    assert (output / target.RESULT_FILE).is_file() and (output / "config.json").is_file()
+    assert target.train_demo_target(
+        tiny_llama, output, demo_conversations_path(), _small_training()
+    ).reused
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"row_tokens": 100_000}, "fill 0 rows of 100000 tokens"),
+        ({"long_row_tokens": 20}, "no session of 20 tokens"),
+    ],
+)
+def test_too_little_data_for_the_rows_is_one_line_before_anything_is_written(
+    tiny_llama, tmp_path, change, words
+):
+    from speculators_vllm016.demo import demo_conversations_path
+    from speculators_vllm016.demo.target import train_demo_target
+    from speculators_vllm016.utils.errors import InvalidInputError
+
+    output = tmp_path / "target"
+    with pytest.raises(InvalidInputError, match=words):
+        train_demo_target(tiny_llama, output, demo_conversations_path(), _small_training(**change))
+    assert not list(tmp_path.iterdir())
