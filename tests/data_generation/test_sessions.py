@@ -21,7 +21,13 @@ from speculators_vllm016.data_generation.resume import (
     run_identity,
     samples_digest,
 )
-from speculators_vllm016.data_generation.sessions import assemble_sessions, turn_pairs
+from speculators_vllm016.data_generation.sessions import (
+    MAX_MISSES,
+    assemble_sessions,
+    fill_with_pairs,
+    fit_whole,
+    turn_pairs,
+)
 from speculators_vllm016.demo import demo_conversations_path
 from speculators_vllm016.demo.held_out import DRAFT_FILE, split_of_file, write_split
 from speculators_vllm016.utils.errors import InvalidInputError
@@ -267,3 +273,76 @@ def test_a_128k_token_session_stays_whole_from_preprocessing_to_the_packed_train
     row = create_collate_fn(LONG)([data[index]])
     assert row["lengths"].tolist() == [len(ids) - 1]  # every position after the one-token shift
     assert int(row["loss_mask"].sum()) >= int(mask.sum()) - 1
+
+
+def _template(header: int, between: int):
+    """A stand-in template: `header` tokens a rendering, and `between` x pairs^2 more between
+    the pairs (growing with them): with a big header a pair alone costs more than inside a
+    session; with a big `between` a session costs more than its pairs alone."""
+
+    def render(messages) -> list[int]:
+        pairs = len(messages) // 2
+        words = sum(len(m["content"].split()) + 2 for m in messages)
+        return [0] * (header + words + between * pairs * pairs)
+
+    return render
+
+
+@pytest.mark.parametrize(("header", "between"), [(30, 1), (10, 2)])
+def test_a_session_is_filled_again_and_a_pair_that_overflows_it_opens_the_next(header, between):
+    """The first estimate counts each pair's header: the session is filled again with what it
+    left free; a pair the whole rendering does not fit goes back to the pool, not lost."""
+    render = _template(header, between)
+    rows = _conversations(300)
+    sessions = assemble_sessions(rows, render, 400)
+    source = [p for row in rows for p in _pairs_in(row)]
+    used = [p for session in sessions for p in _pairs_in(session)]
+    assert len(used) == len(set(used)) and set(used) <= set(source)
+    assert len(used) > 0.97 * len(source)
+    fill = [len(render(session)) for session in sessions[:-1]]
+    assert all(length <= 400 for length in fill) and sum(fill) / len(fill) > 0.9 * 400
+
+
+def test_many_pairs_longer_than_a_session_do_not_stop_the_assembly():
+    long_pairs = [
+        [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a " * 500}]
+        for i in range(2 * MAX_MISSES)
+    ]
+    rows = _conversations(40)
+    assert assemble_sessions([*long_pairs, *rows], _words, 200) == assemble_sessions(
+        rows, _words, 200
+    )
+
+
+def test_only_a_user_turn_answered_right_after_it_is_a_pair():
+    user = [{"role": "user", "content": f"u{i}"} for i in range(3)]
+    answer = [{"role": "assistant", "content": f"a{i}"} for i in range(2)]
+    system = {"role": "system", "content": "s"}
+    messages = [system, user[0], user[1], answer[0], answer[1], user[2]]
+    assert list(turn_pairs(messages)) == [[user[1], answer[0]]]
+
+
+def test_pairs_fill_the_budget_exactly_and_the_search_gives_up_after_max_misses_in_a_row():
+    def pairs(costs):
+        return [[{"role": "user", "content": str(i)}, {"cost": c}] for i, c in enumerate(costs)]
+
+    def cost(pair):
+        return pair[1]["cost"]
+
+    def costs_of(chosen):
+        return [cost(pair) for pair in chosen]
+
+    assert costs_of(fill_with_pairs(pairs([20, 30]), cost, 50)) == [20, 30]  # exactly full
+    # A pair that fits resets the count of misses.
+    misses = [100] * (MAX_MISSES - 1)
+    assert costs_of(fill_with_pairs(pairs([5, *misses, 5, *misses, 5]), cost, 50)) == [5, 5, 5]
+    assert costs_of(fill_with_pairs(pairs([5, *misses, 100, 5]), cost, 50)) == [5]
+
+
+def test_a_rendering_exactly_as_long_as_the_bound_is_kept_whole():
+    chosen = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a a a"}]] * 2
+    exact = len(_words([m for pair in chosen for m in pair]))
+    assert len(fit_whole(list(chosen), _words, exact)) == exact
+    kept = list(chosen)
+    fit_whole(kept, _words, exact - 1)
+    assert len(kept) == 1
