@@ -79,6 +79,9 @@ def test_the_online_section_gives_datagens_options():
     assert options.output.show_progress is False and options.output.token_freq_path is None
     options.output.layer_ids.append(5)
     assert config.online.output.layer_ids == [1, 3]  # the options share no list with the config
+    options.preprocessing.seed = options.engine.tensor_parallel_size = 9  # nor any part
+    assert config.online.preprocessing.seed == 7 and config.online.engine.tensor_parallel_size == 2
+    assert config.online.engine.target_model_path is None  # filled in the options only
     given = TrainJobConfig.from_dict({"online": {**ONLINE, "target_model_path": "t"}})
     assert given.online.datagen_options("verifier").target_model_path == "t"
     assert TrainJobConfig().online.datagen_options("v").output.output_dir == ""
