@@ -12,11 +12,22 @@ import os
 import sys
 from collections.abc import Sequence
 
-from speculators_vllm016.demo.engine_dtype import ENGINE_DTYPES
+from speculators_vllm016.cli.field_flags import FlagSource, add_flag_sources
 from speculators_vllm016.demo.options import DemoOptions
 from speculators_vllm016.demo.pipeline import DemoResult, StageRecord
 
-__all__ = ["build_parser", "main", "options_from_args", "print_summary", "work_offline"]
+__all__ = [
+    "FLAG_SOURCES",
+    "build_parser",
+    "main",
+    "options_from_args",
+    "print_summary",
+    "work_offline",
+]
+
+# Every flag but --help/--debug is a field of `DemoOptions` (its docstring the help, in the
+# fields' order: `cli.field_flags`, as for the other commands).
+FLAG_SOURCES = [FlagSource("", DemoOptions)]
 
 
 def build_parser(prog: str = "speculators demo") -> argparse.ArgumentParser:
@@ -34,140 +45,7 @@ def build_parser(prog: str = "speculators demo") -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument(
-        "--output-dir", default=DemoOptions.output_dir, help="folder for everything the demo writes"
-    )
-    parser.add_argument(
-        "--max-samples",
-        type=int,
-        default=DemoOptions.max_samples,
-        help="conversations both drafts train on: the first N of those not held out (the "
-        "package ships 320)",
-    )
-    parser.add_argument(
-        "--seq-length", type=int, default=DemoOptions.seq_length, help="truncate samples to this"
-    )
-    parser.add_argument(
-        "--batch-size",
-        type=int,
-        default=DemoOptions.batch_size,
-        help="sequences per extraction call",
-    )
-    parser.add_argument(
-        "--output-format",
-        choices=["pt", "safetensors"],
-        default=DemoOptions.output_format,
-        help="sample file format",
-    )
-    parser.add_argument(
-        "--target-steps",
-        type=int,
-        default=DemoOptions.target_steps,
-        help="training steps of the target",
-    )
-    parser.add_argument(
-        "--target-row-tokens",
-        type=int,
-        default=DemoOptions.target_row_tokens,
-        help="tokens per short target training row (cut from the conversations' token stream)",
-    )
-    parser.add_argument(
-        "--target-rows-per-step",
-        type=int,
-        default=DemoOptions.target_rows_per_step,
-        help="rows per target step",
-    )
-    parser.add_argument(
-        "--target-long-row-tokens",
-        type=int,
-        default=DemoOptions.target_long_row_tokens,
-        help="tokens per long target row (turns of the conversations chained into one chat, the "
-        "long prompts' shape), so the target answers at long prompts as at short ones; 0: short "
-        "rows only",
-    )
-    parser.add_argument(
-        "--target-long-every",
-        type=int,
-        default=DemoOptions.target_long_every,
-        help="every N-th target step trains on one long row instead of the short rows",
-    )
-    parser.add_argument(
-        "--draft-vocab-size",
-        type=int,
-        default=DemoOptions.draft_vocab_size,
-        help="tokens the draft predicts",
-    )
-    parser.add_argument(
-        "--epochs", type=int, default=DemoOptions.epochs, help="draft training epochs"
-    )
-    parser.add_argument("--lr", type=float, default=DemoOptions.lr, help="draft learning rate")
-    parser.add_argument(
-        "--total-seq-len",
-        type=int,
-        default=DemoOptions.total_seq_len,
-        help="tokens per packed draft row",
-    )
-    parser.add_argument(
-        "--sliding-window",
-        type=int,
-        default=DemoOptions.sliding_window,
-        help="both drafts attend to the last W positions only, in training and as vLLM serves "
-        "them (train --sliding-window); 0: full attention",
-    )
-    parser.add_argument(
-        "--long-context",
-        type=int,
-        default=DemoOptions.long_context,
-        help="the serve stage also asks the held-out questions after earlier turns of other "
-        "conversations, prompts of about this many tokens, and prints each draft's tau there "
-        "and long/short; 0: short prompts only",
-    )
-    parser.add_argument(
-        "--held-out-every",
-        type=int,
-        default=DemoOptions.held_out_every,
-        help="hold out every N-th distinct opening question of the shipped conversations for "
-        "the evaluation: no row asking it trains the target or a draft",
-    )
-    parser.add_argument(
-        "--eval-prompts",
-        type=int,
-        default=DemoOptions.eval_prompts,
-        help="held-out prompts for the evaluation",
-    )
-    parser.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=DemoOptions.max_new_tokens,
-        help="tokens generated per prompt",
-    )
-    parser.add_argument(
-        "--regenerate-max-tokens",
-        type=int,
-        default=DemoOptions.regenerate_max_tokens,
-        help="the regenerated draft's data: at most this many tokens per regenerated answer",
-    )
-    parser.add_argument(
-        "--no-regenerate",
-        action="store_true",
-        help="skip the draft trained on regenerated conversations (saves its regeneration, "
-        "extraction and training)",
-    )
-    parser.add_argument(
-        "--no-serve",
-        action="store_true",
-        help="skip the last stage, vLLM serving the held-out prompts with each trained draft",
-    )
-    parser.add_argument("--seed", type=int, default=DemoOptions.seed, help="seeds every stage")
-    parser.add_argument(
-        "--dtype",
-        choices=ENGINE_DTYPES,
-        default=DemoOptions.dtype,
-        help="the extraction engine's dtype; auto: vLLM's choice (bfloat16 for this "
-        "model) where the CPU computes bfloat16 natively, float32 where it "
-        "would be emulated (about 5x slower)",
-    )
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    add_flag_sources(parser, FLAG_SOURCES)
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     return parser
 

@@ -1,7 +1,8 @@
 """One declaration per command-line flag (#49 item 2): every flag of `speculators datagen`,
-`speculators regenerate` and `speculators gen-and-train` (but --help/--debug/--verbose) is a field
-of an options dataclass, its help the field's docstring, made by `cli.field_flags` from the
-command's `FLAG_SOURCES`; a flag added by hand, or a field shown twice, fails here."""
+`speculators regenerate`, `speculators gen-and-train` and `speculators demo` (but
+--help/--debug/--verbose) is a field of an options dataclass, its help the field's docstring,
+made by `cli.field_flags` from the command's `FLAG_SOURCES`; a flag added by hand, or a field
+shown twice, fails here."""
 
 from __future__ import annotations
 
@@ -14,10 +15,16 @@ import pytest
 from speculators_vllm016.cli import datagen, gen_and_train, regenerate
 from speculators_vllm016.cli.field_flags import FlagSource, FlagView, source_flags
 from speculators_vllm016.data_generation.options import EngineOptions
+from speculators_vllm016.demo import cli as demo_cli
 
 # The flags a command declares itself: not settings of the job.
 COMMAND_FLAGS = {"-h", "--help", "--debug", "--verbose"}
-COMMANDS = {"datagen": datagen, "regenerate": regenerate, "gen-and-train": gen_and_train}
+COMMANDS = {
+    "datagen": datagen,
+    "regenerate": regenerate,
+    "gen-and-train": gen_and_train,
+    "demo": demo_cli,
+}
 
 
 def _parser_flags(parser: argparse.ArgumentParser) -> Counter[str]:
@@ -100,3 +107,11 @@ def test_the_length_flags_help_names_the_defaults_they_are_fitted_from():
     }
     assert f"None: {DEFAULT_MAX_TOKENS}," in helps["--max-tokens"]
     assert f"None: {DEFAULT_MAX_PROMPT_TOKENS}," in helps["--max-prompt-tokens"]
+
+
+def test_the_demos_switches_turn_its_stages_off():
+    """demo's on-by-default fields are shown as the `--no-...` switches they always were."""
+    args = demo_cli.build_parser().parse_args(["--no-serve", "--no-regenerate", "--no-progress"])
+    options = demo_cli.options_from_args(args)
+    assert (options.serve, options.regenerate, options.show_progress) == (False, False, False)
+    assert demo_cli.options_from_args(demo_cli.build_parser().parse_args([])).serve
