@@ -9,12 +9,13 @@ Both drafts are logit lenses of the target's last layer (tests/evaluate/drafts.p
 [1, 2, 3] of the 3-layer tiny DeepSeek-V3: id 3 is the last layer's output before the final
 norm, so served and `hf` agree only if both read that state (`models/verifier_states.py`).
 - EAGLE-3.1 (`fc_norm` with weights away from one, `norm_output` with a final norm that is not
-  flat) on the tiny DeepSeek-V3 and the tiny Kimi-K2.5 wrapper. `fc_norm` is held here (served
-  without it, the Kimi case fails); `norm_output` is not: the lens draft's layer is the identity
-  on its residual, so a later step proposes from the same state either way and the counters do
-  not move (checked by serving with the plugin always handing on the state before the norm:
-  both cases pass). The plugin serves `norm_output` the same whatever the target; that is held
-  on a Llama target by tests/vllm_plugin/test_eagle31_served.py.
+  flat) on the tiny DeepSeek-V3 and the tiny Kimi-K2.5 wrapper, both held: served without either,
+  both cases fail. The lens draft's layer is the identity on its residual, so a later step
+  proposes from the state the step before handed on: the same token again without `norm_output`,
+  the lens of the normed state with it. On the random prompts the tiny DeepSeek-V3 hardly ever
+  repeats a token and later positions are almost never accepted either way; the test adds
+  prompts of one token repeated, where it does, and the two propose differently (the `hf`
+  engine's counters [16, 9, 2] with `norm_output`, [16, 10, 4] without).
 - A Model Optimizer export recording its Kimi-K2.5 recipe's four-id list in the tiny target's
   terms, [1, 2, 3, 3] (fused layers in vLLM's numbering, then N: the final layer), converted by
   `speculators convert` against the tiny Kimi-K2.5 wrapper and served on it. Read with the other
@@ -48,6 +49,12 @@ LENGTHS = [9, 17, 26, 40, 12, 30]
 def _prompts() -> list[list[int]]:
     generator = torch.Generator().manual_seed(11)
     return [torch.randint(3, 512, (n,), generator=generator).tolist() for n in LENGTHS]
+
+
+def _repeating_prompts() -> list[list[int]]:
+    """One token repeated: the target goes on repeating, so the lens draft's later positions are
+    accepted, and they depend on what its step hands on (`norm_output`)."""
+    return [[token] * n for token, n in zip([17, 95, 204, 300, 418, 6], LENGTHS, strict=True)]
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +101,7 @@ def test_eagle31_served_on_the_deepseek_family_is_lossless_and_accepts_as_hf(
     state["norm.weight"] = norm * (0.7 + 0.6 * torch.rand(hidden, generator=generator))
     shell.load_state_dict(state, strict=False)
     shell.save_pretrained(tmp_path / "draft31")
-    prompts = _prompts()
+    prompts = _prompts() + _repeating_prompts()
     served, served_counts = _serve(served_once, target, tmp_path / "draft31", prompts)
     hf, hf_counts = _hf(target, tmp_path / "draft31", prompts)
     assert served == hf
