@@ -4,8 +4,9 @@
 transformers loads it. A wrapper such as Kimi-K2.5 (`KimiK25ForConditionalGeneration`: a
 DeepSeek-V3 language model beside a vision tower, config and modeling code only in its folder)
 loads as the causal LM of its `text_config`, built by transformers from the config vLLM 0.16
-reads, with the language model's tensors taken from the wrapper's checkpoint: no code from the
-folder runs and no vision tensor is read.
+reads (or, where eval's set-up read config.json already, from that reading, as vLLM's Kimi-K2.5
+config builds it: not read again), with the language model's tensors taken from the wrapper's
+checkpoint: no code from the folder runs and no vision tensor is read.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def load_verifier_lm(
     Wrappers (a config with a nested text config) give their language model; errors are one-line
     `ValueError`s (an unknown layout, a quantized language model, missing tensors).
     `config_dict`: its config.json where the caller read it (eval's set-up); a plain causal LM
-    transformers has a class for is then built from it, without reading config.json again.
+    transformers has a class for, or a wrapper whose language model is one, is then built from
+    it, without reading config.json again.
     """
     plain = _plain_config(config_dict) if config_dict is not None else None
     if plain is not None:
@@ -49,6 +51,9 @@ def load_verifier_lm(
         return AutoModelForCausalLM.from_pretrained(
             path, config=plain, dtype=dtype, trust_remote_code=trust_remote_code
         )
+    wrapped = _wrapped_text_config(config_dict) if config_dict is not None else None
+    if wrapped is not None:
+        return _load_wrapped_language_model(path, _architecture(config_dict), wrapped, dtype)
     config = load_verifier_config(path, trust_remote_code=trust_remote_code)
     text_config = text_config_of(config)
     if text_config is config:
@@ -57,7 +62,7 @@ def load_verifier_lm(
         return AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, trust_remote_code=trust_remote_code
         )
-    return _load_wrapped_language_model(path, config, text_config, dtype)
+    return _load_wrapped_language_model(path, _architecture(config), text_config, dtype)
 
 
 def _plain_config(config_dict: dict) -> PretrainedConfig | None:
@@ -72,6 +77,27 @@ def _plain_config(config_dict: dict) -> PretrainedConfig | None:
     if "AutoConfig" in (config_dict.get("auto_map") or {}):
         return None  # its folder's own config class: built as before, where it is allowed
     return CONFIG_MAPPING[model_type].from_dict(dict(config_dict))
+
+
+def _wrapped_text_config(config_dict: dict) -> PretrainedConfig | None:
+    """transformers' config of a wrapper's language model, from the wrapper's config.json: the
+    nested text config built by the class transformers has for its model type, as vLLM 0.16's
+    Kimi-K2.5 config builds it (`DeepseekV3Config(**text_config)`; vLLM's later RoPE patching
+    adds `rope_parameters`, which transformers 4's models do not read). None for a plain config
+    or a text model type transformers has no class for (read as before: `load_verifier_config`)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    text = text_config_of(config_dict)
+    if text is config_dict or text.get("model_type") not in CONFIG_MAPPING:
+        return None
+    return CONFIG_MAPPING[text["model_type"]].from_dict(dict(text))
+
+
+def _architecture(config: Any) -> str:
+    """The model's architecture names for messages (a config object or its config.json dict)."""
+    if isinstance(config, dict):
+        return ", ".join(config.get("architectures") or [str(config.get("model_type"))])
+    return ", ".join(getattr(config, "architectures", None) or [type(config).__name__])
 
 
 def _language_model_state(path: str, architecture: str) -> dict[str, Any]:
@@ -97,12 +123,13 @@ def _language_model_state(path: str, architecture: str) -> dict[str, Any]:
 
 
 def _load_wrapped_language_model(
-    path: str, config: PretrainedConfig, text_config: PretrainedConfig, dtype: torch.dtype | str
+    path: str, architecture: str, text_config: PretrainedConfig, dtype: torch.dtype | str
 ) -> PreTrainedModel:
+    """The wrapper's language model, built from `text_config` with the checkpoint's language
+    model tensors (`architecture`: the wrapper's, for messages)."""
     from transformers import GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    architecture = ", ".join(getattr(config, "architectures", None) or [type(config).__name__])
     try:
         model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(text_config)]
     except KeyError:

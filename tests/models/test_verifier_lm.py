@@ -74,3 +74,30 @@ def test_a_quantized_language_model_is_one_line(tiny_kimi_k25, tmp_path):
     with pytest.raises(ValueError, match="stores its language model quantized") as refused:
         load_verifier_lm(str(int4_variant(tiny_kimi_k25, tmp_path / "int4")), torch.float32)
     assert "\n" not in str(refused.value)
+
+
+def test_the_kimi_wrapper_from_the_config_eval_read_is_the_same_model_reading_it_no_more(
+    tiny_kimi_k25, reference_logits
+):
+    """eval's set-up reads config.json once and hands it on (`config_dict`): the wrapper's
+    language model is then built from it, the same as from vLLM's reading of the folder (which
+    opened config.json twice more), and config.json is not opened again."""
+    import json
+
+    from tests.reads_once import counting
+
+    config_dict = json.loads((tiny_kimi_k25 / "config.json").read_text())
+    with counting({"verifier": tiny_kimi_k25}) as seen:
+        model = load_verifier_lm(str(tiny_kimi_k25), torch.float32, config_dict=config_dict)
+    assert not [key for bucket in seen.counts().values() for key in bucket if "config.json" in key]
+    assert type(model).__name__ == "DeepseekV3ForCausalLM"
+    assert torch.equal(_logits(model), reference_logits)
+    with counting({"verifier": tiny_kimi_k25}) as before:
+        read_again = load_verifier_lm(str(tiny_kimi_k25), torch.float32)
+    assert before.vllm["verifier:config.json"] == 2  # what the hand-on saves
+    # vLLM's RoPE patching (transformers 4) makes rope_parameters the rope_scaling dict and puts
+    # rope_theta in it: neither is read by transformers 4's models (the logits above are equal).
+    ours, vllms = model.config.to_dict(), read_again.config.to_dict()
+    assert vllms.pop("rope_parameters") is vllms["rope_scaling"]
+    assert vllms["rope_scaling"].pop("rope_theta") == ours["rope_theta"]
+    assert ours == vllms
