@@ -9,6 +9,13 @@ stopped. A shard that fails more than `max_retries` times, or stops on a mistake
 the data (which any retry would repeat), fails the run with its error and its log.
 
 Ray is optional: it is imported only here and only when asked for.
+
+The target's config.json is read once here and once in each shard (#49 item 2 leaves it so):
+here to refuse a wrong model path or `--layer-ids` in one line before Ray and N tasks start;
+in each shard because a shard is its own `speculators datagen` process, started from flags on
+whichever node Ray picks, that reads the model folder on that node (its engine loads it there
+anyway). Handing the driver's reading on would take a flag no user should give, or a file, and
+would check the driver's copy of the model instead of the node's.
 """
 
 from __future__ import annotations
