@@ -101,3 +101,24 @@ def test_the_kimi_wrapper_from_the_config_eval_read_is_the_same_model_reading_it
     assert vllms.pop("rope_parameters") is vllms["rope_scaling"]
     assert vllms["rope_scaling"].pop("rope_theta") == ours["rope_theta"]
     assert ours == vllms
+
+
+def test_a_config_dict_with_the_folders_own_config_class_is_read_as_before(
+    tiny_deepseek_v3, tmp_path
+):
+    """A config.json naming its folder's own config class (`auto_map`) is not built from the
+    set-up's reading: with --trust-remote-code that class runs as it would without the reading
+    (here the folder then lacks its modeling file: the same error either way)."""
+    import json
+
+    from tests.kimi_variants import with_remote_code
+
+    outcomes = []
+    for handed_on in (False, True):
+        folder = with_remote_code(tiny_deepseek_v3, tmp_path / f"code_{handed_on}")
+        config_dict = json.loads((folder / "config.json").read_text()) if handed_on else None
+        with pytest.raises(OSError, match="modeling_kimi_k25.py") as refused:
+            load_verifier_lm(str(folder), torch.float32, True, config_dict=config_dict)
+        outcomes.append((str(refused.value).replace(str(folder), "<folder>"), folder))
+    assert outcomes[0][0] == outcomes[1][0]
+    assert all((folder / REMOTE_CODE_MARKER).exists() for _, folder in outcomes)
