@@ -108,3 +108,25 @@ def test_the_padded_keys_and_mask_match_the_last_step() -> None:
     last = extend_mask_for_draft_tokens(extend_mask_for_draft_tokens(mask))
     whole = key.repeat(1, 1, 3, 1)
     assert padded_to_capacity(whole, whole, last, 768)[2].seq_lengths == (256, 768)
+
+
+def test_a_training_step_compiles_each_block_once_but_normed_twice(eager_compile) -> None:
+    """The graphs a Llama-layer draft's first training step traces (flex aside: uncompiled on a
+    CPU), by dynamo's count: 10, every block once but `_normed` twice (no-grad in the MLP
+    input's forward; with grad for the residual norm and for both recomputations in the
+    backward pass, which hand it the norm weight as a parameter, as the forward did: a plain
+    tensor traced an 11th graph). A second step traces nothing."""
+    from benchmarks.training import PRESETS, build_model, synthetic_batch
+
+    preset = PRESETS["cpu-small"]
+    torch.manual_seed(0)
+    model = build_model(preset, torch.device("cpu"), torch.float32, "auto", None)
+    model.train()
+    model.compile_blocks = True
+    batch = synthetic_batch(preset, 256, torch.device("cpu"), torch.float32)
+
+    def step() -> None:
+        model(**batch, ttt_steps=3).loss.backward()
+
+    assert _graphs(step) == 10
+    assert _graphs(step) == 0
