@@ -50,3 +50,15 @@ def test_without_a_folder_nothing_is_set(own_environment):
 
     start_compiler(None, "cpu")
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ and "TRITON_CACHE_DIR" not in os.environ
+
+
+@pytest.mark.parametrize(("device", "started"), [("cuda:0", True), ("cuda", True), ("cpu", False)])
+def test_the_compile_workers_start_with_a_gpu_job_only(monkeypatch, device, started):
+    """On a GPU the job starts inductor's worker pool itself (`maybe_warm_pool`, stubbed here:
+    starting real workers needs Triton), so the workers come up while the weights load."""
+    import torch._inductor.async_compile as async_compile
+
+    calls = []
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: calls.append(True))
+    start_compiler(None, device)
+    assert bool(calls) is started
