@@ -77,6 +77,7 @@ class RunResult:
     median_step_seconds: float | None = None
     peak_memory_gib: float | None = None
     final_loss: float | None = None
+    first_step_seconds: float | None = None
     checkpoint_save_seconds: float | None = None
     checkpoint_load_seconds: float | None = None
     checkpoint_save_seconds_each: list[float] | None = None
@@ -310,6 +311,8 @@ def summarize_metrics(path: Path, warmup_steps: int) -> dict[str, Any]:
     steps = sorted(read_train_steps(path), key=lambda entry: entry["step"])
     timed = steps[warmup_steps:]
     summary: dict[str, Any] = {"steps_logged": len(steps), "timed_steps": len(timed)}
+    if steps:  # compilation included: a fresh process's first step
+        summary["first_step_seconds"] = round(steps[0]["step_seconds"], 4)
     if not timed:
         return summary
     tokens = [entry["tokens"] for entry in timed]
@@ -420,9 +423,14 @@ def compare_weights(first: Path, second: Path) -> tuple[bool, float]:
 
 
 def _launch(
-    command: list[str], name: str, log: Path, timeout: float, root: Path = ROOT
+    command: list[str],
+    name: str,
+    log: Path,
+    timeout: float,
+    root: Path = ROOT,
+    extra_env: dict[str, str] | None = None,
 ) -> tuple[int | None, str | None, float]:
-    env = {**os.environ, **SAFE_ENV, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **SAFE_ENV, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     if name in ONE_PROCESS_RUNS and "CUDA_VISIBLE_DEVICES" not in os.environ:
         env["CUDA_VISIBLE_DEVICES"] = "0"
@@ -437,6 +445,17 @@ def _launch(
         print("\n".join(tail), flush=True)
         error = f"exit {returncode}: " + (tail[-1][:300] if tail else "")
     return returncode, error, seconds
+
+
+def cold_compile_cache(work: Path, label: str, args: argparse.Namespace) -> dict[str, str]:
+    """With `--cold-compile-cache`: an empty compile cache of the run's own (inductor's and
+    Triton's), so that every run's first step compiles from nothing, the baseline's too."""
+    if not args.cold_compile_cache:
+        return {}
+    folder = work / f"compile-cache-{label}"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    return {"TORCHINDUCTOR_CACHE_DIR": str(folder), "TRITON_CACHE_DIR": str(folder / "triton")}
 
 
 def run_trainer(
@@ -455,7 +474,9 @@ def run_trainer(
     command = train_command(name, processes, paths, save, args)
     log = work / f"run-{label}.log"
     with checkpoint_pruning(save, args.keep_checkpoints):
-        returncode, error, seconds = _launch(command, name, log, args.run_timeout, root)
+        returncode, error, seconds = _launch(
+            command, name, log, args.run_timeout, root, cold_compile_cache(work, label, args)
+        )
     metrics = save / "metrics.jsonl"
     summary = (
         summarize_metrics(metrics, args.warmup_steps)
@@ -786,6 +807,12 @@ def make_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="seconds for the 0.3.0 run (default: --run-timeout)",
+    )
+    parser.add_argument(
+        "--cold-compile-cache",
+        action="store_true",
+        help="every run with an empty compile cache of its own (TORCHINDUCTOR_CACHE_DIR, "
+        "TRITON_CACHE_DIR): first steps compiled from nothing, comparable across runs",
     )
     parser.add_argument(
         "--baseline-checkout",

@@ -140,3 +140,37 @@ def test_a_device_snapshot_reaches_the_host_bit_for_bit():
     for name, tensor in expected.items():
         assert host["weights"][name].device.type == "cpu"
         assert torch.equal(host["weights"][name], tensor), name
+
+
+def test_every_ttt_step_runs_one_flex_kernel_with_the_same_bits(monkeypatch):
+    """Keys padded to the last TTT step's length (`attention.key_capacity`): flex compiles once
+    for all steps, and the step's loss, gradients and draft tokens are those of unpadded keys
+    (the padded key blocks are listed nowhere in the mask, so the kernel never reads them)."""
+    from torch._dynamo.utils import counters
+
+    from benchmarks.training import PRESETS, build_model, synthetic_batch
+    from speculators_vllm016.models.eagle3 import core, model_definitions
+
+    def fresh_step(capacity: bool):
+        torch._dynamo.reset()
+        model_definitions._COMPILED.clear()
+        if not capacity:
+            monkeypatch.setattr(core, "key_capacity", lambda mask, steps: {})
+        before = counters["stats"]["unique_graphs"]
+        _step(model, batch, skip=False)  # compiles
+        graphs = counters["stats"]["unique_graphs"] - before
+        monkeypatch.undo()
+        return graphs, _step(model, batch, skip=False)
+
+    device = torch.device("cuda")
+    preset = PRESETS["cpu-small"]
+    torch.manual_seed(0)
+    model = build_model(preset, device, torch.bfloat16, "auto", None)
+    model.train()
+    batch = synthetic_batch(preset, 1024, device, torch.bfloat16)
+    plain_graphs, (plain_loss, plain_grads, plain_tokens) = fresh_step(capacity=False)
+    padded_graphs, (loss, grads, tokens) = fresh_step(capacity=True)
+    assert padded_graphs == plain_graphs - 1  # flex's second, symbolic-key-length graph is gone
+    assert torch.equal(loss, plain_loss)
+    assert _worst_relative_difference(grads, plain_grads) == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(tokens, plain_tokens, strict=True))

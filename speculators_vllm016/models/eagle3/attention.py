@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,11 +35,14 @@ __all__ = [
     "ATTENTION_INTERFACE_NAME",
     "block_mask_to_dense_attention_mask",
     "build_step_zero_mask",
+    "compiled_flex",
     "create_combined_mask_mod",
     "document_block_mask",
     "document_ids",
     "extend_mask_for_draft_tokens",
     "flex_attention_forward",
+    "key_capacity",
+    "padded_to_capacity",
     "step_mask",
 ]
 
@@ -274,7 +278,60 @@ def _listed_blocks(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts[None, None], order.to(torch.int32)[None, None]
 
 
-def _flex(query, key, value, block_mask, scale, enable_gqa):
+def key_capacity(mask: Any, ttt_steps: int) -> dict[str, int]:
+    """The keyword `flex_attention_forward` takes to give flex the same key length at every TTT
+    step: `ttt_steps` times the row for a `BlockMask`, nothing for a dense mask.
+
+    Step k attends over (k + 1) row lengths of keys. Handed those lengths as they are, the
+    compiled flex kernel was built for step 0's length, then again with a symbolic key length
+    at step 1 (9.2 s of a cold first step's 43.5 s on an H100 at 8,192 tokens); with every
+    step's keys padded to the last step's length it is built once, for fixed shapes.
+    """
+    if not isinstance(mask, BlockMask) or ttt_steps < 2:
+        return {}
+    return {"kv_capacity": ttt_steps * mask.seq_lengths[0]}
+
+
+def padded_to_capacity(
+    key: torch.Tensor, value: torch.Tensor, block_mask: BlockMask, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor, BlockMask]:
+    """`key`, `value` zero-padded to `capacity` positions and `block_mask` widened to match.
+
+    The padded key blocks are listed nowhere in the mask, so the compiled kernel, which visits
+    only the listed blocks, never reads them: the same blocks in the same order as unpadded,
+    and zero gradients for the padding. (Uncompiled flex evaluates `mask_mod` everywhere and
+    would see them: this is for the compiled path only.) The mask's count tensors are copied
+    so that every step hands flex tensors of one kind (not views at one step, copies at the
+    next), which dynamo would otherwise tell apart.
+    """
+    q_len, kv_len = block_mask.seq_lengths
+    if kv_len > capacity or (capacity - kv_len) % block_mask.BLOCK_SIZE[1]:
+        raise InvalidInputError(
+            f"cannot pad {kv_len} keys to {capacity}: not a whole number of "
+            f"{block_mask.BLOCK_SIZE[1]}-key blocks more"
+        )
+    pad = capacity - key.shape[-2]
+    extra_blocks = (capacity - kv_len) // block_mask.BLOCK_SIZE[1]
+
+    def widened(indices: torch.Tensor | None) -> torch.Tensor | None:
+        return None if indices is None else F.pad(indices, (0, extra_blocks))
+
+    def copied(counts: torch.Tensor | None) -> torch.Tensor | None:
+        return None if counts is None else counts.clone()
+
+    mask = BlockMask.from_kv_blocks(
+        copied(block_mask.kv_num_blocks),
+        widened(block_mask.kv_indices),
+        copied(block_mask.full_kv_num_blocks),
+        widened(block_mask.full_kv_indices),
+        BLOCK_SIZE=block_mask.BLOCK_SIZE,
+        mask_mod=block_mask.mask_mod,
+        seq_lengths=(q_len, capacity),
+    )
+    return F.pad(key, (0, 0, 0, pad)), F.pad(value, (0, 0, 0, pad)), mask
+
+
+def _flex(query, key, value, block_mask, scale, enable_gqa, kv_capacity=None):
     """Flex attention, compiled on accelerators (uncompiled it materialises all scores)."""
     if query.device.type == "cpu":
         with warnings.catch_warnings():
@@ -283,6 +340,14 @@ def _flex(query, key, value, block_mask, scale, enable_gqa):
             return flex_attention(
                 query, key, value, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa
             )
+    return compiled_flex(query, key, value, block_mask, scale, enable_gqa, kv_capacity)
+
+
+def compiled_flex(query, key, value, block_mask, scale, enable_gqa, kv_capacity=None):
+    """Compiled flex attention, the keys padded to `kv_capacity` first when given
+    (`key_capacity`): one kernel for every TTT step."""
+    if kv_capacity is not None:
+        key, value, block_mask = padded_to_capacity(key, value, block_mask, kv_capacity)
     return maybe_compiled(flex_attention, True)(
         query, key, value, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa
     )
@@ -295,19 +360,27 @@ def flex_attention_forward(
     value: torch.Tensor,
     attention_mask,
     scaling: float | None = None,
+    kv_capacity: int | None = None,
     **_kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Attention for transformers' attention interface: `[B, H, L, D]` in, `[B, L, H, D]` out.
 
     With a `BlockMask`, flex attention (block-sparse); with a dense boolean or additive mask,
-    SDPA. Grouped key/value heads are broadcast to the query heads.
+    SDPA. Grouped key/value heads are broadcast to the query heads. `kv_capacity`
+    (`key_capacity`): the key length every TTT step's compiled flex call is padded to.
     """
     enable_gqa = query.shape[1] != key.shape[1]
     if isinstance(attention_mask, BlockMask):
         # The query keeps its layout: flex writes the output in it, so a query that is a
         # `[B, H, L, D]` view of `[B, L, H, D]` memory gives an output the caller reads as is.
         out = _flex(
-            query, key.contiguous(), value.contiguous(), attention_mask, scaling, enable_gqa
+            query,
+            key.contiguous(),
+            value.contiguous(),
+            attention_mask,
+            scaling,
+            enable_gqa,
+            kv_capacity,
         )
     else:
         mask = attention_mask

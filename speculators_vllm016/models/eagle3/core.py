@@ -34,6 +34,7 @@ from speculators_vllm016.models.eagle3 import mla_layer as _mla_layer  # noqa: F
 from speculators_vllm016.models.eagle3.attention import (
     ATTENTION_INTERFACE_NAME,
     extend_mask_for_draft_tokens,
+    key_capacity,
     step_mask,
 )
 from speculators_vllm016.models.eagle3.config import Eagle3SpeculatorConfig, sliding_window_of
@@ -404,15 +405,13 @@ class Eagle3DraftModel(SpeculatorModel):
         """Unroll `ttt_steps` draft steps over a packed row `[1, total_seq_len]`.
 
         `hidden_states` `[1, T, 3 * target_hidden]` are the fused auxiliary target states,
-        `input_ids` `[1, T]` the tokens paired with them (the shifted batch: position i holds
-        token x[i+1] beside the states of token i). Step 0 feeds `input_ids`; step k > 0 feeds
-        the draft's own previous argmax (mapped through `d2t`), or with
-        `use_off_policy_tokens=True` the ground truth: `input_ids[i + k]` at position i, i.e. the
-        token x[i+k+1] that the chain started at i would have produced at step k - 1 had every
-        earlier step been right (exact teacher forcing; zeros past the row's end, never scored).
-        `output_logits=True` also returns every step's draft logits `[1, T, draft_vocab]`.
-        With `skip_unused_positions`, draft tokens of positions nothing reads are -1.
-        """
+        `input_ids` `[1, T]` the tokens paired with them (the shifted batch: position i holds token
+        x[i+1] beside the states of token i). Step 0 feeds `input_ids`; step k > 0 feeds the draft's
+        own previous argmax (mapped through `d2t`), or with `use_off_policy_tokens=True` the ground
+        truth: `input_ids[i + k]` at position i, the token x[i+k+1] the chain from i would have
+        produced at step k - 1 had every earlier step been right (teacher forcing; zeros past the
+        row's end, unscored). `output_logits=True` also returns every step's draft logits
+        `[1, T, draft_vocab]`; with `skip_unused_positions`, positions nothing reads draft -1."""
         row = pack_row(
             hidden_states,
             input_ids,
@@ -444,6 +443,7 @@ class Eagle3DraftModel(SpeculatorModel):
         input_ids, position_ids, mask = row.input_ids, row.position_ids, row.mask
         draft_tokens: list[torch.Tensor] = []
         all_logits: list[torch.Tensor] | None = [] if output_logits else None
+        kwargs.update(key_capacity(row.mask, ttt_steps))  # one flex kernel for every step
         for step in range(ttt_steps):
             with torch.no_grad():
                 embeds = self.embed_tokens(input_ids)

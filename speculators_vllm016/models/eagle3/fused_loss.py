@@ -35,6 +35,32 @@ def _kl_rows(
     return _kl_chunk(logits, targets[rows], row_weights[rows])
 
 
+def _chunk_block(function, compiled: bool):
+    """`function` (a KL block) compiled with the chunk's row count symbolic from its first call,
+    or itself.
+
+    Every chunk of a step but the last has `chunk_size` rows, the last fewer. Compiled for the
+    first chunk's fixed count, the last chunk compiled the block again (1.6-1.8 s of a cold
+    first step on an H100 at the Kimi-K2.5 draft's shapes). Here dim 0 of the first argument,
+    and of every other argument of that length, is marked dynamic before each call. The block
+    works row by row (a softmax per row) except for the loss, one sum over the chunk's rows
+    whose order a symbolic kernel may choose otherwise: the gradients and the argmax keep their
+    bits, the loss can change in its last ones.
+    """
+    block = maybe_compiled(function, compiled)
+    if not compiled:
+        return block
+
+    def call(logits: torch.Tensor, *rest: torch.Tensor):
+        rows = logits.shape[0]
+        for tensor in (logits, *rest):
+            if tensor.dim() >= 1 and tensor.shape[0] == rows:
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        return block(logits, *rest)
+
+    return call
+
+
 def _accumulate_product(
     total: torch.Tensor, left: torch.Tensor, right: torch.Tensor
 ) -> torch.Tensor:
@@ -140,7 +166,7 @@ class _LinearKL(torch.autograd.Function):
             predicted = torch.full((rows,), -1, dtype=torch.long, device=hidden.device)
         else:
             predicted = torch.empty(rows, dtype=torch.long, device=hidden.device)
-        chunk_math = maybe_compiled(_kl_chunk if order is None else _kl_rows, compiled)
+        chunk_math = _chunk_block(_kl_chunk if order is None else _kl_rows, compiled)
         for start in range(0, graded, chunk_size):
             end = min(start + chunk_size, graded)
             if order is None:

@@ -250,6 +250,14 @@ def _rebuilding(state: tuple[str, bool, torch.dtype]):
     return torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled)
 
 
+def _leaf(saved: torch.Tensor, need: bool, parameter: bool) -> torch.Tensor:
+    """A saved tensor as a leaf of a backward pass's recomputation, of the kind the forward got:
+    a norm weight as a parameter (same storage), so the compiled `_normed` graph of the residual
+    norm serves the recomputation too (dynamo tells a plain tensor apart: one more graph)."""
+    leaf = saved.detach()
+    return nn.Parameter(leaf, requires_grad=need) if parameter else leaf.requires_grad_(need)
+
+
 class _ProjectRebuiltInput(torch.autograd.Function):
     """`F.linear(build(*sources), weight, bias)` that keeps `sources` for the backward pass, not
     the projection's input: `build` is cheap element-wise work (norms, concatenation) whose
@@ -263,6 +271,7 @@ class _ProjectRebuiltInput(torch.autograd.Function):
         x = build(*sources)
         # Tensors are saved through autograd; the rest (norm epsilons) as they are.
         ctx.is_tensor = [isinstance(source, torch.Tensor) for source in sources]
+        ctx.is_parameter = [isinstance(source, nn.Parameter) for source in sources]
         ctx.constants = [
             None if tensor else source
             for source, tensor in zip(sources, ctx.is_tensor, strict=True)
@@ -276,8 +285,10 @@ class _ProjectRebuiltInput(torch.autograd.Function):
         needs = ctx.needs_input_grad[3:]
         saved = iter(tensors)
         leaves = [
-            next(saved).detach().requires_grad_(need) if tensor else constant
-            for tensor, constant, need in zip(ctx.is_tensor, ctx.constants, needs, strict=True)
+            _leaf(next(saved), need, parameter) if tensor else constant
+            for tensor, constant, need, parameter in zip(
+                ctx.is_tensor, ctx.constants, needs, ctx.is_parameter, strict=True
+            )
         ]
         grad_mode, autocast = _rebuilding(ctx.autocast)
         with grad_mode, autocast:
@@ -311,7 +322,7 @@ class _ProjectNormedPair(torch.autograd.Function):
         ctx.autocast = _autocast_state(weight.device.type)
         ctx.has_bias = bias is not None
         ctx.eps = (a_eps, b_eps)
-        ctx.compiled = compiled
+        ctx.compiled, ctx.b_weight_is_parameter = compiled, isinstance(b_weight, nn.Parameter)
         x = maybe_compiled(_attention_input, compiled)(a, b, a_weight, b_weight, a_eps, b_eps)
         ctx.save_for_backward(weight, a, b, a_weight, b_weight)
         return F.linear(x, weight, bias)
@@ -324,7 +335,7 @@ class _ProjectNormedPair(torch.autograd.Function):
         a_eps, b_eps = ctx.eps
         size = a.shape[-1]
         b_leaf = b.detach().requires_grad_(need_b)
-        b_weight_leaf = b_weight.detach().requires_grad_(need_b_weight)
+        b_weight_leaf = _leaf(b_weight, need_b_weight, ctx.b_weight_is_parameter)
         grad_mode, autocast = _rebuilding(ctx.autocast)
         with grad_mode, autocast:
             x_b = maybe_compiled(_normed, ctx.compiled)(b_leaf, b_weight_leaf, b_eps).to(b.dtype)

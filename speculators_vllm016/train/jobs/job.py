@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from speculators_vllm016.train.checkpointer import TrainingState
+from speculators_vllm016.train.jobs.compiler import start_compiler
 from speculators_vllm016.train.jobs.draft_build import build_model
 from speculators_vllm016.train.jobs.job_config import CONFIG_FILE, TrainJobConfig, save_job_config
 from speculators_vllm016.train.jobs.loaders import JobLoaders, build_loaders
@@ -118,6 +119,7 @@ def run_train_job(
     failure: BaseException | None = None
     try:
         _start_records(config, setup, ranks)
+        start_compiler(config.runtime.compile_cache_dir, ranks.device_name)
         model = build_model(config, setup)
         loaders = build_loaders(config, setup, ranks, closers)
         trainer_config = TrainerConfig.from_job_config(

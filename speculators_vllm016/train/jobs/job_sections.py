@@ -225,6 +225,11 @@ class RuntimeConfig:
     H200); CPU runs always are."""
     device: str | None = None
     """cpu or cuda; None: the GPU if there is one."""
+    compile_cache_dir: str | None = None
+    """Keep torch's compile caches (kernels built for the draft's blocks) in this folder, e.g.
+    beside --save-path: a resumed run on a fresh machine then starts with its kernels built
+    (the first step's compile is most of its time). None: torch's default, /tmp, lost with
+    the machine."""
     num_workers: int | None = None
     """Loader processes; None: min(12, CPUs) (0.3.0 used 12)."""
     prefetch_factor: int = 4

@@ -346,3 +346,32 @@ def test_a_snapshot_comes_to_the_host_through_the_buffers_bit_for_bit(dtype, sha
     if source.dim() == 2 and source.numel():
         transposed = source.t()
         assert torch.equal(copy_through(transposed, buffers, after_copy), transposed)
+
+
+def test_a_freed_snapshot_in_the_pool_counts_as_room_for_the_next(monkeypatch) -> None:
+    """The device-room decision (`_room_on_device`, pure logic over the allocator's figures,
+    which are stubbed here): free memory alone fell back to the synchronous copy at 32,768
+    tokens while the previous snapshot's freed blocks sat in the pool. Those count now; the
+    rest of the pool's unused memory (the activations') does not."""
+    from speculators_vllm016.train.checkpointing import background_writer as writer
+
+    gib = 2**30
+    device = torch.device("cuda", 0)
+    pool = {
+        "reserved": 60 * gib,
+        "allocated": 25 * gib,
+    }  # 35 GiB unused: activations', a snapshot's
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda _device: (8 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda _device: pool["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda _device: pool["allocated"])
+    monkeypatch.setattr(writer, "_RELEASED_SNAPSHOT_BYTES", {})
+    snapshot = 15 * gib
+    assert not writer._room_on_device(device, snapshot)  # 8 GiB free, nothing freed by a snapshot
+    writer._RELEASED_SNAPSHOT_BYTES[device] = snapshot
+    assert writer._room_on_device(device, snapshot)  # 8 + 15 >= 15 + 2 headroom
+    assert not writer._room_on_device(device, 25 * gib)  # the activations' part does not count
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda _device: (1 * gib, 80 * gib))
+    assert writer._room_on_device(device, snapshot)  # all of it where the last one was
+    assert not writer._room_on_device(device, snapshot + gib // 2)  # the rest: no headroom left
+    pool["reserved"] = 30 * gib  # the freed blocks went back to the driver: 5 GiB unused
+    assert not writer._room_on_device(device, snapshot)
