@@ -96,6 +96,18 @@ def _room_on_device(device: torch.device, nbytes: int) -> bool:
     return from_outside <= 0 or from_outside + DEVICE_HEADROOM_BYTES <= free
 
 
+def _device_memory_summary(device: torch.device) -> str:
+    """The figures `_room_on_device` decides on, for the fallback's warning: which of them
+    fell short is what a fix needs to know."""
+    free, _ = torch.cuda.mem_get_info(device)
+    unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    released = _RELEASED_SNAPSHOT_BYTES.get(device, 0)
+    return (
+        f"{free / 1e9:.1f} GB free outside the allocator's pool, {unused / 1e9:.1f} GB unused "
+        f"in it, {released / 1e9:.1f} GB released by the last snapshot"
+    )
+
+
 def stage(tree: Any, *, live: bool = True, background: bool = True) -> Staged:
     """A copy of `tree`'s containers and tensors that later steps cannot change (see module).
 
@@ -121,18 +133,22 @@ def stage(tree: Any, *, live: bool = True, background: bool = True) -> Staged:
         return value.clone() if background else value
 
     staged = None
+    why = "the room rule"
     if on_device:
         try:
             staged = pytree.tree_map(copy_of, tree)
             _RELEASED_SNAPSHOT_BYTES[cuda[0].device] = 0  # taken again by this snapshot
         except torch.cuda.OutOfMemoryError:  # the pool could not place it after all
             on_device = False
+            why = "the allocator's out-of-memory error"
     if background and cuda and not on_device:
         logger.warning(
-            "checkpoint: no room on %s for a %.1f GB snapshot; copying it to the host while "
-            "the step loop waits",
+            "checkpoint: no room on %s for a %.1f GB snapshot (%s; %s); copying it to the "
+            "host while the step loop waits",
             cuda[0].device,
             nbytes / 1e9,
+            why,
+            _device_memory_summary(cuda[0].device),
         )
     if staged is None:
         staged = pytree.tree_map(copy_of, tree)
