@@ -375,3 +375,33 @@ def test_a_freed_snapshot_in_the_pool_counts_as_room_for_the_next(monkeypatch) -
     assert not writer._room_on_device(device, snapshot + gib // 2)  # the rest: no headroom left
     pool["reserved"] = 30 * gib  # the freed blocks went back to the driver: 5 GiB unused
     assert not writer._room_on_device(device, snapshot)
+
+
+def test_the_weights_snapshot_leaves_the_optimizer_state_its_part_of_the_freed_pool(
+    monkeypatch,
+) -> None:
+    """A save stages the weights, then the optimizer state; the save before freed both into the
+    pool. The weights' snapshot takes back its own part of that count (`_retake_released`, as
+    `stage` does after its clones), so the optimizer state's still counts as room. Zeroing the
+    count there sent the optimizer state (9.1 GB at the Kimi-K2.5 draft's shapes) to the
+    synchronous host copy at every save after the first on an H100."""
+    from speculators_vllm016.train.checkpointing import background_writer as writer
+
+    gib = 2**30
+    device = torch.device("cuda", 0)
+    weights, optimizer = 5 * gib, 9 * gib
+    pool = {"reserved": 70 * gib, "allocated": 30 * gib}  # the freed snapshots' 14 GiB among it
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda _device: (1 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda _device: pool["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda _device: pool["allocated"])
+    monkeypatch.setattr(writer, "_RELEASED_SNAPSHOT_BYTES", {device: weights + optimizer})
+    assert writer._room_on_device(device, weights)
+    pool["allocated"] += weights  # the weights' clones, placed in the pool
+    writer._retake_released(device, weights)
+    assert writer._RELEASED_SNAPSHOT_BYTES[device] == optimizer
+    assert writer._room_on_device(device, optimizer)
+    pool["allocated"] += optimizer
+    writer._retake_released(device, optimizer)
+    assert writer._RELEASED_SNAPSHOT_BYTES[device] == 0
+    writer._retake_released(device, gib)  # never below zero
+    assert writer._RELEASED_SNAPSHOT_BYTES[device] == 0
