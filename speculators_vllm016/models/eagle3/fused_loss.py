@@ -8,9 +8,11 @@ which share the head, build one head gradient. The eager reference is `metrics.l
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from speculators_vllm016.models.eagle3.model_definitions import maybe_compiled
+from speculators_vllm016.models.eagle3.model_definitions import compile_symbolic, maybe_compiled
 from speculators_vllm016.utils.errors import InvalidInputError
 
 __all__ = ["WeightGradSink", "linear_kl_loss"]
@@ -35,30 +37,25 @@ def _kl_rows(
     return _kl_chunk(logits, targets[rows], row_weights[rows])
 
 
-def _chunk_block(function, compiled: bool):
-    """`function` (a KL block) compiled with the chunk's row count symbolic from its first call,
-    or itself.
+def _mark_chunk_rows(args: tuple[Any, ...]) -> None:
+    """A KL block's chunk row count symbolic: dim 0 of the first argument, and of every other
+    argument of that length.
 
     Every chunk of a step but the last has `chunk_size` rows, the last fewer. Compiled for the
     first chunk's fixed count, the last chunk compiled the block again (1.6-1.8 s of a cold
-    first step on an H100 at the Kimi-K2.5 draft's shapes). Here dim 0 of the first argument,
-    and of every other argument of that length, is marked dynamic before each call. The block
-    works row by row (a softmax per row) except for the loss, one sum over the chunk's rows
-    whose order a symbolic kernel may choose otherwise: the gradients and the argmax keep their
-    bits, the loss can change in its last ones.
+    first step on an H100 at the Kimi-K2.5 draft's shapes). The block works row by row (a
+    softmax per row) except for the loss, one sum over the chunk's rows whose order a symbolic
+    kernel may choose otherwise: the gradients and the argmax keep their bits, the loss can
+    change in its last ones.
     """
-    block = maybe_compiled(function, compiled)
-    if not compiled:
-        return block
+    rows = args[0].shape[0]
+    for tensor in args:
+        if isinstance(tensor, torch.Tensor) and tensor.dim() >= 1 and tensor.shape[0] == rows:
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
 
-    def call(logits: torch.Tensor, *rest: torch.Tensor):
-        rows = logits.shape[0]
-        for tensor in (logits, *rest):
-            if tensor.dim() >= 1 and tensor.shape[0] == rows:
-                torch._dynamo.maybe_mark_dynamic(tensor, 0)
-        return block(logits, *rest)
 
-    return call
+compile_symbolic(_kl_chunk, _mark_chunk_rows)
+compile_symbolic(_kl_rows, _mark_chunk_rows)
 
 
 def _accumulate_product(
@@ -166,7 +163,7 @@ class _LinearKL(torch.autograd.Function):
             predicted = torch.full((rows,), -1, dtype=torch.long, device=hidden.device)
         else:
             predicted = torch.empty(rows, dtype=torch.long, device=hidden.device)
-        chunk_math = _chunk_block(_kl_chunk if order is None else _kl_rows, compiled)
+        chunk_math = maybe_compiled(_kl_chunk if order is None else _kl_rows, compiled)
         for start in range(0, graded, chunk_size):
             end = min(start + chunk_size, graded)
             if order is None:
