@@ -452,10 +452,12 @@ def cold_compile_cache(work: Path, label: str, args: argparse.Namespace) -> dict
     Triton's), so that every run's first step compiles from nothing, the baseline's too."""
     if not args.cold_compile_cache:
         return {}
+    from speculators_vllm016.train.jobs.compiler import compile_cache_environment
+
     folder = work / f"compile-cache-{label}"
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    return {"TORCHINDUCTOR_CACHE_DIR": str(folder), "TRITON_CACHE_DIR": str(folder / "triton")}
+    return compile_cache_environment(folder)
 
 
 def run_trainer(

@@ -18,7 +18,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["start_compiler"]
+__all__ = ["compile_cache_environment", "start_compiler"]
+
+
+def compile_cache_environment(folder: Path) -> dict[str, str]:
+    """The environment that puts torch's compile caches (inductor's, and Triton's inside it)
+    in `folder`."""
+    return {"TORCHINDUCTOR_CACHE_DIR": str(folder), "TRITON_CACHE_DIR": str(folder / "triton")}
 
 
 def start_compiler(cache_dir: str | None, device_name: str | None) -> None:
@@ -28,8 +34,7 @@ def start_compiler(cache_dir: str | None, device_name: str | None) -> None:
     if cache_dir is not None:
         folder = Path(cache_dir).expanduser().resolve()
         folder.mkdir(parents=True, exist_ok=True)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
-        os.environ["TRITON_CACHE_DIR"] = str(folder / "triton")
+        os.environ.update(compile_cache_environment(folder))
     import torch
 
     on_gpu = device_name.startswith("cuda") if device_name else torch.cuda.is_available()
