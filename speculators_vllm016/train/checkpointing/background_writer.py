@@ -89,9 +89,8 @@ def _room_on_device(device: torch.device, nbytes: int) -> bool:
     pool cannot place the tensors after all (fragments), `stage` falls back on the allocator's
     out-of-memory error.
     """
-    free, _ = torch.cuda.mem_get_info(device)
-    unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    reusable = max(0, min(unused, _RELEASED_SNAPSHOT_BYTES.get(device, 0)))
+    free, unused, released = _device_memory(device)
+    reusable = max(0, min(unused, released))
     from_outside = nbytes - reusable
     return from_outside <= 0 or from_outside + DEVICE_HEADROOM_BYTES <= free
 
@@ -107,12 +106,18 @@ def _retake_released(device: torch.device, nbytes: int) -> None:
     _RELEASED_SNAPSHOT_BYTES[device] = max(0, _RELEASED_SNAPSHOT_BYTES.get(device, 0) - nbytes)
 
 
-def _device_memory_summary(device: torch.device) -> str:
-    """The figures `_room_on_device` decides on, for the fallback's warning: which of them
-    fell short is what a fix needs to know."""
+def _device_memory(device: torch.device) -> tuple[int, int, int]:
+    """What `_room_on_device` decides on, in bytes: free memory outside the allocator's pool,
+    the pool's unused part, and how much of that the freed snapshots left."""
     free, _ = torch.cuda.mem_get_info(device)
     unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    released = _RELEASED_SNAPSHOT_BYTES.get(device, 0)
+    return free, unused, _RELEASED_SNAPSHOT_BYTES.get(device, 0)
+
+
+def _device_memory_summary(device: torch.device) -> str:
+    """`_device_memory` for the fallback's warning: which figure fell short is what a fix
+    needs to know."""
+    free, unused, released = _device_memory(device)
     return (
         f"{free / 1e9:.1f} GB free outside the allocator's pool, {unused / 1e9:.1f} GB unused "
         f"in it, {released / 1e9:.1f} GB released by the last snapshot"
