@@ -30,12 +30,9 @@ def _step(model, batch, *, skip: bool, embeddings_need_grad: bool = False, unuse
     return out.loss.detach(), grads, [tokens.clone() for tokens in out.draft_tokens]
 
 
-def _worst_relative_difference(left: dict, right: dict) -> float:
-    assert left.keys() == right.keys()
-    return max(float((left[n] - right[n]).norm() / right[n].norm()) for n in left)
-
-
-def test_gpu_paths_match_the_plain_computation():
+def _draft_and_row(tokens: int):
+    """The `cpu-small` preset's draft on the GPU in training mode (seed 0), and a synthetic
+    packed row of `tokens` tokens for it."""
     from benchmarks.training import PRESETS, build_model, synthetic_batch
 
     device = torch.device("cuda")
@@ -43,7 +40,16 @@ def test_gpu_paths_match_the_plain_computation():
     torch.manual_seed(0)
     model = build_model(preset, device, torch.bfloat16, "auto", None)
     model.train()
-    batch = synthetic_batch(preset, 1024, device, torch.bfloat16)
+    return model, synthetic_batch(preset, tokens, device, torch.bfloat16)
+
+
+def _worst_relative_difference(left: dict, right: dict) -> float:
+    assert left.keys() == right.keys()
+    return max(float((left[n] - right[n]).norm() / right[n].norm()) for n in left)
+
+
+def test_gpu_paths_match_the_plain_computation():
+    model, batch = _draft_and_row(1024)
     _step(model, batch, skip=False)  # compiles
     full_loss, full_grads, full_tokens = _step(model, batch, skip=False)
     again_loss, again_grads, _ = _step(model, batch, skip=False)
@@ -148,7 +154,6 @@ def test_every_ttt_step_runs_one_flex_kernel_with_the_same_bits(monkeypatch):
     (the padded key blocks are listed nowhere in the mask, so the kernel never reads them)."""
     from torch._dynamo.utils import counters
 
-    from benchmarks.training import PRESETS, build_model, synthetic_batch
     from speculators_vllm016.models.eagle3 import core, model_definitions
 
     def fresh_step(capacity: bool):
@@ -162,12 +167,7 @@ def test_every_ttt_step_runs_one_flex_kernel_with_the_same_bits(monkeypatch):
         monkeypatch.undo()
         return graphs, _step(model, batch, skip=False)
 
-    device = torch.device("cuda")
-    preset = PRESETS["cpu-small"]
-    torch.manual_seed(0)
-    model = build_model(preset, device, torch.bfloat16, "auto", None)
-    model.train()
-    batch = synthetic_batch(preset, 1024, device, torch.bfloat16)
+    model, batch = _draft_and_row(1024)
     plain_graphs, (plain_loss, plain_grads, plain_tokens) = fresh_step(capacity=False)
     padded_graphs, (loss, grads, tokens) = fresh_step(capacity=True)
     assert padded_graphs == plain_graphs - 1  # flex's second, symbolic-key-length graph is gone
