@@ -76,7 +76,7 @@ def test_gpu_paths_match_the_plain_computation():
 def test_sparse_rows_compile_nothing_and_dense_rows_keep_their_bits(monkeypatch):
     """Issue #48 item 2 on CUDA: after a dense row, rows whose layers run over subsets of their
     positions (new lengths every step and row) compile nothing, since the layer's blocks are
-    compiled symbolic in the row length (`_mark_rows`). Against the blocks compiled for the
+    compiled symbolic in the row length (`symbolic_dims.mark_rows`). Against the blocks compiled for the
     dense row's fixed length (before), its loss keeps every bit; its fp32 gradients may differ in
     the last bit (on an H100, 8.1e-8 relative at worst: the symbolic kernels sum in another
     order), so they are held to 1e-6, far below what one bf16 step moves them."""

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from speculators_vllm016.models.eagle3.model_definitions import compile_symbolic, maybe_compiled
+from speculators_vllm016.models.eagle3.model_definitions import maybe_compiled
+from speculators_vllm016.models.eagle3.symbolic_dims import compile_symbolic
 from speculators_vllm016.utils.errors import InvalidInputError
 
 __all__ = ["WeightGradSink", "linear_kl_loss"]

@@ -17,6 +17,7 @@ from transformers.models.llama.modeling_llama import (
     eager_attention_forward,
 )
 
+from speculators_vllm016.models.eagle3.symbolic_dims import mark_rows, marked, registered_marks
 from speculators_vllm016.utils.errors import InvalidInputError
 
 __all__ = [
@@ -25,7 +26,6 @@ __all__ = [
     "LlamaDecoderEagle3FirstLayer",
     "ModelComponents",
     "autocast_dtype",
-    "compile_symbolic",
     "model_classes",
     "maybe_compiled",
     "use_reproducible_compilation",
@@ -72,47 +72,9 @@ def maybe_compiled(function: Callable, enabled: bool) -> Callable:
         return function
     if function not in _COMPILED:
         block = torch.compile(function, dynamic=True if _REPRODUCIBLE else None)
-        marks = _mark_rows if function in _ROW_BLOCKS else _SYMBOLIC_MARKS.get(function)
-        _COMPILED[function] = block if marks is None else _marked(block, marks)
+        marks = mark_rows if function in _ROW_BLOCKS else registered_marks(function)
+        _COMPILED[function] = block if marks is None else marked(block, marks)
     return _COMPILED[function]
-
-
-SymbolicMarks = Callable[[tuple[Any, ...]], None]
-"""Marks the dimensions of a block's arguments that its compiled graph keeps symbolic."""
-
-_SYMBOLIC_MARKS: dict[Callable, SymbolicMarks] = {}
-
-
-def compile_symbolic(function: Callable, marks: SymbolicMarks) -> None:
-    """Have `maybe_compiled(function)` keep the dimensions `marks` marks symbolic from its first
-    call (for blocks of other modules; the layer's row blocks are `_ROW_BLOCKS`)."""
-    _SYMBOLIC_MARKS[function] = marks
-
-
-def _marked(block: Callable, marks: SymbolicMarks) -> Callable:
-    """`block` with `marks` applied to its arguments before every call: those dimensions are
-    symbolic from the first call on, the others fixed (a new size of them compiles nothing)."""
-
-    def call(*args: Any) -> Any:
-        marks(args)
-        return block(*args)
-
-    return call
-
-
-def _mark_rows(args: tuple[Any, ...]) -> None:
-    """The row length (dim 1 of every `[B, L, ...]` argument) symbolic.
-
-    A row whose layer runs over a subset of its positions (`skip_unused_positions`) hands the
-    row blocks `[B, n, ...]` tensors, n new for every step and row. Compiled for the first row's
-    fixed length, the first such row compiled every block again (6.8 s on an H100 at the
-    Kimi-K2.5 draft's shapes); compiled symbolic in L from the start, it compiles nothing.
-    The blocks work row by row (norms over the hidden size, element-wise products), so a
-    kernel's sums within a row do not depend on how many rows it is launched over.
-    """
-    for arg in args:
-        if isinstance(arg, torch.Tensor) and arg.dim() >= 3:
-            torch._dynamo.maybe_mark_dynamic(arg, 1)
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -193,7 +155,7 @@ _ROW_BLOCKS = frozenset(
     {_unit_rms, _normed, _attention_input, _rotary, _silu_product, _silu_product_backward}
 )
 """The blocks a layer runs on its rows, `[B, L, ...]` arguments and per-hidden weights: compiled
-with L symbolic (`_mark_rows`)."""
+with L symbolic (`symbolic_dims.mark_rows`)."""
 
 
 class _SiluGatedDown(torch.autograd.Function):
