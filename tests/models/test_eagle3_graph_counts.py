@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from speculators_vllm016.models.eagle3 import model_definitions
+from speculators_vllm016.models.eagle3 import attention, model_definitions
 from speculators_vllm016.models.eagle3.attention import (
     build_step_zero_mask,
     compiled_flex,
@@ -21,6 +21,7 @@ from speculators_vllm016.models.eagle3.attention import (
     padded_to_capacity,
 )
 from speculators_vllm016.models.eagle3.fused_loss import linear_kl_loss
+from speculators_vllm016.models.eagle3.packed_row import StepKeyValues
 
 
 @pytest.fixture
@@ -65,35 +66,51 @@ def test_the_kl_block_compiles_once_for_the_shorter_last_chunk(eager_compile, sc
 
 
 def _ttt_flex_graphs(capacity: bool) -> int:
-    """Graphs compiled flex traces over three TTT steps' key lengths (256, 512, 768)."""
+    """Graphs compiled flex traces over three TTT steps' key lengths (256, 512, 768), the keys
+    kept by the TTT steps' cache as the training forward keeps them."""
     length, heads, head_dim, steps = 256, 2, 16, 3
     generator = torch.Generator().manual_seed(0)
     mask = build_step_zero_mask(torch.tensor([100, 156]), length, flex=True)
     kwargs = key_capacity(mask, steps) if capacity else {}
+    cache = StepKeyValues(kwargs.get("kv_capacity"))
     query = torch.randn(1, heads, length, head_dim, generator=generator)
-    keys = []
 
     def run() -> None:
         nonlocal mask
         for _ in range(steps):
-            keys.append(torch.randn(1, heads, length, head_dim, generator=generator))
-            key = torch.cat(keys, dim=2)
-            compiled_flex(query, key, key, mask, None, False, kwargs.get("kv_capacity"))
+            new = torch.randn(1, heads, length, head_dim, generator=generator)
+            key, value = cache.update(new, new + 1, 0)
+            compiled_flex(query, key, value, mask, None, False, kwargs.get("kv_capacity"))
             mask = extend_mask_for_draft_tokens(mask)
 
     return _graphs(run)
 
 
-def test_flex_compiles_once_for_every_ttt_step_with_the_keys_padded(eager_compile) -> None:
+@pytest.fixture
+def flex_compiled_here(monkeypatch):
+    """`key_capacity` as on a GPU, where flex runs compiled (on a CPU it runs uncompiled)."""
+    monkeypatch.setattr(attention, "flex_is_compiled", lambda device: True)
+
+
+def test_flex_compiles_once_for_every_ttt_step_with_the_keys_padded(
+    eager_compile, flex_compiled_here
+) -> None:
     assert _ttt_flex_graphs(capacity=True) == 1
 
 
-def test_without_the_padding_flex_compiles_twice(eager_compile) -> None:
+def test_without_the_padding_flex_compiles_twice(eager_compile, flex_compiled_here) -> None:
     """What the padding saves: step 1's longer keys recompile flex with a symbolic length."""
     assert _ttt_flex_graphs(capacity=False) == 2
 
 
-def test_the_padded_keys_and_mask_match_the_last_step() -> None:
+def test_keys_are_not_padded_where_flex_runs_uncompiled() -> None:
+    """On a CPU flex runs uncompiled and evaluates `mask_mod` at every key: padded keys would be
+    read there, so none are asked for."""
+    mask = build_step_zero_mask(torch.tensor([100, 156]), 256, flex=True)
+    assert key_capacity(mask, 3) == {}
+
+
+def test_the_padded_keys_and_mask_match_the_last_step(flex_compiled_here) -> None:
     mask = build_step_zero_mask(torch.tensor([100, 156]), 256, flex=True)
     assert key_capacity(mask, 3) == {"kv_capacity": 768}
     assert key_capacity(mask, 1) == {} and key_capacity(torch.ones(1, 1, 4, 4), 3) == {}
@@ -108,6 +125,10 @@ def test_the_padded_keys_and_mask_match_the_last_step() -> None:
     last = extend_mask_for_draft_tokens(extend_mask_for_draft_tokens(mask))
     whole = key.repeat(1, 1, 3, 1)
     assert padded_to_capacity(whole, whole, last, 768)[2].seq_lengths == (256, 768)
+    # Keys the cache padded already: only the mask is widened, the keys are handed on as they are.
+    cached = torch.cat([key, torch.zeros(1, 2, 512, 16)], dim=2)
+    same_key, same_value, widened = padded_to_capacity(cached, cached, mask, 768)
+    assert same_key is cached and same_value is cached and widened.seq_lengths == (256, 768)
 
 
 def test_a_training_step_compiles_each_block_once_but_normed_twice(eager_compile) -> None:

@@ -282,13 +282,16 @@ def key_capacity(mask: Any, ttt_steps: int) -> dict[str, int]:
     """The keyword `flex_attention_forward` takes to give flex the same key length at every TTT
     step: `ttt_steps` times the row for a `BlockMask`, nothing for a dense mask.
 
-    Step k attends over (k + 1) row lengths of keys. Handed those lengths as they are, the
+    The cache (`packed_row.StepKeyValues`) hands the keys over padded already; flex then only
+    widens the mask. Step k attends over (k + 1) row lengths of keys. Handed those lengths as they are, the
     compiled flex kernel was built for step 0's length, then again with a symbolic key length
     at step 1 (9.2 s of a cold first step's 43.5 s on an H100 at 8,192 tokens); with every
     step's keys padded to the last step's length it is built once, for fixed shapes.
     """
     if not isinstance(mask, BlockMask) or ttt_steps < 2:
         return {}
+    if not flex_is_compiled(mask.kv_num_blocks.device):
+        return {}  # uncompiled flex evaluates `mask_mod` at every key: no padding there
     return {"kv_capacity": ttt_steps * mask.seq_lengths[0]}
 
 
@@ -310,7 +313,7 @@ def padded_to_capacity(
             f"cannot pad {kv_len} keys to {capacity}: not a whole number of "
             f"{block_mask.BLOCK_SIZE[1]}-key blocks more"
         )
-    pad = capacity - key.shape[-2]
+    pad = capacity - key.shape[-2]  # none when the cache padded them (`StepKeyValues`)
     extra_blocks = (capacity - kv_len) // block_mask.BLOCK_SIZE[1]
 
     def widened(indices: torch.Tensor | None) -> torch.Tensor | None:
@@ -328,12 +331,21 @@ def padded_to_capacity(
         mask_mod=block_mask.mask_mod,
         seq_lengths=(q_len, capacity),
     )
-    return F.pad(key, (0, 0, 0, pad)), F.pad(value, (0, 0, 0, pad)), mask
+    if pad:
+        key, value = F.pad(key, (0, 0, 0, pad)), F.pad(value, (0, 0, 0, pad))
+    return key, value, mask
+
+
+def flex_is_compiled(device: torch.device) -> bool:
+    """Whether flex attention runs compiled on `device`: everywhere but on a CPU, where runs are
+    small (tests) and compiling costs more than it saves (uncompiled, it materialises every
+    score)."""
+    return device.type != "cpu"
 
 
 def _flex(query, key, value, block_mask, scale, enable_gqa, kv_capacity=None):
     """Flex attention, compiled on accelerators (uncompiled it materialises all scores)."""
-    if query.device.type == "cpu":
+    if not flex_is_compiled(query.device):
         with warnings.catch_warnings():
             # Uncompiled on purpose: CPU runs are small (tests); compiling costs more there.
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")

@@ -439,11 +439,11 @@ class Eagle3DraftModel(SpeculatorModel):
                 compiled,
                 output_logits,
             )
-        cache = StepKeyValues()
+        kwargs.update(key_capacity(row.mask, ttt_steps))  # one flex kernel for every step
+        cache = StepKeyValues(kwargs.get("kv_capacity"))  # keys padded to it: one copy a step
         input_ids, position_ids, mask = row.input_ids, row.position_ids, row.mask
         draft_tokens: list[torch.Tensor] = []
         all_logits: list[torch.Tensor] | None = [] if output_logits else None
-        kwargs.update(key_capacity(row.mask, ttt_steps))  # one flex kernel for every step
         for step in range(ttt_steps):
             with torch.no_grad():
                 embeds = self.embed_tokens(input_ids)
