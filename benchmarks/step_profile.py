@@ -26,6 +26,9 @@ Backward kernels are charged to the class of the forward op that recorded their 
 (the profiler's sequence numbers), so every class holds its forward and its backward. Data
 movement between host and device in a real run (the loader's copies) is not in this step: the
 trainer reports it as `data_wait_seconds` (see `trainer_gpu.py`).
+
+`--idle` (CUDA): the time the GPU waits for the host within two more steps, charged to the code
+that launched the work ending each wait (`attribute_idle`).
 """
 
 from __future__ import annotations
@@ -290,6 +293,7 @@ def run_arch(args: argparse.Namespace, preset: TrainingPreset, arch: str) -> dic
     rates = [tokens / t for t in times]
     median = statistics.median(rates)
     profile = profile_step(step, model, cuda)
+    idle = profile_idle(step) if cuda and args.idle else None
     result = {
         "arch": arch,
         "parameters_trained": sum(p.numel() for p in model.parameters() if p.requires_grad),
@@ -302,9 +306,104 @@ def run_arch(args: argparse.Namespace, preset: TrainingPreset, arch: str) -> dic
         "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         "loss": round(metrics["loss"], 5),
         "profile_ms": profile,
+        **({"idle": idle} if idle is not None else {}),
     }
     print(json.dumps(result), flush=True)
     return result  # the model and optimizer go with this frame, before the next arch
+
+
+_DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+_PACKAGE = "speculators_vllm016/"
+
+
+def _launch_site(frames: list[dict[str, Any]], ops: list[dict[str, Any]], at: float) -> str:
+    """Where the host was when it launched the work at `at`: the innermost frame of this
+    package (`path(line): function`, e.g. `models/eagle3/attention.py(231):
+    document_block_mask`), else the outermost op it was in (autograd's backward thread runs
+    no Python of ours)."""
+    inside = [f for f in frames if f["ts"] <= at <= f["ts"] + f["dur"] and _PACKAGE in f["name"]]
+    if inside:
+        return min(inside, key=lambda f: f["dur"])["name"].split(_PACKAGE)[-1]
+    enclosing = [o for o in ops if o["ts"] <= at <= o["ts"] + o["dur"]]
+    return max(enclosing, key=lambda o: o["dur"])["name"] if enclosing else "(no launch found)"
+
+
+def attribute_idle(events: list[dict[str, Any]], steps: int, top: int = 15) -> dict[str, Any]:
+    """Where the device sat idle in `steps` profiled steps (a Chrome trace's `traceEvents`,
+    profiled `with_stack=True`): the gaps between device work, each charged to the launch site
+    (`_launch_site`) of the work that ended it, as milliseconds a step; each of the host's waits
+    for the device (`cudaStreamSynchronize` and the like) over 20 us, with its site.
+
+    A gap the device waits for the host is time no kernel can win back: the step's floor is its
+    kernels plus these gaps, unless the host gets ahead (fewer, larger launches, or the next
+    step's host work done while the device still runs this one)."""
+    device = sorted(
+        (e for e in events if e.get("cat") in _DEVICE_WORK and "dur" in e), key=lambda e: e["ts"]
+    )
+    if not device:
+        return {}
+    runtime = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
+    frames: dict[Any, list[dict[str, Any]]] = {}
+    ops: dict[Any, list[dict[str, Any]]] = {}
+    for event in events:
+        if "dur" in event and event.get("cat") in ("python_function", "cpu_op"):
+            into = frames if event["cat"] == "python_function" else ops
+            into.setdefault(event["tid"], []).append(event)
+    gaps: dict[str, float] = {}
+    idle, busy_until = 0.0, device[0]["ts"] + device[0]["dur"]
+    for work in device[1:]:
+        if work["ts"] > busy_until:
+            gap = work["ts"] - busy_until
+            idle += gap
+            launch = runtime.get(work.get("args", {}).get("correlation"))
+            site = "(no launch found)"
+            if launch is not None:
+                tid = launch["tid"]
+                site = _launch_site(frames.get(tid, []), ops.get(tid, []), launch["ts"])
+            gaps[site] = gaps.get(site, 0.0) + gap
+        busy_until = max(busy_until, work["ts"] + work["dur"])
+    span = busy_until - device[0]["ts"]
+    waits = [
+        [
+            round(e["dur"] / 1e3, 3),
+            _launch_site(frames.get(e["tid"], []), ops.get(e["tid"], []), e["ts"]),
+        ]
+        for e in events
+        if e.get("cat") == "cuda_runtime"
+        and "Synchronize" in e.get("name", "")
+        and e.get("dur", 0) > 20
+    ]
+    ranked = sorted(gaps.items(), key=lambda item: -item[1])
+    return {
+        "device_span_ms_per_step": round(span / 1e3 / steps, 3),
+        "idle_ms_per_step": round(idle / 1e3 / steps, 3),
+        "idle_by_launch_site_ms_per_step": [
+            [site, round(us / 1e3 / steps, 3)] for site, us in ranked[:top]
+        ],
+        "host_waits_ms": sorted(waits, key=lambda w: -w[0])[:top],
+    }
+
+
+def profile_idle(step: Callable[[], Any], steps: int = 2) -> dict[str, Any]:
+    """`steps` steps under the profiler with Python stacks; `attribute_idle` of them."""
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        trace = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    return attribute_idle(events, steps)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -321,6 +420,12 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ttt-steps", type=int, default=3)
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--output", default=None, help="JSON file for the results")
+    parser.add_argument(
+        "--idle",
+        action="store_true",
+        help="also profile 2 steps with Python stacks and charge the GPU's idle gaps to the "
+        "code that launched the work ending them (`attribute_idle`; CUDA only)",
+    )
     return parser
 
 
