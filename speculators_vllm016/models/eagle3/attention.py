@@ -282,11 +282,12 @@ def key_capacity(mask: Any, ttt_steps: int) -> dict[str, int]:
     """The keyword `flex_attention_forward` takes to give flex the same key length at every TTT
     step: `ttt_steps` times the row for a `BlockMask`, nothing for a dense mask.
 
-    The cache (`packed_row.StepKeyValues`) hands the keys over padded already; flex then only
-    widens the mask. Step k attends over (k + 1) row lengths of keys. Handed those lengths as they are, the
+    Step k attends over (k + 1) row lengths of keys. Handed those lengths as they are, the
     compiled flex kernel was built for step 0's length, then again with a symbolic key length
     at step 1 (9.2 s of a cold first step's 43.5 s on an H100 at 8,192 tokens); with every
-    step's keys padded to the last step's length it is built once, for fixed shapes.
+    step's keys padded to the last step's length it is built once, for fixed shapes. The TTT
+    steps' cache (`packed_row.StepKeyValues`) hands the keys over padded; `padded_to_capacity`
+    then only widens the mask.
     """
     if not isinstance(mask, BlockMask) or ttt_steps < 2:
         return {}

@@ -97,8 +97,9 @@ class StepKeyValues:
     `capacity` (`attention.key_capacity`: the compiled flex kernel's one key length) every step's
     keys and values come back zero-padded to it, built by one concatenation: the steps so far,
     the new block and the zeros. Kept padded, they are the very tensors flex saves for its
-    backward pass, so the cache holds nothing more (an unpadded cache beside the padded copies
-    cost 5.3 GiB at the peak of a 32,768-token Kimi-K2.5 draft step and a second copy a step).
+    backward pass, so the cache holds nothing more. (An unpadded cache, padded again for flex,
+    held both and copied twice a step: 2.6 GiB more at the peak of a 32,768-token Kimi-K2.5
+    draft step on an H100.)
     """
 
     def __init__(self, capacity: int | None = None) -> None:
