@@ -30,15 +30,20 @@ def _step(model, batch, *, skip: bool, embeddings_need_grad: bool = False, unuse
     return out.loss.detach(), grads, [tokens.clone() for tokens in out.draft_tokens]
 
 
-def _draft_and_row(tokens: int):
+def _draft_and_row(tokens: int, arch: str = "llama"):
     """The `cpu-small` preset's draft on the GPU in training mode (seed 0), and a synthetic
-    packed row of `tokens` tokens for it."""
+    packed row of `tokens` tokens for it. `arch="mla"`: the MLA layer's draft of that size
+    (`benchmarks/step_profile.py`'s, shaped from a DeepSeek-V3 text config)."""
+    from benchmarks.step_profile import build_draft
     from benchmarks.training import PRESETS, build_model, synthetic_batch
 
     device = torch.device("cuda")
     preset = PRESETS["cpu-small"]
     torch.manual_seed(0)
-    model = build_model(preset, device, torch.bfloat16, "auto", None)
+    if arch == "llama":
+        model = build_model(preset, device, torch.bfloat16, "auto", None)
+    else:
+        model = build_draft(preset, arch, device, tokens)
     model.train()
     return model, synthetic_batch(preset, tokens, device, torch.bfloat16)
 
@@ -148,10 +153,13 @@ def test_a_device_snapshot_reaches_the_host_bit_for_bit():
         assert torch.equal(host["weights"][name], tensor), name
 
 
-def test_every_ttt_step_runs_one_flex_kernel_with_the_same_bits(monkeypatch):
-    """Keys padded to the last TTT step's length (`attention.key_capacity`): flex compiles once
-    for all steps, and the step's loss, gradients and draft tokens are those of unpadded keys
-    (the padded key blocks are listed nowhere in the mask, so the kernel never reads them)."""
+@pytest.mark.parametrize("arch", ["llama", "mla"])
+def test_every_ttt_step_runs_one_flex_kernel_with_the_same_bits(monkeypatch, arch):
+    """Keys padded to the last TTT step's length (`attention.key_capacity`, the TTT steps' cache
+    holding them padded): flex compiles once for all steps, and the step's loss, gradients and
+    draft tokens are those of unpadded keys (the padded key blocks are listed nowhere in the
+    mask, so the kernel never reads them). Both layer kinds: the MLA layer's keys and values
+    (of different head sizes) go through the same cache."""
     from torch._dynamo.utils import counters
 
     from speculators_vllm016.models.eagle3 import core, model_definitions
@@ -167,7 +175,7 @@ def test_every_ttt_step_runs_one_flex_kernel_with_the_same_bits(monkeypatch):
         monkeypatch.undo()
         return graphs, _step(model, batch, skip=False)
 
-    model, batch = _draft_and_row(1024)
+    model, batch = _draft_and_row(1024, arch)
     plain_graphs, (plain_loss, plain_grads, plain_tokens) = fresh_step(capacity=False)
     padded_graphs, (loss, grads, tokens) = fresh_step(capacity=True)
     assert padded_graphs == plain_graphs - 1  # flex's second, symbolic-key-length graph is gone
