@@ -122,3 +122,31 @@ def test_a_config_dict_with_the_folders_own_config_class_is_read_as_before(
         outcomes.append((str(refused.value).replace(str(folder), "<folder>"), folder))
     assert outcomes[0][0] == outcomes[1][0]
     assert all((folder / REMOTE_CODE_MARKER).exists() for _, folder in outcomes)
+
+
+def test_a_wrapper_of_a_model_type_transformers_knows_is_not_read_as_a_plain_model() -> None:
+    """A Llava-style wrapper's config.json (its own type `llava` is one transformers has a class
+    for): read as the wrapper of a Llama language model, never as a plain causal LM of the
+    wrapper's type (whose loading would build the wrapper, vision tower included)."""
+    from transformers import LlamaConfig
+
+    text = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "vocab_size": 512,
+    }
+    wrapper = {
+        "model_type": "llava",
+        "architectures": ["LlavaForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": {"model_type": "clip_vision_model", "hidden_size": 32},
+    }
+    assert verifier_lm._plain_config(wrapper) is None
+    language = verifier_lm._wrapped_text_config(wrapper)
+    assert isinstance(language, LlamaConfig)
+    assert (language.hidden_size, language.num_hidden_layers, language.vocab_size) == (64, 2, 512)
+    plain = verifier_lm._plain_config(text)  # the same language model's own config.json
+    assert isinstance(plain, LlamaConfig) and plain.to_dict() == language.to_dict()
