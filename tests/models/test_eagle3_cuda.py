@@ -88,7 +88,7 @@ def test_sparse_rows_compile_nothing_and_dense_rows_keep_their_bits(monkeypatch)
     from torch._dynamo.utils import counters
 
     from benchmarks.training import PRESETS, build_model, synthetic_batch
-    from speculators_vllm016.models.eagle3 import model_definitions
+    from speculators_vllm016.models.eagle3 import model_definitions, symbolic_dims
 
     device = torch.device("cuda")
     preset = PRESETS["cpu-small"]
@@ -106,7 +106,15 @@ def test_sparse_rows_compile_nothing_and_dense_rows_keep_their_bits(monkeypatch)
 
     try:
         with monkeypatch.context() as fixed_length:
-            fixed_length.setattr(model_definitions, "_ROW_BLOCKS", frozenset())
+            fixed_length.setattr(  # the row blocks compiled for fixed lengths, as before
+                symbolic_dims,
+                "_REGISTERED",
+                {
+                    block: marks
+                    for block, marks in symbolic_dims._REGISTERED.items()
+                    if marks is not symbolic_dims.mark_rows
+                },
+            )
             before_loss, before_grads, _ = fresh_dense_step()
         loss, grads, _ = fresh_dense_step()
         assert torch.equal(loss, before_loss)

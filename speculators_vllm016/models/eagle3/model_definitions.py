@@ -17,7 +17,12 @@ from transformers.models.llama.modeling_llama import (
     eager_attention_forward,
 )
 
-from speculators_vllm016.models.eagle3.symbolic_dims import mark_rows, marked, registered_marks
+from speculators_vllm016.models.eagle3.symbolic_dims import (
+    compile_symbolic,
+    mark_rows,
+    marked,
+    registered_marks,
+)
 from speculators_vllm016.utils.errors import InvalidInputError
 
 __all__ = [
@@ -72,7 +77,7 @@ def maybe_compiled(function: Callable, enabled: bool) -> Callable:
         return function
     if function not in _COMPILED:
         block = torch.compile(function, dynamic=True if _REPRODUCIBLE else None)
-        marks = mark_rows if function in _ROW_BLOCKS else registered_marks(function)
+        marks = registered_marks(function)
         _COMPILED[function] = block if marks is None else marked(block, marks)
     return _COMPILED[function]
 
@@ -151,11 +156,17 @@ def _silu_product_backward(gate_up: torch.Tensor, grad_product: torch.Tensor):
     return (silu * up).to(dtype), torch.cat([grad_gate, grad * silu], dim=-1).to(dtype)
 
 
-_ROW_BLOCKS = frozenset(
-    {_unit_rms, _normed, _attention_input, _rotary, _silu_product, _silu_product_backward}
-)
-"""The blocks a layer runs on its rows, `[B, L, ...]` arguments and per-hidden weights: compiled
-with L symbolic (`symbolic_dims.mark_rows`)."""
+# The blocks a layer runs on its rows, `[B, L, ...]` arguments and per-hidden weights: compiled
+# with L symbolic.
+for _row_block in (
+    _unit_rms,
+    _normed,
+    _attention_input,
+    _rotary,
+    _silu_product,
+    _silu_product_backward,
+):
+    compile_symbolic(_row_block, mark_rows)
 
 
 class _SiluGatedDown(torch.autograd.Function):

@@ -117,12 +117,12 @@ class StepKeyValues:
             keys.insert(0, old_key[..., :known, :])
             values.insert(0, old_value[..., :known, :])
             length += known
+        if self.capacity is not None and length > self.capacity:
+            raise InvalidInputError(f"{length} key positions exceed the capacity {self.capacity}")
         if self.capacity is not None and length < self.capacity:
             zeros = (*key.shape[:-2], self.capacity - length)
             keys.append(key.new_zeros(*zeros, key.shape[-1]))
             values.append(value.new_zeros(*zeros, value.shape[-1]))
-        if self.capacity is not None and length > self.capacity:
-            raise InvalidInputError(f"{length} key positions exceed the capacity {self.capacity}")
         key = keys[0] if len(keys) == 1 else torch.cat(keys, dim=-2)
         value = values[0] if len(values) == 1 else torch.cat(values, dim=-2)
         self.layers[layer_idx] = (key, value)

@@ -23,7 +23,7 @@ _REGISTERED: dict[Callable, SymbolicMarks] = {}
 
 def compile_symbolic(function: Callable, marks: SymbolicMarks) -> None:
     """Have `maybe_compiled(function)` keep the dimensions `marks` marks symbolic from its first
-    call (blocks of other modules; the layer's row blocks are `model_definitions._ROW_BLOCKS`)."""
+    call (the layer's row blocks with `mark_rows`, the fused loss's KL blocks with their own)."""
     _REGISTERED[function] = marks
 
 
